@@ -1,0 +1,361 @@
+"""The Actor base class: a durable JetStream consumer with an explicit lifecycle.
+
+    CREATED -> STARTING -> RUNNING -> DRAINING -> STOPPED
+
+An actor kind declares the queues it consumes, the message types it accepts, and (optionally) the
+configuration dataclass of its section. The base feeds at most ``max_concurrency`` handlers from the
+queue's durable pull consumer (shared by every actor of the kind), acks after success, naks with
+exponential backoff on failure, heartbeats ``in_progress`` while a handler runs, and dead-letters
+messages it cannot decode. Drain = stop fetching, finish in-flight handlers and every task they
+started, ack, flush, hand over state, stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+import structlog
+from nats.aio.msg import Msg
+
+from runtime import config as config_mod
+from runtime.bus import Bus, Queue
+from runtime.codec import Codec, Message
+from runtime.errors import ConfigError, LifecycleError, MessageError
+
+log = structlog.get_logger(__name__)
+
+
+class ActorState(enum.Enum):
+    CREATED = "created"
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class ActorIdentity:
+    kind: str
+    actor_id: str
+    pid: int
+    host: str
+    code_hash: str
+
+    @classmethod
+    def here(cls, kind: str, actor_id: str, code_hash: str) -> ActorIdentity:
+        return cls(kind, actor_id, os.getpid(), socket.gethostname(), code_hash)
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """How the base runs an actor; one per kind, from the runtime configuration."""
+
+    max_concurrency: int = 8
+    heartbeat_s: float = 5.0  # in_progress interval; must stay well below the bus's ack_wait
+    fetch_timeout_s: float = 0.5  # bounds how long a drain waits for a pending fetch
+    nak_base_delay_s: float = 0.5
+    nak_max_delay_s: float = 30.0
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency={self.max_concurrency} must be >= 1")
+        if self.heartbeat_s <= 0 or self.fetch_timeout_s <= 0:
+            raise ValueError("heartbeat_s and fetch_timeout_s must be > 0")
+
+    def nak_delay(self, num_delivered: int) -> float:
+        return min(self.nak_max_delay_s, self.nak_base_delay_s * 2 ** max(0, num_delivered - 1))
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a handler knows about the message it handles: enough to be idempotent."""
+
+    queue: str
+    subject: str
+    stream_seq: int
+    num_delivered: int
+    msg_id: str | None
+    task_group: asyncio.TaskGroup  # tasks a handler starts belong here and finish before the ack
+
+    @property
+    def redelivered(self) -> bool:
+        return self.num_delivered > 1
+
+
+@dataclass
+class ActorContext:
+    """Everything an actor gets from its process: identity, bus, storage, configuration."""
+
+    identity: ActorIdentity
+    bus: Bus
+    settings: ActorSettings
+    config: Any  # the actor kind's Config instance, or None
+    blob: Any = None  # runtime.blob.BlobStore
+    run_dir: Any = None
+
+
+class Actor:
+    """Base class. Subclasses set ``kind``, ``queues``, ``messages`` and override ``handle``."""
+
+    kind: ClassVar[str] = ""
+    queues: ClassVar[tuple[Queue, ...]] = ()
+    messages: ClassVar[tuple[type[Message], ...]] = ()
+    Config: ClassVar[type | None] = None  # frozen dataclass of this kind's config section
+
+    def __init__(self, ctx: ActorContext) -> None:
+        self.ctx = ctx
+        self.identity = ctx.identity
+        self.bus = ctx.bus
+        self.settings = ctx.settings
+        self.config = ctx.config
+        self.codec = Codec(self.messages, blob=ctx.blob)
+        self.state = ActorState.CREATED
+        self.exit_stack = contextlib.AsyncExitStack()
+        self._drain_requested = asyncio.Event()
+        self._inflight = 0
+        self._capacity = asyncio.Condition()
+        self.num_handled = 0
+        self.num_failed = 0
+        self.num_dead_lettered = 0
+        self._started_at = time.time()
+        self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
+
+    # --- hooks for subclasses ----------------------------------------------------------------
+    async def setup(self) -> None:
+        """Acquire resources (register them on ``self.exit_stack``)."""
+
+    async def handle(self, msg: Message, delivery: Delivery) -> None:
+        raise NotImplementedError(f"{type(self).__name__} consumes {self.queues} but has no handle()")
+
+    async def background(self, tg: asyncio.TaskGroup) -> None:
+        """Start long-running loops in ``tg``; they are cancelled when the actor drains."""
+
+    async def handover(self) -> dict[str, Any] | None:
+        """State for the replacement process; kept in the ``actors`` bucket under handover.<kind>."""
+        return None
+
+    async def on_config_change(self, key: str, old: Any, new: Any) -> None:
+        """Called after a live key of this kind's section changed; ``self.config`` is already new."""
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def _expect(self, *states: ActorState) -> None:
+        if self.state not in states:
+            raise LifecycleError(f"{self.identity.actor_id}: expected state "
+                                 f"{'/'.join(s.value for s in states)}, but it is {self.state.value}")
+
+    async def start(self) -> None:
+        self._expect(ActorState.CREATED)
+        self.state = ActorState.STARTING
+        for q in self.queues:
+            await self.bus.ensure_queue(q)
+        await self.setup()
+        await self._register()
+
+    async def run(self) -> None:
+        """Runs until a drain is requested (ctl drain, SIGTERM), then drains and stops."""
+        self._expect(ActorState.STARTING)
+        ctl = await self.bus.nc.subscribe(f"ctl.{self.identity.actor_id}.*", cb=self._on_ctl)
+        async with asyncio.TaskGroup() as tg:
+            config_watch = tg.create_task(self._watch_config())
+            try:
+                async with asyncio.TaskGroup() as work_tg:
+                    self.state = ActorState.RUNNING
+                    await self._register()
+                    self._log.info("actor_running", pid=self.identity.pid, host=self.identity.host,
+                                   code_hash=self.identity.code_hash,
+                                   queues=[q.name for q in self.queues])
+                    loops = work_tg.create_task(self._run_background())
+                    for q in self.queues:
+                        work_tg.create_task(self._consume(q, work_tg))
+                    await self._drain_requested.wait()
+                    self.state = ActorState.DRAINING
+                    self._log.info("actor_draining", num_inflight=self._inflight)
+                    await self._register()
+                    loops.cancel()
+                # Leaving work_tg: consumers stopped fetching; every handler and its tasks finished.
+            finally:
+                config_watch.cancel()
+                with contextlib.suppress(Exception):
+                    await ctl.unsubscribe()
+        await self._stop()
+
+    async def _run_background(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            await self.background(tg)
+
+    def request_drain(self) -> None:
+        self._drain_requested.set()
+
+    async def _stop(self) -> None:
+        state = await self.handover()
+        if state is not None:
+            kv = await self.bus.kv("actors")
+            await kv.put(f"handover.{self.identity.kind}", msgpack.packb(state, use_bin_type=True))
+        await self.exit_stack.aclose()
+        self.state = ActorState.STOPPED
+        self._log.info("actor_stopped", num_handled=self.num_handled, num_failed=self.num_failed,
+                       num_dead_lettered=self.num_dead_lettered)
+        kv = await self.bus.kv("actors")
+        with contextlib.suppress(Exception):
+            await kv.delete(self.identity.actor_id)
+        await self.bus.nc.flush()
+
+    async def take_handover(self) -> dict[str, Any] | None:
+        """The state a previous process of this kind handed over, consumed once."""
+        kv = await self.bus.kv("actors")
+        key = f"handover.{self.identity.kind}"
+        try:
+            entry = await kv.get(key)
+        except Exception:
+            return None
+        await kv.delete(key)
+        return msgpack.unpackb(entry.value, raw=False) if entry.value else None
+
+    # --- consuming -----------------------------------------------------------------------------
+    async def _consume(self, q: Queue, work_tg: asyncio.TaskGroup) -> None:
+        sub = await self.bus.js.pull_subscribe_bind(durable=q.durable, stream=q.stream)
+        try:
+            while not self._drain_requested.is_set():
+                async with self._capacity:
+                    await self._capacity.wait_for(lambda: self._inflight < self.settings.max_concurrency)
+                    free = self.settings.max_concurrency - self._inflight
+                if self._drain_requested.is_set():
+                    break
+                try:
+                    msgs = await sub.fetch(batch=free, timeout=self.settings.fetch_timeout_s)
+                except TimeoutError:
+                    continue
+                for raw in msgs:
+                    self._inflight += 1
+                    work_tg.create_task(self._process(q, raw))
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _process(self, q: Queue, raw: Msg) -> None:
+        try:
+            try:
+                msg = await self.codec.decode(raw.data)
+            except MessageError as e:
+                await self._dead_letter(q, raw, e)
+                return
+            meta = raw.metadata
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    beat = tg.create_task(self._heartbeat(raw))
+                    delivery = Delivery(q.name, raw.subject, meta.sequence.stream, meta.num_delivered,
+                                        (raw.headers or {}).get("Nats-Msg-Id"), tg)
+                    try:
+                        await self.handle(msg, delivery)
+                    finally:
+                        beat.cancel()
+            except Exception as e:  # a failing handler never kills the actor: nak and retry later
+                self.num_failed += 1
+                delay = self.settings.nak_delay(meta.num_delivered)
+                self._log.warning("handler_failed", queue=q.name, msg_type=msg.TYPE, error=repr(_leaf(e)),
+                                  num_delivered=meta.num_delivered, retry_in_s=delay)
+                await raw.nak(delay=delay)
+                return
+            await raw.ack()
+            self.num_handled += 1
+        finally:
+            async with self._capacity:
+                self._inflight -= 1
+                self._capacity.notify_all()
+
+    async def _heartbeat(self, raw: Msg) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            await raw.in_progress()
+
+    async def _dead_letter(self, q: Queue, raw: Msg, err: MessageError) -> None:
+        self.num_dead_lettered += 1
+        self._log.error("message_dead_lettered", queue=q.name, reason=err.reason, detail=err.detail,
+                        subject=raw.subject, size=len(raw.data))
+        await self.bus.dead_letter(q.name, err.reason, err.detail, raw.data, subject=raw.subject,
+                                   actor=self.identity.actor_id)
+        await raw.ack()  # never redeliver what can never be decoded
+
+    # --- control -------------------------------------------------------------------------------
+    async def _on_ctl(self, raw: Msg) -> None:
+        verb = raw.subject.rsplit(".", 1)[-1]
+        if verb == "ping":
+            reply: dict[str, Any] = {"ok": True, "state": self.state.value}
+        elif verb == "status":
+            reply = self.describe()
+        elif verb == "drain":
+            self.request_drain()
+            reply = {"ok": True, "state": ActorState.DRAINING.value}
+        else:
+            reply = {"ok": False, "error": f"unknown verb {verb!r}; use ping, status or drain"}
+        if raw.reply:
+            await raw.respond(msgpack.packb(reply, use_bin_type=True))
+
+    def describe(self) -> dict[str, Any]:
+        i = self.identity
+        return {"kind": i.kind, "id": i.actor_id, "pid": i.pid, "host": i.host, "code_hash": i.code_hash,
+                "state": self.state.value, "num_inflight": self._inflight, "num_handled": self.num_handled,
+                "num_failed": self.num_failed, "num_dead_lettered": self.num_dead_lettered,
+                "uptime_s": round(time.time() - self._started_at, 3), **self.status()}
+
+    async def _register(self) -> None:
+        kv = await self.bus.kv("actors")
+        await kv.put(self.identity.actor_id, msgpack.packb(self.describe(), use_bin_type=True))
+
+    # --- live configuration -------------------------------------------------------------------------
+    async def _watch_config(self) -> None:
+        if self.Config is None or self.config is None:
+            return
+        kv = await self.bus.kv("config")
+        watcher = await kv.watch(f"{self.kind}.>")
+        try:
+            async for entry in watcher:
+                if entry is None or entry.value is None or entry.operation is not None:
+                    continue
+                await self._apply_config(entry.key, entry.value)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    async def _apply_config(self, full_key: str, raw: bytes) -> None:
+        key = full_key.removeprefix(f"{self.kind}.")
+        try:
+            value = msgpack.unpackb(raw, raw=False)
+            if not config_mod.is_live(type(self.config), key):
+                raise ConfigError(f"config key {full_key!r} is not live; restart the run to change it")
+            old = self.config
+            new = config_mod.apply_value(old, key, value)
+        except (ConfigError, ValueError) as e:
+            self._log.error("config_change_rejected", key=full_key, error=str(e))
+            return
+        old_value = _get_path(old, key)
+        if old_value == _get_path(new, key):
+            return
+        self.config = new
+        self._log.info("config_changed", key=full_key, old=old_value, new=_get_path(new, key))
+        await self.on_config_change(key, old_value, _get_path(new, key))
+
+
+def _get_path(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _leaf(e: BaseException) -> BaseException:
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
+

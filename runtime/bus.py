@@ -1,0 +1,172 @@
+"""The NATS bus: connection, JetStream streams and consumers, KV buckets, all created idempotently.
+
+Subjects (see DESIGN.md):
+    work.<stage>        one work-queue stream per stage; one durable pull consumer shared by an actor kind
+    done.<stage>        completions to the reconciler (one work-queue stream, subjects done.>)
+    log.<kind>.<level>  structured events, kept by the LOG stream with age and size limits
+    dlq.<queue>         dead letters: malformed, unknown or oversized messages, with the reason
+    ctl.<actor-id>.<verb>   core request/reply control (ping, status, drain)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
+
+from runtime.errors import BusError
+
+log = structlog.get_logger(__name__)
+
+KV_BUCKETS = ("slots", "config", "actors")
+
+
+@dataclass(frozen=True)
+class Queue:
+    """A JetStream work-queue stream and the durable pull consumer all actors of one kind share."""
+
+    name: str
+    subjects: tuple[str, ...]
+
+    @property
+    def stream(self) -> str:
+        return f"Q_{self.name.upper()}"
+
+    @property
+    def durable(self) -> str:
+        return self.name
+
+
+def work_queue(stage: str) -> Queue:
+    return Queue(f"work_{stage}", (f"work.{stage}",))
+
+
+DONE_QUEUE = Queue("done", ("done.>",))
+
+
+@dataclass(frozen=True)
+class BusLimits:
+    """Stream and consumer limits, chosen deliberately (see each comment)."""
+
+    ack_wait_s: float = 30.0  # unacked work is redelivered after this; handlers heartbeat well within it
+    max_deliver: int = 50  # the reconciler bounds attempts itself; this only stops poison loops
+    max_ack_pending: int = 10_000
+    duplicate_window_s: float = 120.0  # Nats-Msg-Id dedup window for publishes
+    work_max_bytes: int = 2 * 1024**3
+    log_max_age_s: float = 7 * 24 * 3600.0
+    log_max_bytes: int = 1024**3
+    dlq_max_age_s: float = 30 * 24 * 3600.0
+    dlq_max_bytes: int = 256 * 1024**2
+    kv_history: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ack_wait_s < 1.0:
+            raise ValueError(f"ack_wait_s={self.ack_wait_s} is too small for in_progress heartbeats; use >= 1")
+
+
+class Bus:
+    """One NATS connection with JetStream; the only object in the project that talks to NATS."""
+
+    def __init__(self, nc: NatsClient, limits: BusLimits) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.limits = limits
+        self._kv: dict[str, KeyValue] = {}
+
+    @classmethod
+    async def connect(cls, url: str, name: str, limits: BusLimits = BusLimits()) -> Bus:
+        async def on_error(e: Exception) -> None:
+            log.warning("nats_client_error", error=str(e), client=name)
+
+        try:
+            nc = await nats.connect(url, name=name, error_cb=on_error, connect_timeout=5,
+                                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                    allow_reconnect=True)
+        except Exception as e:
+            raise BusError(f"cannot connect to NATS at {url}: {e}; is the run up?") from e
+        return cls(nc, limits)
+
+    async def close(self) -> None:
+        if self.nc.is_closed:
+            return
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    # --- topology ----------------------------------------------------------------------------
+    async def ensure_queue(self, q: Queue) -> None:
+        lim = self.limits
+        await self._ensure_stream(StreamConfig(
+            name=q.stream, subjects=list(q.subjects), retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE, max_bytes=lim.work_max_bytes, discard=DiscardPolicy.NEW,
+            duplicate_window=lim.duplicate_window_s))
+        cc = ConsumerConfig(durable_name=q.durable, ack_policy=AckPolicy.EXPLICIT,
+                            ack_wait=lim.ack_wait_s, max_deliver=lim.max_deliver,
+                            max_ack_pending=lim.max_ack_pending, deliver_policy=DeliverPolicy.ALL)
+        try:
+            await self.js.add_consumer(q.stream, cc)
+        except BadRequestError as e:  # exists with another config: update it
+            log.info("consumer_update", stream=q.stream, durable=q.durable, reason=str(e))
+            await self.js.add_consumer(q.stream, cc)
+
+    async def ensure_base(self) -> None:
+        """Streams and buckets every run has: LOG, DLQ, and the KV buckets."""
+        lim = self.limits
+        await self._ensure_stream(StreamConfig(
+            name="LOG", subjects=["log.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+            max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD))
+        await self._ensure_stream(StreamConfig(
+            name="DLQ", subjects=["dlq.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+            max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD))
+        for bucket in KV_BUCKETS:
+            await self.kv(bucket)
+
+    async def _ensure_stream(self, cfg: StreamConfig) -> None:
+        try:
+            await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
+            await self.js.update_stream(cfg)
+        except NotFoundError:
+            try:
+                await self.js.add_stream(cfg)
+            except BadRequestError as e:
+                raise BusError(f"cannot create stream {cfg.name}: {e}") from e
+
+    async def kv(self, bucket: str) -> KeyValue:
+        if bucket not in self._kv:
+            try:
+                self._kv[bucket] = await self.js.key_value(bucket)
+            except Exception:
+                self._kv[bucket] = await self.js.create_key_value(
+                    KeyValueConfig(bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE))
+        return self._kv[bucket]
+
+    # --- publishing -------------------------------------------------------------------------
+    async def publish_durable(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
+        """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        await self.js.publish(subject, data, headers=headers)
+
+    async def dead_letter(self, queue: str, reason: str, detail: str, data: bytes,
+                          **context: Any) -> None:
+        headers = {"Reason": reason, "Detail": detail[:1000]}
+        headers.update({k: str(v) for k, v in context.items()})
+        # An oversized message would be refused again: keep a bounded prefix for inspection.
+        await self.js.publish(f"dlq.{queue}", data[:64 * 1024], headers=headers)

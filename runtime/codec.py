@@ -1,0 +1,209 @@
+"""Typed messages on the wire: msgpack maps with a schema version and a type, validated on receipt.
+
+    envelope = {"schema": 1, "type": "<message type>", "v": <type version>, "body": {...}}
+             | {"schema": 1, "type": ..., "v": ..., "blob": "<key>", "size": <bytes>}
+
+Bodies larger than ``inline_limit_bytes`` travel through blob storage by key, so NATS only ever carries
+small messages. Anything that fails to decode raises ``MessageError`` with a short reason code, which
+the actor base turns into a dead-letter entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import msgpack
+
+from runtime.errors import MessageError
+
+SCHEMA_VERSION = 1
+
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of every message type: a frozen dataclass with a wire ``TYPE`` name and a ``VERSION``."""
+
+    TYPE: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+
+def message(type_name: str, version: int = 1) -> typing.Callable[[type[M]], type[M]]:
+    """Class decorator: makes a frozen, slotted dataclass message with its wire type and version."""
+
+    def wrap(cls: type[M]) -> type[M]:
+        cls = dataclass(frozen=True, slots=True)(cls)
+        cls.TYPE = type_name
+        cls.VERSION = version
+        return cls
+
+    return wrap
+
+
+class BlobPutGet(Protocol):
+    async def put(self, key: str, data: bytes) -> None: ...
+    async def get(self, key: str) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class CodecLimits:
+    inline_limit_bytes: int = 256 * 1024
+    max_message_bytes: int = 1024 * 1024  # an inline message above this is rejected as oversized
+
+    def __post_init__(self) -> None:
+        if not 0 < self.inline_limit_bytes <= self.max_message_bytes:
+            raise ValueError(f"need 0 < inline_limit_bytes ({self.inline_limit_bytes}) <= "
+                             f"max_message_bytes ({self.max_message_bytes})")
+
+
+class Codec:
+    """Encodes and decodes one set of message types; unknown types are rejected on receipt."""
+
+    def __init__(self, types_: Iterable[type[Message]], blob: BlobPutGet | None = None,
+                 limits: CodecLimits = CodecLimits(), blob_prefix: str = "messages") -> None:
+        self._types: dict[str, type[Message]] = {}
+        for t in types_:
+            if not t.TYPE or not dataclasses.is_dataclass(t):
+                raise TypeError(f"{t.__name__} is not a message: decorate it with @message(...)")
+            if t.TYPE in self._types and self._types[t.TYPE] is not t:
+                raise TypeError(f"message type {t.TYPE!r} registered twice "
+                                f"({self._types[t.TYPE].__name__} and {t.__name__})")
+            self._types[t.TYPE] = t
+        self._blob = blob
+        self.limits = limits
+        self._blob_prefix = blob_prefix
+
+    @property
+    def type_names(self) -> list[str]:
+        return sorted(self._types)
+
+    async def encode(self, msg: Message) -> bytes:
+        if type(msg).TYPE not in self._types:
+            raise TypeError(f"{type(msg).__name__} is not one of this codec's types: {self.type_names}")
+        body = msgpack.packb(_to_wire(msg), use_bin_type=True)
+        head = {"schema": SCHEMA_VERSION, "type": msg.TYPE, "v": msg.VERSION}
+        if len(body) > self.limits.inline_limit_bytes:
+            if self._blob is None:
+                raise ValueError(f"{msg.TYPE} body is {len(body)} bytes, above the inline limit "
+                                 f"{self.limits.inline_limit_bytes}, and this codec has no blob store")
+            key = f"{self._blob_prefix}/{msg.TYPE}/{hashlib.sha256(body).hexdigest()}"
+            await self._blob.put(key, body)
+            return msgpack.packb({**head, "blob": key, "size": len(body)}, use_bin_type=True)
+        return msgpack.packb({**head, "body": body}, use_bin_type=True)
+
+    async def decode(self, data: bytes) -> Message:
+        if len(data) > self.limits.max_message_bytes:
+            raise MessageError("oversized", f"{len(data)} bytes > limit {self.limits.max_message_bytes}; "
+                               "large payloads must travel through blob storage")
+        try:
+            env = msgpack.unpackb(data, raw=False)
+        except Exception as e:  # msgpack raises several unrelated types
+            raise MessageError("malformed", f"not msgpack: {e}") from None
+        if not isinstance(env, dict) or env.get("schema") != SCHEMA_VERSION:
+            raise MessageError("malformed", f"not an envelope of schema {SCHEMA_VERSION}")
+        cls = self._types.get(env.get("type"))  # type: ignore[arg-type]
+        if cls is None:
+            raise MessageError("unknown_type", f"type {env.get('type')!r} not in {self.type_names}")
+        if env.get("v") != cls.VERSION:
+            raise MessageError("version_mismatch", f"{cls.TYPE} v{env.get('v')} != expected v{cls.VERSION}")
+        body = await self._body(env)
+        try:
+            fields = msgpack.unpackb(body, raw=False)
+        except Exception as e:
+            raise MessageError("malformed", f"body of {cls.TYPE} is not msgpack: {e}") from None
+        return _from_wire(cls, fields, cls.TYPE)
+
+    async def _body(self, env: dict[str, Any]) -> bytes:
+        if "body" in env and isinstance(env["body"], bytes):
+            return env["body"]
+        if "blob" in env and isinstance(env["blob"], str):
+            if self._blob is None:
+                raise MessageError("blob_unavailable", f"message body at {env['blob']!r}, but no blob store")
+            try:
+                return await self._blob.get(env["blob"])
+            except KeyError:
+                raise MessageError("blob_missing", f"message body {env['blob']!r} not in storage") from None
+        raise MessageError("malformed", "envelope has neither body nor blob")
+
+
+def _to_wire(msg: Any) -> Any:
+    if dataclasses.is_dataclass(msg) and not isinstance(msg, type):
+        return {f.name: _to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    if isinstance(msg, enum.Enum):
+        return msg.value
+    if isinstance(msg, tuple | list):
+        return [_to_wire(x) for x in msg]
+    if isinstance(msg, dict):
+        return {k: _to_wire(v) for k, v in msg.items()}
+    return msg
+
+
+def _from_wire(cls: type[M], fields: Any, path: str) -> M:
+    if not isinstance(fields, dict):
+        raise MessageError("invalid", f"{path}: expected a map, got {type(fields).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    unknown = set(fields) - set(names)
+    if unknown:
+        raise MessageError("invalid", f"{path}: unknown fields {sorted(unknown)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in fields:
+            kwargs[f.name] = _check(fields[f.name], hints[f.name], f"{path}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MessageError("invalid", f"{path}: missing field {f.name!r}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise MessageError("invalid", f"{path}: {e}") from None
+
+
+def _check(value: Any, hint: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check(value, arg, path)
+            except MessageError:
+                continue
+        raise MessageError("invalid", f"{path}: {value!r} matches none of {hint}")
+    if dataclasses.is_dataclass(hint):
+        return _from_wire(hint, value, path)  # type: ignore[arg-type]
+    if origin is tuple or origin is list:
+        if not isinstance(value, list | tuple):
+            raise MessageError("invalid", f"{path}: expected a list, got {type(value).__name__}")
+        args = typing.get_args(hint)
+        item = args[0] if args else Any
+        items = [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        kt, vt = typing.get_args(hint) or (Any, Any)
+        if not isinstance(value, dict):
+            raise MessageError("invalid", f"{path}: expected a map, got {type(value).__name__}")
+        return {_check(k, kt, path): _check(v, vt, f"{path}[{k!r}]") for k, v in value.items()}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise MessageError("invalid", f"{path}: {value!r} is not a {hint.__name__}") from None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is type(None) and value is None:
+        return None
+    if isinstance(hint, type) and hint in (int, float, str, bytes, bool):
+        if type(value) is not hint:
+            raise MessageError("invalid", f"{path}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    raise MessageError("invalid", f"{path}: unsupported field type {hint}")

@@ -1,0 +1,26 @@
+"""The runtime's exception hierarchy; each subclasses the builtin a caller would catch."""
+
+
+class RuntimeFailure(RuntimeError):
+    """The run cannot continue (restart intensity exceeded, bus unreachable)."""
+
+
+class BusError(ConnectionError):
+    """The NATS server could not be started, reached or configured."""
+
+
+class MessageError(ValueError):
+    """A message could not be decoded or validated; ``reason`` is a stable short code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, malformed or out of range; the message names the key."""
+
+
+class LifecycleError(RuntimeError):
+    """A lifecycle step was called in the wrong state."""

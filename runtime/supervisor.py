@@ -1,0 +1,263 @@
+"""The supervisor (local backend): each actor its own OS process, restarted on crash under an intensity
+limit, drained on stop, replaced on hot swap.
+
+Restart strategy is OTP's one_for_one: a crashed process is restarted alone, after an exponential
+backoff; more than ``max_restarts`` restarts within ``restart_window_s`` means something is wrong
+beyond a restart's reach, so the run is reported failed and stopped cleanly.
+
+Stop order for one process: ``ctl.<id>.drain`` (finish in-flight work, ack, hand over), then SIGTERM,
+then SIGKILL. Children run in their own sessions with a parent-death signal: no orphans, ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+from nats.aio.msg import Msg
+
+from runtime.bus import Bus
+from runtime.procutil import die_with_parent
+from runtime.run_config import RuntimeConfig
+
+log = structlog.get_logger(__name__)
+
+SUPERVISOR_SUBJECT = "ctl.supervisor"
+
+
+class Outcome(enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"  # the application said the run is done
+    STOPPED = "stopped"  # an operator stopped it (signal or ctl)
+    FAILED = "failed"  # restart intensity exceeded, or a start failed
+
+
+@dataclass
+class ActorProcess:
+    kind: str
+    actor_id: str
+    proc: asyncio.subprocess.Process
+    started_at: float = field(default_factory=time.time)
+    retiring: bool = False  # drained on purpose (swap, stop): its exit is not a crash
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class Supervisor:
+    def __init__(self, config: RuntimeConfig, run_dir: Path, bus: Bus) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.bus = bus
+        self.procs: dict[str, ActorProcess] = {}
+        self.outcome = Outcome.RUNNING
+        self.failure: str | None = None
+        self._restarts: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self._counter: collections.Counter[str] = collections.Counter()
+        self._stop = asyncio.Event()
+        self._tg: asyncio.TaskGroup | None = None
+        self._swap_lock = asyncio.Lock()
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    async def run(self) -> Outcome:
+        """Starts every configured actor and supervises until stopped; returns how the run ended."""
+        ctl = await self.bus.nc.subscribe(f"{SUPERVISOR_SUBJECT}.*", cb=self._on_ctl)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                for kind, spec in self.config.actors.items():
+                    for _ in range(spec.count):
+                        await self._spawn(kind)
+                await self._stop.wait()
+                await self._shutdown()
+        finally:
+            with contextlib.suppress(Exception):
+                await ctl.unsubscribe()
+        log.info("supervisor_stopped", outcome=self.outcome.value, failure=self.failure)
+        return self.outcome
+
+    def request_stop(self, outcome: Outcome = Outcome.STOPPED, failure: str | None = None) -> None:
+        if self.outcome is Outcome.RUNNING:
+            self.outcome = outcome
+            self.failure = failure
+        self._stop.set()
+
+    async def _shutdown(self) -> None:
+        procs = list(self.procs.values())
+        log.info("supervisor_draining", num_actors=len(procs))
+        async with asyncio.TaskGroup() as tg:
+            for p in procs:
+                tg.create_task(self._retire(p))
+
+    # --- processes ------------------------------------------------------------------------------------
+    async def _spawn(self, kind: str) -> ActorProcess:
+        assert self._tg is not None
+        spec = self.config.actors[kind]
+        self._counter[kind] += 1
+        actor_id = f"{kind}-{self._counter[kind]}-{os.urandom(2).hex()}"
+        env = dict(os.environ)
+        if spec.threads:
+            env.update(OMP_NUM_THREADS=str(spec.threads), MKL_NUM_THREADS=str(spec.threads))
+        out_path = self.run_dir / "logs" / f"{actor_id}.out"
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(out_path, "ab") as out:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "runtime.actor_process", "--run-dir", str(self.run_dir),
+                "--kind", kind, "--id", actor_id, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+                env=env)
+        ap = ActorProcess(kind, actor_id, proc)
+        self.procs[actor_id] = ap
+        log.info("actor_spawned", kind=kind, actor_id=actor_id, pid=proc.pid)
+        self._tg.create_task(self._watch(ap))
+        return ap
+
+    async def _watch(self, ap: ActorProcess) -> None:
+        rc = await ap.proc.wait()
+        self.procs.pop(ap.actor_id, None)
+        if ap.retiring or self._stop.is_set():
+            log.info("actor_exited", kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc)
+            return
+        now = time.monotonic()
+        recent = self._restarts[ap.kind]
+        recent.append(now)
+        while recent and now - recent[0] > self.config.supervisor.restart_window_s:
+            recent.popleft()
+        log.error("actor_crashed", kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc,
+                  num_recent_restarts=len(recent), log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+        sup = self.config.supervisor
+        if len(recent) > sup.max_restarts:
+            reason = (f"{ap.kind} crashed {len(recent)} times within {sup.restart_window_s}s "
+                      f"(limit {sup.max_restarts}); see {self.run_dir / 'logs' / (ap.actor_id + '.out')}")
+            log.error("restart_intensity_exceeded", kind=ap.kind, num_restarts=len(recent),
+                      window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
+            self.request_stop(Outcome.FAILED, reason)
+            return
+        delay = sup.backoff(len(recent))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), delay)
+        if self._stop.is_set():
+            return
+        new = await self._spawn(ap.kind)
+        log.info("actor_restarted", kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay)
+
+    async def _retire(self, ap: ActorProcess) -> None:
+        """Drain, then TERM, then KILL: whatever it takes, the process is gone when this returns."""
+        ap.retiring = True
+        sup = self.config.supervisor
+        drain_timeout = self.config.actors[ap.kind].drain_timeout_s
+        with contextlib.suppress(Exception):
+            await self.bus.nc.request(f"ctl.{ap.actor_id}.drain", b"", timeout=2.0)
+        if await _wait_exit(ap.proc, drain_timeout):
+            return
+        log.warning("actor_drain_timeout", actor_id=ap.actor_id, timeout_s=drain_timeout)
+        with contextlib.suppress(ProcessLookupError):
+            ap.proc.send_signal(signal.SIGTERM)
+        if await _wait_exit(ap.proc, sup.term_timeout_s):
+            return
+        log.error("actor_killed", actor_id=ap.actor_id, pid=ap.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(ap.proc.pid, signal.SIGKILL)
+        await ap.proc.wait()
+
+    # --- hot swap --------------------------------------------------------------------------------------
+    async def swap(self, kind: str) -> dict[str, Any]:
+        """Replaces every process of ``kind`` with one running the code now on disk, without loss."""
+        if kind not in self.config.actors:
+            raise ValueError(f"unknown actor kind {kind!r}; this run has {sorted(self.config.actors)}")
+        async with self._swap_lock:
+            old = [p for p in self.procs.values() if p.kind == kind and not p.retiring]
+            registry = await self.bus.kv("actors")
+            old_info = [await _registry_entry(registry, p.actor_id) for p in old]
+            log.info("swap_started", kind=kind, old=[p.actor_id for p in old])
+            new = [await self._spawn(kind) for _ in range(max(1, len(old)))]
+            new_info = [await self._wait_running(registry, p) for p in new]
+            for p in old:
+                await self._retire(p)
+            report = {"kind": kind, "old": _hashes(old, old_info), "new": _hashes(new, new_info)}
+            log.info("swap_finished", **report)
+            return report
+
+    async def _wait_running(self, registry: Any, ap: ActorProcess) -> dict[str, Any]:
+        timeout = self.config.supervisor.ready_timeout_s
+        watcher = await registry.watch(ap.actor_id)
+        try:
+            async with asyncio.timeout(timeout):
+                async for entry in watcher:
+                    if ap.proc.returncode is not None:
+                        raise RuntimeError(f"replacement {ap.actor_id} exited with {ap.proc.returncode}")
+                    if entry is None or not entry.value:
+                        continue
+                    info = msgpack.unpackb(entry.value, raw=False)
+                    if info.get("state") == "running":
+                        return info
+        except TimeoutError:
+            raise RuntimeError(f"replacement {ap.actor_id} was not consuming within {timeout}s") from None
+        finally:
+            await watcher.stop()
+        raise RuntimeError(f"registry watch for {ap.actor_id} ended early")
+
+    # --- control -----------------------------------------------------------------------------------------
+    async def _on_ctl(self, raw: Msg) -> None:
+        verb = raw.subject.rsplit(".", 1)[-1]
+        body = msgpack.unpackb(raw.data, raw=False) if raw.data else {}
+        if verb == "swap":
+            assert self._tg is not None
+            self._tg.create_task(self._reply_swap(raw, str(body.get("kind", ""))))
+            return
+        if verb == "status":
+            reply: dict[str, Any] = {"ok": True, "outcome": self.outcome.value, "actors": [
+                {"id": p.actor_id, "kind": p.kind, "pid": p.pid, "retiring": p.retiring,
+                 "uptime_s": round(time.time() - p.started_at, 1)} for p in self.procs.values()]}
+        elif verb == "stop":
+            self.request_stop(Outcome.STOPPED)
+            reply = {"ok": True}
+        elif verb == "finish":
+            log.info("run_finish_requested", by=body.get("by"), reason=body.get("reason"))
+            self.request_stop(Outcome.FINISHED)
+            reply = {"ok": True}
+        else:
+            reply = {"ok": False, "error": f"unknown verb {verb!r}; use swap, status, stop or finish"}
+        if raw.reply:
+            await raw.respond(msgpack.packb(reply, use_bin_type=True))
+
+    async def _reply_swap(self, raw: Msg, kind: str) -> None:
+        try:
+            reply: dict[str, Any] = {"ok": True, **await self.swap(kind)}
+        except (ValueError, RuntimeError) as e:
+            log.error("swap_failed", kind=kind, error=str(e))
+            reply = {"ok": False, "error": str(e)}
+        if raw.reply:
+            await self.bus.nc.publish(raw.reply, msgpack.packb(reply, use_bin_type=True))
+
+
+async def _wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
+async def _registry_entry(registry: Any, actor_id: str) -> dict[str, Any]:
+    try:
+        entry = await registry.get(actor_id)
+    except Exception:
+        return {}
+    return msgpack.unpackb(entry.value, raw=False) if entry and entry.value else {}
+
+
+def _hashes(procs: list[ActorProcess], infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"id": p.actor_id, "code_hash": i.get("code_hash")} for p, i in zip(procs, infos, strict=True)]

@@ -1,0 +1,189 @@
+"""Start a run: ``python -m runtime.up [--config run.toml] [--set key=value ...] [--resume RUN_DIR]``.
+
+Starts the bus (an embedded nats-server in the run directory unless ``bus.url`` names one), creates
+its streams and buckets, starts the supervisor and the actors the configuration lists, and shows
+progress until the run finishes, fails, or is stopped (Ctrl-C or SIGTERM: every actor drains first).
+
+With no ``--config`` the default run of the project is used (actors/run.toml, when present).
+Exit status: 0 finished or stopped cleanly, 1 failed, 2 bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+from typing import IO, Any
+
+import msgpack
+import structlog
+import uvloop
+
+from runtime import config as config_mod
+from runtime.bus import Bus, BusLimits
+from runtime.errors import ConfigError
+from runtime.events import EventLog
+from runtime.natsserver import NatsServer, NatsServerConfig
+from runtime.run_config import RunConfig, dump_toml, load_run_config
+from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
+from runtime.supervisor import Outcome, Supervisor
+
+log = structlog.get_logger(__name__)
+
+PROGRESS_SUBJECT = "progress"
+
+
+def default_config_files() -> list[Path]:
+    """The project's default run, shipped beside the actors."""
+    with contextlib.suppress(ModuleNotFoundError):
+        path = Path(str(resources.files("actors") / "run.toml"))
+        if path.is_file():
+            return [path]
+    return []
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", action="append", type=Path, default=[], metavar="FILE",
+                   help="TOML run file; repeat to layer files (later wins). Default: the project's run")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override one key, e.g. --set rollout.temperature=0.7 (value read as TOML)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR with its saved configuration and state")
+    p.add_argument("--run-dir", type=Path, help="use this (new) directory for the run")
+    p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N: stop after N steps")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress display on the terminal")
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"run.steps={args.steps}")
+    if args.resume:
+        files = [args.resume / CONFIG_FILE]
+    else:
+        files = args.config or default_config_files()
+    return load_run_config(files, overrides), args.resume
+
+
+async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLog,
+                terminal: IO[str] | None) -> Outcome:
+    rt = cfg.runtime
+    server: NatsServer | None = None
+    async with contextlib.AsyncExitStack() as stack:
+        if rt.bus.url:
+            url = rt.bus.url
+        else:
+            server = NatsServer(NatsServerConfig(store_dir=run_dir / "nats",
+                                                 max_payload_bytes=rt.bus.max_payload_bytes))
+            url = await server.start()
+            stack.push_async_callback(server.stop)
+        bus = await Bus.connect(url, name="supervisor", limits=BusLimits(ack_wait_s=rt.bus.ack_wait_s))
+        stack.push_async_callback(bus.close)
+        await bus.ensure_base()
+        await _publish_live_defaults(bus, cfg, resumed)
+        storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
+        RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time()).write()
+        supervisor = Supervisor(rt, run_dir, bus)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, supervisor.request_stop)
+        _announce(terminal, run_dir, url, storage_url, resumed)
+        progress = await bus.nc.subscribe(f"{PROGRESS_SUBJECT}.>", cb=_progress_printer(terminal))
+        stack.push_async_callback(progress.unsubscribe)
+        async with asyncio.TaskGroup() as tg:
+            forwarder = tg.create_task(event_log.forward(bus.nc))
+            try:
+                outcome = await supervisor.run()
+            finally:
+                forwarder.cancel()
+        if terminal is not None:
+            line = f"\nrun {outcome.value}" + (f": {supervisor.failure}" if supervisor.failure else "")
+            print(line, file=terminal, flush=True)
+        return outcome
+    raise AssertionError("unreachable")
+
+
+async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> None:
+    """Seeds the config bucket with live keys; a resumed run keeps what operators changed."""
+    if cfg.app is None:
+        return
+    kv = await bus.kv("config")
+    for key, value in config_mod.live_items(cfg.app):
+        if resumed:
+            with contextlib.suppress(Exception):
+                await kv.create(key, msgpack.packb(value, use_bin_type=True))
+        else:
+            await kv.put(key, msgpack.packb(value, use_bin_type=True))
+
+
+def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resumed: bool) -> None:
+    if out is None:
+        return
+    print(f"{'resumed' if resumed else 'started'} run  {run_dir}\n"
+          f"  bus        {url}\n"
+          "  control    ctl.supervisor.{status,swap,stop}, ctl.<actor-id>.{ping,status,drain}\n"
+          f"  storage    {storage}\n"
+          f"  event log  {run_dir / 'logs'}  (follow: python -m ops.tail {run_dir})\n"
+          f"  status     python -m ops.status {run_dir}\n"
+          "  Ctrl-C drains every actor and stops the run.", file=out, flush=True)
+
+
+def _progress_printer(out: IO[str] | None) -> Any:
+    async def show(raw: Any) -> None:
+        if out is None:
+            return
+        try:
+            fields = msgpack.unpackb(raw.data, raw=False)
+        except Exception:
+            return
+        text = "  ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
+        end = "\r" if out.isatty() else "\n"
+        print(f"{text:<120}", end=end, file=out, flush=True)
+
+    return show
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg, resume_dir = resolve_config(args)
+    except ConfigError as e:
+        print(f"configuration error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(dump_toml(cfg.to_toml_tree()), end="")
+        return 0
+    if resume_dir is not None:
+        run_dir = resume_dir.resolve()
+    elif args.run_dir is not None:
+        run_dir = args.run_dir.resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        run_dir = new_run_dir(cfg.runtime.run.runs_dir, cfg.runtime.run.name)
+    (run_dir / CONFIG_FILE).write_text(dump_toml(cfg.to_toml_tree()))
+    event_log = EventLog(run_dir / "logs" / "supervisor.jsonl", "supervisor", "supervisor", cfg.runtime.log)
+    event_log.install()
+    terminal = None if args.quiet else sys.stdout
+    try:
+        outcome = uvloop.run(serve(cfg, run_dir, resume_dir is not None, event_log, terminal))
+    finally:
+        event_log.close()
+    return 1 if outcome is Outcome.FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
