@@ -1,0 +1,65 @@
+"""Blob storage: one async interface over file:// (default) and s3:// (boto3).
+
+    async with open_store("file:///runs/r1/blobs") as store:
+        await store.put("weights/r1/v0000000001/manifest.json", data)
+        data = await store.get("weights/r1/v0000000001/manifest.json")
+
+Every backend gives atomic visibility (no reader sees a half-written object), sorted ``list``,
+idempotent ``delete``, streaming of large objects (``put_stream`` / ``get_stream``; S3 multipart),
+:class:`BlobNotFound` (a ``KeyError``) for missing keys and ``ValueError`` for unsafe keys. The
+S3 backend retries transient errors with exponential backoff and raises :class:`BlobUnavailable`
+(a ``ConnectionError``) once its attempts are spent. ``runtime.blob.testing`` starts a real moto
+S3 server and a fault-injecting proxy for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.blob._base import (
+    BlobError,
+    BlobNotFound,
+    BlobStore,
+    BlobStoreConfig,
+    BlobUnavailable,
+    StreamSource,
+    validate_key,
+)
+from runtime.blob._file import FileBlobStore
+from runtime.blob._s3 import S3BlobStore
+
+__all__ = [
+    "BlobError",
+    "BlobNotFound",
+    "BlobStore",
+    "BlobStoreConfig",
+    "BlobUnavailable",
+    "FileBlobStore",
+    "S3BlobStore",
+    "StreamSource",
+    "open_store",
+    "store_from_config",
+    "validate_key",
+]
+
+
+def store_from_config(config: BlobStoreConfig) -> BlobStore:
+    """The backend for ``config.url``'s scheme."""
+    if config.url.startswith("s3://"):
+        return S3BlobStore(config)
+    return FileBlobStore(config)
+
+
+def open_store(url: str, *, s3_endpoint: str | None = None, **options: Any) -> BlobStore:
+    """Open the blob store at ``url`` (``file:///path`` or ``s3://bucket/prefix``).
+
+    Args:
+        url: where the objects live.
+        s3_endpoint: endpoint URL of an S3-compatible service; None means AWS.
+        **options: any other :class:`BlobStoreConfig` field (max_attempts, backoff_base_s, ...).
+
+    Raises:
+        ValueError: unknown scheme or invalid option value.
+        TypeError: unknown option name.
+    """
+    return store_from_config(BlobStoreConfig(url=url, s3_endpoint=s3_endpoint, **options))

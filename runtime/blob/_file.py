@@ -1,0 +1,196 @@
+"""file:// backend: one file per key under a root folder.
+
+Atomic visibility: bytes go to a private temporary file under ``<root>/.tmp`` (same filesystem),
+are fsynced, and are then renamed over the final path with ``os.replace``; the parent folder is
+fsynced too, so a crash leaves either the old object, the new one, or nothing, never a torn file.
+A reader that opened the old file keeps reading the old bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import structlog
+
+from runtime.blob._base import (
+    RESERVED_PREFIX,
+    BlobError,
+    BlobNotFound,
+    BlobStore,
+    BlobStoreConfig,
+    StreamSource,
+    iter_source,
+    validate_key,
+)
+
+__all__ = ["FileBlobStore"]
+
+log = structlog.get_logger(__name__)
+
+
+def root_from_url(url: str) -> Path:
+    """``file:///abs/dir`` -> /abs/dir; ``file://rel/dir`` -> rel/dir resolved against the cwd."""
+    path = url.removeprefix("file://")
+    if not path:
+        raise ValueError(f"blob url {url!r} names no folder; use file:///abs/path")
+    return Path(path).resolve()
+
+
+class FileBlobStore(BlobStore):
+    """Blob store on a local (or shared POSIX) filesystem."""
+
+    def __init__(self, config: BlobStoreConfig) -> None:
+        super().__init__(config)
+        self.root = root_from_url(config.url)
+        self._tmp_dir = self.root / RESERVED_PREFIX
+        self._tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*validate_key(key).split("/"))
+
+    # -- whole objects ---------------------------------------------------------------------------
+
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        path = self._path(key)
+        await asyncio.to_thread(self._put_sync, key, path, [memoryview(data)])
+
+    async def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return await asyncio.to_thread(path.read_bytes)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise BlobNotFound(key, self.url) from None
+
+    async def exists(self, key: str) -> bool:
+        path = self._path(key)
+        return await asyncio.to_thread(path.is_file)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        return await asyncio.to_thread(self._list_sync, prefix)
+
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+        await asyncio.to_thread(self._delete_sync, path)
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    async def put_stream(self, key: str, source: StreamSource) -> int:
+        path = self._path(key)
+        tmp = self._new_tmp_path()
+        num_bytes = 0
+        handle = await asyncio.to_thread(open, tmp, "wb")
+        try:
+            async for chunk in iter_source(source, self.config.stream_chunk_bytes):
+                await asyncio.to_thread(handle.write, chunk)
+                num_bytes += len(chunk)
+            await asyncio.to_thread(self._finish_tmp, handle)
+            await asyncio.to_thread(self._publish_tmp, key, tmp, path)
+        except BaseException:
+            handle.close()
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        log.debug("blob_put_stream", key=key, num_bytes=num_bytes, store=self.url)
+        return num_bytes
+
+    async def get_stream(self, key: str, chunk_bytes: int | None = None) -> AsyncIterator[bytes]:
+        size = chunk_bytes or self.config.stream_chunk_bytes
+        path = self._path(key)
+        try:
+            handle = await asyncio.to_thread(open, path, "rb")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise BlobNotFound(key, self.url) from None
+        try:
+            while chunk := await asyncio.to_thread(handle.read, size):
+                yield chunk
+        finally:
+            handle.close()
+
+    # -- blocking helpers (run in threads) -------------------------------------------------------
+
+    def _new_tmp_path(self) -> Path:
+        return self._tmp_dir / f"{uuid.uuid4().hex}.part"
+
+    def _put_sync(self, key: str, path: Path, chunks: list[memoryview]) -> None:
+        tmp = self._new_tmp_path()
+        try:
+            with open(tmp, "wb") as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                self._finish_tmp(handle)
+            self._publish_tmp(key, tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+
+    def _finish_tmp(self, handle: BinaryIO) -> None:
+        handle.flush()
+        if self.config.fsync:
+            os.fsync(handle.fileno())
+        handle.close()
+
+    def _publish_tmp(self, key: str, tmp: Path, path: Path) -> None:
+        # A concurrent delete may prune the parent folder between mkdir and replace: retry.
+        for _ in range(8):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(tmp, path)
+                break
+            except FileNotFoundError:
+                continue
+            except IsADirectoryError:
+                raise BlobError(f"cannot store blob {key!r}: other keys use it as a folder in {self.url}") from None
+        else:
+            raise BlobError(f"could not publish blob {key!r}: its folder kept disappearing")
+        if self.config.fsync:
+            self._fsync_dir(path.parent)
+
+    @staticmethod
+    def _fsync_dir(folder: Path) -> None:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _walk(self, start: Path) -> Iterator[str]:
+        for dirpath, dirnames, filenames in os.walk(start):
+            rel = Path(dirpath).relative_to(self.root).parts
+            if rel[:1] == (RESERVED_PREFIX,):
+                dirnames.clear()
+                continue
+            if not rel:
+                dirnames[:] = [d for d in dirnames if d != RESERVED_PREFIX]
+            for name in filenames:
+                yield "/".join((*rel, name))
+
+    def _list_sync(self, prefix: str) -> list[str]:
+        folder = prefix.rpartition("/")[0]
+        start = self.root.joinpath(*folder.split("/")) if folder else self.root
+        if folder and ".." in folder.split("/"):
+            raise ValueError(f"list prefix {prefix!r} may not contain '..' segments")
+        if not start.is_dir():
+            return []
+        return sorted(key for key in self._walk(start) if key.startswith(prefix))
+
+    def _delete_sync(self, path: Path) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except IsADirectoryError:
+            return
+        folder = path.parent
+        while folder != self.root:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+            folder = folder.parent
