@@ -1,0 +1,174 @@
+"""Grouped-query attention over packed variable-length sequences, with or without a KV cache.
+
+Legend: T packed tokens, H query heads, Hkv key/value heads, G = H / Hkv, Hd head dim, D hidden size,
+B sequences decoding one token each, L key length.
+
+Sequences are packed back to back without padding; `AttentionBatch` says where each one starts and how
+many cached positions precede it. Without a cache (training) every sequence attends causally to itself.
+With a cache (generation) new keys/values are written to the sequence's slot first; one-token sequences
+are attended in one batched call (queries of a KV group stacked as G rows), longer ones one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.layers import RMSNorm, apply_rotary
+
+__all__ = ["Attention", "AttentionBatch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBatch:
+    """Layout of one forward: sequence lengths, cached prefix lengths, positions and the cache."""
+
+    seq_lens: tuple[int, ...]
+    past_lens: tuple[int, ...]
+    position_ids_T: torch.Tensor
+    cache: KVCache | None = None
+    slots: tuple[int, ...] = ()
+    # derived for the batched one-token path (empty without a cache)
+    decode_seqs: tuple[int, ...] = ()
+    decode_rows_B: torch.Tensor | None = None
+    decode_slots_B: torch.Tensor | None = None
+    decode_pos_B: torch.Tensor | None = None
+    decode_mask_B11L: torch.Tensor | None = None
+
+    @property
+    def starts(self) -> list[int]:
+        out, acc = [], 0
+        for n in self.seq_lens:
+            out.append(acc)
+            acc += n
+        return out
+
+    @classmethod
+    def packed(cls, seq_lens: list[int] | tuple[int, ...], device: torch.device | str = "cpu") -> AttentionBatch:
+        """Training layout: every sequence starts at position 0, no cache."""
+        positions = [torch.arange(n, device=device) for n in seq_lens]
+        return cls(
+            seq_lens=tuple(int(n) for n in seq_lens),
+            past_lens=(0,) * len(seq_lens),
+            position_ids_T=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
+        )
+
+    @classmethod
+    def cached(cls, cache: KVCache, slots: list[int], past_lens: list[int], seq_lens: list[int]) -> AttentionBatch:
+        """Generation layout: sequence i continues slot `slots[i]` after `past_lens[i]` cached positions."""
+        device = cache.k[0].device
+        cache.ensure_capacity(max(p + n for p, n in zip(past_lens, seq_lens, strict=True)))
+        pairs = list(zip(past_lens, seq_lens, strict=True))
+        positions = torch.cat([torch.arange(p, p + n, device=device) for p, n in pairs])
+        decode = tuple(i for i, (p, n) in enumerate(pairs) if n == 1 and p > 0)
+        extra: dict[str, object] = {}
+        if decode:
+            starts = torch.tensor(seq_lens, device=device).cumsum(0) - torch.tensor(seq_lens, device=device)
+            idx = torch.tensor(decode, device=device)
+            pos_B = torch.tensor([past_lens[i] for i in decode], device=device)
+            max_len = int(pos_B.max()) + 1
+            extra = {
+                "decode_rows_B": starts[idx],
+                "decode_slots_B": torch.tensor([slots[i] for i in decode], device=device),
+                "decode_pos_B": pos_B,
+                "decode_mask_B11L": (torch.arange(max_len, device=device) <= pos_B[:, None])[:, None, None, :],
+            }
+        return cls(
+            seq_lens=tuple(seq_lens),
+            past_lens=tuple(past_lens),
+            position_ids_T=positions,
+            cache=cache,
+            slots=tuple(slots),
+            decode_seqs=decode,
+            **extra,  # type: ignore[arg-type]
+        )
+
+
+def _sdpa_runs(q_THHd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
+    """Causal attention of each packed sequence with itself; equal-length neighbours share one call."""
+    outs: list[torch.Tensor] = []
+    i, start = 0, 0
+    while i < len(seq_lens):
+        n, j = seq_lens[i], i
+        while j < len(seq_lens) and seq_lens[j] == n:
+            j += 1
+        m = j - i
+        sl = slice(start, start + m * n)
+        qb, kb, vb = (t[sl].view(m, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q_THHd, k, v))
+        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        outs.append(ob.transpose(1, 2).reshape(m * n, q_THHd.shape[1], q_THHd.shape[2]))
+        start += m * n
+        i = j
+    return torch.cat(outs) if len(outs) != 1 else outs[0]
+
+
+class Attention(nn.Module):
+    """Qwen3 attention: q/k/v projections, per-head RMSNorm on q and k, RoPE, GQA, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = hd
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def forward(
+        self, x_TD: torch.Tensor, cos_THd: torch.Tensor, sin_THd: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        t = x_TD.shape[0]
+        q = apply_rotary(self.q_norm(self.q_proj(x_TD).view(t, self.num_heads, self.head_dim)), cos_THd, sin_THd)
+        k = apply_rotary(self.k_norm(self.k_proj(x_TD).view(t, self.num_kv_heads, self.head_dim)), cos_THd, sin_THd)
+        v = self.v_proj(x_TD).view(t, self.num_kv_heads, self.head_dim)
+        if batch.cache is None:
+            o = _sdpa_runs(q, k, v, batch.seq_lens)
+        else:
+            o = self._cached(q, k, v, batch)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        cache, layer = batch.cache, self.layer_idx
+        assert cache is not None
+        o = torch.empty_like(q)
+        decode = set(batch.decode_seqs)
+        for i, start in enumerate(batch.starts):
+            if i in decode:
+                continue
+            n, past, slot = batch.seq_lens[i], batch.past_lens[i], batch.slots[i]
+            sl = slice(start, start + n)
+            cache.write_span(layer, slot, past, k[sl], v[sl])
+            if past == 0:
+                o[sl] = _sdpa_runs(q[sl], k[sl], v[sl], (n,))
+                continue
+            keys, vals = cache.read(layer, [slot], torch.tensor([slot]), past + n)
+            mask = torch.arange(past + n)[None, :] <= torch.arange(past, past + n)[:, None]
+            out = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1)[None], keys, vals, attn_mask=mask, enable_gqa=True
+            )
+            o[sl] = out[0].transpose(0, 1)
+        if batch.decode_seqs:
+            o[batch.decode_rows_B] = self._decode(q, k, v, batch)
+        return o
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        cache, layer = batch.cache, self.layer_idx
+        assert cache is not None and batch.decode_rows_B is not None and batch.decode_mask_B11L is not None
+        rows = batch.decode_rows_B
+        cache.write_tokens(layer, batch.decode_slots_B, batch.decode_pos_B, k[rows], v[rows])
+        slots = [batch.slots[i] for i in batch.decode_seqs]
+        keys, vals = cache.read(layer, slots, batch.decode_slots_B, batch.decode_mask_B11L.shape[-1])
+        b, groups = rows.shape[0], self.num_heads // self.num_kv_heads
+        q_BHkvGHd = q[rows].view(b, self.num_kv_heads, groups, self.head_dim)
+        out = F.scaled_dot_product_attention(q_BHkvGHd, keys, vals, attn_mask=batch.decode_mask_B11L)
+        return out.reshape(b, self.num_heads, self.head_dim)

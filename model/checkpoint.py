@@ -1,0 +1,146 @@
+"""Hugging Face-format checkpoints: safetensors (one file or an index of shards) plus config.json.
+
+Stacked expert tensors map to per-expert HF keys:
+
+    model.layers.{i}.mlp.w_gate_EFD[e]  <->  model.layers.{i}.mlp.experts.{e}.gate_proj.weight   (F, D)
+    model.layers.{i}.mlp.w_up_EFD[e]    <->  model.layers.{i}.mlp.experts.{e}.up_proj.weight     (F, D)
+    model.layers.{i}.mlp.w_down_EDF[e]  <->  model.layers.{i}.mlp.experts.{e}.down_proj.weight   (D, F)
+
+Loading also accepts the fused layout newer `transformers` versions use in memory
+(`mlp.experts.gate_up_proj` (E, 2F, D) and `mlp.experts.down_proj` (E, D, F)).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors.torch import load_file, save_file
+
+from model.config import ModelConfig
+from model.errors import CheckpointError
+from model.experts import ExpertsFn, reference_experts_forward
+from model.transformer import MoETransformer
+
+__all__ = ["from_hf_state_dict", "load_checkpoint", "save_checkpoint", "to_hf_state_dict"]
+
+log = structlog.get_logger(__name__)
+
+_STACKED = {"w_gate_EFD": "gate_proj", "w_up_EFD": "up_proj", "w_down_EDF": "down_proj"}
+_STACKED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp)\.(w_gate_EFD|w_up_EFD|w_down_EDF)$")
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def to_hf_state_dict(model: MoETransformer) -> dict[str, torch.Tensor]:
+    """Parameters under HF names (per-expert tensors are views; lm_head omitted when tied)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        match = _STACKED_KEY.match(name)
+        if match:
+            prefix, proj = match.group(1), _STACKED[match.group(2)]
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.experts.{e}.{proj}.weight"] = tensor[e]
+        elif name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        else:
+            out[name] = tensor
+    return out
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Convert HF names (per-expert or fused experts) to this model's state-dict names."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    f = config.moe_intermediate_size
+    for name, tensor in hf.items():
+        if m := _EXPERT_KEY.match(name):
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = tensor
+        elif m := _FUSED_KEY.match(name):
+            if m.group(2) == "gate_up_proj":
+                out[f"{m.group(1)}.w_gate_EFD"], out[f"{m.group(1)}.w_up_EFD"] = tensor[:, :f], tensor[:, f:]
+            else:
+                out[f"{m.group(1)}.w_down_EDF"] = tensor
+        else:
+            out[name] = tensor
+    inverse = {v: k for k, v in _STACKED.items()}
+    for (prefix, proj), per_expert in experts.items():
+        if sorted(per_expert) != list(range(config.num_experts)):
+            raise CheckpointError(
+                f"{prefix}.experts.*.{proj}: expected experts 0..{config.num_experts - 1}, found {sorted(per_expert)}"
+            )
+        out[f"{prefix}.{inverse[proj]}"] = torch.stack([per_expert[e] for e in range(config.num_experts)])
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def load_state_into(model: MoETransformer, state: dict[str, torch.Tensor]) -> None:
+    """Copy a state dict (this model's names or HF names) into `model`, checking keys and shapes."""
+    if any(_EXPERT_KEY.match(k) or _FUSED_KEY.match(k) for k in state):
+        state = from_hf_state_dict(state, model.config)
+    own = model.state_dict()
+    expected = {k for k in own if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    missing, unexpected = expected - state.keys(), state.keys() - own.keys()
+    if missing or unexpected:
+        raise CheckpointError(
+            f"state dict mismatch: missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}"
+        )
+    for name in expected:
+        if own[name].shape != state[name].shape:
+            raise CheckpointError(
+                f"{name}: checkpoint shape {tuple(state[name].shape)} != model shape {tuple(own[name].shape)}"
+            )
+    with torch.no_grad():
+        for name in expected:
+            own[name].copy_(state[name])
+
+
+def save_checkpoint(model: MoETransformer, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `model.safetensors` and `config.json` (HF names) into `directory`; returns the directory."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
+        for k, v in to_hf_state_dict(model).items()
+    }
+    config = model.config.to_hf_dict()
+    config["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    log.info("checkpoint_saved", directory=str(path), num_tensors=len(tensors))
+    return path
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    single = path / "model.safetensors"
+    if single.exists():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json exists")
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(str(path / shard)))
+    return tensors
+
+
+def load_checkpoint(
+    directory: str | Path,
+    dtype: torch.dtype = torch.float32,
+    experts_fn: ExpertsFn = reference_experts_forward,
+) -> tuple[ModelConfig, MoETransformer]:
+    """Read config.json and safetensors from a local directory into a new model in `dtype`."""
+    path = Path(directory)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}/config.json not found; is this a checkpoint directory?")
+    config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    model = MoETransformer(config, experts_fn)
+    load_state_into(model, _read_tensors(path))
+    model = model.to(dtype)
+    log.info("checkpoint_loaded", directory=str(path), num_parameters=config.num_parameters())
+    return config, model

@@ -1,0 +1,207 @@
+"""Async generation engine for rollouts: continuous batching, KV cache, router capture, in-flight swaps.
+
+Many coroutines call `await engine.generate(prompt_ids, params)`; one background loop owned by the engine
+batches them. Each iteration hands the loop's inbox (new requests, cancellations, weight updates) to
+`EngineCore.step` running in a worker thread (`asyncio.to_thread`), one step at a time, so the event loop
+stays responsive while the model runs. Weight updates are applied between two steps: the pause is the
+parameter copy. Each running sequence then follows the update's `KVPolicy` (recorded in its
+`Generation.swaps`), and the core refuses to attend over KV of another version unless KEEP was chosen.
+
+Lifecycle: CREATED --start()--> RUNNING --stop()--> STOPPED (idempotent; wrong-state calls raise
+`EngineStateError`). stop() finishes the step in progress, then fails outstanding requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+
+import structlog
+import torch
+
+from model._engine_core import EngineCore, Request
+from model.checkpoint import from_hf_state_dict
+from model.errors import EngineError, EngineStateError
+from model.generation import EngineConfig, FinishReason, Generation, KVPolicy, WeightSwap
+from model.sampling import SamplingParams
+from model.transformer import MoETransformer
+
+__all__ = [
+    "EngineConfig",
+    "EngineStatus",
+    "FinishReason",
+    "Generation",
+    "GenerationEngine",
+    "KVPolicy",
+    "SamplingParams",
+    "WeightSwap",
+]
+
+log = structlog.get_logger(__name__)
+
+
+class EngineStatus(enum.StrEnum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(eq=False)
+class _Update:
+    state: dict[str, torch.Tensor]
+    version: int
+    policy: KVPolicy
+    done: asyncio.Future[None]
+
+
+class GenerationEngine:
+    """Batched generation over one `MoETransformer` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: MoETransformer,
+        config: EngineConfig | None = None,
+        *,
+        version: int = 0,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+    ) -> None:
+        self._core = EngineCore(model.eval(), config or EngineConfig(), version, detokenize)
+        self._status = EngineStatus.CREATED
+        self._inbox: list[Request] = []
+        self._cancelled: list[int] = []
+        self._updates: list[_Update] = []
+        self._futures: dict[int, asyncio.Future[Generation]] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def status(self) -> EngineStatus:
+        return self._status
+
+    @property
+    def version(self) -> int:
+        """Weight version of the model (after any update already applied)."""
+        return self._core.version
+
+    @property
+    def model(self) -> MoETransformer:
+        return self._core.model
+
+    def _require(self, status: EngineStatus, action: str) -> None:
+        if self._status is not status:
+            raise EngineStateError(f"cannot {action}: engine is {self._status.value}, expected {status.value}")
+
+    async def start(self) -> None:
+        """Start the background step loop."""
+        self._require(EngineStatus.CREATED, "start")
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(), name="generation-engine")
+        self._status = EngineStatus.RUNNING
+        log.info("engine_started", version=self.version, max_batch_size=self._core.config.max_batch_size)
+
+    async def stop(self) -> None:
+        """Finish the step in progress, fail outstanding requests, stop the loop (idempotent)."""
+        if self._status in (EngineStatus.CREATED, EngineStatus.STOPPED):
+            self._status = EngineStatus.STOPPED
+            return
+        self._stopping = True
+        assert self._wake is not None and self._task is not None
+        self._wake.set()
+        try:
+            await self._task
+        finally:
+            self._fail_outstanding(EngineStateError("engine stopped before the request finished"))
+            if self._status is not EngineStatus.FAILED:
+                self._status = EngineStatus.STOPPED
+            log.info("engine_stopped", status=self._status.value)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Generation:
+        """Generate one completion; batched with every other concurrent call."""
+        self._require(EngineStatus.RUNNING, "generate")
+        request = self._core.make_request(prompt_ids, params or SamplingParams())
+        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self._futures[request.request_id] = future
+        self._inbox.append(request)
+        self._signal()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._futures.pop(request.request_id, None) is not None:
+                self._cancelled.append(request.request_id)
+                self._signal()
+            raise
+
+    async def update_weights(
+        self, state_dict: dict[str, torch.Tensor], version: int, kv_policy: KVPolicy = KVPolicy.RECOMPUTE
+    ) -> None:
+        """Swap in new weights (this model's or HF names) between two decode steps; returns once applied."""
+        self._require(EngineStatus.RUNNING, "update_weights")
+        if version <= self.version or any(u.version >= version for u in self._updates):
+            raise ValueError(f"weight version {version} is not newer than the engine's {self.version}")
+        if any(".experts." in k for k in state_dict):
+            state_dict = from_hf_state_dict(state_dict, self._core.model.config)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._updates.append(_Update(state_dict, version, KVPolicy(kv_policy), done))
+        self._signal()
+        await done
+
+    def _signal(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _take_inputs(self) -> tuple[list[Request], list[int], list[_Update]]:
+        taken = (self._inbox, self._cancelled, self._updates)
+        self._inbox, self._cancelled, self._updates = [], [], []
+        return taken
+
+    def _step(
+        self, requests: list[Request], cancelled: list[int], updates: list[_Update]
+    ) -> list[tuple[int, Generation]]:
+        """Runs in the worker thread: apply inputs in order, then one step."""
+        core = self._core
+        for request_id in cancelled:
+            core.cancel(request_id)
+        for update in updates:
+            core.apply_update(update.state, update.version, update.policy)
+        for request in requests:
+            core.add(request)
+        return core.step()
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while not self._stopping:
+            if not (self._inbox or self._cancelled or self._updates or self._core.has_work):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            requests, cancelled, updates = self._take_inputs()
+            try:
+                finished = await asyncio.to_thread(self._step, requests, cancelled, updates)
+            except Exception as exc:
+                log.exception("engine_step_failed")
+                self._status = EngineStatus.FAILED
+                for update in updates:
+                    if not update.done.done():
+                        update.done.set_exception(EngineError(f"engine step failed: {exc!r}"))
+                self._fail_outstanding(EngineError(f"engine step failed: {exc!r}"))
+                return
+            for update in updates:
+                update.done.set_result(None)
+            for request_id, generation in finished:
+                future = self._futures.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(generation)
+
+    def _fail_outstanding(self, error: Exception) -> None:
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self._futures.clear()
+        for update in self._updates:
+            if not update.done.done():
+                update.done.set_exception(error)
+        self._updates.clear()

@@ -1,0 +1,37 @@
+"""Shared fixtures-as-functions for the model tests: small configs and seeded models."""
+
+from __future__ import annotations
+
+import torch
+
+from model.config import ModelConfig
+from model.transformer import MoETransformer
+
+
+def small_config(**overrides: object) -> ModelConfig:
+    """A fast config with peaked logits (larger init) so greedy decoding has clear winners."""
+    base: dict[str, object] = dict(
+        vocab_size=96,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def seeded_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> MoETransformer:
+    return MoETransformer(config).init_weights(seed).to(dtype).eval()
+
+
+def random_prompts(num: int, vocab: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
