@@ -1,0 +1,211 @@
+"""SwiGLU MoE experts: one signature, three precisions.
+
+    experts_forward(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF) -> y_TD
+    y[t] = sum_k weight[t, k] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = topk_ids[t, k]
+
+Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, M = T*K routed pairs (sorted by
+expert, see :mod:`kernels.routing`).
+
+- REFERENCE: plain torch in the activations' dtype (bf16 or fp32); autograd does the backward.
+- EMULATED / TRITON: :class:`QuantizedExperts`, a custom autograd op. Forward: activations in NVFP4
+  with a per-token FP32 scale, weights in NVFP4 with a per-expert scale, both blocked along the
+  reduction dim. Backward: gradients and saved operands in MXFP8 (block 32) along each GEMM's
+  reduction dim: D for dh = dy W_down, F for dx = dg W_gate + du W_up, tokens for every weight
+  gradient. EMULATED runs the torch reference of the formats and GEMMs; TRITON the Triton kernels
+  (CUDA, or CPU under TRITON_INTERPRET=1). Master weights stay bf16/fp32; gradients come back in the
+  dtype of each input.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from functools import partial
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from kernels._backends import EMULATED, TRITON, QuantBackend, take_rows
+from kernels._checks import check_dtype, check_multiple, check_rank, check_size
+from kernels.formats import ScaleMode
+from kernels.mxfp8 import padded_group_layout
+from kernels.routing import Routing, route
+
+__all__ = [
+    "ExpertsFn",
+    "ExpertsPrecision",
+    "QuantizedExperts",
+    "experts_forward_emulated",
+    "experts_forward_reference",
+    "experts_forward_triton",
+    "make_experts_fn",
+]
+
+log = structlog.get_logger(__name__)
+
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+_QUANT_DTYPES = (torch.bfloat16, torch.float32)
+_REF_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
+class ExpertsPrecision(enum.Enum):
+    """Which implementation computes the experts."""
+
+    REFERENCE = "reference"
+    EMULATED = "emulated"
+    TRITON = "triton"
+
+
+def _check_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, block: int, dtypes=_QUANT_DTYPES) -> None:
+    check_rank("x_TD", x, 2, "tokens x hidden")
+    check_dtype("x_TD", x, dtypes)
+    check_rank("topk_weights_TK", topk_weights, 2, "tokens x top-k")
+    check_size("topk_weights_TK", topk_weights, 0, x.shape[0], "tokens of x_TD")
+    check_rank("topk_ids_TK", topk_ids, 2, "tokens x top-k")
+    check_size("topk_ids_TK", topk_ids, 0, x.shape[0], "tokens of x_TD")
+    check_size("topk_ids_TK", topk_ids, 1, topk_weights.shape[1], "top-k of topk_weights_TK")
+    for name, w in (("w_gate_EFD", w_gate), ("w_up_EFD", w_up), ("w_down_EDF", w_down)):
+        check_rank(name, w, 3, "experts x out x in")
+        check_dtype(name, w, dtypes)
+    num_experts, inter, hidden = w_gate.shape
+    check_size("x_TD", x, 1, hidden, "hidden size D of w_gate_EFD")
+    for name, w, shape in (("w_up_EFD", w_up, (num_experts, inter, hidden)),
+                           ("w_down_EDF", w_down, (num_experts, hidden, inter))):  # fmt: skip
+        for dim, size in enumerate(shape):
+            check_size(name, w, dim, size, f"dim {dim} of (E, F, D) = {(num_experts, inter, hidden)}")
+    if block > 1:
+        check_multiple("x_TD", hidden, block, "hidden size D")
+        check_multiple("w_gate_EFD", inter, block, "intermediate size F")
+
+
+def experts_forward_reference(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w_gate_EFD: torch.Tensor,
+    w_up_EFD: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+) -> torch.Tensor:
+    """Plain torch SwiGLU experts in the dtype of ``x_TD`` (bf16, fp32, or fp64 for tests); autograd."""
+    _check_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, block=1, dtypes=_REF_DTYPES)
+    routing = route(topk_ids_TK, w_gate_EFD.shape[0])
+    dtype = x_TD.dtype
+    x_MD = x_TD[routing.token_M]
+    bounds = routing.offsets_E1.tolist()
+    pieces = []
+    for e in range(w_gate_EFD.shape[0]):
+        x_e = x_MD[bounds[e] : bounds[e + 1]]
+        h_e = F.silu(x_e @ w_gate_EFD[e].to(dtype).t()) * (x_e @ w_up_EFD[e].to(dtype).t())
+        pieces.append(h_e @ w_down_EDF[e].to(dtype).t())
+    y_MD = torch.cat(pieces) if pieces else x_MD
+    w_M = topk_weights_TK.reshape(-1)[routing.pair_M].to(dtype)
+    return torch.zeros_like(x_TD).index_add(0, routing.token_M, y_MD * w_M[:, None])
+
+
+class QuantizedExperts(torch.autograd.Function):
+    """NVFP4 forward / MXFP8 backward SwiGLU experts over a precomputed :class:`Routing`."""
+
+    @staticmethod
+    def forward(ctx, x_TD, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, routing, backend, mx_mode):
+        off, token = routing.offsets_E1, routing.token_M
+        xq_M = take_rows(backend.nvfp4_rows(x_TD.contiguous()), token)
+        g_MF = backend.nvfp4_mm(xq_M, backend.nvfp4_experts(w_gate_EFD.contiguous()), off)
+        u_MF = backend.nvfp4_mm(xq_M, backend.nvfp4_experts(w_up_EFD.contiguous()), off)
+        h_MF = F.silu(g_MF) * u_MF
+        hq_M = backend.nvfp4_rows(h_MF)
+        y_MD = backend.nvfp4_mm(hq_M, backend.nvfp4_experts(w_down_EDF.contiguous()), off)
+        w_M = topk_weights_TK.reshape(-1)[routing.pair_M].float()
+        y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+        y_TD.index_add_(0, token, y_MD * w_M[:, None])
+        ctx.save_for_backward(x_TD, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, g_MF, u_MF, h_MF, y_MD)
+        ctx.routing, ctx.backend, ctx.mx_mode = routing, backend, mx_mode
+        return y_TD.to(x_TD.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_TD):
+        x_TD, topk_w, w_gate, w_up, w_down, g_MF, u_MF, h_MF, y_MD = ctx.saved_tensors
+        routing: Routing = ctx.routing
+        backend: QuantBackend = ctx.backend
+        mode: ScaleMode = ctx.mx_mode
+        off, token = routing.offsets_E1, routing.token_M
+        dy_gathered = dy_TD.float()[token]
+        d_topk = torch.zeros(topk_w.numel(), dtype=torch.float32, device=dy_TD.device)
+        d_topk[routing.pair_M] = (dy_gathered * y_MD).sum(-1)
+        dy_MD = dy_gathered * topk_w.reshape(-1)[routing.pair_M].float()[:, None]
+        layout = padded_group_layout(off, routing.num_rows)
+        cols = partial(backend.mx_grouped_cols, layout=layout, mode=mode)
+        poff = layout.padded_offsets_E1
+
+        w_down_T = backend.mx_experts(w_down.transpose(1, 2).contiguous(), mode)  # (E, F, D) along D
+        dh_MF = backend.mx_mm(backend.mx_rows(dy_MD, mode), w_down_T, off)
+        dw_down = backend.mx_wgrad(cols(dy_MD), cols(h_MF), poff)  # (E, D, F)
+        sig = torch.sigmoid(g_MF)
+        dg_MF = dh_MF * u_MF * sig * (1.0 + g_MF * (1.0 - sig))
+        du_MF = dh_MF * g_MF * sig
+
+        w_gate_T = backend.mx_experts(w_gate.transpose(1, 2).contiguous(), mode)  # (E, D, F) along F
+        w_up_T = backend.mx_experts(w_up.transpose(1, 2).contiguous(), mode)
+        dx_MD = backend.mx_mm(backend.mx_rows(dg_MF, mode), w_gate_T, off)
+        dx_MD += backend.mx_mm(backend.mx_rows(du_MF, mode), w_up_T, off)
+        xq_cols = cols(x_TD[token].contiguous())
+        dw_gate = backend.mx_wgrad(cols(dg_MF), xq_cols, poff)  # (E, F, D)
+        dw_up = backend.mx_wgrad(cols(du_MF), xq_cols, poff)
+        dx_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device).index_add_(0, token, dx_MD)
+        return (
+            dx_TD.to(x_TD.dtype),
+            d_topk.reshape(topk_w.shape).to(topk_w.dtype),
+            dw_gate.to(w_gate.dtype),
+            dw_up.to(w_up.dtype),
+            dw_down.to(w_down.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def _quantized_forward(
+    backend: QuantBackend,
+    mx_mode: ScaleMode,
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w_gate_EFD: torch.Tensor,
+    w_up_EFD: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+) -> torch.Tensor:
+    _check_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, block=32)
+    backend.check_device(x_TD.device)
+    routing = route(topk_ids_TK, w_gate_EFD.shape[0])
+    return QuantizedExperts.apply(x_TD, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, routing, backend, mx_mode)
+
+
+def experts_forward_emulated(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+    """NVFP4 forward / MXFP8 (RCEIL) backward, emulated in torch. D and F must be multiples of 32."""
+    return _quantized_forward(
+        EMULATED, ScaleMode.RCEIL, x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF
+    )
+
+
+def experts_forward_triton(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+    """NVFP4 forward / MXFP8 (RCEIL) backward with the Triton kernels. D and F multiples of 32."""
+    return _quantized_forward(
+        TRITON, ScaleMode.RCEIL, x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF
+    )
+
+
+def make_experts_fn(mode: ExpertsPrecision, mx_scale_mode: ScaleMode = ScaleMode.RCEIL) -> ExpertsFn:
+    """The experts function for a precision mode; all share the signature of the module docstring.
+
+    Raises:
+        TypeError: ``mode`` is not an :class:`ExpertsPrecision`.
+    """
+    if not isinstance(mode, ExpertsPrecision):
+        raise TypeError(f"mode must be an ExpertsPrecision ({[m.name for m in ExpertsPrecision]}); got {mode!r}")
+    log.info("experts_fn_selected", mode=mode.value, mx_scale_mode=mx_scale_mode.value)
+    if mode is ExpertsPrecision.REFERENCE:
+        return experts_forward_reference
+    backend = EMULATED if mode is ExpertsPrecision.EMULATED else TRITON
+    return partial(_quantized_forward, backend, mx_scale_mode)

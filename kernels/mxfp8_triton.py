@@ -1,0 +1,122 @@
+"""Triton MXFP8 quantizers (rows, and grouped columns), each beside its launcher.
+
+They produce the same bytes as :mod:`kernels.mxfp8` (the torch reference); tests check this under
+``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check_contiguous, check_dtype, check_multiple, check_rank
+from kernels._triton_formats import e8m0_scale, mx_encode, nan_aware_amax
+from kernels.formats import ScaleMode
+from kernels.mxfp8 import MX_BLOCK, MXTensor, PaddedGroups
+
+__all__ = ["triton_mxfp8_quantize_experts", "triton_mxfp8_quantize_grouped_cols", "triton_mxfp8_quantize_rows"]
+
+
+@triton.jit
+def _mxfp8_rows_kernel(
+    x_ptr, codes_ptr, scales_ptr, num_rows, num_cols,
+    BLOCK_M: tl.constexpr, IS_RCEIL: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M rows x one block of 32 columns."""
+    pid_m = tl.program_id(0)
+    blk = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = blk * 32 + tl.arange(0, 32)
+    mask = (rows < num_rows)[:, None]
+    offs = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = nan_aware_amax(x, 1)
+    e = e8m0_scale(amax, IS_RCEIL)
+    codes = mx_encode(x, e, IS_RCEIL)
+    tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
+    num_blocks = num_cols // 32
+    scale_offs = rows.to(tl.int64)[:, None] * num_blocks + blk
+    tl.store(scales_ptr + scale_offs, e.to(tl.uint8), mask=mask)
+
+
+def triton_mxfp8_quantize_rows(x_MK: torch.Tensor, mode: ScaleMode = ScaleMode.RCEIL, block_m: int = 32) -> MXTensor:
+    """MXFP8 along the last dim of a contiguous 2-D bf16/fp32 tensor (K a multiple of 32).
+
+    Raises:
+        KernelDTypeError, KernelShapeError, KernelStrideError: on a bad input.
+    """
+    check_dtype("x_MK", x_MK, (torch.bfloat16, torch.float32))
+    check_rank("x_MK", x_MK, 2, "rows x reduction dim")
+    check_contiguous("x_MK", x_MK)
+    rows, cols = x_MK.shape
+    check_multiple("x_MK", cols, MX_BLOCK, "last dim")
+    codes = torch.empty(rows, cols, dtype=torch.uint8, device=x_MK.device)
+    scales = torch.empty(rows, cols // MX_BLOCK, dtype=torch.uint8, device=x_MK.device)
+    if rows and cols:
+        grid = (triton.cdiv(rows, block_m), cols // MX_BLOCK)
+        _mxfp8_rows_kernel[grid](x_MK, codes, scales, rows, cols, BLOCK_M=block_m, IS_RCEIL=mode is ScaleMode.RCEIL)
+    return MXTensor(codes=codes, scales=scales, dim=-1, mode=mode)
+
+
+def triton_mxfp8_quantize_experts(w_ENK: torch.Tensor, mode: ScaleMode = ScaleMode.RCEIL) -> MXTensor:
+    """MXFP8 of expert weights (E, N, K) along K: codes (E, N, K), scales (E, N, K/32)."""
+    check_rank("w_ENK", w_ENK, 3, "experts x out x reduction dim")
+    num_experts, rows, cols = w_ENK.shape
+    check_contiguous("w_ENK", w_ENK)
+    mx = triton_mxfp8_quantize_rows(w_ENK.view(num_experts * rows, cols), mode)
+    return MXTensor(
+        codes=mx.codes.view(num_experts, rows, cols),
+        scales=mx.scales.view(num_experts, rows, cols // MX_BLOCK),
+        dim=-1,
+        mode=mode,
+    )
+
+
+@triton.jit
+def _mxfp8_grouped_cols_kernel(
+    x_ptr, src_rows_ptr, codes_ptr, scales_ptr, num_cols,
+    BLOCK_N: tl.constexpr, IS_RCEIL: tl.constexpr,
+):  # fmt: skip
+    """One program: 32 padded rows (one scale row) x BLOCK_N columns, gathered from their sources."""
+    blk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    prow = blk * 32 + tl.arange(0, 32)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    src = tl.load(src_rows_ptr + prow)
+    col_ok = (cols < num_cols)[None, :]
+    load_mask = (src >= 0)[:, None] & col_ok
+    src_offs = tl.maximum(src, 0).to(tl.int64)[:, None] * num_cols + cols[None, :]
+    x = tl.load(x_ptr + src_offs, mask=load_mask, other=0.0).to(tl.float32)
+    amax = nan_aware_amax(x, 0)
+    e = e8m0_scale(amax, IS_RCEIL)
+    codes = mx_encode(x, e, IS_RCEIL)
+    dst_offs = prow.to(tl.int64)[:, None] * num_cols + cols[None, :]
+    tl.store(codes_ptr + dst_offs, codes.to(tl.uint8), mask=col_ok)
+    scale_offs = blk.to(tl.int64) * num_cols + cols[None, :]
+    tl.store(scales_ptr + scale_offs, e.to(tl.uint8), mask=col_ok)
+
+
+def triton_mxfp8_quantize_grouped_cols(
+    x_MN: torch.Tensor, layout: PaddedGroups, mode: ScaleMode = ScaleMode.RCEIL, block_n: int = 32
+) -> MXTensor:
+    """MXFP8 along dim 0 in per-group blocks of 32 (the padded layout of :func:`padded_group_layout`).
+
+    Returns codes (P, N) and scales (P/32, N) like :func:`kernels.mxfp8.mxfp8_quantize_grouped_cols`.
+    """
+    check_dtype("x_MN", x_MN, (torch.bfloat16, torch.float32))
+    check_rank("x_MN", x_MN, 2, "tokens x features")
+    check_contiguous("x_MN", x_MN)
+    src = layout.src_rows_P
+    check_dtype("layout.src_rows_P", src, (torch.int32, torch.int64))
+    check_multiple("layout.src_rows_P", src.numel(), MX_BLOCK, "padded row count")
+    num_padded, cols = src.numel(), x_MN.shape[1]
+    codes = torch.empty(num_padded, cols, dtype=torch.uint8, device=x_MN.device)
+    scales = torch.empty(num_padded // MX_BLOCK, cols, dtype=torch.uint8, device=x_MN.device)
+    if num_padded and cols:
+        src_arg = src.contiguous() if x_MN.shape[0] else torch.full_like(src, -1)
+        grid = (num_padded // MX_BLOCK, triton.cdiv(cols, block_n))
+        _mxfp8_grouped_cols_kernel[grid](
+            x_MN, src_arg, codes, scales, cols, BLOCK_N=block_n, IS_RCEIL=mode is ScaleMode.RCEIL
+        )
+    return MXTensor(codes=codes, scales=scales, dim=0, mode=mode)
