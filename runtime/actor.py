@@ -319,7 +319,7 @@ class Actor:
         if self.Config is None or self.config is None:
             return
         kv = await self.bus.kv("config")
-        watcher = await kv.watch(f"{self.kind}.>")
+        watcher = await kv.watch(">")
         try:
             async for entry in watcher:
                 if entry is None or entry.value is None or entry.operation is not None:
@@ -329,8 +329,8 @@ class Actor:
             with contextlib.suppress(Exception):
                 await watcher.stop()
 
-    async def _apply_config(self, full_key: str, raw: bytes) -> None:
-        key = full_key.removeprefix(f"{self.kind}.")
+    async def _apply_config(self, key: str, raw: bytes) -> None:
+        full_key = key
         try:
             value = msgpack.unpackb(raw, raw=False)
             if not config_mod.is_live(type(self.config), key):

@@ -30,7 +30,7 @@ async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog) -
     cfg = load_run_config([run_dir / CONFIG_FILE])
     spec = cfg.runtime.actors[kind]
     cls = import_entry(spec.entry)
-    module_file = Path(sys.modules[cls.__module__].__file__ or ".").resolve()
+    module_file = Path(sys.modules[spec.entry.partition(":")[0]].__file__ or ".").resolve()
     identity = ActorIdentity.here(kind, actor_id, code_hash(extra_roots=(module_file.parent,)))
     bus = await Bus.connect(info.nats_url, name=actor_id, limits=BusLimits(ack_wait_s=cfg.runtime.bus.ack_wait_s))
     blob = open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None)

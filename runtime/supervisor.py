@@ -158,8 +158,11 @@ class Supervisor:
         ap.retiring = True
         sup = self.config.supervisor
         drain_timeout = self.config.actors[ap.kind].drain_timeout_s
-        with contextlib.suppress(Exception):
+        try:
             await self.bus.nc.request(f"ctl.{ap.actor_id}.drain", b"", timeout=2.0)
+        except Exception:  # not listening yet (still starting) or wedged: SIGTERM also means drain
+            with contextlib.suppress(ProcessLookupError):
+                ap.proc.send_signal(signal.SIGTERM)
         if await _wait_exit(ap.proc, drain_timeout):
             return
         log.warning("actor_drain_timeout", actor_id=ap.actor_id, timeout_s=drain_timeout)

@@ -106,9 +106,10 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
                 outcome = await supervisor.run()
             finally:
                 forwarder.cancel()
-        if terminal is not None:
-            line = f"\nrun {outcome.value}" + (f": {supervisor.failure}" if supervisor.failure else "")
-            print(line, file=terminal, flush=True)
+        if supervisor.failure:
+            print(f"run failed: {supervisor.failure}", file=sys.stderr, flush=True)
+        elif terminal is not None:
+            print(f"\nrun {outcome.value}", file=terminal, flush=True)
         return outcome
     raise AssertionError("unreachable")
 

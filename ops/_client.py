@@ -1,0 +1,42 @@
+"""What every ops command does first: find the run, connect to its bus, ask and decode a reply."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from runtime.bus import Bus
+from runtime.errors import BusError, ConfigError
+from runtime.rundir import RunInfo, latest_run_dir
+
+
+def resolve_run_dir(run_dir: Path | None, runs_dir: Path = Path("runs")) -> Path:
+    if run_dir is not None:
+        return run_dir
+    latest = latest_run_dir(runs_dir)
+    if latest is None:
+        raise ConfigError(f"no run directory given and none found under {runs_dir}/; pass RUN_DIR")
+    return latest
+
+
+async def connect(run_dir: Path, name: str) -> Bus:
+    info = RunInfo.read(run_dir)
+    return await Bus.connect(info.nats_url, name=name)
+
+
+async def request(bus: Bus, subject: str, body: dict[str, Any] | None = None,
+                  timeout_s: float = 5.0) -> dict[str, Any]:
+    payload = msgpack.packb(body or {}, use_bin_type=True)
+    try:
+        reply = await bus.nc.request(subject, payload, timeout=timeout_s)
+    except Exception as e:
+        raise BusError(f"no reply on {subject} within {timeout_s}s ({e!r}); is the run still up?") from e
+    return msgpack.unpackb(reply.data, raw=False)
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2

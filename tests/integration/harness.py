@@ -1,0 +1,133 @@
+"""Starts a real run (``python -m runtime.up``) as a subprocess and talks to it over its real bus."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from runtime.bus import Bus
+from runtime.rundir import RunInfo
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+class LiveRun:
+    def __init__(self, run_dir: Path, config: Path, *extra: str, pythonpath: tuple[Path, ...] = ()) -> None:
+        self.pythonpath = ":".join(str(p) for p in (REPO, *pythonpath))
+        self.run_dir = run_dir
+        self.config = config
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.bus: Bus | None = None
+        self.info: RunInfo | None = None
+
+    async def start(self, timeout_s: float = 60.0) -> LiveRun:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.up", "--config", str(self.config), "--run-dir", str(self.run_dir),
+             "--quiet", *self.extra],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": self.pythonpath})
+        deadline = time.monotonic() + timeout_s
+        while not (self.run_dir / "run.json").exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"runtime.up exited {self.proc.returncode}: {self.output()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("runtime.up did not write run.json")
+            await asyncio.sleep(0.05)
+        self.info = RunInfo.read(self.run_dir)
+        self.bus = await Bus.connect(self.info.nats_url, name="test")
+        return self
+
+    def output(self) -> str:
+        if self.proc is None or self.proc.stdout is None or self.proc.poll() is None:
+            return ""
+        return self.proc.stdout.read().decode(errors="replace")
+
+    async def request(self, subject: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
+        assert self.bus is not None
+        reply = await self.bus.nc.request(subject, msgpack.packb(body or {}), timeout=timeout)
+        return msgpack.unpackb(reply.data, raw=False)
+
+    async def actors(self) -> list[dict[str, Any]]:
+        return (await self.request("ctl.supervisor.status"))["actors"]
+
+    async def wait_actors(self, kind: str, n: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Waits until n actors of kind are registered as running (consuming)."""
+        assert self.bus is not None
+        kv = await self.bus.kv("actors")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            running = []
+            for key in await _keys(kv):
+                entry = await kv.get(key)
+                info = msgpack.unpackb(entry.value, raw=False) if entry.value else {}
+                if info.get("kind") == kind and info.get("state") == "running":
+                    running.append(info)
+            if len(running) >= n:
+                return running
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"{n} running {kind} actors not seen within {timeout_s}s")
+
+    async def stop(self, timeout_s: float = 60.0) -> int:
+        if self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+async def _keys(kv: Any) -> list[str]:
+    try:
+        return await kv.keys()
+    except Exception:  # NoKeysError when empty
+        return []
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process whose ancestry includes pid (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in found:
+                found.add(child)
+                frontier.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -1,0 +1,245 @@
+"""The runtime's acceptance tests, on a real nats-server and real actor processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+import pytest
+from nats.js.errors import NoKeysError
+
+from runtime.codec import Codec
+from tests.integration.harness import REPO, LiveRun, alive, descendants, write_config
+from tests.integration.workers import CountRequest
+
+COUNTER_RUN = """
+[supervisor]
+max_restarts = 10
+backoff_base_s = 0.2
+
+[actors.counter]
+entry = "tests.integration.workers:CounterActor"
+count = {count}
+max_concurrency = {concurrency}
+heartbeat_s = 1.0
+"""
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def _publish(run: LiveRun, keys: list[str], sleep_s: float = 0.0) -> None:
+    assert run.bus is not None
+    codec = Codec([CountRequest])
+    for key in keys:
+        await run.bus.publish_durable("work.count", await codec.encode(CountRequest(key, sleep_s)), msg_id=key)
+
+
+async def _collect(run: LiveRun, subject: str, sink: list[dict]) -> object:
+    assert run.bus is not None
+
+    async def on_msg(raw) -> None:
+        sink.append(msgpack.unpackb(raw.data, raw=False))
+
+    return await run.bus.nc.subscribe(subject, cb=on_msg)
+
+
+async def _effects(run: LiveRun) -> dict[str, dict]:
+    assert run.bus is not None
+    kv = await run.bus.kv("effects")
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return {}
+    return {k: msgpack.unpackb((await kv.get(k)).value, raw=False) for k in keys}
+
+
+async def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture
+def counter_config(tmp_path: Path):
+    def make(count: int = 2, concurrency: int = 8) -> Path:
+        return write_config(tmp_path / "run.toml", COUNTER_RUN.format(count=count, concurrency=concurrency))
+
+    return make
+
+
+async def test_kill_9_during_handling_loses_nothing(tmp_path: Path, counter_config) -> None:
+    run = await LiveRun(tmp_path / "run", counter_config(count=2), "--set", "bus.ack_wait_s=3.0").start()
+    try:
+        victims = await run.wait_actors("counter", 2)
+        handled: list[dict] = []
+        started: list[dict] = []
+        await _collect(run, "test.handled", handled)
+        await _collect(run, "test.started", started)
+        keys = [f"k{i}" for i in range(400)]
+        await _publish(run, keys, sleep_s=0.05)
+        await asyncio.sleep(0.4)
+        os.kill(victims[0]["pid"], signal.SIGKILL)  # mid-flight: it holds unacked messages
+
+        async def all_done() -> bool:
+            return len(await _effects(run)) == len(keys)
+
+        await _wait_for(all_done, 90, "every message's effect")
+        effects = await _effects(run)
+        assert sorted(effects) == sorted(keys)
+        # Exactly once in effect: each key's effect was created once; redeliveries were recognised.
+        created = Counter(h["key"] for h in handled if not h["duplicate"])
+        assert all(created[k] <= 1 for k in keys)
+        assert any(s["n"] > 1 for s in started), "the kill interrupted work that was then redelivered"
+        actors = await run.actors()
+        assert victims[0]["id"] not in {a["id"] for a in actors}, "the killed actor was restarted under a new id"
+    finally:
+        assert await run.stop() == 0
+
+
+async def test_hot_swap_under_load_loses_and_duplicates_nothing(tmp_path: Path, counter_config) -> None:
+    code_dir = tmp_path / "code"
+    code_dir.mkdir()
+    (code_dir / "swapped_worker.py").write_text("from tests.integration.workers import CounterActor\nVERSION = 1\n")
+    cfg = write_config(tmp_path / "run.toml", COUNTER_RUN.format(count=2, concurrency=16).replace(
+        "tests.integration.workers:CounterActor", "swapped_worker:CounterActor"))
+    run = await LiveRun(tmp_path / "run", cfg, pythonpath=(code_dir,)).start()
+    try:
+        old = await run.wait_actors("counter", 2)
+        started: list[dict] = []
+        handled: list[dict] = []
+        await _collect(run, "test.started", started)
+        await _collect(run, "test.handled", handled)
+        keys = [f"s{i}" for i in range(1000)]
+
+        async def paced() -> None:  # keep messages flowing for the whole swap (~3 s)
+            for i in range(0, len(keys), 50):
+                await _publish(run, keys[i:i + 50], sleep_s=0.02)
+                await asyncio.sleep(0.15)
+
+        publisher = asyncio.create_task(paced())
+        await asyncio.sleep(0.3)
+        (code_dir / "swapped_worker.py").write_text(
+            "from tests.integration.workers import CounterActor\nVERSION = 2  # new code on disk\n")
+        swap = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "ops.swap", "counter",
+                                                       str(run.run_dir)], cwd=REPO, capture_output=True,
+                                       text=True, timeout=120)
+        assert swap.returncode == 0, swap.stderr
+        await publisher
+        report = __import__("json").loads(swap.stdout)
+
+        async def all_done() -> bool:
+            return len(await _effects(run)) == len(keys)
+
+        await _wait_for(all_done, 90, "all 1000 effects")
+        starts = Counter(s["key"] for s in started)
+        assert set(starts) == set(keys), "zero lost"
+        assert max(starts.values()) == 1, "zero handled twice (graceful drain never redelivers)"
+        assert not any(h["duplicate"] for h in handled)
+        old_hashes = {o["code_hash"] for o in report["old"]}
+        new_hashes = {n["code_hash"] for n in report["new"]}
+        assert old_hashes == {a["code_hash"] for a in old}
+        assert old_hashes.isdisjoint(new_hashes), report
+        assert {h["code_hash"] for h in handled} == old_hashes | new_hashes, "both generations consumed"
+        for o in old:
+            assert not alive(o["pid"]), f"old process {o['pid']} still alive"
+    finally:
+        assert await run.stop() == 0
+
+
+async def test_bad_messages_are_dead_lettered_and_actor_keeps_serving(tmp_path: Path, counter_config) -> None:
+    run = await LiveRun(tmp_path / "run", counter_config(count=1)).start()
+    try:
+        await run.wait_actors("counter", 1)
+        assert run.bus is not None
+        js = run.bus.js
+        await js.publish("work.count", b"\xc1not msgpack")
+        await js.publish("work.count", msgpack.packb({"schema": 1, "type": "no.such", "v": 1, "body": b""}))
+        await js.publish("work.count", b"\x00" * (2 * 1024 * 1024))  # over the 1 MiB inline limit
+        await js.publish("work.count", msgpack.packb(
+            {"schema": 1, "type": "test.count", "v": 1, "body": msgpack.packb({"key": 5})}))  # wrong field type
+        await _publish(run, ["after"])
+
+        async def served() -> bool:
+            return "after" in await _effects(run)
+
+        await _wait_for(served, 30, "the actor to keep serving")
+        sub = await js.subscribe("dlq.>", ordered_consumer=True, deliver_policy=None)
+        reasons = []
+        for _ in range(4):
+            m = await sub.next_msg(timeout=5)
+            reasons.append(m.headers["Reason"])
+        assert sorted(reasons) == ["invalid", "malformed", "oversized", "unknown_type"]
+        events = [line for f in (run.run_dir / "logs").glob("counter-*.jsonl") for line in f.read_text().splitlines()]
+        assert sum('"message_dead_lettered"' in e for e in events) == 4
+    finally:
+        assert await run.stop() == 0
+
+
+async def test_sigterm_leaves_no_process_behind(tmp_path: Path, counter_config) -> None:
+    run = await LiveRun(tmp_path / "run", counter_config(count=3)).start()
+    assert run.proc is not None
+    await run.wait_actors("counter", 3)
+    tree = descendants(run.proc.pid)
+    assert len(tree) >= 4, f"expected nats-server and 3 actors, saw {tree}"
+    assert await run.stop() == 0
+    time.sleep(0.2)
+    assert [p for p in tree if alive(p)] == []
+
+
+async def test_restart_intensity_limit_fails_the_run(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "run.toml", """
+[supervisor]
+max_restarts = 2
+restart_window_s = 60.0
+backoff_base_s = 0.1
+
+[actors.crasher]
+entry = "tests.integration.workers:CrashingActor"
+""")
+    run = await LiveRun(tmp_path / "run", cfg).start()
+    assert run.proc is not None
+    rc = await asyncio.to_thread(run.proc.wait, 60)
+    out = run.proc.stdout.read().decode() if run.proc.stdout else ""
+    assert rc == 1, out
+    events = (run.run_dir / "logs" / "supervisor.jsonl").read_text()
+    assert '"restart_intensity_exceeded"' in events
+    assert events.count('"actor_crashed"') == 3
+    await run.stop()
+    assert "crashed 3 times" in out
+
+
+async def test_live_config_reaches_every_actor_within_a_second(tmp_path: Path, counter_config) -> None:
+    run = await LiveRun(tmp_path / "run", counter_config(count=3)).start()
+    try:
+        actors = await run.wait_actors("counter", 3)
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "ops.config", "set",
+                                                        "counter.delay_scale", "0.25", str(run.run_dir)],
+                                       cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        t_set = time.monotonic()
+        seen: dict[str, float] = {}
+        while len(seen) < 3 and time.monotonic() - t_set < 5:
+            for a in actors:
+                if a["id"] not in seen:
+                    status = await run.request(f"ctl.{a['id']}.status")
+                    if status["delay_scale"] == 0.25:
+                        seen[a["id"]] = time.monotonic() - t_set
+            await asyncio.sleep(0.02)
+        assert len(seen) == 3 and max(seen.values()) < 1.0, seen
+        assert {a["pid"] for a in await run.wait_actors("counter", 3)} == {a["pid"] for a in actors}, "no restart"
+        bad = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "ops.config", "set",
+                                                       "counter.note", '"x"', str(run.run_dir)],
+                                      cwd=REPO, capture_output=True, text=True)
+        assert bad.returncode == 2 and "not live" in bad.stderr
+    finally:
+        assert await run.stop() == 0

@@ -1,0 +1,71 @@
+"""Actor kinds used by the runtime's integration tests (started for real by runtime.up)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+import msgpack
+from nats.js.errors import KeyWrongLastSequenceError
+
+from runtime.actor import Actor, Delivery
+from runtime.bus import work_queue
+from runtime.codec import message
+from runtime.config import live
+
+
+@message("test.count")
+class CountRequest:
+    key: str
+    sleep_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class CounterSection:
+    delay_scale: float = live(1.0)
+    note: str = "fixed"
+
+
+@dataclass(frozen=True)
+class CounterConfig:
+    counter: CounterSection = CounterSection()
+
+
+class CounterActor(Actor):
+    """Sleeps, then records its effect once per key (KV create): at-least-once in, once in effect."""
+
+    kind = "counter"
+    queues = (work_queue("count"),)
+    messages = (CountRequest,)
+    Config = CounterConfig
+
+    async def setup(self) -> None:
+        self.effects = await self.bus.kv("effects")
+
+    async def handle(self, msg: CountRequest, delivery: Delivery) -> None:  # type: ignore[override]
+        await self.bus.nc.publish("test.started", msgpack.packb(
+            {"key": msg.key, "actor": self.identity.actor_id, "n": delivery.num_delivered}))
+        delivery.task_group.create_task(asyncio.sleep(msg.sleep_s * self.config.counter.delay_scale))
+        await asyncio.sleep(msg.sleep_s * self.config.counter.delay_scale)
+        record = msgpack.packb({"actor": self.identity.actor_id, "code_hash": self.identity.code_hash})
+        try:
+            await self.effects.create(msg.key, record)
+            duplicate = False
+        except KeyWrongLastSequenceError:
+            duplicate = True  # a redelivery of work whose effect already happened
+        await self.bus.nc.publish("test.handled", msgpack.packb(
+            {"key": msg.key, "actor": self.identity.actor_id, "duplicate": duplicate,
+             "code_hash": self.identity.code_hash}))
+
+    def status(self) -> dict:
+        return {"delay_scale": self.config.counter.delay_scale}
+
+
+class CrashingActor(Actor):
+    """Dies during start-up, every time: exercises the restart intensity limit."""
+
+    kind = "crasher"
+
+    async def setup(self) -> None:
+        os._exit(3)

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import enum
+
+import msgpack
+import pytest
+
+from runtime.codec import Codec, CodecLimits, message
+from runtime.errors import MessageError
+
+
+class Stage(enum.Enum):
+    ROLLOUT = "rollout"
+    REWARD = "reward"
+
+
+@message("test.inner")
+class Inner:
+    tokens: tuple[int, ...]
+    score: float
+
+
+@message("test.outer", version=2)
+class Outer:
+    sample_id: str
+    stage: Stage
+    inner: Inner
+    tags: dict[str, int]
+    note: str | None = None
+
+
+class MemoryBlob:
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    async def put(self, key: str, data: bytes) -> None:
+        self.objects[key] = data
+
+    async def get(self, key: str) -> bytes:
+        return self.objects[key]
+
+
+async def test_round_trip_is_typed() -> None:
+    codec = Codec([Outer, Inner])
+    msg = Outer("s1", Stage.REWARD, Inner((1, 2, 3), 0.5), {"a": 1})
+    out = await codec.decode(await codec.encode(msg))
+    assert out == msg and isinstance(out.stage, Stage) and isinstance(out.inner.tokens, tuple)
+
+
+async def test_large_bodies_travel_through_blob_storage() -> None:
+    blob = MemoryBlob()
+    codec = Codec([Inner], blob=blob, limits=CodecLimits(inline_limit_bytes=1024))
+    msg = Inner(tuple(range(5000)), 1.0)
+    wire = await codec.encode(msg)
+    assert len(wire) < 300 and len(blob.objects) == 1
+    assert await codec.decode(wire) == msg
+
+
+@pytest.mark.parametrize(("wire", "reason"), [
+    (b"\xc1", "malformed"),
+    (msgpack.packb([1, 2]), "malformed"),
+    (msgpack.packb({"schema": 1, "type": "nope", "v": 1, "body": b""}), "unknown_type"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 7, "body": b""}), "version_mismatch"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1,
+                    "body": msgpack.packb({"tokens": "x", "score": 1.0})}), "invalid"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1,
+                    "body": msgpack.packb({"tokens": [1], "score": 1.0, "extra": 1})}), "invalid"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "body": msgpack.packb({"score": 1.0})}),
+     "invalid"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": "gone"}), "blob_missing"),
+    (b"\x00" * 2_000_000, "oversized"),
+])
+async def test_bad_input_is_rejected_with_a_reason(wire: bytes, reason: str) -> None:
+    codec = Codec([Inner], blob=MemoryBlob())
+    with pytest.raises(MessageError) as err:
+        await codec.decode(wire)
+    assert err.value.reason == reason
+
+
+async def test_enum_values_are_validated() -> None:
+    codec = Codec([Outer, Inner])
+    good = await codec.encode(Outer("s", Stage.ROLLOUT, Inner((), 0.0), {}))
+    env = msgpack.unpackb(good)
+    body = msgpack.unpackb(env["body"])
+    body["stage"] = "training"
+    env["body"] = msgpack.packb(body)
+    with pytest.raises(MessageError, match="not a Stage"):
+        await codec.decode(msgpack.packb(env))
+
+
+def test_unregistered_type_cannot_be_encoded() -> None:
+    codec = Codec([Inner])
+    with pytest.raises(TypeError):
+        import asyncio
+
+        asyncio.run(codec.encode(Outer("s", Stage.ROLLOUT, Inner((), 0.0), {})))

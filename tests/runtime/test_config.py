@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from runtime import config
+from runtime.errors import ConfigError
+from runtime.run_config import load_run_config
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    SAFE = "safe"
+
+
+@dataclass(frozen=True)
+class Rollout:
+    temperature: float = config.live(1.0)
+    max_tokens: int = 256
+    mode: Mode = Mode.SAFE
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.temperature <= 2.0:
+            raise ValueError(f"temperature={self.temperature} must be in (0, 2]")
+
+
+@dataclass(frozen=True)
+class App:
+    rollout: Rollout = Rollout()
+    name: str = "x"
+
+
+def test_defaults_file_then_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text('[rollout]\nmax_tokens = 64\nmode = "fast"\n')
+    cfg = config.load(App, [f], ["rollout.temperature=0.7"])
+    assert cfg == App(Rollout(0.7, 64, Mode.FAST))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("rollout.temprature=0.7", "did you mean 'temperature'"),
+    ("rollout.max_tokens=abc", "expects int"),
+    ("rollout.temperature=9.0", "must be in (0, 2]"),
+    ("rollout.mode=turbo", "must be one of 'fast', 'safe'"),
+    ("nonsense", "must look like section.key=value"),
+])
+def test_errors_name_the_key_and_the_problem(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config.load(App, [], [override])
+
+
+def test_live_keys_and_apply_value() -> None:
+    cfg = App()
+    assert config.is_live(App, "rollout.temperature") and not config.is_live(App, "rollout.max_tokens")
+    assert config.live_items(cfg) == [("rollout.temperature", 1.0)]
+    assert config.apply_value(cfg, "rollout.temperature", 0.5).rollout.temperature == 0.5
+    with pytest.raises(ConfigError):
+        config.apply_value(cfg, "rollout.temperature", -1.0)
+
+
+def test_missing_and_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(App, [tmp_path / "nope.toml"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(App, [bad])
+
+
+def test_run_config_splits_runtime_and_app_sections(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text('[actors.counter]\nentry = "tests.integration.workers:CounterActor"\ncount = 2\n'
+                 '[counter]\ndelay_scale = 2.0\n')
+    cfg = load_run_config([f], ["supervisor.max_restarts=3", "counter.note=\"n\""])
+    assert cfg.runtime.actors["counter"].count == 2 and cfg.runtime.supervisor.max_restarts == 3
+    assert cfg.app.counter.delay_scale == 2.0 and cfg.app.counter.note == "n"
+    with pytest.raises(ConfigError, match="unknown"):
+        load_run_config([f], ["counter.nope=1"])
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        load_run_config([f], ['actors.counter.entry="no.such:Thing"'])
