@@ -26,7 +26,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kernels._backends import EMULATED, TRITON, QuantBackend, take_rows
+from kernels import _backends
+from kernels._backends import QuantBackend, take_rows
 from kernels._checks import check_dtype, check_multiple, check_rank, check_size
 from kernels.formats import ScaleMode
 from kernels.mxfp8 import padded_group_layout
@@ -185,15 +186,28 @@ def _quantized_forward(
 def experts_forward_emulated(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
     """NVFP4 forward / MXFP8 (RCEIL) backward, emulated in torch. D and F must be multiples of 32."""
     return _quantized_forward(
-        EMULATED, ScaleMode.RCEIL, x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF
+        _backends.EMULATED, ScaleMode.RCEIL, x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF
     )
 
 
 def experts_forward_triton(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
     """NVFP4 forward / MXFP8 (RCEIL) backward with the Triton kernels. D and F multiples of 32."""
     return _quantized_forward(
-        TRITON, ScaleMode.RCEIL, x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF
+        _backends.TRITON, ScaleMode.RCEIL, x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF
     )
+
+
+class _TritonExperts:
+    """Looks the Triton backend up at call time, so kernels re-created for the interpreter are used."""
+
+    def __init__(self, mx_scale_mode: ScaleMode) -> None:
+        self.mx_scale_mode = mx_scale_mode
+
+    def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+        return _quantized_forward(
+            _backends.TRITON, self.mx_scale_mode, x_TD, topk_ids_TK, topk_weights_TK,
+            w_gate_EFD, w_up_EFD, w_down_EDF,
+        )  # fmt: skip
 
 
 def make_experts_fn(mode: ExpertsPrecision, mx_scale_mode: ScaleMode = ScaleMode.RCEIL) -> ExpertsFn:
@@ -207,5 +221,6 @@ def make_experts_fn(mode: ExpertsPrecision, mx_scale_mode: ScaleMode = ScaleMode
     log.info("experts_fn_selected", mode=mode.value, mx_scale_mode=mx_scale_mode.value)
     if mode is ExpertsPrecision.REFERENCE:
         return experts_forward_reference
-    backend = EMULATED if mode is ExpertsPrecision.EMULATED else TRITON
-    return partial(_quantized_forward, backend, mx_scale_mode)
+    if mode is ExpertsPrecision.EMULATED:
+        return partial(_quantized_forward, _backends.EMULATED, mx_scale_mode)
+    return _TritonExperts(mx_scale_mode)

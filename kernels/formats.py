@@ -117,7 +117,7 @@ def pack_e2m1(codes_u8: torch.Tensor) -> torch.Tensor:
     """Pack codes along the last dim, two per byte: element 2j in the low nibble, 2j+1 in the high."""
     if codes_u8.shape[-1] % 2 != 0:
         raise ValueError(f"last dim must be even to pack FP4 pairs; got shape {tuple(codes_u8.shape)}")
-    pairs = codes_u8.reshape(*codes_u8.shape[:-1], -1, 2)
+    pairs = codes_u8.reshape(*codes_u8.shape[:-1], codes_u8.shape[-1] // 2, 2)
     return pairs[..., 0] | torch.bitwise_left_shift(pairs[..., 1], 4)
 
 
@@ -125,7 +125,7 @@ def unpack_e2m1(packed_u8: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_e2m1`: one code per uint8, last dim doubled."""
     lo = packed_u8 & 0xF
     hi = torch.bitwise_right_shift(packed_u8, 4)
-    return torch.stack([lo, hi], dim=-1).reshape(*packed_u8.shape[:-1], -1)
+    return torch.stack([lo, hi], dim=-1).reshape(*packed_u8.shape[:-1], packed_u8.shape[-1] * 2)
 
 
 def e8m0_floor(amax_f32: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _dequant_multiplier(scale_u8: torch.Tensor) -> torch.Tensor:
 def _quantize_rows(x_f32: torch.Tensor, mode: ScaleMode) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x_f32.shape
     blocks = x_f32.reshape(rows, cols // MX_BLOCK, MX_BLOCK)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    amax = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.new_zeros(*blocks.shape[:2], 1)
     scale = e8m0_floor(amax) if mode is ScaleMode.FLOOR else e8m0_rceil(amax)
     scaled = blocks * mx_scale_multiplier(scale, mode)
     scaled = torch.clamp(scaled, -E4M3_MAX, E4M3_MAX)

@@ -73,7 +73,7 @@ def _quantize_blocks(x_f32: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Te
     """x_f32 (R, K), s_enc (R,) -> packed (R, K/2), block scales (R, K/16)."""
     rows, cols = x_f32.shape
     blocks = x_f32.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax_b = blocks.abs().amax(dim=-1)
+    amax_b = blocks.abs().amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:2])
     s_dec_mult = s_enc * _const(1.0 / 6.0, x_f32)
     scale_codes = encode_e4m3(torch.clamp(amax_b * s_dec_mult[:, None], max=E4M3_MAX))
     dec = decode_e4m3(scale_codes)

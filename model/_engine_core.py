@@ -86,6 +86,9 @@ class EngineCore:
         self.running: list[Request] = []
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._next_id = 0
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0
 
     # -- requests ----------------------------------------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -176,6 +179,9 @@ class EngineCore:
             self._check_kv(req)
         feed = [req.tokens[req.num_cached :] for req in batch]
         lens = [len(f) for f in feed]
+        self.num_steps += 1
+        self.num_generated_tokens += len(batch)
+        self.num_prefill_tokens += sum(n for n in lens if n > 1)
         layout = AttentionBatch.cached(
             self.cache,
             [r.slot for r in batch],

@@ -30,6 +30,7 @@ from model.transformer import MoETransformer
 
 __all__ = [
     "EngineConfig",
+    "EngineStats",
     "EngineStatus",
     "FinishReason",
     "Generation",
@@ -40,6 +41,18 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine was built (read between steps; approximate while one runs)."""
+
+    num_waiting: int
+    num_running: int
+    num_steps: int
+    num_generated_tokens: int
+    num_prefill_tokens: int
+    version: int
 
 
 class EngineStatus(enum.StrEnum):
@@ -86,6 +99,17 @@ class GenerationEngine:
     def version(self) -> int:
         """Weight version of the model (after any update already applied)."""
         return self._core.version
+
+    def stats(self) -> EngineStats:
+        core = self._core
+        return EngineStats(
+            num_waiting=len(core.waiting) + len(self._inbox),
+            num_running=len(core.running),
+            num_steps=core.num_steps,
+            num_generated_tokens=core.num_generated_tokens,
+            num_prefill_tokens=core.num_prefill_tokens,
+            version=core.version,
+        )
 
     @property
     def model(self) -> MoETransformer:

@@ -192,7 +192,7 @@ async def test_sigterm_leaves_no_process_behind(tmp_path: Path, counter_config) 
     tree = descendants(run.proc.pid)
     assert len(tree) >= 4, f"expected nats-server and 3 actors, saw {tree}"
     assert await run.stop() == 0
-    time.sleep(0.2)
+    await asyncio.sleep(0.2)
     assert [p for p in tree if alive(p)] == []
 
 
