@@ -1,0 +1,129 @@
+"""Host checks (bwrap, overlayfs, root, user namespaces) and the static files commands see."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from sandbox.config import SandboxConfig
+from sandbox.errors import SandboxUnavailable
+
+__all__ = ["GRADER_NAME", "check_host", "prepare_static_dir", "system_binds"]
+
+GRADER_NAME = "grader.py"
+_INSTALL_HINT = "run scripts/install_system_deps.sh as root (or: apt-get install -y bubblewrap)"
+
+
+def _find_bwrap(config: SandboxConfig) -> str:
+    path = config.bwrap_path or shutil.which("bwrap")
+    if path is None or not os.access(path, os.X_OK):
+        raise SandboxUnavailable(
+            f"bubblewrap ('bwrap') not found (looked for {config.bwrap_path or 'bwrap on PATH'}); "
+            f"the sandbox needs it to isolate commands: {_INSTALL_HINT}"
+        )
+    return path
+
+
+def _check_overlay() -> None:
+    try:
+        with open("/proc/filesystems", encoding="utf-8") as f:
+            names = {line.split()[-1] for line in f if line.strip()}
+    except OSError as e:
+        raise SandboxUnavailable(f"cannot read /proc/filesystems ({e}); is /proc mounted?") from e
+    if "overlay" not in names:
+        subprocess.run(["modprobe", "overlay"], capture_output=True, check=False)
+        with open("/proc/filesystems", encoding="utf-8") as f:
+            names = {line.split()[-1] for line in f if line.strip()}
+    if "overlay" not in names:
+        raise SandboxUnavailable(
+            "the kernel has no overlayfs ('overlay' missing from /proc/filesystems); load it with "
+            "'modprobe overlay' or use a kernel built with CONFIG_OVERLAY_FS"
+        )
+
+
+def check_host(config: SandboxConfig) -> str:
+    """Verify the host can run sandboxes; return the bwrap path.
+
+    Raises:
+        SandboxUnavailable: naming what is missing and how to get it.
+    """
+    bwrap = _find_bwrap(config)
+    if os.geteuid() != 0:
+        raise SandboxUnavailable(
+            f"the sandbox mounts overlayfs and tmpfs workspaces on the host, which needs root "
+            f"(CAP_SYS_ADMIN); running as uid {os.geteuid()}. Run the rollout/reward actors as root "
+            "(as CI does) or inside a container where you are root"
+        )
+    _check_overlay()
+    probe = subprocess.run(
+        [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--", "/bin/true"],
+        capture_output=True,
+        env={"PATH": "/usr/bin:/bin"},
+        user=config.sandbox_uid,
+        group=config.sandbox_gid,
+        extra_groups=[],
+        timeout=30,
+        check=False,
+    )
+    if probe.returncode != 0:
+        raise SandboxUnavailable(
+            f"bwrap cannot create namespaces as uid {config.sandbox_uid} "
+            f"(exit {probe.returncode}: {probe.stderr.decode(errors='replace').strip()}); enable "
+            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 or "
+            "user.max_user_namespaces>0; on Ubuntu 24.04+ also "
+            "kernel.apparmor_restrict_unprivileged_userns=0)"
+        )
+    return bwrap
+
+
+_PASSWD = "root:x:0:0:root:/root:/bin/bash\nsandbox:x:{uid}:{gid}:sandbox:{home}:/bin/bash\n"
+_GROUP = "root:x:0:\nsandbox:x:{gid}:\n"
+_HOSTS = "127.0.0.1 localhost\n::1 localhost\n"
+_NSSWITCH = "passwd: files\ngroup: files\nhosts: files\n"
+
+
+def prepare_static_dir(store_dir: str, config: SandboxConfig) -> str:
+    """Write the read-only /etc and grader every command sees; returns the directory."""
+    static = os.path.join(store_dir, "S")
+    etc = os.path.join(static, "etc")
+    os.makedirs(etc, mode=0o755)
+    os.chmod(static, 0o755)
+    files = {
+        "passwd": _PASSWD.format(uid=config.sandbox_uid, gid=config.sandbox_gid, home=config.workspace_dir),
+        "group": _GROUP.format(gid=config.sandbox_gid),
+        "hosts": _HOSTS,
+        "nsswitch.conf": _NSSWITCH,
+        "resolv.conf": "",
+    }
+    for name, text in files.items():
+        with open(os.path.join(etc, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    for name in ("ld.so.cache", "localtime"):
+        src = os.path.join("/etc", name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(etc, name))
+    if os.path.isdir("/etc/alternatives"):
+        shutil.copytree("/etc/alternatives", os.path.join(etc, "alternatives"), symlinks=True)
+    grader_src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_grader.py")
+    shutil.copyfile(grader_src, os.path.join(static, GRADER_NAME))
+    for dirpath, dirnames, filenames in os.walk(static):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o755)
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, 0o644)
+    return static
+
+
+def system_binds() -> list[str]:
+    """bwrap arguments exposing the host's system directories read-only (merged-/usr aware)."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return args

@@ -1,0 +1,123 @@
+"""Typed, frozen configuration of the sandbox: per-command limits and the host set-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+__all__ = ["SandboxConfig", "SandboxLimits"]
+
+_MIB = 1024 * 1024
+
+
+def _require_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{owner}.{name} must be > 0, got {value!r}; pass a positive value")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits applied to every command run in an environment.
+
+    Attributes:
+        cpu_time_s: RLIMIT_CPU of each process (seconds of CPU time).
+        memory_bytes: RLIMIT_AS of each process (virtual address space).
+        file_size_bytes: RLIMIT_FSIZE: the largest file a process may write.
+        num_processes: RLIMIT_NPROC, counted per environment (each command runs in its own
+            user namespace, so environments do not share the count).
+        num_open_files: RLIMIT_NOFILE.
+        wall_time_s: default wall-clock timeout of a command; the whole process tree is killed.
+        output_bytes: bytes of stdout and of stderr kept per command; the rest is discarded
+            and the result is marked truncated.
+        disk_bytes: size of the environment's private writable layer (tmpfs) including /tmp.
+        num_inodes: files the writable layer may hold.
+    """
+
+    cpu_time_s: int = 30
+    memory_bytes: int = 1024 * _MIB
+    file_size_bytes: int = 64 * _MIB
+    num_processes: int = 64
+    num_open_files: int = 256
+    wall_time_s: float = 30.0
+    output_bytes: int = 64 * 1024
+    disk_bytes: int = 256 * _MIB
+    num_inodes: int = 32768
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            "SandboxLimits",
+            cpu_time_s=self.cpu_time_s,
+            memory_bytes=self.memory_bytes,
+            file_size_bytes=self.file_size_bytes,
+            num_processes=self.num_processes,
+            num_open_files=self.num_open_files,
+            wall_time_s=self.wall_time_s,
+            output_bytes=self.output_bytes,
+            disk_bytes=self.disk_bytes,
+            num_inodes=self.num_inodes,
+        )
+        if self.memory_bytes < 64 * _MIB:
+            raise ValueError(
+                f"SandboxLimits.memory_bytes={self.memory_bytes} is below 64 MiB; bash and python "
+                "cannot start with less address space, raise it"
+            )
+        if self.num_processes < 4:
+            raise ValueError(
+                f"SandboxLimits.num_processes={self.num_processes} < 4; the sandbox's init, shell and "
+                "command need at least 4, raise it"
+            )
+
+    def replace(self, **changes: float) -> SandboxLimits:
+        """Return a copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Host-side set-up shared by every environment of a `LayerStore`.
+
+    Attributes:
+        root_dir: directory holding layers and environment mounts; created with mode 0711.
+            Must not contain ``:``, ``,`` or ``\\`` (they are separators in overlayfs options).
+        sandbox_uid / sandbox_gid: the unprivileged host ids commands run as (bwrap is started
+            as this user and creates its own user namespace). Default: nobody/nogroup.
+        bwrap_path: the bubblewrap binary; ``None`` looks it up on PATH.
+        shell: the shell (inside the sandbox) that runs command strings.
+        workspace_dir: where the workspace appears inside the sandbox.
+        max_layer_depth: snapshots deeper than this are squashed into one layer.
+    """
+
+    root_dir: str = "/var/tmp/asyncrl-sandbox"
+    sandbox_uid: int = 65534
+    sandbox_gid: int = 65534
+    bwrap_path: str | None = None
+    shell: str = "/bin/bash"
+    workspace_dir: str = "/workspace"
+    max_layer_depth: int = 16
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.root_dir):
+            raise ValueError(f"SandboxConfig.root_dir={self.root_dir!r} must be an absolute path")
+        bad = [c for c in ":,\\" if c in self.root_dir]
+        if bad:
+            raise ValueError(
+                f"SandboxConfig.root_dir={self.root_dir!r} contains {bad}; overlayfs options cannot "
+                "carry these characters, choose another directory"
+            )
+        if self.sandbox_uid <= 0 or self.sandbox_gid <= 0:
+            raise ValueError(
+                f"SandboxConfig.sandbox_uid/gid=({self.sandbox_uid}, {self.sandbox_gid}) must be "
+                "unprivileged (> 0); use e.g. 65534 (nobody)"
+            )
+        if not self.workspace_dir.startswith("/") or self.workspace_dir in ("/", "/tmp", "/usr", "/etc"):
+            raise ValueError(
+                f"SandboxConfig.workspace_dir={self.workspace_dir!r} must be an absolute path not "
+                "shadowing a system directory, e.g. /workspace"
+            )
+        if not 2 <= self.max_layer_depth <= 64:
+            raise ValueError(
+                f"SandboxConfig.max_layer_depth={self.max_layer_depth} must be in [2, 64]; "
+                "overlayfs options have a page-size limit"
+            )

@@ -1,0 +1,425 @@
+"""Environment: an overlayfs workspace whose commands run under bubblewrap.
+
+Host layout of one environment (``<store>/E/<id>``, all under a root-only store directory)::
+
+    rw/       tmpfs (size = limits.disk_bytes): upper/ work/ tmp/ shm/
+    merged/   overlayfs: lower = the snapshot's read-only layers, upper = rw/upper
+
+Each command is a fresh ``bwrap`` started as an unprivileged host user with every namespace
+unshared (no network, own pid/mount/ipc/uts/user namespaces), ``merged`` bound at the workspace,
+the host's /usr read-only, a synthetic /etc, and /tmp and /dev/shm taken from the size-capped
+tmpfs. Limits are set inside the sandbox with ``ulimit`` after the user namespace exists, so the
+process count is per environment. The wall clock kills bwrap's process group; the sandbox's pid
+namespace then takes every remaining process (daemons included) down with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import secrets
+import shutil
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from sandbox import _mount
+from sandbox._host import GRADER_NAME, system_binds
+from sandbox.config import SandboxLimits
+from sandbox.errors import SandboxStateError
+from sandbox.layers import Layer, LayerStore, Snapshot, copy_tree
+
+__all__ = ["GRADER_PATH", "CommandResult", "Environment"]
+
+log = structlog.get_logger(__name__)
+
+GRADER_PATH = "/opt/asyncrl/" + GRADER_NAME
+_BWRAP_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+_INNER_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "USER": "sandbox",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+_READ_CHUNK = 1 << 16
+_REAP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """Outcome of one command. ``exit_code`` is negative (-signal) when killed from outside."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    truncated: bool
+    timed_out: bool
+    duration_s: float
+
+
+class _CappedReader:
+    """Drains a pipe to EOF, keeping the first ``cap`` bytes."""
+
+    def __init__(self, stream: asyncio.StreamReader, cap: int) -> None:
+        self.stream, self.cap = stream, cap
+        self.data = bytearray()
+        self.truncated = False
+
+    async def drain(self) -> None:
+        while chunk := await self.stream.read(_READ_CHUNK):
+            room = self.cap - len(self.data)
+            if len(chunk) > room:
+                self.truncated = True
+                self.data += chunk[: max(room, 0)]
+            else:
+                self.data += chunk
+
+
+def _clamp_to_hard(resource_id: int, value: int) -> int:
+    hard = resource.getrlimit(resource_id)[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+
+def _ulimit_prelude(limits: SandboxLimits) -> str:
+    # bash units: -v and -f in KiB; -t seconds; -u and -n counts. Sets soft and hard limits.
+    cpu = _clamp_to_hard(resource.RLIMIT_CPU, limits.cpu_time_s)
+    mem_kib = _clamp_to_hard(resource.RLIMIT_AS, limits.memory_bytes) // 1024
+    fsize_kib = max(_clamp_to_hard(resource.RLIMIT_FSIZE, limits.file_size_bytes) // 1024, 1)
+    nproc = _clamp_to_hard(resource.RLIMIT_NPROC, limits.num_processes)
+    nofile = _clamp_to_hard(resource.RLIMIT_NOFILE, limits.num_open_files)
+    return (
+        f"ulimit -c 0 -t {cpu} -v {mem_kib} -f {fsize_kib} -u {nproc} -n {nofile} "
+        "|| { echo 'sandbox: cannot apply limits' >&2; exit 126; }\n"
+    )
+
+
+class Environment:
+    """An isolated workspace; create with `create` or `fork`, always `close` (or use ``with``)."""
+
+    def __init__(self, store: LayerStore, layers: tuple[Layer, ...], limits: SandboxLimits) -> None:
+        self.store = store
+        self.limits = limits
+        self.id = secrets.token_hex(6)
+        self.dir = os.path.join(store.envs_dir, self.id)
+        self._rw = os.path.join(self.dir, "rw")
+        self._upper = os.path.join(self._rw, "upper")
+        self._work = os.path.join(self._rw, "work")
+        self.workspace_path = os.path.join(self.dir, "merged")
+        self._layers = layers
+        self._procs: set[_Running] = set()
+        self._closed = False
+        store.retain(layers)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls, store: LayerStore, files: Mapping[str, str | bytes] | None = None, limits: SandboxLimits | None = None
+    ) -> Environment:
+        """A new environment whose workspace holds ``files`` (path -> content) in a read-only base layer."""
+        layer = store.layer_from_files(dict(files or {}))
+        return cls(store, (layer,), limits or SandboxLimits())
+
+    @classmethod
+    def fork(cls, snapshot: Snapshot, limits: SandboxLimits | None = None) -> Environment:
+        """A new environment seeing ``snapshot``'s files; O(1): mounts, copies nothing."""
+        if snapshot.released:
+            raise SandboxStateError(f"{snapshot!r} was released; expected a live snapshot to fork")
+        return cls(snapshot.store, snapshot.layers, limits or SandboxLimits())
+
+    def _setup(self) -> None:
+        os.mkdir(self.dir, 0o711)
+        os.mkdir(self._rw, 0o711)
+        os.mkdir(self.workspace_path, 0o755)
+        lim = self.limits
+        _mount.mount(
+            "asyncrl-rw",
+            self._rw,
+            "tmpfs",
+            _mount.MS_NOSUID | _mount.MS_NODEV,
+            f"size={lim.disk_bytes},nr_inodes={lim.num_inodes},mode=0711",
+        )
+        uid, gid = self.store.config.sandbox_uid, self.store.config.sandbox_gid
+        for name, mode, owner in (("upper", 0o755, uid), ("work", 0o700, 0), ("tmp", 0o700, uid), ("shm", 0o700, uid)):
+            path = os.path.join(self._rw, name)
+            os.mkdir(path, mode)
+            os.chown(path, owner, gid if owner else 0)
+        self._mount_overlay()
+
+    def _mount_overlay(self) -> None:
+        lower = ":".join(layer.path for layer in self._layers)
+        _mount.mount(
+            "asyncrl-ws",
+            self.workspace_path,
+            "overlay",
+            _mount.MS_NOSUID | _mount.MS_NODEV,
+            f"lowerdir={lower},upperdir={self._upper},workdir={self._work},index=off,redirect_dir=off,metacopy=off",
+        )
+
+    # -- commands ------------------------------------------------------------------------
+    def _argv(self, cmd: str, extra_binds: tuple[tuple[str, str], ...], info_fd: int) -> list[str]:
+        cfg = self.store.config
+        argv = [self.store.bwrap_path, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+        argv += ["--info-fd", str(info_fd)]
+        for key, value in _INNER_ENV.items():
+            argv += ["--setenv", key, value]
+        argv += system_binds()
+        argv += ["--ro-bind", os.path.join(self.store.static_dir, "etc"), "/etc"]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--bind", os.path.join(self._rw, "shm"), "/dev/shm", "--remount-ro", "/dev"]
+        argv += ["--bind", os.path.join(self._rw, "tmp"), "/tmp"]
+        argv += ["--bind", self.workspace_path, cfg.workspace_dir]
+        argv += ["--ro-bind", os.path.join(self.store.static_dir, GRADER_NAME), GRADER_PATH]
+        for src, dst in extra_binds:
+            argv += ["--ro-bind", src, dst]
+        argv += ["--remount-ro", "/", "--hostname", "sandbox", "--chdir", cfg.workspace_dir]
+        argv += ["--", cfg.shell, "-c", _ulimit_prelude(self.limits) + cmd]
+        return argv
+
+    async def run(
+        self,
+        cmd: str,
+        timeout_s: float | None = None,
+        *,
+        stdin: bytes | None = None,
+        extra_ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> CommandResult:
+        """Run ``cmd`` with the shell inside the sandbox.
+
+        Args:
+            cmd: shell command line.
+            timeout_s: wall-clock limit (default ``limits.wall_time_s``); on expiry the whole
+                process tree is killed and ``timed_out`` is set.
+            stdin: bytes fed to the command's stdin (default: /dev/null).
+            extra_ro_binds: (host path, sandbox path) pairs bound read-only.
+
+        Raises:
+            SandboxStateError: the environment is closed.
+            ValueError: ``timeout_s`` is not positive.
+        """
+        self._check_open()
+        timeout = self.limits.wall_time_s if timeout_s is None else float(timeout_s)
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        start = time.monotonic()
+        info_r, info_w = os.pipe()
+        os.set_blocking(info_r, False)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv(cmd, extra_ro_binds, info_fd=info_w),
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=_BWRAP_ENV,
+                cwd="/",
+                user=self.store.config.sandbox_uid,
+                group=self.store.config.sandbox_gid,
+                extra_groups=[],
+                start_new_session=True,
+                pass_fds=(info_w,),
+            )
+        except BaseException:
+            os.close(info_r)
+            raise
+        finally:
+            os.close(info_w)
+        running = _Running(proc, info_r)
+        self._procs.add(running)
+        assert proc.stdout is not None and proc.stderr is not None
+        out = _CappedReader(proc.stdout, self.limits.output_bytes)
+        err = _CappedReader(proc.stderr, self.limits.output_bytes)
+        timed_out = False
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(out.drain(), err.drain(), self._feed(proc, stdin), proc.wait())
+        except TimeoutError:
+            timed_out = True
+        finally:
+            await asyncio.shield(running.terminate())
+            self._procs.discard(running)
+        result = CommandResult(
+            exit_code=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
+            stdout=out.data.decode("utf-8", "replace"),
+            stderr=err.data.decode("utf-8", "replace"),
+            truncated=out.truncated or err.truncated,
+            timed_out=timed_out,
+            duration_s=time.monotonic() - start,
+        )
+        log.debug("sandbox_command", env=self.id, exit_code=result.exit_code, timed_out=timed_out)
+        return result
+
+    @staticmethod
+    async def _feed(proc: asyncio.subprocess.Process, data: bytes | None) -> None:
+        if data is None or proc.stdin is None:
+            return
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+            proc.stdin.close()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._procs)
+
+    # -- snapshot ------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """Freeze the workspace into a new read-only layer (cost ~ bytes changed since the last one).
+
+        The environment continues on top of the new layer. Stacks deeper than
+        ``config.max_layer_depth`` are squashed into one layer.
+
+        Raises:
+            SandboxStateError: closed, or a command is still running.
+        """
+        self._check_open()
+        if self._procs:
+            raise SandboxStateError(
+                f"Environment {self.id} has {len(self._procs)} running command(s); expected idle to snapshot"
+            )
+        _mount.umount(self.workspace_path)
+        try:
+            if os.listdir(self._upper):
+                layer_id, path = self.store.new_layer_dir()
+                copy_tree(self._upper, path, keep_whiteouts=True)
+                self._replace_layers((self.store.adopt(layer_id, path), *self._layers))
+                self._reset_upper()
+            if len(self._layers) > self.store.config.max_layer_depth:
+                self._replace_layers((self._squash(),))
+            return Snapshot(self.store, self._layers)
+        finally:
+            self._mount_overlay()
+
+    def _replace_layers(self, layers: tuple[Layer, ...]) -> None:
+        self.store.retain(layers)
+        old, self._layers = self._layers, layers
+        self.store.release(old)
+
+    def _reset_upper(self) -> None:
+        for path, mode, uid in ((self._upper, 0o755, self.store.config.sandbox_uid), (self._work, 0o700, 0)):
+            shutil.rmtree(path)
+            os.mkdir(path, mode)
+            os.chown(path, uid, self.store.config.sandbox_gid if uid else 0)
+
+    def _squash(self) -> Layer:
+        point = os.path.join(self.dir, "squash")
+        os.mkdir(point, 0o700)
+        lower = ":".join(layer.path for layer in self._layers)
+        _mount.mount("asyncrl-squash", point, "overlay", _mount.MS_RDONLY, f"lowerdir={lower}")
+        try:
+            layer_id, path = self.store.new_layer_dir()
+            copy_tree(point, path, keep_whiteouts=False)
+        finally:
+            _mount.umount(point)
+            os.rmdir(point)
+        log.info("sandbox_layers_squashed", env=self.id, depth=len(self._layers))
+        return self.store.adopt(layer_id, path)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxStateError(f"Environment {self.id} is closed; expected open")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def depth(self) -> int:
+        return len(self._layers)
+
+    def close(self) -> None:
+        """Kill every running command, unmount and delete the environment (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for running in list(self._procs):
+            running.kill()
+        _mount.umount_tree(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.store.release(self._layers)
+
+    def __enter__(self) -> Environment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Running:
+    """A started bwrap and the fd on which it reports its sandbox init's host pid.
+
+    Killing the sandbox's init (pid 1 of its pid namespace) makes the kernel kill every process
+    in the namespace, and init only finishes exiting once they are all gone. The outer bwrap
+    learns init's status through an eventfd and may exit first, so we also wait (on a pidfd)
+    for init itself to exit; it then lingers only as a zombie until the host's pid 1 reaps it.
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process, info_fd: int) -> None:
+        self.proc = proc
+        self._info_fd: int | None = info_fd
+        self._child_pid: int | None = None
+
+    def _read_child_pid(self) -> int | None:
+        if self._child_pid is None and self._info_fd is not None:
+            with contextlib.suppress(BlockingIOError, OSError, ValueError):
+                info = json.loads(os.read(self._info_fd, 4096).decode())
+                self._child_pid = int(info["child-pid"])
+        return self._child_pid
+
+    async def _wait_init_exit(self) -> None:
+        pid = self._read_child_pid()
+        if pid is None:
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (ProcessLookupError, OSError):
+            return
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await asyncio.wait_for(exited, _REAP_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("sandbox_init_exit_slow", pid=pid)
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+
+    def kill(self) -> None:
+        """SIGKILL the sandbox's init (or, before it exists, bwrap's process group)."""
+        if self.proc.returncode is not None:
+            return
+        pid = self._read_child_pid()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+            else:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    async def terminate(self) -> None:
+        """Kill if still running; return once the sandbox's pid namespace is empty."""
+        try:
+            self.kill()
+            try:
+                await asyncio.wait_for(self.proc.wait(), _REAP_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                await self.proc.wait()
+            await self._wait_init_exit()
+        finally:
+            if self._info_fd is not None:
+                os.close(self._info_fd)
+                self._info_fd = None

@@ -1,0 +1,86 @@
+"""Fixtures for sandbox tests: a real LayerStore per test and a host-cleanliness check."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from sandbox import _mount
+from sandbox.config import SandboxConfig, SandboxLimits
+from sandbox.errors import SandboxUnavailable
+from sandbox.layers import LayerStore
+
+SANDBOX_UID = SandboxConfig().sandbox_uid
+
+
+def sandbox_pids() -> list[int]:
+    """Live host pids running as the sandbox uid (zombies excluded: they run nothing and wait
+    only for the host's pid 1 to reap them)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith("State:") and line.split()[1] == "Z":
+                        break
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == SANDBOX_UID:
+                            pids.append(int(name))
+                        break
+        except OSError:
+            continue
+    return pids
+
+
+def host_fingerprint() -> dict[str, object]:
+    with open("/etc/passwd", "rb") as f:
+        passwd = hashlib.sha256(f.read()).hexdigest()
+    return {
+        "passwd": passwd,
+        "tmp": sorted(os.listdir("/tmp")),
+        "root": sorted(os.listdir("/")),
+        "sandbox_pids": sandbox_pids(),
+        "num_mounts": len(_mount.mounts_under("/")),
+    }
+
+
+@pytest.fixture
+def store() -> Iterator[LayerStore]:
+    try:
+        s = LayerStore()
+    except SandboxUnavailable as e:
+        pytest.skip(f"sandbox unavailable on this host: {e}")
+    try:
+        yield s
+    finally:
+        s.close()
+        assert _mount.mounts_under(s.dir) == [], "store left mounts behind"
+        assert not os.path.exists(s.dir), "store left files behind"
+
+
+@pytest.fixture
+def host_unchanged(store: LayerStore) -> Iterator[None]:
+    """Asserts the host looks the same after the test (files, mounts, processes)."""
+    before = host_fingerprint()
+    yield
+    after = host_fingerprint()
+    assert after == before
+
+
+@pytest.fixture
+def tight() -> SandboxLimits:
+    return SandboxLimits(
+        cpu_time_s=5,
+        memory_bytes=256 * 1024 * 1024,
+        file_size_bytes=16 * 1024 * 1024,
+        num_processes=32,
+        wall_time_s=5.0,
+        output_bytes=4096,
+        disk_bytes=32 * 1024 * 1024,
+        num_inodes=2000,
+    )
