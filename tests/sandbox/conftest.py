@@ -37,15 +37,34 @@ def sandbox_pids() -> list[int]:
     return pids
 
 
+def _owned_by_sandbox(directory: str) -> list[str]:
+    names = []
+    for name in os.listdir(directory):
+        try:
+            if os.lstat(os.path.join(directory, name)).st_uid == SANDBOX_UID:
+                names.append(name)
+        except FileNotFoundError:
+            continue
+    return sorted(names)
+
+
+def _sandbox_mounts() -> list[str]:
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return sorted(line.split()[4] for line in f if " asyncrl-" in line)
+
+
 def host_fingerprint() -> dict[str, object]:
+    """What a sandbox escape or leak would change (other processes share /tmp, so only what
+    the sandbox uid owns there counts)."""
     with open("/etc/passwd", "rb") as f:
         passwd = hashlib.sha256(f.read()).hexdigest()
     return {
         "passwd": passwd,
-        "tmp": sorted(os.listdir("/tmp")),
+        "tmp_owned_by_sandbox": _owned_by_sandbox("/tmp"),
+        "var_tmp_owned_by_sandbox": _owned_by_sandbox("/var/tmp"),
         "root": sorted(os.listdir("/")),
         "sandbox_pids": sandbox_pids(),
-        "num_mounts": len(_mount.mounts_under("/")),
+        "sandbox_mounts": _sandbox_mounts(),
     }
 
 
