@@ -6,8 +6,24 @@ They mirror :mod:`kernels.formats` and :mod:`kernels.mxfp8` operation for operat
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def as_loadable(x: torch.Tensor) -> torch.Tensor:
+    """Host side of :func:`load_f32`: bf16 tensors go to the kernels as their int16 bits."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
+    """Load float32 or bf16 (passed as int16 bits) as float32; bf16 is widened by a 16-bit shift,
+    exact for every value including subnormals (the interpreter's bf16 conversion loses those)."""
+    if IS_BF16:
+        bits = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptr + offs, mask=mask, other=0.0)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import check_contiguous, check_dtype, check_multiple, check_rank
-from kernels._triton_formats import e8m0_scale, mx_encode, nan_aware_amax
+from kernels._triton_formats import as_loadable, e8m0_scale, load_f32, mx_encode, nan_aware_amax
 from kernels.formats import ScaleMode
 from kernels.mxfp8 import MX_BLOCK, MXTensor, PaddedGroups
 
@@ -21,7 +21,7 @@ __all__ = ["triton_mxfp8_quantize_experts", "triton_mxfp8_quantize_grouped_cols"
 @triton.jit
 def _mxfp8_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, num_rows, num_cols,
-    BLOCK_M: tl.constexpr, IS_RCEIL: tl.constexpr,
+    BLOCK_M: tl.constexpr, IS_RCEIL: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M rows x one block of 32 columns."""
     pid_m = tl.program_id(0)
@@ -30,7 +30,7 @@ def _mxfp8_rows_kernel(
     cols = blk * 32 + tl.arange(0, 32)
     mask = (rows < num_rows)[:, None]
     offs = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = load_f32(x_ptr, offs, mask, IS_BF16)
     amax = nan_aware_amax(x, 1)
     e = e8m0_scale(amax, IS_RCEIL)
     codes = mx_encode(x, e, IS_RCEIL)
@@ -55,7 +55,10 @@ def triton_mxfp8_quantize_rows(x_MK: torch.Tensor, mode: ScaleMode = ScaleMode.R
     scales = torch.empty(rows, cols // MX_BLOCK, dtype=torch.uint8, device=x_MK.device)
     if rows and cols:
         grid = (triton.cdiv(rows, block_m), cols // MX_BLOCK)
-        _mxfp8_rows_kernel[grid](x_MK, codes, scales, rows, cols, BLOCK_M=block_m, IS_RCEIL=mode is ScaleMode.RCEIL)
+        _mxfp8_rows_kernel[grid](
+            as_loadable(x_MK), codes, scales, rows, cols,
+            BLOCK_M=block_m, IS_RCEIL=mode is ScaleMode.RCEIL, IS_BF16=x_MK.dtype == torch.bfloat16,
+        )  # fmt: skip
     return MXTensor(codes=codes, scales=scales, dim=-1, mode=mode)
 
 
@@ -76,7 +79,7 @@ def triton_mxfp8_quantize_experts(w_ENK: torch.Tensor, mode: ScaleMode = ScaleMo
 @triton.jit
 def _mxfp8_grouped_cols_kernel(
     x_ptr, src_rows_ptr, codes_ptr, scales_ptr, num_cols,
-    BLOCK_N: tl.constexpr, IS_RCEIL: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_RCEIL: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
     """One program: 32 padded rows (one scale row) x BLOCK_N columns, gathered from their sources."""
     blk = tl.program_id(0)
@@ -87,7 +90,7 @@ def _mxfp8_grouped_cols_kernel(
     col_ok = (cols < num_cols)[None, :]
     load_mask = (src >= 0)[:, None] & col_ok
     src_offs = tl.maximum(src, 0).to(tl.int64)[:, None] * num_cols + cols[None, :]
-    x = tl.load(x_ptr + src_offs, mask=load_mask, other=0.0).to(tl.float32)
+    x = load_f32(x_ptr, src_offs, load_mask, IS_BF16)
     amax = nan_aware_amax(x, 0)
     e = e8m0_scale(amax, IS_RCEIL)
     codes = mx_encode(x, e, IS_RCEIL)
@@ -117,6 +120,7 @@ def triton_mxfp8_quantize_grouped_cols(
         src_arg = src.contiguous() if x_MN.shape[0] else torch.full_like(src, -1)
         grid = (num_padded // MX_BLOCK, triton.cdiv(cols, block_n))
         _mxfp8_grouped_cols_kernel[grid](
-            x_MN, src_arg, codes, scales, cols, BLOCK_N=block_n, IS_RCEIL=mode is ScaleMode.RCEIL
-        )
+            as_loadable(x_MN), src_arg, codes, scales, cols,
+            BLOCK_N=block_n, IS_RCEIL=mode is ScaleMode.RCEIL, IS_BF16=x_MN.dtype == torch.bfloat16,
+        )  # fmt: skip
     return MXTensor(codes=codes, scales=scales, dim=0, mode=mode)

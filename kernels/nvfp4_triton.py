@@ -11,14 +11,16 @@ import triton
 import triton.language as tl
 
 from kernels._checks import check_contiguous, check_dtype, check_multiple, check_rank
-from kernels._triton_formats import decode_e4m3, encode_e2m1, encode_e4m3
+from kernels._triton_formats import as_loadable, decode_e4m3, encode_e2m1, encode_e4m3, load_f32
 from kernels.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
 
 __all__ = ["triton_nvfp4_quantize", "triton_nvfp4_quantize_experts"]
 
 
 @triton.jit
-def _row_amax_kernel(x_ptr, amax_ptr, num_rows, num_cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_amax_kernel(
+    x_ptr, amax_ptr, num_rows, num_cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, IS_BF16: tl.constexpr
+):
     """amax_ptr[r] = max |x[r, :]| over a contiguous (num_rows, num_cols) matrix."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows
@@ -27,7 +29,7 @@ def _row_amax_kernel(x_ptr, amax_ptr, num_rows, num_cols, BLOCK_M: tl.constexpr,
         cols = k0 + tl.arange(0, BLOCK_K)
         offs = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
         mask = row_ok[:, None] & (cols < num_cols)[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = load_f32(x_ptr, offs, mask, IS_BF16)
         acc = tl.maximum(acc, tl.max(tl.abs(x), axis=1))
     tl.store(amax_ptr + rows, acc, mask=row_ok)
 
@@ -44,7 +46,7 @@ def _nvfp4_encode_scale(amax):
 @triton.jit
 def _nvfp4_quant_kernel(
     x_ptr, amax_ptr, packed_ptr, scales_ptr, global_ptr, num_rows, num_cols, rows_per_scale,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M rows x one block of 16 columns (8 packed bytes, one E4M3 scale)."""
     pid_m = tl.program_id(0)
@@ -53,8 +55,8 @@ def _nvfp4_quant_kernel(
     row_ok = rows < num_rows
     pairs = tl.arange(0, 8)
     offs = rows.to(tl.int64)[:, None] * num_cols + (blk * 16 + 2 * pairs)[None, :]
-    x_even = tl.load(x_ptr + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    x_odd = tl.load(x_ptr + offs + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x_even = load_f32(x_ptr, offs, row_ok[:, None], IS_BF16)
+    x_odd = load_f32(x_ptr, offs + 1, row_ok[:, None], IS_BF16)
     amax = tl.load(amax_ptr + rows // rows_per_scale, mask=row_ok, other=0.0)
     s_enc, global_amax = _nvfp4_encode_scale(amax)
     amax_b = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
@@ -79,8 +81,9 @@ def _launch(x_RK: torch.Tensor, amax_G: torch.Tensor, rows_per_scale: int, block
     if rows and cols:
         grid = (triton.cdiv(rows, block_m), cols // NVFP4_BLOCK)
         _nvfp4_quant_kernel[grid](
-            x_RK, amax_G, packed, scales, global_amax, rows, cols, rows_per_scale, BLOCK_M=block_m
-        )
+            as_loadable(x_RK), amax_G, packed, scales, global_amax, rows, cols, rows_per_scale,
+            BLOCK_M=block_m, IS_BF16=x_RK.dtype == torch.bfloat16,
+        )  # fmt: skip
     return NVFP4Tensor(packed=packed, block_scales=scales, global_amax=global_amax)
 
 
@@ -88,7 +91,10 @@ def _row_amax(x_RC: torch.Tensor, block_m: int = 16, block_k: int = 64) -> torch
     rows, cols = x_RC.shape
     amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)
     if rows and cols:
-        _row_amax_kernel[(triton.cdiv(rows, block_m),)](x_RC, amax, rows, cols, BLOCK_M=block_m, BLOCK_K=block_k)
+        _row_amax_kernel[(triton.cdiv(rows, block_m),)](
+            as_loadable(x_RC), amax, rows, cols,
+            BLOCK_M=block_m, BLOCK_K=block_k, IS_BF16=x_RC.dtype == torch.bfloat16,
+        )  # fmt: skip
     return amax
 
 

@@ -1,0 +1,41 @@
+"""Shared helpers for the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """20 log10(||ref|| / ||ref - approx||) in float64."""
+    ref = reference.double()
+    err = (ref - approx.double()).norm()
+    return float(20 * torch.log10(ref.norm() / err))
+
+
+def all_bf16_values() -> torch.Tensor:
+    """Every one of the 65,536 bf16 bit patterns, as a (2048, 32) bf16 tensor."""
+    return torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 32)
+
+
+def edge_values(dtype: torch.dtype) -> torch.Tensor:
+    """Rows of zeros, subnormals, infinities, NaNs and huge values (blocks of 32)."""
+    inf, nan = float("inf"), float("nan")
+    f32_sub = 1e-40 if dtype == torch.float32 else 1e-39
+    huge = 3e38 if dtype == torch.float32 else 3.3e38
+    rows = [
+        [0.0] * 32,
+        [-0.0] * 16 + [0.0] * 16,
+        [f32_sub] * 31 + [-f32_sub],
+        [2.0**-130] * 32,
+        [2.0**-118] * 16 + [-(2.0**-119)] * 16,
+        [inf] + [1.0] * 31,
+        [-inf] + [1.0] * 30 + [inf],
+        [nan] + [1.0] * 31,
+        [nan] + [-3.0, inf, -inf, 0.0, -0.0] + [2.0] * 26,
+        [huge] + [1.0] * 31,
+        [-huge] + [1e-30] * 31,
+        [448.0 * 2.0**k for k in range(-16, 16)],
+        [1.0 + 2.0**-7 * k for k in range(32)],
+        [464.0, 480.0, 447.9, -465.0] + [0.5] * 28,
+    ]
+    return torch.tensor(rows, dtype=torch.float32).to(dtype)

@@ -1,0 +1,105 @@
+"""Triton quantizers (TRITON_INTERPRET=1, see conftest) equal the torch reference byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import mxfp8, mxfp8_triton, nvfp4, nvfp4_triton
+from kernels.errors import KernelDTypeError, KernelShapeError, KernelStrideError
+from kernels.formats import ScaleMode
+from tests.kernels._helpers import all_bf16_values, edge_values
+
+
+def _mixed(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g) * 6)
+    heavy = torch.randn(rows, cols, generator=g) / torch.randn(rows, cols, generator=g)
+    return torch.where(torch.rand(rows, cols, generator=g) < 0.2, heavy, x)
+
+
+def _assert_mx_equal(a: mxfp8.MXTensor, b: mxfp8.MXTensor) -> None:
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(a.scales, b.scales)
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp8_rows_match_reference(dtype: torch.dtype, mode: ScaleMode) -> None:
+    x = torch.cat([_mixed(37, 64, 0), edge_values(torch.float32).repeat(1, 2)]).to(dtype)
+    if dtype == torch.bfloat16:  # torch canonicalises -NaN when widening bf16; keep NaNs positive
+        x = torch.where(torch.isnan(x), float("nan"), x)
+    _assert_mx_equal(mxfp8.mxfp8_quantize(x, mode=mode), mxfp8_triton.triton_mxfp8_quantize_rows(x, mode))
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_mxfp8_rows_match_reference_on_all_bf16_values(mode: ScaleMode) -> None:
+    x = all_bf16_values().reshape(-1, 256)
+    x = torch.where(torch.isnan(x), float("nan"), x)
+    ours = mxfp8_triton.triton_mxfp8_quantize_rows(x, mode, block_m=64)
+    _assert_mx_equal(mxfp8.mxfp8_quantize(x, mode=mode), ours)
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_mxfp8_grouped_columns_match_reference(mode: ScaleMode) -> None:
+    x = _mixed(75, 48, 1)
+    offsets = torch.tensor([0, 0, 33, 33, 40, 75])  # empty, ragged and short groups
+    layout = mxfp8.padded_group_layout(offsets, 75)
+    ref = mxfp8.mxfp8_quantize_grouped_cols(x, layout, mode)
+    _assert_mx_equal(ref, mxfp8_triton.triton_mxfp8_quantize_grouped_cols(x, layout, mode))
+    xb = x.bfloat16()
+    ref_b = mxfp8.mxfp8_quantize_grouped_cols(xb, layout, mode)
+    _assert_mx_equal(ref_b, mxfp8_triton.triton_mxfp8_quantize_grouped_cols(xb, layout, mode))
+
+
+def test_mxfp8_expert_weights_match_reference() -> None:
+    w = _mixed(3 * 24, 64, 2).reshape(3, 24, 64).bfloat16()
+    _assert_mx_equal(mxfp8.mxfp8_quantize_experts(w), mxfp8_triton.triton_mxfp8_quantize_experts(w))
+
+
+def _assert_nv_equal(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> None:
+    assert torch.equal(a.packed, b.packed)
+    assert torch.equal(a.block_scales, b.block_scales)
+    assert torch.equal(a.global_amax, b.global_amax)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_rows_match_reference(dtype: torch.dtype) -> None:
+    x = _mixed(45, 96, 3) * torch.logspace(-10, 10, 45)[:, None]
+    x[0] = 0.0
+    x[1, :16] = 0.0
+    x[2] = 1e-14
+    x = x.to(dtype)
+    _assert_nv_equal(nvfp4.nvfp4_quantize(x), nvfp4_triton.triton_nvfp4_quantize(x))
+
+
+def test_nvfp4_expert_weights_match_reference() -> None:
+    w = _mixed(4 * 20, 64, 4).reshape(4, 20, 64)
+    w[2] = 0.0
+    w[3] *= 1e-3
+    _assert_nv_equal(nvfp4.nvfp4_quantize_experts(w), nvfp4_triton.triton_nvfp4_quantize_experts(w))
+
+
+def test_triton_nvfp4_is_batch_invariant() -> None:
+    x = _mixed(24, 64, 5).bfloat16()
+    full = nvfp4_triton.triton_nvfp4_quantize(x)
+    for i in (0, 7, 23):
+        alone = nvfp4_triton.triton_nvfp4_quantize(x[i : i + 1].contiguous())
+        assert torch.equal(alone.packed, full.packed[i : i + 1])
+        assert torch.equal(alone.block_scales, full.block_scales[i : i + 1])
+
+
+def test_launchers_reject_bad_inputs() -> None:
+    with pytest.raises(KernelStrideError, match="contiguous"):
+        mxfp8_triton.triton_mxfp8_quantize_rows(torch.randn(64, 32).t())
+    with pytest.raises(KernelShapeError, match="multiple of 32"):
+        mxfp8_triton.triton_mxfp8_quantize_rows(torch.randn(4, 40))
+    with pytest.raises(KernelDTypeError, match="float16"):
+        nvfp4_triton.triton_nvfp4_quantize(torch.randn(4, 32).half())
+    with pytest.raises(KernelShapeError, match="multiple of 16"):
+        nvfp4_triton.triton_nvfp4_quantize(torch.randn(4, 20))
+    with pytest.raises(KernelStrideError):
+        nvfp4_triton.triton_nvfp4_quantize_experts(torch.randn(2, 32, 16).transpose(1, 2))
+    layout = mxfp8.padded_group_layout(torch.tensor([0, 4]), 4)
+    with pytest.raises(KernelShapeError, match="2-D"):
+        mxfp8_triton.triton_mxfp8_quantize_grouped_cols(torch.randn(4), layout)
