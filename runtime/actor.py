@@ -101,6 +101,7 @@ class ActorContext:
     config: Any  # the actor kind's Config instance, or None
     blob: Any = None  # runtime.blob.BlobStore
     run_dir: Any = None
+    run: Any = None  # runtime.run_config.RunSection: the run's name, seed and step budget
 
 
 class Actor:
@@ -108,7 +109,7 @@ class Actor:
 
     kind: ClassVar[str] = ""
     queues: ClassVar[tuple[Queue, ...]] = ()
-    messages: ClassVar[tuple[type[Message], ...]] = ()
+    messages: ClassVar[tuple[type[Message], ...] | dict[str, type]] = ()  # what it accepts
     Config: ClassVar[type | None] = None  # frozen dataclass of this kind's config section
 
     def __init__(self, ctx: ActorContext) -> None:
@@ -133,7 +134,7 @@ class Actor:
     async def setup(self) -> None:
         """Acquire resources (register them on ``self.exit_stack``)."""
 
-    async def handle(self, msg: Message, delivery: Delivery) -> None:
+    async def handle(self, msg: Any, delivery: Delivery) -> None:
         raise NotImplementedError(f"{type(self).__name__} consumes {self.queues} but has no handle()")
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
@@ -264,7 +265,7 @@ class Actor:
             except Exception as e:  # a failing handler never kills the actor: nak and retry later
                 self.num_failed += 1
                 delay = self.settings.nak_delay(meta.num_delivered)
-                self._log.warning("handler_failed", queue=q.name, msg_type=msg.TYPE, error=repr(_leaf(e)),
+                self._log.warning("handler_failed", queue=q.name, msg_type=type(msg).__name__, error=repr(_leaf(e)),
                                   num_delivered=meta.num_delivered, retry_in_s=delay)
                 await raw.nak(delay=delay)
                 return

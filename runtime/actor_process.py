@@ -36,7 +36,7 @@ async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog) -
     blob = open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None)
     settings = ActorSettings(max_concurrency=spec.max_concurrency, heartbeat_s=spec.heartbeat_s,
                              drain_timeout_s=spec.drain_timeout_s)
-    actor = cls(ActorContext(identity, bus, settings, cfg.app, blob, run_dir))
+    actor = cls(ActorContext(identity, bus, settings, cfg.app, blob, run_dir, cfg.runtime.run))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, actor.request_drain)

@@ -15,7 +15,7 @@ import enum
 import hashlib
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -66,16 +66,21 @@ class CodecLimits:
 class Codec:
     """Encodes and decodes one set of message types; unknown types are rejected on receipt."""
 
-    def __init__(self, types_: Iterable[type[Message]], blob: BlobPutGet | None = None,
+    def __init__(self, types_: Iterable[type] | Mapping[str, type], blob: BlobPutGet | None = None,
                  limits: CodecLimits = CodecLimits(), blob_prefix: str = "messages") -> None:
-        self._types: dict[str, type[Message]] = {}
-        for t in types_:
-            if not t.TYPE or not dataclasses.is_dataclass(t):
-                raise TypeError(f"{t.__name__} is not a message: decorate it with @message(...)")
-            if t.TYPE in self._types and self._types[t.TYPE] is not t:
-                raise TypeError(f"message type {t.TYPE!r} registered twice "
-                                f"({self._types[t.TYPE].__name__} and {t.__name__})")
-            self._types[t.TYPE] = t
+        """``types_``: ``@message`` classes, or a mapping of wire name to any frozen dataclass."""
+        pairs = types_.items() if isinstance(types_, Mapping) else ((getattr(t, "TYPE", ""), t) for t in types_)
+        self._types: dict[str, type] = {}
+        self._names: dict[type, str] = {}
+        for name, t in pairs:
+            if not name or not dataclasses.is_dataclass(t):
+                raise TypeError(f"{t.__name__} is not a message: decorate it with @message(...) "
+                                "or give the codec a mapping of wire name to dataclass")
+            if name in self._types and self._types[name] is not t:
+                raise TypeError(f"message type {name!r} registered twice "
+                                f"({self._types[name].__name__} and {t.__name__})")
+            self._types[name] = t
+            self._names[t] = name
         self._blob = blob
         self.limits = limits
         self._blob_prefix = blob_prefix
@@ -84,21 +89,22 @@ class Codec:
     def type_names(self) -> list[str]:
         return sorted(self._types)
 
-    async def encode(self, msg: Message) -> bytes:
-        if type(msg).TYPE not in self._types:
+    async def encode(self, msg: Any) -> bytes:
+        name = self._names.get(type(msg))
+        if name is None:
             raise TypeError(f"{type(msg).__name__} is not one of this codec's types: {self.type_names}")
         body = msgpack.packb(_to_wire(msg), use_bin_type=True)
-        head = {"schema": SCHEMA_VERSION, "type": msg.TYPE, "v": msg.VERSION}
+        head = {"schema": SCHEMA_VERSION, "type": name, "v": _version(type(msg))}
         if len(body) > self.limits.inline_limit_bytes:
             if self._blob is None:
-                raise ValueError(f"{msg.TYPE} body is {len(body)} bytes, above the inline limit "
+                raise ValueError(f"{name} body is {len(body)} bytes, above the inline limit "
                                  f"{self.limits.inline_limit_bytes}, and this codec has no blob store")
-            key = f"{self._blob_prefix}/{msg.TYPE}/{hashlib.sha256(body).hexdigest()}"
+            key = f"{self._blob_prefix}/{name}/{hashlib.sha256(body).hexdigest()}"
             await self._blob.put(key, body)
             return msgpack.packb({**head, "blob": key, "size": len(body)}, use_bin_type=True)
         return msgpack.packb({**head, "body": body}, use_bin_type=True)
 
-    async def decode(self, data: bytes) -> Message:
+    async def decode(self, data: bytes) -> Any:
         if len(data) > self.limits.max_message_bytes:
             raise MessageError("oversized", f"{len(data)} bytes > limit {self.limits.max_message_bytes}; "
                                "large payloads must travel through blob storage")
@@ -108,17 +114,18 @@ class Codec:
             raise MessageError("malformed", f"not msgpack: {e}") from None
         if not isinstance(env, dict) or env.get("schema") != SCHEMA_VERSION:
             raise MessageError("malformed", f"not an envelope of schema {SCHEMA_VERSION}")
-        cls = self._types.get(env.get("type"))  # type: ignore[arg-type]
+        name = env.get("type")
+        cls = self._types.get(name)  # type: ignore[arg-type]
         if cls is None:
-            raise MessageError("unknown_type", f"type {env.get('type')!r} not in {self.type_names}")
-        if env.get("v") != cls.VERSION:
-            raise MessageError("version_mismatch", f"{cls.TYPE} v{env.get('v')} != expected v{cls.VERSION}")
+            raise MessageError("unknown_type", f"type {name!r} not in {self.type_names}")
+        if env.get("v") != _version(cls):
+            raise MessageError("version_mismatch", f"{name} v{env.get('v')} != expected v{_version(cls)}")
         body = await self._body(env)
         try:
             fields = msgpack.unpackb(body, raw=False)
         except Exception as e:
-            raise MessageError("malformed", f"body of {cls.TYPE} is not msgpack: {e}") from None
-        return _from_wire(cls, fields, cls.TYPE)
+            raise MessageError("malformed", f"body of {name} is not msgpack: {e}") from None
+        return _from_wire(cls, fields, str(name))
 
     async def _body(self, env: dict[str, Any]) -> bytes:
         if "body" in env and isinstance(env["body"], bytes):
@@ -131,6 +138,10 @@ class Codec:
             except KeyError:
                 raise MessageError("blob_missing", f"message body {env['blob']!r} not in storage") from None
         raise MessageError("malformed", "envelope has neither body nor blob")
+
+
+def _version(cls: type) -> int:
+    return int(getattr(cls, "VERSION", 1))
 
 
 def _to_wire(msg: Any) -> Any:
