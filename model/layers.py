@@ -12,7 +12,7 @@ __all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary"]
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), normalised in fp32 and cast back before the weight."""
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised in (at least) fp32, cast back before the weight."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x if x.dtype == torch.float64 else x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 

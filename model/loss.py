@@ -4,14 +4,16 @@ Legend: T packed tokens, V vocabulary, G samples in a group.
 
 Policy gradient (Dr. GRPO with truncated importance sampling), per token t of a sampled completion:
 
-    r_t   = exp(logp_t - logp_behaviour_t)                 importance ratio vs the policy that sampled
-    w_t   = min(r_t, ratio_cap)                            truncated, and treated as a constant
-    pg_t  = -w_t * A_t * logp_t                            gradient: -w_t * A_t * grad logp_t
-    kl_t  = logp_t - logp_ref_t                            k1 estimator of KL(pi || pi_ref)
+    r_t   = exp(logp_t - logp_behaviour_t)                  importance ratio vs the policy that sampled
+    w_t   = min(r_t, ratio_cap)                             truncated importance weight
+    pg_t  = -sg(w_t / r_t) * r_t * A_t                      value -w_t * A_t, gradient -w_t * A_t * grad logp_t
+    kl_t  = logp_t - logp_ref_t                             k1 estimator of KL(pi || pi_ref)
     loss  = sum_t mask_t * (pg_t + kl_coef * kl_t) / loss_normalizer
 
 `loss_normalizer` is a constant (e.g. the token budget of a batch), never the number of tokens of a
 sequence or of the batch, so every token has the same weight no matter how long its sequence is.
+(sg = stop-gradient: the truncated weight scales the score function but is not differentiated, as in
+truncated importance sampling; where r_t < ratio_cap the loss is exactly -r_t * A_t.)
 A_t is the sequence's Dr. GRPO advantage: reward minus the group's mean reward (no std division).
 """
 
@@ -76,14 +78,18 @@ class PolicyLossMetrics:
         return dataclasses.asdict(self)
 
 
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def token_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per token, in fp32."""
-    return torch.log_softmax(logits_TV.float(), dim=-1).gather(1, targets_T[:, None].long())[:, 0]
+    """log softmax(logits)[target] per token, in fp32 (fp64 stays fp64)."""
+    return torch.log_softmax(_at_least_fp32(logits_TV), dim=-1).gather(1, targets_T[:, None].long())[:, 0]
 
 
 def token_entropy(logits_TV: torch.Tensor) -> torch.Tensor:
-    """Entropy of each token's next-token distribution, in fp32."""
-    logp = torch.log_softmax(logits_TV.float(), dim=-1)
+    """Entropy of each token's next-token distribution, in fp32 (fp64 stays fp64)."""
+    logp = torch.log_softmax(_at_least_fp32(logits_TV), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
 
 
@@ -116,10 +122,10 @@ def policy_loss(
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """The Dr. GRPO / truncated-IS loss of the module docstring, and its metrics."""
     mask = mask_T.to(logprobs_T.dtype)
-    log_ratio = (logprobs_T - behaviour_logprobs_T).detach()
-    ratio = torch.exp(log_ratio)
+    ratio_grad = torch.exp(logprobs_T - behaviour_logprobs_T.detach())
+    ratio = ratio_grad.detach()
     weight = ratio.clamp(max=config.ratio_cap)
-    pg = -weight * advantages_T.to(logprobs_T.dtype) * logprobs_T
+    pg = -(weight / ratio) * ratio_grad * advantages_T.to(logprobs_T.dtype)
     per_token = pg
     kl = torch.zeros_like(logprobs_T)
     if ref_logprobs_T is not None:

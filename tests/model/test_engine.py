@@ -1,0 +1,193 @@
+"""Generation engine: KV cache vs full recompute, batch independence, router capture, stops, lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from model.attention import AttentionBatch
+from model.engine import EngineConfig, EngineStatus, FinishReason, GenerationEngine, SamplingParams
+from model.errors import EngineStateError
+from model.kv_cache import KVCache
+from model.tokenizer import ByteTokenizer
+from tests.model.helpers import random_prompts, seeded_model, small_config
+
+CONFIG = small_config(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2)
+
+
+def reference_logprobs(model, prompt, completion, temperature=1.0, top_p=1.0):
+    """Hand-written: one full forward over prompt + completion, softmax(logits / T), nucleus by hand."""
+    full = torch.tensor(list(prompt) + list(completion))
+    with torch.no_grad():
+        out = model(full[:-1])
+    logits = out.logits[len(prompt) - 1 :].double() / temperature
+    rows = []
+    for row, token in zip(logits, completion, strict=True):
+        probs = torch.softmax(row, -1)
+        order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))
+        kept, mass = [], 0.0
+        for i in order:
+            kept.append(i)
+            mass += float(probs[i])
+            if mass >= top_p:
+                break
+        assert token in kept
+        rows.append(float(torch.log(probs[token] / probs[kept].sum())))
+    return torch.tensor(rows, dtype=torch.float64), out.topk_ids_TLK
+
+
+async def _generate_all(model, prompts, params_list, config=None, **kw):
+    engine = GenerationEngine(model, config or EngineConfig(max_batch_size=8), **kw)
+    await engine.start()
+    try:
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params_list, strict=True)))
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_kv_cache_generation_equals_full_recompute(temperature: float, top_p: float) -> None:
+    model = seeded_model(CONFIG, seed=1)
+    prompts = random_prompts(10, CONFIG.vocab_size, 1, 30, seed=4)
+    params = [SamplingParams(max_new_tokens=25, temperature=temperature, top_p=top_p, seed=i) for i in range(10)]
+    gens = asyncio.run(_generate_all(model, prompts, params, EngineConfig(max_batch_size=4)))
+    for prompt, gen in zip(prompts, gens, strict=True):
+        assert gen.prompt_ids == tuple(prompt) and len(gen.token_ids) == 25
+        ref, ref_topk = reference_logprobs(model, prompt, gen.token_ids, temperature or 1.0, top_p)
+        got = torch.tensor(gen.logprobs, dtype=torch.float64)
+        assert torch.allclose(got, ref, atol=1e-5, rtol=0), float((got - ref).abs().max())
+        # router capture: every fed position equals the full forward's router choices; last never fed
+        assert torch.equal(gen.topk_ids_TLK[:-1].long(), ref_topk)
+        assert (gen.topk_ids_TLK[-1] == -1).all()
+        assert gen.versions == (0,) * 25 and gen.finish_reason is FinishReason.LENGTH
+
+
+def test_greedy_tokens_are_argmax_of_full_forward() -> None:
+    model = seeded_model(CONFIG, seed=2)
+    prompt = random_prompts(1, CONFIG.vocab_size, 9, 9, seed=5)[0]
+    (gen,) = asyncio.run(_generate_all(model, [prompt], [SamplingParams(max_new_tokens=20, temperature=0)]))
+    seq = list(prompt)
+    for _ in range(20):
+        with torch.no_grad():
+            seq.append(int(model(torch.tensor(seq)).logits[-1].argmax()))
+    assert list(gen.token_ids) == seq[len(prompt) :]
+
+
+def test_output_independent_of_batch_companions() -> None:
+    model = seeded_model(CONFIG, seed=3)
+    target = random_prompts(1, CONFIG.vocab_size, 12, 12, seed=6)[0]
+    params = SamplingParams(max_new_tokens=30, seed=123)
+    (alone,) = asyncio.run(_generate_all(model, [target], [params], EngineConfig(max_batch_size=1)))
+    others = random_prompts(9, CONFIG.vocab_size, 1, 40, seed=7)
+    other_params = [SamplingParams(max_new_tokens=n, seed=i) for i, n in enumerate(range(3, 39, 4))]
+    crowd = asyncio.run(
+        _generate_all(model, [*others[:4], target, *others[4:]], [*other_params[:4], params, *other_params[4:]])
+    )
+    together = crowd[4]
+    assert together.token_ids == alone.token_ids
+    assert torch.allclose(torch.tensor(together.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    assert torch.equal(together.topk_ids_TLK, alone.topk_ids_TLK)
+
+
+def test_continuous_batching_serves_more_requests_than_slots() -> None:
+    model = seeded_model(CONFIG, seed=4)
+    prompts = random_prompts(13, CONFIG.vocab_size, 2, 20, seed=8)
+    params = [SamplingParams(max_new_tokens=2 + 3 * i, seed=i) for i in range(13)]
+    gens = asyncio.run(_generate_all(model, prompts, params, EngineConfig(max_batch_size=3, max_prefill_tokens=8)))
+    assert [len(g.token_ids) for g in gens] == [2 + 3 * i for i in range(13)]
+    for prompt, gen in zip(prompts, gens, strict=True):
+        ref, _ = reference_logprobs(model, prompt, gen.token_ids)
+        assert torch.allclose(torch.tensor(gen.logprobs, dtype=torch.float64), ref, atol=1e-5, rtol=0)
+
+
+def test_same_seed_same_output_different_seed_differs() -> None:
+    model = seeded_model(CONFIG, seed=5)
+    prompt = random_prompts(1, CONFIG.vocab_size, 5, 5, seed=9)[0]
+    params = [SamplingParams(max_new_tokens=30, seed=s) for s in (1, 1, 2)]
+    a, b, c = asyncio.run(_generate_all(model, [prompt] * 3, params))
+    assert a.token_ids == b.token_ids
+    assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_token_stop_string_and_context_limit() -> None:
+    tok = ByteTokenizer()
+    config = small_config(vocab_size=tok.vocab_size, max_position_embeddings=64)
+    model = seeded_model(config, seed=6)
+    prompt = tok.encode("<|user|>hi<|end|><|assistant|>")
+    (free,) = asyncio.run(_generate_all(model, [prompt], [SamplingParams(max_new_tokens=40, seed=0)]))
+    stop_tok = free.token_ids[5]
+    first = free.token_ids.index(stop_tok)
+    text = tok.decode(free.token_ids)
+    stop_str = text[len(tok.decode(free.token_ids[:10])) :][:2]
+    runs = [
+        SamplingParams(max_new_tokens=40, seed=0, stop_token_ids=(stop_tok,)),
+        SamplingParams(max_new_tokens=40, seed=0, stop_strings=(stop_str,)),
+        SamplingParams(max_new_tokens=500, seed=0),
+    ]
+    by_tok, by_str, ctx = asyncio.run(_generate_all(model, [prompt] * 3, runs, detokenize=tok.decode))
+    assert by_tok.finish_reason is FinishReason.STOP_TOKEN and by_tok.token_ids == free.token_ids[: first + 1]
+    assert by_str.finish_reason is FinishReason.STOP_STRING and stop_str in tok.decode(by_str.token_ids)
+    assert stop_str not in tok.decode(by_str.token_ids[:-1])
+    assert ctx.finish_reason is FinishReason.CONTEXT and len(prompt) + len(ctx.token_ids) == 64
+
+
+def test_lifecycle_and_validation() -> None:
+    model = seeded_model(CONFIG)
+
+    async def run() -> None:
+        engine = GenerationEngine(model)
+        with pytest.raises(EngineStateError, match="created"):
+            await engine.generate([1, 2])
+        await engine.start()
+        with pytest.raises(EngineStateError):
+            await engine.start()
+        with pytest.raises(ValueError, match="stop_strings"):
+            await engine.generate([1], SamplingParams(stop_strings=("x",)))
+        with pytest.raises(ValueError, match="token ids"):
+            await engine.generate([CONFIG.vocab_size])
+        with pytest.raises(ValueError, match="not newer"):
+            await engine.update_weights(model.state_dict(), version=0)
+        # a cancelled caller leaves the engine serving the others
+        slow = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=200)))
+        await asyncio.sleep(0.01)
+        slow.cancel()
+        gen = await engine.generate([4, 5], SamplingParams(max_new_tokens=3))
+        assert len(gen.token_ids) == 3
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        pending = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=10_000)))
+        await asyncio.sleep(0.01)
+        await engine.stop()
+        await engine.stop()
+        assert engine.status is EngineStatus.STOPPED
+        with pytest.raises(EngineStateError):
+            await pending
+
+    asyncio.run(run())
+
+
+def test_cached_multi_token_continuation_matches_full_forward() -> None:
+    """A chunk of several tokens after a cached prefix (past > 0, n > 1) attends correctly."""
+    model = seeded_model(CONFIG, seed=8)
+    ids = torch.tensor(random_prompts(1, CONFIG.vocab_size, 12, 12, seed=10)[0])
+    cache = KVCache(
+        num_layers=CONFIG.num_hidden_layers,
+        num_slots=3,
+        num_kv_heads=CONFIG.num_key_value_heads,
+        head_dim=CONFIG.head_dim,
+        max_len=64,
+        dtype=torch.float32,
+        initial_capacity=4,  # forces growth
+    )
+    with torch.no_grad():
+        full = model(ids).logits
+        slot = 2
+        a = model(ids[:5], batch=AttentionBatch.cached(cache, [slot], [0], [5])).logits
+        b = model(ids[5:9], batch=AttentionBatch.cached(cache, [slot], [5], [4])).logits
+        c = model(ids[9:10], batch=AttentionBatch.cached(cache, [slot], [9], [1])).logits
+    got = torch.cat([a, b, c])
+    assert torch.allclose(got, full[:10], atol=1e-5, rtol=0)
+    assert cache.capacity >= 10
