@@ -12,6 +12,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,29 +124,46 @@ class EventLog:
                 self.num_dropped += 1
                 return
             self._queue.append((level, line))
-        if self._wakeup is not None and self._loop is not None:
+        if self._wakeup is not None and self._loop is not None and not self._wakeup.is_set():
+            # Wake the forwarder once per batch, not once per event (a storm would pay a syscall each).
             # A closed loop (shutdown) raises RuntimeError: the file still has the event.
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._wakeup.set)
 
     async def forward(self, nc: Publisher) -> None:
-        """Publishes queued events to ``log.<kind>.<level>`` until cancelled; reports drops."""
+        """Publishes queued events to ``log.<kind>.<level>`` until cancelled.
+
+        Drops are reported as a ``log_events_dropped`` warning at most once per
+        ``drop_report_interval_s`` (a storm must not turn into a storm of reports), and once more
+        when forwarding stops.
+        """
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         reported = 0
-        log = structlog.get_logger(__name__)
+        next_report = -math.inf  # loop time before which no drop report is due
         try:
             while True:
-                await self._wakeup.wait()
+                pending = self.num_dropped != reported
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, next_report - self._loop.time()) if pending else None):
+                        await self._wakeup.wait()
                 self._wakeup.clear()
                 await self._flush(nc)
-                if self.num_dropped != reported:
-                    log.warning("log_events_dropped", num_dropped=self.num_dropped - reported,
-                                num_dropped_total=self.num_dropped)
-                    reported = self.num_dropped
+                if self.num_dropped != reported and self._loop.time() >= next_report:
+                    reported = self._report_drops(reported)
+                    next_report = self._loop.time() + self.config.drop_report_interval_s
         finally:
             await self._flush(nc)
+            if self.num_dropped != reported:
+                self._report_drops(reported)
+                await self._flush(nc)
             self._loop = None
+
+    def _report_drops(self, reported: int) -> int:
+        total = self.num_dropped
+        structlog.get_logger(__name__).warning("log_events_dropped", num_dropped=total - reported,
+                                               num_dropped_total=total)
+        return total
 
     async def _flush(self, nc: Publisher) -> None:
         while True:
