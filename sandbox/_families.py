@@ -142,7 +142,7 @@ def _inputs(arg: str, rng: random.Random, params: dict[str, Any]) -> list[Any]:
     if arg == "n":
         return [rng.randint(0, 200) for _ in range(NUM_CASES)]
     if arg == "s":
-        alphabet = "abcde" + params.get("c", "")
+        alphabet = "abcde" + params.get("c", "") * 3
         return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 9))) for _ in range(NUM_CASES)]
     return [[rng.randint(0, 30) for _ in range(rng.randint(1, 6))] for _ in range(NUM_CASES)]
 
@@ -153,7 +153,10 @@ def _make(family: Family, params: dict[str, Any]) -> Task:
     body = family.body.format(**params)
     fn = family.fn(**params)
     rng = random.Random(task_id)
-    cases = [{"args": [v], "expected": fn(v)} for v in _inputs(family.arg, rng, params)]
+    for _ in range(50):  # re-draw until the cases tell solutions apart (not all one answer)
+        cases = [{"args": [v], "expected": fn(v)} for v in _inputs(family.arg, rng, params)]
+        if len({json.dumps(c["expected"]) for c in cases}) >= 2:
+            break
     spec = {"module": "solution", "function": "f", "cases": cases}
     return Task(
         id=task_id,

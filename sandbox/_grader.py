@@ -68,7 +68,6 @@ def _run_cases(rel, spec, workspace, timeout_s):
             got[int(row["i"])] = row
         except (ValueError, KeyError, TypeError):
             continue
-    results = []
     for i, case in enumerate(cases):
         row = got.get(i)
         if row is None:
@@ -78,8 +77,7 @@ def _run_cases(rel, spec, workspace, timeout_s):
         else:
             passed = "out" in row and _canon(row["out"]) == _canon(case["expected"])
             detail = "" if passed else f"wrong output for args {_canon(case['args'])}: {_canon(row.get('out'))}"
-        results.append((f"{rel}::case{i}", passed, detail))
-    return results
+        yield f"{rel}::case{i}", passed, detail
 
 
 def _run_module(rel, source, workspace, timeout_s):
@@ -88,13 +86,11 @@ def _run_module(rel, source, workspace, timeout_s):
         for node in ast.parse(source).body
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")
     ]
-    results = []
     for name in names:
         payload = {"source": source, "filename": rel, "function": name, "workspace": workspace}
         code, _, timed_out = _child("--pytest", payload, timeout_s)
         detail = "timed out" if timed_out else ("" if code == 0 else f"exit code {code}")
-        results.append((f"{rel}::{name}", code == 0 and not timed_out, detail))
-    return results
+        yield f"{rel}::{name}", code == 0 and not timed_out, detail
 
 
 def _parent():
@@ -108,17 +104,18 @@ def _parent():
         os.unlink(path)
     _undumpable()
     for rel, text in loaded:
+        run = _run_cases if rel.endswith(".json") else _run_module
         try:
-            if rel.endswith(".json"):
-                results = _run_cases(rel, json.loads(text), workspace, request["timeout_s"])
-            else:
-                results = _run_module(rel, text, workspace, request["timeout_s"])
+            spec = json.loads(text) if rel.endswith(".json") else text
+            for name, passed, detail in run(rel, spec, workspace, request["timeout_s"]):
+                _report(nonce, {"test": name, "passed": bool(passed), "detail": detail[:_DETAIL_CHARS]})
         except Exception as e:  # a malformed hidden test file: report, do not crash the grader
-            results = [(rel, False, f"grader error: {e}")]
-        for name, passed, detail in results:
-            row = {"test": name, "passed": bool(passed), "detail": detail[:_DETAIL_CHARS]}
-            sys.stdout.write(nonce + " " + json.dumps(row) + "\n")
-    sys.stdout.write(nonce + " " + json.dumps({"done": True}) + "\n")
+            _report(nonce, {"test": rel, "passed": False, "detail": f"grader error: {e}"[:_DETAIL_CHARS]})
+    _report(nonce, {"done": True})
+
+
+def _report(nonce, row):
+    sys.stdout.write(nonce + " " + json.dumps(row) + "\n")
     sys.stdout.flush()
 
 

@@ -25,17 +25,18 @@ def _find_bwrap(config: SandboxConfig) -> str:
     return path
 
 
-def _check_overlay() -> None:
+def _filesystems() -> set[str]:
     try:
         with open("/proc/filesystems", encoding="utf-8") as f:
-            names = {line.split()[-1] for line in f if line.strip()}
+            return {line.split()[-1] for line in f if line.strip()}
     except OSError as e:
         raise SandboxUnavailable(f"cannot read /proc/filesystems ({e}); is /proc mounted?") from e
-    if "overlay" not in names:
+
+
+def _check_overlay() -> None:
+    if "overlay" not in _filesystems():
         subprocess.run(["modprobe", "overlay"], capture_output=True, check=False)
-        with open("/proc/filesystems", encoding="utf-8") as f:
-            names = {line.split()[-1] for line in f if line.strip()}
-    if "overlay" not in names:
+    if "overlay" not in _filesystems():
         raise SandboxUnavailable(
             "the kernel has no overlayfs ('overlay' missing from /proc/filesystems); load it with "
             "'modprobe overlay' or use a kernel built with CONFIG_OVERLAY_FS"
@@ -81,6 +82,8 @@ _PASSWD = "root:x:0:0:root:/root:/bin/bash\nsandbox:x:{uid}:{gid}:sandbox:{home}
 _GROUP = "root:x:0:\nsandbox:x:{gid}:\n"
 _HOSTS = "127.0.0.1 localhost\n::1 localhost\n"
 _NSSWITCH = "passwd: files\ngroup: files\nhosts: files\n"
+_HOST_ETC_FILES = ("ld.so.cache", "localtime")
+_HOST_ETC_DIRS = ("alternatives",)
 
 
 def prepare_static_dir(store_dir: str, config: SandboxConfig) -> str:
@@ -99,12 +102,12 @@ def prepare_static_dir(store_dir: str, config: SandboxConfig) -> str:
     for name, text in files.items():
         with open(os.path.join(etc, name), "w", encoding="utf-8") as f:
             f.write(text)
-    for name in ("ld.so.cache", "localtime"):
-        src = os.path.join("/etc", name)
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(etc, name))
-    if os.path.isdir("/etc/alternatives"):
-        shutil.copytree("/etc/alternatives", os.path.join(etc, "alternatives"), symlinks=True)
+    for name in _HOST_ETC_FILES:
+        if os.path.isfile(os.path.join("/etc", name)):
+            open(os.path.join(etc, name), "w").close()  # mount point for a read-only bind
+    for name in _HOST_ETC_DIRS:
+        if os.path.isdir(os.path.join("/etc", name)):
+            os.mkdir(os.path.join(etc, name), 0o755)
     grader_src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_grader.py")
     shutil.copyfile(grader_src, os.path.join(static, GRADER_NAME))
     for dirpath, dirnames, filenames in os.walk(static):
@@ -117,9 +120,13 @@ def prepare_static_dir(store_dir: str, config: SandboxConfig) -> str:
     return static
 
 
-def system_binds() -> list[str]:
-    """bwrap arguments exposing the host's system directories read-only (merged-/usr aware)."""
-    args = ["--ro-bind", "/usr", "/usr"]
+def system_binds(static_dir: str) -> list[str]:
+    """bwrap arguments exposing the host's system directories read-only (merged-/usr aware)
+    and the synthetic /etc with the few host /etc entries programs need."""
+    args = ["--ro-bind", "/usr", "/usr", "--ro-bind", os.path.join(static_dir, "etc"), "/etc"]
+    for name in (*_HOST_ETC_FILES, *_HOST_ETC_DIRS):
+        if os.path.exists(os.path.join(static_dir, "etc", name)):
+            args += ["--ro-bind", os.path.join("/etc", name), os.path.join("/etc", name)]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = f"/{name}"
         if os.path.islink(path):

@@ -175,8 +175,7 @@ class Environment:
         argv += ["--info-fd", str(info_fd)]
         for key, value in _INNER_ENV.items():
             argv += ["--setenv", key, value]
-        argv += system_binds()
-        argv += ["--ro-bind", os.path.join(self.store.static_dir, "etc"), "/etc"]
+        argv += system_binds(self.store.static_dir)
         argv += ["--proc", "/proc", "--dev", "/dev"]
         argv += ["--bind", os.path.join(self._rw, "shm"), "/dev/shm", "--remount-ro", "/dev"]
         argv += ["--bind", os.path.join(self._rw, "tmp"), "/tmp"]

@@ -76,7 +76,8 @@ async def _grade_builtin(env: Environment, task: Task, names: list[str]) -> dict
     request = {
         "nonce": nonce,
         "files": sorted(task.hidden_tests),
-        "timeout_s": min(_PER_CHILD_TIMEOUT_S, task.limits.wall_time_s),
+        # leave the grader time to report after a child times out
+        "timeout_s": min(_PER_CHILD_TIMEOUT_S, 0.8 * task.limits.wall_time_s / len(task.hidden_tests)),
         "workspace": env.store.config.workspace_dir,
     }
     result = await env.run(f"exec python3 -I {GRADER_PATH}", stdin=json.dumps(request).encode())
