@@ -11,6 +11,10 @@ import triton
 import triton.language as tl
 
 
+NAN = tl.constexpr(float("nan"))
+INF = tl.constexpr(float("inf"))
+
+
 def as_loadable(x: torch.Tensor) -> torch.Tensor:
     """Host side of :func:`load_f32`: bf16 tensors go to the kernels as their int16 bits."""
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
@@ -61,7 +65,7 @@ def decode_e4m3(code):
     mant = c & 0x7
     normal = (((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
     value = tl.where(exp > 0, normal, mant.to(tl.float32) * 0.001953125)
-    value = tl.where((c & 0x7F) == 0x7F, float("nan"), value)
+    value = tl.where((c & 0x7F) == 0x7F, NAN, value)
     return tl.where((c & 0x80) != 0, -value, value)
 
 
@@ -124,7 +128,7 @@ def mx_quant_multiplier(e, IS_RCEIL: tl.constexpr):
     if IS_RCEIL:
         mult = exp2_int(127 - tl.minimum(e, 254))
         mult = tl.where(e == 0, 1.0, mult)
-        mult = tl.where(e == 255, float("nan"), mult)
+        mult = tl.where(e == 255, NAN, mult)
     else:
         mult = exp2_int(127 - tl.minimum(tl.maximum(e, 1), 254))
         mult = tl.where(e == 255, 0.0, mult)
@@ -148,7 +152,7 @@ def mx_dequant_multiplier(e):
     """2^(max(e, 1) - 127) as float32; NaN for the NaN scale 255."""
     e = e.to(tl.int32) & 0xFF
     mult = exp2_int(tl.minimum(tl.maximum(e, 1), 254) - 127)
-    return tl.where(e == 255, float("nan"), mult)
+    return tl.where(e == 255, NAN, mult)
 
 
 @triton.jit
@@ -156,4 +160,4 @@ def nan_aware_amax(x, axis: tl.constexpr):
     """max |x| along ``axis`` that is NaN when any element is NaN (hardware max drops NaNs)."""
     amax = tl.max(tl.abs(x), axis=axis, keep_dims=True)
     has_nan = tl.max((x != x).to(tl.int32), axis=axis, keep_dims=True)
-    return tl.where(has_nan > 0, float("nan"), amax)
+    return tl.where(has_nan > 0, NAN, amax)

@@ -125,7 +125,7 @@ def _check_grouped_operands(a_codes, a_scales, b_codes, b_scales, offsets_E1, el
 
 
 def triton_nvfp4_grouped_mm(
-    a: NVFP4Tensor, b: NVFP4Tensor, offsets_E1: torch.Tensor, block_m: int = 32, block_n: int = 32,
+    a: NVFP4Tensor, b: NVFP4Tensor, offsets_E1: torch.Tensor, block_m: int = 64, block_n: int = 64,
     block_k: int = 64,
 ) -> torch.Tensor:  # fmt: skip
     """float32 (M, N) grouped A @ B^T (same math as ``grouped_gemm.nvfp4_grouped_mm``).
@@ -191,7 +191,7 @@ def _mxfp8_grouped_mm_kernel(
 
 
 def triton_mxfp8_grouped_mm(
-    a: MXTensor, b: MXTensor, offsets_E1: torch.Tensor, block_m: int = 32, block_n: int = 32,
+    a: MXTensor, b: MXTensor, offsets_E1: torch.Tensor, block_m: int = 64, block_n: int = 64,
     block_k: int = 64,
 ) -> torch.Tensor:  # fmt: skip
     """float32 (M, N) grouped A @ B^T for MXFP8 operands quantized along K (input gradients)."""
@@ -236,8 +236,8 @@ def _mxfp8_grouped_wgrad_kernel(
 
 
 def triton_mxfp8_grouped_wgrad(
-    g: MXTensor, x: MXTensor, padded_offsets_E1: torch.Tensor, block_p: int = 32, block_n: int = 32,
-    block_q: int = 32,
+    g: MXTensor, x: MXTensor, padded_offsets_E1: torch.Tensor, block_p: int = 64, block_n: int = 64,
+    block_q: int = 64,
 ) -> torch.Tensor:  # fmt: skip
     """float32 (E, N, Q): out[e] = G_e^T @ X_e over each expert's 32-aligned padded token range."""
     if g.dim != 0 or x.dim != 0:

@@ -21,26 +21,25 @@ __all__ = ["triton_mxfp8_quantize_experts", "triton_mxfp8_quantize_grouped_cols"
 @triton.jit
 def _mxfp8_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, num_rows, num_cols,
-    BLOCK_M: tl.constexpr, IS_RCEIL: tl.constexpr, IS_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, IS_RCEIL: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_M rows x one block of 32 columns."""
-    pid_m = tl.program_id(0)
-    blk = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = blk * 32 + tl.arange(0, 32)
-    mask = (rows < num_rows)[:, None]
-    offs = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
-    x = load_f32(x_ptr, offs, mask, IS_BF16)
-    amax = nan_aware_amax(x, 1)
-    e = e8m0_scale(amax, IS_RCEIL)
-    codes = mx_encode(x, e, IS_RCEIL)
-    tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
+    """One program: a (BLOCK_M rows, BLOCKS scale blocks, 32) tile; amax over the last axis."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    blks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     num_blocks = num_cols // 32
-    scale_offs = rows.to(tl.int64)[:, None] * num_blocks + blk
+    mask = (rows < num_rows)[:, None, None] & (blks < num_blocks)[None, :, None]
+    cols = blks[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    offs = rows.to(tl.int64)[:, None, None] * num_cols + cols
+    x = load_f32(x_ptr, offs, mask, IS_BF16)
+    e = e8m0_scale(nan_aware_amax(x, 2), IS_RCEIL)
+    tl.store(codes_ptr + offs, mx_encode(x, e, IS_RCEIL).to(tl.uint8), mask=mask)
+    scale_offs = rows.to(tl.int64)[:, None, None] * num_blocks + blks[None, :, None]
     tl.store(scales_ptr + scale_offs, e.to(tl.uint8), mask=mask)
 
 
-def triton_mxfp8_quantize_rows(x_MK: torch.Tensor, mode: ScaleMode = ScaleMode.RCEIL, block_m: int = 32) -> MXTensor:
+def triton_mxfp8_quantize_rows(
+    x_MK: torch.Tensor, mode: ScaleMode = ScaleMode.RCEIL, block_m: int = 32, blocks: int = 4
+) -> MXTensor:
     """MXFP8 along the last dim of a contiguous 2-D bf16/fp32 tensor (K a multiple of 32).
 
     Raises:
@@ -54,10 +53,10 @@ def triton_mxfp8_quantize_rows(x_MK: torch.Tensor, mode: ScaleMode = ScaleMode.R
     codes = torch.empty(rows, cols, dtype=torch.uint8, device=x_MK.device)
     scales = torch.empty(rows, cols // MX_BLOCK, dtype=torch.uint8, device=x_MK.device)
     if rows and cols:
-        grid = (triton.cdiv(rows, block_m), cols // MX_BLOCK)
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols // MX_BLOCK, blocks))
         _mxfp8_rows_kernel[grid](
-            as_loadable(x_MK), codes, scales, rows, cols,
-            BLOCK_M=block_m, IS_RCEIL=mode is ScaleMode.RCEIL, IS_BF16=x_MK.dtype == torch.bfloat16,
+            as_loadable(x_MK), codes, scales, rows, cols, BLOCK_M=block_m, BLOCKS=blocks,
+            IS_RCEIL=mode is ScaleMode.RCEIL, IS_BF16=x_MK.dtype == torch.bfloat16,
         )  # fmt: skip
     return MXTensor(codes=codes, scales=scales, dim=-1, mode=mode)
 
@@ -78,30 +77,27 @@ def triton_mxfp8_quantize_experts(w_ENK: torch.Tensor, mode: ScaleMode = ScaleMo
 
 @triton.jit
 def _mxfp8_grouped_cols_kernel(
-    x_ptr, src_rows_ptr, codes_ptr, scales_ptr, num_cols,
-    BLOCK_N: tl.constexpr, IS_RCEIL: tl.constexpr, IS_BF16: tl.constexpr,
+    x_ptr, src_rows_ptr, codes_ptr, scales_ptr, num_padded, num_cols,
+    BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, IS_RCEIL: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One program: 32 padded rows (one scale row) x BLOCK_N columns, gathered from their sources."""
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    prow = blk * 32 + tl.arange(0, 32)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    src = tl.load(src_rows_ptr + prow)
-    col_ok = (cols < num_cols)[None, :]
-    load_mask = (src >= 0)[:, None] & col_ok
-    src_offs = tl.maximum(src, 0).to(tl.int64)[:, None] * num_cols + cols[None, :]
-    x = load_f32(x_ptr, src_offs, load_mask, IS_BF16)
-    amax = nan_aware_amax(x, 0)
-    e = e8m0_scale(amax, IS_RCEIL)
-    codes = mx_encode(x, e, IS_RCEIL)
-    dst_offs = prow.to(tl.int64)[:, None] * num_cols + cols[None, :]
-    tl.store(codes_ptr + dst_offs, codes.to(tl.uint8), mask=col_ok)
-    scale_offs = blk.to(tl.int64) * num_cols + cols[None, :]
-    tl.store(scales_ptr + scale_offs, e.to(tl.uint8), mask=col_ok)
+    """One program: a (BLOCKS scale rows, 32 padded rows, BLOCK_N columns) tile gathered from the
+    source rows; amax over the middle axis."""
+    blks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    prow = blks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    row_ok = prow < num_padded
+    src = tl.load(src_rows_ptr + prow, mask=row_ok, other=-1)[:, :, None]
+    col_ok = (cols < num_cols)[None, None, :]
+    x = load_f32(x_ptr, tl.maximum(src, 0).to(tl.int64) * num_cols + cols[None, None, :], (src >= 0) & col_ok, IS_BF16)
+    e = e8m0_scale(nan_aware_amax(x, 1), IS_RCEIL)
+    dst = prow.to(tl.int64)[:, :, None] * num_cols + cols[None, None, :]
+    tl.store(codes_ptr + dst, mx_encode(x, e, IS_RCEIL).to(tl.uint8), mask=row_ok[:, :, None] & col_ok)
+    scale_offs = blks.to(tl.int64)[:, None, None] * num_cols + cols[None, None, :]
+    tl.store(scales_ptr + scale_offs, e.to(tl.uint8), mask=(blks * 32 < num_padded)[:, None, None] & col_ok)
 
 
 def triton_mxfp8_quantize_grouped_cols(
-    x_MN: torch.Tensor, layout: PaddedGroups, mode: ScaleMode = ScaleMode.RCEIL, block_n: int = 32
+    x_MN: torch.Tensor, layout: PaddedGroups, mode: ScaleMode = ScaleMode.RCEIL, blocks: int = 2, block_n: int = 64
 ) -> MXTensor:
     """MXFP8 along dim 0 in per-group blocks of 32 (the padded layout of :func:`padded_group_layout`).
 
@@ -118,9 +114,9 @@ def triton_mxfp8_quantize_grouped_cols(
     scales = torch.empty(num_padded // MX_BLOCK, cols, dtype=torch.uint8, device=x_MN.device)
     if num_padded and cols:
         src_arg = src.contiguous() if x_MN.shape[0] else torch.full_like(src, -1)
-        grid = (num_padded // MX_BLOCK, triton.cdiv(cols, block_n))
+        grid = (triton.cdiv(num_padded // MX_BLOCK, blocks), triton.cdiv(cols, block_n))
         _mxfp8_grouped_cols_kernel[grid](
-            as_loadable(x_MN), src_arg, codes, scales, cols,
+            as_loadable(x_MN), src_arg, codes, scales, num_padded, cols, BLOCKS=blocks,
             BLOCK_N=block_n, IS_RCEIL=mode is ScaleMode.RCEIL, IS_BF16=x_MN.dtype == torch.bfloat16,
         )  # fmt: skip
     return MXTensor(codes=codes, scales=scales, dim=0, mode=mode)

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import check_contiguous, check_dtype, check_multiple, check_rank
-from kernels._triton_formats import as_loadable, decode_e4m3, encode_e2m1, encode_e4m3, load_f32
+from kernels._triton_formats import INF, as_loadable, decode_e4m3, encode_e2m1, encode_e4m3, load_f32
 from kernels.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
 
 __all__ = ["triton_nvfp4_quantize", "triton_nvfp4_quantize_experts"]
@@ -39,55 +39,60 @@ def _nvfp4_encode_scale(amax):
     """(S_enc, global_amax) from an amax: S_enc = 2688 / max(amax, 1e-12), 1 where 0 or inf."""
     clamped = tl.maximum(amax, 1e-12)
     s_enc = tl.div_rn(tl.zeros_like(clamped) + 2688.0, clamped)
-    bad = (s_enc == 0.0) | (s_enc == float("inf"))
+    bad = (s_enc == 0.0) | (s_enc == INF)
     return tl.where(bad, 1.0, s_enc), tl.where(bad, 2688.0, clamped)
 
 
 @triton.jit
 def _nvfp4_quant_kernel(
     x_ptr, amax_ptr, packed_ptr, scales_ptr, global_ptr, num_rows, num_cols, rows_per_scale,
-    BLOCK_M: tl.constexpr, IS_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_M rows x one block of 16 columns (8 packed bytes, one E4M3 scale)."""
-    pid_m = tl.program_id(0)
-    blk = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """One program: BLOCK_M rows x BLOCKS blocks of 16, as (rows, blocks, 8 pairs) even/odd tiles."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    blks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    num_blocks = num_cols // 16
     row_ok = rows < num_rows
-    pairs = tl.arange(0, 8)
-    offs = rows.to(tl.int64)[:, None] * num_cols + (blk * 16 + 2 * pairs)[None, :]
-    x_even = load_f32(x_ptr, offs, row_ok[:, None], IS_BF16)
-    x_odd = load_f32(x_ptr, offs + 1, row_ok[:, None], IS_BF16)
+    mask2 = row_ok[:, None] & (blks < num_blocks)[None, :]
+    mask3 = mask2[:, :, None]
+    pairs = blks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    offs = rows.to(tl.int64)[:, None, None] * num_cols + 2 * pairs
+    x_even = load_f32(x_ptr, offs, mask3, IS_BF16)
+    x_odd = load_f32(x_ptr, offs + 1, mask3, IS_BF16)
     amax = tl.load(amax_ptr + rows // rows_per_scale, mask=row_ok, other=0.0)
     s_enc, global_amax = _nvfp4_encode_scale(amax)
-    amax_b = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
-    scale_code = encode_e4m3(tl.minimum(amax_b * (s_enc * 0.16666666666666666), 448.0))
+    amax_b = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
+    scale_code = encode_e4m3(tl.minimum(amax_b * (s_enc * 0.16666666666666666)[:, None], 448.0))
     dec = decode_e4m3(scale_code)
-    enc = tl.where(dec == 0.0, 0.0, tl.div_rn(s_enc, tl.where(dec == 0.0, 1.0, dec)))
-    lo = encode_e2m1(tl.minimum(tl.maximum(x_even * enc[:, None], -6.0), 6.0))
-    hi = encode_e2m1(tl.minimum(tl.maximum(x_odd * enc[:, None], -6.0), 6.0))
-    packed_offs = rows.to(tl.int64)[:, None] * (num_cols // 2) + (blk * 8 + pairs)[None, :]
-    tl.store(packed_ptr + packed_offs, (lo | (hi << 4)).to(tl.uint8), mask=row_ok[:, None])
-    tl.store(scales_ptr + rows.to(tl.int64) * (num_cols // 16) + blk, scale_code.to(tl.uint8), mask=row_ok)
-    first = row_ok & ((rows * 0 + blk) == 0)  # rows sharing a scale write the same value
+    enc = tl.where(
+        dec == 0.0, 0.0, tl.div_rn(tl.broadcast_to(s_enc[:, None], dec.shape), tl.where(dec == 0.0, 1.0, dec))
+    )
+    lo = encode_e2m1(tl.minimum(tl.maximum(x_even * enc[:, :, None], -6.0), 6.0))
+    hi = encode_e2m1(tl.minimum(tl.maximum(x_odd * enc[:, :, None], -6.0), 6.0))
+    packed_offs = rows.to(tl.int64)[:, None, None] * (num_cols // 2) + pairs
+    tl.store(packed_ptr + packed_offs, (lo | (hi << 4)).to(tl.uint8), mask=mask3)
+    scale_offs = rows.to(tl.int64)[:, None] * num_blocks + blks[None, :]
+    tl.store(scales_ptr + scale_offs, scale_code.to(tl.uint8), mask=mask2)
+    first = row_ok & ((rows * 0 + tl.program_id(1)) == 0)  # rows sharing a scale write the same value
     tl.store(global_ptr + rows // rows_per_scale, global_amax, mask=first)
 
 
-def _launch(x_RK: torch.Tensor, amax_G: torch.Tensor, rows_per_scale: int, block_m: int) -> NVFP4Tensor:
+def _launch(x_RK: torch.Tensor, amax_G: torch.Tensor, rows_per_scale: int, block_m: int, blocks: int) -> NVFP4Tensor:
     rows, cols = x_RK.shape
     device = x_RK.device
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
     scales = torch.empty(rows, cols // NVFP4_BLOCK, dtype=torch.uint8, device=device)
     global_amax = torch.empty(amax_G.numel(), dtype=torch.float32, device=device)
     if rows and cols:
-        grid = (triton.cdiv(rows, block_m), cols // NVFP4_BLOCK)
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols // NVFP4_BLOCK, blocks))
         _nvfp4_quant_kernel[grid](
             as_loadable(x_RK), amax_G, packed, scales, global_amax, rows, cols, rows_per_scale,
-            BLOCK_M=block_m, IS_BF16=x_RK.dtype == torch.bfloat16,
+            BLOCK_M=block_m, BLOCKS=blocks, IS_BF16=x_RK.dtype == torch.bfloat16,
         )  # fmt: skip
     return NVFP4Tensor(packed=packed, block_scales=scales, global_amax=global_amax)
 
 
-def _row_amax(x_RC: torch.Tensor, block_m: int = 16, block_k: int = 64) -> torch.Tensor:
+def _row_amax(x_RC: torch.Tensor, block_m: int = 16, block_k: int = 256) -> torch.Tensor:
     rows, cols = x_RC.shape
     amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)
     if rows and cols:
@@ -105,22 +110,22 @@ def _check(name: str, x: torch.Tensor, rank: int, legend: str) -> None:
     check_multiple(name, x.shape[-1], NVFP4_BLOCK, "last dim")
 
 
-def triton_nvfp4_quantize(x_RK: torch.Tensor, block_m: int = 16) -> NVFP4Tensor:
+def triton_nvfp4_quantize(x_RK: torch.Tensor, block_m: int = 16, blocks: int = 8) -> NVFP4Tensor:
     """Per-token NVFP4 of a contiguous 2-D bf16/fp32 tensor (same bytes as ``nvfp4_quantize``).
 
     Raises:
         KernelDTypeError, KernelShapeError, KernelStrideError: on a bad input.
     """
     _check("x_RK", x_RK, 2, "rows x reduction dim")
-    return _launch(x_RK, _row_amax(x_RK), 1, block_m)
+    return _launch(x_RK, _row_amax(x_RK), 1, block_m, blocks)
 
 
-def triton_nvfp4_quantize_experts(w_ENK: torch.Tensor, block_m: int = 16) -> NVFP4Tensor:
+def triton_nvfp4_quantize_experts(w_ENK: torch.Tensor, block_m: int = 16, blocks: int = 8) -> NVFP4Tensor:
     """Per-expert NVFP4 of expert weights (E, N, K) along K (same bytes as ``nvfp4_quantize_experts``)."""
     _check("w_ENK", w_ENK, 3, "experts x out x reduction dim")
     num_experts, rows, cols = w_ENK.shape
     amax = _row_amax(w_ENK.view(num_experts, rows * cols))
-    q = _launch(w_ENK.view(num_experts * rows, cols), amax, max(rows, 1), block_m)
+    q = _launch(w_ENK.view(num_experts * rows, cols), amax, max(rows, 1), block_m, blocks)
     return NVFP4Tensor(
         packed=q.packed.view(num_experts, rows, cols // 2),
         block_scales=q.block_scales.view(num_experts, rows, cols // NVFP4_BLOCK),

@@ -7,8 +7,8 @@ import torch
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """20 log10(||ref|| / ||ref - approx||) in float64."""
-    ref = reference.double()
-    err = (ref - approx.double()).norm()
+    ref = reference.detach().double()
+    err = (ref - approx.detach().double()).norm()
     return float(20 * torch.log10(ref.norm() / err))
 
 

@@ -1,0 +1,133 @@
+"""Grouped GEMMs (torch emulation and Triton under the interpreter) against a float64 reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import _backends
+from kernels.errors import KernelDTypeError, KernelShapeError, KernelStrideError
+from kernels.grouped_gemm import mxfp8_grouped_mm, mxfp8_grouped_wgrad, nvfp4_grouped_mm
+from kernels.grouped_gemm_triton import triton_mxfp8_grouped_mm, triton_mxfp8_grouped_wgrad, triton_nvfp4_grouped_mm
+from kernels.mxfp8 import MXTensor, mxfp8_quantize, mxfp8_quantize_experts, padded_group_layout
+from kernels.nvfp4 import nvfp4_quantize, nvfp4_quantize_experts
+from tests.kernels._helpers import sqnr_db
+
+BACKENDS = {"emulated": _backends.EMULATED, "triton": _backends.TRITON}
+
+
+@dataclass(frozen=True)
+class Problem:
+    x_MK: torch.Tensor
+    w_ENK: torch.Tensor
+    dout_MN: torch.Tensor
+    offsets_E1: torch.Tensor
+
+
+def _problem(backend: str, seed: int = 0) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    if backend == "emulated":
+        m, k, n, sizes = 512, 256, 128, [100, 0, 250, 162]
+    else:  # the interpreter is slow: small but ragged, with an empty expert
+        m, k, n, sizes = 80, 64, 64, [37, 0, 43]
+    offsets = torch.tensor([0, *sizes]).cumsum(0)
+    assert int(offsets[-1]) == m
+    return Problem(
+        x_MK=torch.randn(m, k, generator=g).bfloat16(),
+        w_ENK=torch.randn(len(sizes), n, k, generator=g).bfloat16(),
+        dout_MN=torch.randn(m, n, generator=g).bfloat16(),
+        offsets_E1=offsets,
+    )
+
+
+def _reference(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out = x W_e^T, dX = dout W_e, dW_e = dout_e^T x_e in float64, expert by expert."""
+    x, w, dout = p.x_MK.double(), p.w_ENK.double(), p.dout_MN.double()
+    out, dx = torch.zeros(dout.shape, dtype=torch.float64), torch.zeros(x.shape, dtype=torch.float64)
+    dw = torch.zeros(w.shape, dtype=torch.float64)
+    bounds = p.offsets_E1.tolist()
+    for e in range(w.shape[0]):
+        s, t = bounds[e], bounds[e + 1]
+        out[s:t] = x[s:t] @ w[e].t()
+        dx[s:t] = dout[s:t] @ w[e]
+        dw[e] = dout[s:t].t() @ x[s:t]
+    return out, dx, dw
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_mxfp8_grouped_gemms_meet_torchao_floors(backend: str) -> None:
+    b, p = BACKENDS[backend], _problem(backend)
+    mode = _backends.ScaleMode.RCEIL
+    out = b.mx_mm(b.mx_rows(p.x_MK, mode), b.mx_experts(p.w_ENK, mode), p.offsets_E1)
+    w_t = b.mx_experts(p.w_ENK.transpose(1, 2).contiguous(), mode)  # (E, K, N) quantized along N
+    dx = b.mx_mm(b.mx_rows(p.dout_MN, mode), w_t, p.offsets_E1)
+    layout = padded_group_layout(p.offsets_E1, p.x_MK.shape[0])
+    dw = b.mx_wgrad(
+        b.mx_grouped_cols(p.dout_MN, layout, mode), b.mx_grouped_cols(p.x_MK, layout, mode), layout.padded_offsets_E1
+    )
+    ref_out, ref_dx, ref_dw = _reference(p)
+    assert sqnr_db(ref_out, out) >= 27.0
+    assert sqnr_db(ref_dx, dx) >= 25.0
+    assert sqnr_db(ref_dw, dw) >= 24.0
+    assert bool((dw[1] == 0).all())  # the empty expert gets an exact zero gradient
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_nvfp4_grouped_gemm_meets_floor(backend: str) -> None:
+    b, p = BACKENDS[backend], _problem(backend, seed=1)
+    out = b.nvfp4_mm(b.nvfp4_rows(p.x_MK), b.nvfp4_experts(p.w_ENK), p.offsets_E1)
+    assert sqnr_db(_reference(p)[0], out) >= 16.0
+
+
+def test_triton_gemms_agree_with_the_emulation() -> None:
+    p = _problem("triton", seed=2)
+    off = p.offsets_E1
+    xq, wq = nvfp4_quantize(p.x_MK), nvfp4_quantize_experts(p.w_ENK)
+    assert sqnr_db(nvfp4_grouped_mm(xq, wq, off), triton_nvfp4_grouped_mm(xq, wq, off)) > 100
+    xm, wm = mxfp8_quantize(p.x_MK), mxfp8_quantize_experts(p.w_ENK)
+    assert sqnr_db(mxfp8_grouped_mm(xm, wm, off), triton_mxfp8_grouped_mm(xm, wm, off)) > 100
+    layout = padded_group_layout(off, p.x_MK.shape[0])
+    dq = _backends.EMULATED.mx_grouped_cols(p.dout_MN, layout, _backends.ScaleMode.RCEIL)
+    xc = _backends.EMULATED.mx_grouped_cols(p.x_MK, layout, _backends.ScaleMode.RCEIL)
+    poff = layout.padded_offsets_E1
+    assert sqnr_db(mxfp8_grouped_wgrad(dq, xc, poff), triton_mxfp8_grouped_wgrad(dq, xc, poff)) > 100
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_all_rows_in_one_expert_and_no_rows_at_all(backend: str) -> None:
+    b = BACKENDS[backend]
+    x = torch.randn(33, 32)
+    w = torch.randn(3, 16, 32)
+    off = torch.tensor([0, 0, 33, 33])
+    out = b.nvfp4_mm(b.nvfp4_rows(x), b.nvfp4_experts(w), off)
+    assert sqnr_db(x @ w[1].t(), out) > 15
+    empty = b.nvfp4_mm(b.nvfp4_rows(x[:0]), b.nvfp4_experts(w), torch.zeros(4, dtype=torch.int64))
+    assert empty.shape == (0, 16)
+
+
+def test_bad_operands_are_rejected_with_clear_errors() -> None:
+    x, w = torch.randn(8, 64), torch.randn(2, 16, 64)
+    off = torch.tensor([0, 3, 8])
+    xm, wm = mxfp8_quantize(x), mxfp8_quantize_experts(w)
+    with pytest.raises(KernelShapeError, match="reduction dims differ"):
+        triton_mxfp8_grouped_mm(xm, mxfp8_quantize_experts(torch.randn(2, 16, 32)), off)
+    with pytest.raises(KernelShapeError, match="from 0 to 8"):
+        triton_mxfp8_grouped_mm(xm, wm, torch.tensor([0, 3, 7]))
+    with pytest.raises(KernelShapeError, match="num_experts"):
+        triton_mxfp8_grouped_mm(xm, wm, torch.tensor([0, 2, 3, 8]))
+    with pytest.raises(KernelShapeError, match="non-decreasing"):
+        mxfp8_grouped_mm(xm, wm, torch.tensor([0, 9, 8]))
+    with pytest.raises(KernelDTypeError, match="offsets"):
+        triton_mxfp8_grouped_mm(xm, wm, off.float())
+    strided = MXTensor(codes=xm.codes.t().contiguous().t(), scales=xm.scales, dim=-1, mode=xm.mode)
+    with pytest.raises(KernelStrideError, match="contiguous"):
+        triton_mxfp8_grouped_mm(strided, wm, off)
+    wrong_dtype = MXTensor(codes=xm.codes.to(torch.int32), scales=xm.scales, dim=-1, mode=xm.mode)
+    with pytest.raises(KernelDTypeError, match="uint8"):
+        triton_mxfp8_grouped_mm(wrong_dtype, wm, off)
+    with pytest.raises(KernelShapeError, match="along tokens"):
+        triton_mxfp8_grouped_wgrad(xm, xm, off)
+    with pytest.raises(KernelShapeError, match="reduction dims differ"):
+        triton_nvfp4_grouped_mm(nvfp4_quantize(x), nvfp4_quantize_experts(torch.randn(2, 16, 32)), off)
