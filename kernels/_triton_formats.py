@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 NAN = tl.constexpr(float("nan"))
 INF = tl.constexpr(float("inf"))
 
