@@ -1,0 +1,139 @@
+"""Benchmark: NVFP4 and MXFP8 grouped GEMMs (Triton) against a bf16 grouped GEMM on the same shapes.
+
+Prints ONE JSON line: median times (ms), TFLOP/s and the ratio to bf16 for
+- forward   out[m] = x[m] @ W[e]^T          bf16 torch._grouped_mm  vs  NVFP4 and MXFP8 Triton kernels
+- wgrad     dW[e]  = dY_e^T @ X_e           bf16 torch._grouped_mm  vs  MXFP8 Triton kernel
+Quantization is timed separately ("quant_ms") so GEMM and end-to-end cost can both be read off.
+Without a CUDA GPU it prints a JSON line saying so and exits 0.
+
+    .venv/bin/python tests/bench/kernels.py [--experts 8] [--tokens 16384] [--hidden 2048] [--inter 1536]
+    (or: python -m tests.bench.kernels)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # run as a script: this file's folder would shadow the `kernels` package
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+
+def _no_gpu(reason: str) -> int:
+    print(json.dumps({"bench": "kernels", "status": "skipped", "reason": reason}))
+    return 0
+
+
+def _time_ms(fn, warmup: int = 5, reps: int = 30) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _bf16_grouped(x, w_ENK, offsets_E1):
+    import torch
+
+    ends = offsets_E1[1:].to(torch.int32)
+    return lambda: torch._grouped_mm(x, w_ENK.transpose(-2, -1), offs=ends)
+
+
+def _bf16_wgrad(dy, x, offsets_E1):
+    import torch
+
+    ends = offsets_E1[1:].to(torch.int32)
+    dy_t = dy.t().contiguous()  # (N, M) so the grouped dim is the reduction dim
+    return lambda: torch._grouped_mm(dy_t, x, offs=ends)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from kernels import _backends
+    from kernels.formats import ScaleMode
+    from kernels.mxfp8 import padded_group_layout
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    e, m, k, n = args.experts, args.tokens, args.hidden, args.inter
+    sizes = torch.full((e,), m // e, dtype=torch.int64)
+    sizes[: m - int(sizes.sum())] += 1
+    offsets = torch.zeros(e + 1, dtype=torch.int64)
+    offsets[1:] = sizes.cumsum(0)
+    offsets = offsets.to(dev)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    b, mode = _backends.TRITON, ScaleMode.RCEIL
+    layout = padded_group_layout(offsets, m)
+
+    xq4, wq4 = b.nvfp4_rows(x), b.nvfp4_experts(w)
+    xq8, wq8 = b.mx_rows(x, mode), b.mx_experts(w, mode)
+    dyc, xc = b.mx_grouped_cols(dy, layout, mode), b.mx_grouped_cols(x, layout, mode)
+    poff = layout.padded_offsets_E1
+    timings = {
+        "bf16_fwd": _time_ms(_bf16_grouped(x, w, offsets)),
+        "nvfp4_fwd": _time_ms(lambda: b.nvfp4_mm(xq4, wq4, offsets)),
+        "mxfp8_fwd": _time_ms(lambda: b.mx_mm(xq8, wq8, offsets)),
+        "bf16_wgrad": _time_ms(_bf16_wgrad(dy, x, offsets)),
+        "mxfp8_wgrad": _time_ms(lambda: b.mx_wgrad(dyc, xc, poff)),
+    }
+    quant = {
+        "nvfp4_rows": _time_ms(lambda: b.nvfp4_rows(x)),
+        "mxfp8_rows": _time_ms(lambda: b.mx_rows(x, mode)),
+        "mxfp8_grouped_cols": _time_ms(lambda: b.mx_grouped_cols(dy, layout, mode)),
+    }
+    flops = 2.0 * m * n * k
+    tflops = {name: flops / (ms * 1e-3) / 1e12 for name, ms in timings.items()}
+    return {
+        "bench": "kernels",
+        "status": "ok",
+        "device": torch.cuda.get_device_name(),
+        "shape": {"experts": e, "tokens": m, "hidden_K": k, "inter_N": n},
+        "median_ms": {name: round(ms, 4) for name, ms in timings.items()},
+        "quant_ms": {name: round(ms, 4) for name, ms in quant.items()},
+        "tflops": {name: round(v, 1) for name, v in tflops.items()},
+        "ratio_vs_bf16": {
+            "nvfp4_fwd": round(tflops["nvfp4_fwd"] / tflops["bf16_fwd"], 3),
+            "mxfp8_fwd": round(tflops["mxfp8_fwd"] / tflops["bf16_fwd"], 3),
+            "mxfp8_wgrad": round(tflops["mxfp8_wgrad"] / tflops["bf16_wgrad"], 3),
+        },
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=16384, help="routed (token, expert) rows")
+    parser.add_argument("--hidden", type=int, default=2048, help="reduction dim K (multiple of 32)")
+    parser.add_argument("--inter", type=int, default=1536, help="output dim N (multiple of 32)")
+    args = parser.parse_args()
+    try:
+        import torch
+    except ImportError as exc:
+        return _no_gpu(f"torch unavailable: {exc}")
+    if not torch.cuda.is_available():
+        return _no_gpu("no CUDA GPU available on this machine; nothing was measured")
+    started = time.perf_counter()
+    result = run(args)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
