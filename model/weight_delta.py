@@ -306,6 +306,60 @@ class _EncodedTensor:
     base_checksum: str | None
 
 
+_CHUNK = 1 << 16  # elements per step of the sparse XOR loops: temporaries stay in cache
+
+
+def _planes(bits: np.ndarray) -> np.ndarray:
+    """Byte planes (all first bytes, then all second bytes, ...): exponent bytes compress well."""
+    if bits.dtype.itemsize == 1:
+        return bits
+    return np.ascontiguousarray(bits.view(np.uint8).reshape(-1, bits.dtype.itemsize).T)
+
+
+def _unplanes(data: bytes, dtype: np.dtype) -> np.ndarray:
+    planes = np.frombuffer(data, np.uint8).reshape(dtype.itemsize, -1)
+    return np.ascontiguousarray(planes.T).view(dtype).reshape(-1)
+
+
+def _sparse_xor(bits: np.ndarray, base_bits: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(packed changed-element bitmap, changed XOR words), or None once more than ``limit`` changed."""
+    n = bits.size
+    scratch_x, scratch_m = np.empty(min(n, _CHUNK), bits.dtype), np.empty(min(n, _CHUNK), bool)
+    packed = np.empty((n + 7) // 8, np.uint8)
+    values, count = [], 0
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        x, m = scratch_x[: stop - start], scratch_m[: stop - start]
+        np.bitwise_xor(bits[start:stop], base_bits[start:stop], out=x)
+        np.not_equal(x, 0, out=m)
+        packed[start // 8 : (stop + 7) // 8] = np.packbits(m)
+        values.append(x[m])
+        count += values[-1].size
+        if count > limit:
+            return None
+    return packed, np.concatenate(values)
+
+
+def _apply_sparse_xor(base_bits: np.ndarray, packed: np.ndarray, values: np.ndarray, what: str) -> np.ndarray:
+    n = base_bits.size
+    out, dense = np.empty_like(base_bits), np.empty(min(n, _CHUNK), base_bits.dtype)
+    offset = 0
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        m = np.unpackbits(packed[start // 8 : (stop + 7) // 8], count=stop - start).view(bool)
+        count = int(np.count_nonzero(m))
+        if offset + count > values.size:
+            raise CorruptVersion(f"{what}: bitmap marks more changes than the {values.size} stored")
+        d = dense[: stop - start]
+        d.fill(0)
+        d[m] = values[offset : offset + count]
+        offset += count
+        np.bitwise_xor(base_bits[start:stop], d, out=out[start:stop])
+    if offset != values.size:
+        raise CorruptVersion(f"{what}: bitmap marks {offset} changes, {values.size} stored")
+    return out
+
+
 def _encode_tensor(name: str, tensor: torch.Tensor, base: WeightState | None, config: CodecConfig) -> _EncodedTensor:
     bits = _bits(tensor)
     checksum = _checksum(bits)
@@ -313,26 +367,25 @@ def _encode_tensor(name: str, tensor: torch.Tensor, base: WeightState | None, co
     meta = (name, _dtype_name(tensor.dtype), tuple(tensor.shape))
     base_tensor = None if base is None else base.tensors.get(name)
     if base_tensor is None or base_tensor.dtype != tensor.dtype or base_tensor.shape != tensor.shape:
-        frame = compressor.compress(bits)
+        frame = compressor.compress(_planes(bits))
         return _EncodedTensor(*meta, "raw", (frame,), bits.nbytes, bits.size, checksum, None)
     assert base is not None
     base_checksum = base.checksums[name]
     if checksum == base_checksum:
         return _EncodedTensor(*meta, "same", (), bits.nbytes, 0, checksum, base_checksum)
-    delta = np.bitwise_xor(bits, _bits(base_tensor))
+    base_bits = _bits(base_tensor)
+    sparse = _sparse_xor(bits, base_bits, int(config.sparse_max_fraction * bits.size))
+    if sparse is not None:
+        packed, values = sparse
+        frames = (compressor.compress(packed), compressor.compress(values))
+        return _EncodedTensor(*meta, "xor_sparse", frames, bits.nbytes, values.size, checksum, base_checksum)
+    delta = np.bitwise_xor(bits, base_bits)
     num_changed = int(np.count_nonzero(delta))
-    fraction = num_changed / max(delta.size, 1)
-    encoding: Encoding
-    if fraction <= config.sparse_max_fraction:
-        mask = delta != 0
-        frames = (compressor.compress(np.packbits(mask)), compressor.compress(delta[mask]))
-        encoding = "xor_sparse"
-    else:
-        frames, encoding = (compressor.compress(delta),), "xor"
-        if fraction >= config.overwrite_min_fraction:
-            raw = compressor.compress(bits)
-            if len(raw) < len(frames[0]):
-                frames, encoding = (raw,), "raw"
+    frames, encoding = (compressor.compress(_planes(delta)),), "xor"
+    if num_changed >= config.overwrite_min_fraction * bits.size:
+        raw = compressor.compress(_planes(bits))
+        if len(raw) < len(frames[0]):
+            frames, encoding = (raw,), "raw"
     return _EncodedTensor(*meta, encoding, frames, bits.nbytes, num_changed, checksum, base_checksum)
 
 
@@ -482,21 +535,17 @@ def _decode_tensor(entry: TensorEntry, shard: memoryview, base: WeightState | No
         base_bits = _bits(base.tensors[entry.name])
         if base_bits.size != count or _checksum(base_bits) != entry.base_checksum:
             raise BaseMismatch(f"{what}: base bits differ from the ones the delta was encoded against")
+    nbytes = count * np_dtype.itemsize
     if entry.encoding == "raw":
-        bits = np.frombuffer(_decompress(frames[0], count * np_dtype.itemsize, what), np_dtype).copy()
+        bits = _unplanes(_decompress(frames[0], nbytes, what), np_dtype)
     elif entry.encoding == "same":
         bits = base_bits
     elif entry.encoding == "xor":
-        delta = np.frombuffer(_decompress(frames[0], count * np_dtype.itemsize, what), np_dtype)
-        bits = np.bitwise_xor(base_bits, delta)
+        bits = np.bitwise_xor(base_bits, _unplanes(_decompress(frames[0], nbytes, what), np_dtype))
     elif entry.encoding == "xor_sparse":
         packed = np.frombuffer(_decompress(frames[0], (count + 7) // 8, what), np.uint8)
-        mask = np.unpackbits(packed, count=count).view(bool)
         values = np.frombuffer(_decompress(frames[1], entry.num_changed * np_dtype.itemsize, what), np_dtype)
-        if int(np.count_nonzero(mask)) != values.size:
-            raise CorruptVersion(f"{what}: bitmap marks {np.count_nonzero(mask)} changes, {values.size} stored")
-        bits = base_bits.copy()
-        bits[mask] ^= values
+        bits = _apply_sparse_xor(base_bits, packed, values, what)
     else:
         raise CorruptVersion(f"{what}: unknown encoding {entry.encoding!r}")
     if _checksum(bits) != entry.checksum:

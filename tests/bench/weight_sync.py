@@ -1,0 +1,214 @@
+"""Benchmark: delta weight sync against full safetensors uploads on a >= 100M-parameter model.
+
+A stack of Linear layers (fp32 master weights, Adam) trains on random batches; after every step the
+bf16 cast of its weights is published through ``WeightPublisher`` into a file:// blob store while
+the next step runs. For lr 1e-6 and 1e-5 it measures, in the same process:
+
+- bytes per step of a delta version against the bytes of ``safetensors.torch.save`` of the same
+  bf16 weights (what most frameworks upload every step), and the amortised ratio with one full
+  anchor every K versions;
+- encode and decode throughput in GB/s of bf16 weights (standalone, ``workers`` threads);
+- the training-step slowdown caused by publishing: median step time (including the bf16 cast)
+  with the publisher running in the background, over the median without publishing.
+
+Prints ONE JSON line. Goals (issue 8): ratio >= 30 at lr 1e-6, encode >= 1 GB/s on 2 cores,
+slowdown <= 5%.
+
+    .venv/bin/python -m tests.bench.weight_sync            # ~100.7M params, a few minutes on 2 cores
+    .venv/bin/python -m tests.bench.weight_sync --layers 4 --steps 3   # quick smoke run
+
+(Run it with -m from the repository root: as a file, tests/bench/ would shadow the packages.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import safetensors.torch
+import torch
+
+from model.weight_delta import CodecConfig, PublisherConfig, WeightPublisher, decode_version, encode_version
+from runtime.blob import open_store
+
+State = dict[str, torch.Tensor]
+
+
+def build_model(num_layers: int, width: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for _ in range(num_layers):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> Callable[[], None]:
+    width = model[0].in_features
+    target_W = torch.randn(width, width) / width**0.5
+
+    def step() -> None:
+        x_BD = torch.randn(batch, width)
+        loss = torch.nn.functional.mse_loss(model(x_BD), x_BD @ target_W)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def snapshot(model: torch.nn.Module) -> State:
+    """The published state: bf16 casts of the fp32 masters (fresh tensors the publisher owns)."""
+    return {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+
+
+async def timed_steps(step: Callable[[], None], count: int, publish: Callable[[], None] | None) -> list[float]:
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        await asyncio.to_thread(step)
+        if publish is not None:
+            publish()  # the bf16 cast is the caller's share of publishing
+        times.append(time.perf_counter() - started)
+    return times
+
+
+async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[str, float | str]:
+    model = build_model(args.layers, args.width, args.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    step = make_step(model, optimizer, args.batch)
+    await timed_steps(step, args.warmup, None)
+    baseline = await timed_steps(step, args.steps, None)
+
+    codec = CodecConfig(anchor_every=args.anchor_every, zstd_level=args.zstd_level, workers=args.workers)
+    config = PublisherConfig(run=f"bench-lr{lr:g}", codec=codec, retain_versions=4, max_pending=2)
+    snapshots: list[State] = []
+    async with open_store(f"file://{blob_root}") as store, WeightPublisher(store, config) as publisher:
+        version = 0
+        anchor = await publisher.submit(version, snapshot(model))  # the chain's first anchor, untimed
+        futures = []
+
+        def publish() -> None:
+            nonlocal version
+            version += 1
+            state = snapshot(model)
+            snapshots[:] = [*snapshots[-1:], state]
+            futures.append(publisher.submit(version, state))
+
+        with_publishing = await timed_steps(step, args.steps, publish)
+        await publisher.flush()
+    published = [f.result() for f in futures if f.exception() is None]
+    deltas = [p for p in published if p.base_version is not None]
+    baseline += await timed_steps(step, args.steps, None)  # bracket the publishing block
+
+    full_bytes = len(safetensors.torch.save(snapshots[-1]))
+    delta_bytes = statistics.median(p.num_encoded_bytes for p in deltas)
+    k = args.anchor_every
+    amortised = (anchor.num_encoded_bytes + (k - 1) * delta_bytes) / k
+    return {
+        "delta_bytes_per_step": delta_bytes,
+        "anchor_bytes": anchor.num_encoded_bytes,
+        "full_safetensors_bytes": full_bytes,
+        "bytes_ratio": full_bytes / delta_bytes,
+        f"bytes_ratio_amortised_k{k}": full_bytes / amortised,
+        **measure_codec(snapshots, codec, args.reps),
+        "step_s_baseline_median": statistics.median(baseline),
+        "step_s_publishing_median": statistics.median(with_publishing),
+        "step_slowdown": statistics.median(with_publishing) / statistics.median(baseline) - 1.0,
+        "num_published": len(published),
+        "num_superseded": len(futures) - len(published),
+        "publisher_encode_s_median": statistics.median(p.encode_s for p in deltas),
+    }
+
+
+def _timed(fn: Callable[[], object]) -> tuple[object, float, float]:
+    """(result, wall seconds, CPU seconds of the whole process: all worker threads)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure_codec(snapshots: list[State], codec: CodecConfig, reps: int) -> dict[str, float]:
+    """Standalone codec timings on the last two published states (no training running)."""
+    previous, latest = snapshots
+    weight_gb = sum(t.nbytes for t in latest.values()) / 1e9
+    with ThreadPoolExecutor(codec.workers) as pool:
+        anchor, anchor_enc_s, anchor_enc_cpu = _timed(
+            lambda: encode_version(previous, None, run="bench", version=0, config=codec, executor=pool)
+        )
+        base, anchor_dec_s, _ = _timed(lambda: decode_version(anchor.manifest, anchor.shards, None, executor=pool))
+        enc, dec = [], []
+        for _ in range(reps):
+            delta, wall, cpu = _timed(
+                lambda: encode_version(latest, base, run="bench", version=1, config=codec, executor=pool)
+            )
+            enc.append((wall, cpu))
+            rebuilt, wall, cpu = _timed(lambda d=delta: decode_version(d.manifest, d.shards, base, executor=pool))
+            dec.append((wall, cpu))
+    for name, tensor in latest.items():  # only correct rebuilds count
+        if not torch.equal(rebuilt.tensors[name].view(torch.int16), tensor.view(torch.int16)):
+            raise AssertionError(f"decode of {name} is not bit exact")
+    encodings = sorted({t.encoding for t in delta.manifest.tensors})
+    return {
+        "encode_gbps": weight_gb / statistics.median(w for w, _ in enc),
+        "encode_gbps_per_cpu_s": weight_gb / statistics.median(c for _, c in enc),
+        "decode_gbps": weight_gb / statistics.median(w for w, _ in dec),
+        "decode_gbps_per_cpu_s": weight_gb / statistics.median(c for _, c in dec),
+        "anchor_encode_gbps": weight_gb / anchor_enc_s,
+        "anchor_encode_gbps_per_cpu_s": weight_gb / anchor_enc_cpu,
+        "anchor_decode_gbps": weight_gb / anchor_dec_s,
+        "delta_encodings": "+".join(encodings),
+    }
+
+
+async def main(args: argparse.Namespace) -> dict[str, object]:
+    num_params = sum(p.numel() for p in build_model(args.layers, args.width, args.seed).parameters())
+    result: dict[str, object] = {
+        "bench": "weight_sync",
+        "num_params": num_params,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "config": {k: v for k, v in vars(args).items()},
+    }
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="weight-sync-bench-") as root:
+        for lr in args.lrs:
+            measured = await run_lr(args, lr, root)
+            result[f"lr_{lr:g}"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in measured.items()}
+    result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    low = result[f"lr_{args.lrs[0]:g}"]
+    assert isinstance(low, dict)
+    result["goals"] = {
+        "bytes_ratio_at_lowest_lr>=30": low["bytes_ratio"] >= 30,
+        "encode_gbps>=1": min(result[f"lr_{lr:g}"]["encode_gbps"] for lr in args.lrs) >= 1.0,  # type: ignore[index]
+        "step_slowdown<=0.05": max(result[f"lr_{lr:g}"]["step_slowdown"] for lr in args.lrs) <= 0.05,  # type: ignore[index]
+    }
+    return result
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24, help="Linear layers (24 x 2048^2 = 100.7M params)")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1024, help="rows (tokens) of the random batch per step")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per block")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of the standalone codec timing")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
+    parser.add_argument("--anchor-every", type=int, default=10)
+    parser.add_argument("--zstd-level", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(parse_args()))))
