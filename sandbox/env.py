@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import resource
 import secrets
 import shutil
 import signal
@@ -31,6 +29,7 @@ import structlog
 
 from sandbox import _mount
 from sandbox._host import GRADER_NAME, system_binds
+from sandbox._process import CappedReader, RunningCommand, ulimit_prelude
 from sandbox.config import SandboxLimits
 from sandbox.errors import SandboxStateError
 from sandbox.layers import Layer, LayerStore, Snapshot, copy_tree
@@ -49,8 +48,6 @@ _INNER_ENV = {
     "USER": "sandbox",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
-_READ_CHUNK = 1 << 16
-_REAP_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -65,46 +62,12 @@ class CommandResult:
     duration_s: float
 
 
-class _CappedReader:
-    """Drains a pipe to EOF, keeping the first ``cap`` bytes."""
-
-    def __init__(self, stream: asyncio.StreamReader, cap: int) -> None:
-        self.stream, self.cap = stream, cap
-        self.data = bytearray()
-        self.truncated = False
-
-    async def drain(self) -> None:
-        while chunk := await self.stream.read(_READ_CHUNK):
-            room = self.cap - len(self.data)
-            if len(chunk) > room:
-                self.truncated = True
-                self.data += chunk[: max(room, 0)]
-            else:
-                self.data += chunk
-
-
-def _clamp_to_hard(resource_id: int, value: int) -> int:
-    hard = resource.getrlimit(resource_id)[1]
-    return value if hard == resource.RLIM_INFINITY else min(value, hard)
-
-
-def _ulimit_prelude(limits: SandboxLimits) -> str:
-    # bash units: -v and -f in KiB; -t seconds; -u and -n counts. Sets soft and hard limits.
-    cpu = _clamp_to_hard(resource.RLIMIT_CPU, limits.cpu_time_s)
-    mem_kib = _clamp_to_hard(resource.RLIMIT_AS, limits.memory_bytes) // 1024
-    fsize_kib = max(_clamp_to_hard(resource.RLIMIT_FSIZE, limits.file_size_bytes) // 1024, 1)
-    nproc = _clamp_to_hard(resource.RLIMIT_NPROC, limits.num_processes)
-    nofile = _clamp_to_hard(resource.RLIMIT_NOFILE, limits.num_open_files)
-    return (
-        f"ulimit -c 0 -t {cpu} -v {mem_kib} -f {fsize_kib} -u {nproc} -n {nofile} "
-        "|| { echo 'sandbox: cannot apply limits' >&2; exit 126; }\n"
-    )
-
-
 class Environment:
     """An isolated workspace; create with `create` or `fork`, always `close` (or use ``with``)."""
 
     def __init__(self, store: LayerStore, layers: tuple[Layer, ...], limits: SandboxLimits) -> None:
+        if store.closed:
+            raise SandboxStateError(f"LayerStore {store.dir} is closed; expected open to make an environment")
         self.store = store
         self.limits = limits
         self.id = secrets.token_hex(6)
@@ -114,7 +77,7 @@ class Environment:
         self._work = os.path.join(self._rw, "work")
         self.workspace_path = os.path.join(self.dir, "merged")
         self._layers = layers
-        self._procs: set[_Running] = set()
+        self._procs: set[RunningCommand] = set()
         self._closed = False
         store.retain(layers)
         try:
@@ -184,7 +147,7 @@ class Environment:
         for src, dst in extra_binds:
             argv += ["--ro-bind", src, dst]
         argv += ["--remount-ro", "/", "--hostname", "sandbox", "--chdir", cfg.workspace_dir]
-        argv += ["--", cfg.shell, "-c", _ulimit_prelude(self.limits) + cmd]
+        argv += ["--", cfg.shell, "-c", ulimit_prelude(self.limits) + cmd]
         return argv
 
     async def run(
@@ -234,11 +197,11 @@ class Environment:
             raise
         finally:
             os.close(info_w)
-        running = _Running(proc, info_r)
+        running = RunningCommand(proc, info_r)
         self._procs.add(running)
         assert proc.stdout is not None and proc.stderr is not None
-        out = _CappedReader(proc.stdout, self.limits.output_bytes)
-        err = _CappedReader(proc.stderr, self.limits.output_bytes)
+        out = CappedReader(proc.stdout, self.limits.output_bytes)
+        err = CappedReader(proc.stderr, self.limits.output_bytes)
         timed_out = False
         try:
             async with asyncio.timeout(timeout):
@@ -354,71 +317,3 @@ class Environment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Running:
-    """A started bwrap and the fd on which it reports its sandbox init's host pid.
-
-    Killing the sandbox's init (pid 1 of its pid namespace) makes the kernel kill every process
-    in the namespace, and init only finishes exiting once they are all gone. The outer bwrap
-    learns init's status through an eventfd and may exit first, so we also wait (on a pidfd)
-    for init itself to exit; it then lingers only as a zombie until the host's pid 1 reaps it.
-    """
-
-    def __init__(self, proc: asyncio.subprocess.Process, info_fd: int) -> None:
-        self.proc = proc
-        self._info_fd: int | None = info_fd
-        self._child_pid: int | None = None
-
-    def _read_child_pid(self) -> int | None:
-        if self._child_pid is None and self._info_fd is not None:
-            with contextlib.suppress(BlockingIOError, OSError, ValueError):
-                info = json.loads(os.read(self._info_fd, 4096).decode())
-                self._child_pid = int(info["child-pid"])
-        return self._child_pid
-
-    async def _wait_init_exit(self) -> None:
-        pid = self._read_child_pid()
-        if pid is None:
-            return
-        try:
-            pidfd = os.pidfd_open(pid)
-        except (ProcessLookupError, OSError):
-            return
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
-        try:
-            await asyncio.wait_for(exited, _REAP_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("sandbox_init_exit_slow", pid=pid)
-        finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-
-    def kill(self) -> None:
-        """SIGKILL the sandbox's init (or, before it exists, bwrap's process group)."""
-        if self.proc.returncode is not None:
-            return
-        pid = self._read_child_pid()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-            else:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-
-    async def terminate(self) -> None:
-        """Kill if still running; return once the sandbox's pid namespace is empty."""
-        try:
-            self.kill()
-            try:
-                await asyncio.wait_for(self.proc.wait(), _REAP_TIMEOUT_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                await self.proc.wait()
-            await self._wait_init_exit()
-        finally:
-            if self._info_fd is not None:
-                os.close(self._info_fd)
-                self._info_fd = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,11 @@ from sandbox.config import SandboxConfig, SandboxLimits
 from sandbox.errors import SandboxUnavailable
 from sandbox.layers import LayerStore
 
-SANDBOX_UID = SandboxConfig().sandbox_uid
+# A uid of our own (not nobody) and a root of our own, so sandboxes that other processes on the
+# machine run at the same time cannot be mistaken for leaks of these tests, nor these for theirs.
+SANDBOX_UID = 200_000 + secrets.randbelow(100_000)
+TEST_ROOT = "/var/tmp/asyncrl-sandbox-tests"
+TEST_CONFIG = SandboxConfig(root_dir=TEST_ROOT, sandbox_uid=SANDBOX_UID, sandbox_gid=SANDBOX_UID)
 
 
 def sandbox_pids() -> list[int]:
@@ -49,8 +54,7 @@ def _owned_by_sandbox(directory: str) -> list[str]:
 
 
 def _sandbox_mounts() -> list[str]:
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        return sorted(line.split()[4] for line in f if " asyncrl-" in line)
+    return sorted(_mount.mounts_under(TEST_ROOT))
 
 
 def host_fingerprint() -> dict[str, object]:
@@ -71,7 +75,7 @@ def host_fingerprint() -> dict[str, object]:
 @pytest.fixture
 def store() -> Iterator[LayerStore]:
     try:
-        s = LayerStore()
+        s = LayerStore(TEST_CONFIG)
     except SandboxUnavailable as e:
         pytest.skip(f"sandbox unavailable on this host: {e}")
     try:

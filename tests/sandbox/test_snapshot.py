@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import os
 import statistics
@@ -21,7 +22,8 @@ from sandbox import (
     export_snapshot_bytes,
     import_snapshot_bytes,
 )
-from sandbox.config import SandboxConfig
+
+from .conftest import TEST_CONFIG
 
 
 def _disk_bytes(path: str) -> int:
@@ -103,7 +105,7 @@ async def test_snapshot_cost_follows_the_change_and_keeps_history(store: LayerSt
 
 async def test_layer_depth_is_bounded_by_squash() -> None:
     try:
-        store = LayerStore(SandboxConfig(max_layer_depth=3))
+        store = LayerStore(dataclasses.replace(TEST_CONFIG, max_layer_depth=3))
     except SandboxUnavailable as e:
         pytest.skip(f"sandbox unavailable: {e}")
     with store, Environment.create(store, {"base.txt": "b\n", "old.txt": "o\n"}) as env:
