@@ -128,43 +128,48 @@ class QuantizedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_TD):
         x_TD, topk_w, w_gate, w_up, w_down, g_MF, u_MF, h_MF, y_MD = ctx.saved_tensors
+        need_x, need_topk, need_gate, need_up, need_down = ctx.needs_input_grad[:5]
         routing: Routing = ctx.routing
-        backend: QuantBackend = ctx.backend
+        b: QuantBackend = ctx.backend
         mode: ScaleMode = ctx.mx_mode
         off, token = routing.offsets_E1, routing.token_M
         dy_gathered = dy_TD.float()[token]
-        d_topk = torch.zeros(topk_w.numel(), dtype=torch.float32, device=dy_TD.device)
-        d_topk[routing.pair_M] = (dy_gathered * y_MD).sum(-1)
+        d_topk = None
+        if need_topk:
+            d_topk = torch.zeros(topk_w.numel(), dtype=torch.float32, device=dy_TD.device)
+            d_topk[routing.pair_M] = (dy_gathered * y_MD).sum(-1)
+            d_topk = d_topk.reshape(topk_w.shape).to(topk_w.dtype)
         dy_MD = dy_gathered * topk_w.reshape(-1)[routing.pair_M].float()[:, None]
         layout = padded_group_layout(off, routing.num_rows)
-        cols = partial(backend.mx_grouped_cols, layout=layout, mode=mode)
+        cols = partial(b.mx_grouped_cols, layout=layout, mode=mode)
         poff = layout.padded_offsets_E1
+        dw_down = b.mx_wgrad(cols(dy_MD), cols(h_MF), poff).to(w_down.dtype) if need_down else None  # (E, D, F)
+        dx_TD = dw_gate = dw_up = None
+        if need_x or need_gate or need_up:
+            w_down_T = b.mx_experts(w_down.transpose(1, 2).contiguous(), mode)  # (E, F, D), along D
+            dh_MF = b.mx_mm(b.mx_rows(dy_MD, mode), w_down_T, off)
+            sig = torch.sigmoid(g_MF)
+            dg_MF = dh_MF * u_MF * sig * (1.0 + g_MF * (1.0 - sig))  # d silu(g) = sig (1 + g (1 - sig))
+            du_MF = dh_MF * g_MF * sig
+            if need_x:
+                dx_TD = _input_grad(b, mode, x_TD, routing, dg_MF, du_MF, w_gate, w_up)
+            x_cols = cols(x_TD[token].contiguous()) if need_gate or need_up else None
+            if need_gate:
+                dw_gate = b.mx_wgrad(cols(dg_MF), x_cols, poff).to(w_gate.dtype)  # (E, F, D)
+            if need_up:
+                dw_up = b.mx_wgrad(cols(du_MF), x_cols, poff).to(w_up.dtype)
+        return dx_TD, d_topk, dw_gate, dw_up, dw_down, None, None, None
 
-        w_down_T = backend.mx_experts(w_down.transpose(1, 2).contiguous(), mode)  # (E, F, D) along D
-        dh_MF = backend.mx_mm(backend.mx_rows(dy_MD, mode), w_down_T, off)
-        dw_down = backend.mx_wgrad(cols(dy_MD), cols(h_MF), poff)  # (E, D, F)
-        sig = torch.sigmoid(g_MF)
-        dg_MF = dh_MF * u_MF * sig * (1.0 + g_MF * (1.0 - sig))
-        du_MF = dh_MF * g_MF * sig
 
-        w_gate_T = backend.mx_experts(w_gate.transpose(1, 2).contiguous(), mode)  # (E, D, F) along F
-        w_up_T = backend.mx_experts(w_up.transpose(1, 2).contiguous(), mode)
-        dx_MD = backend.mx_mm(backend.mx_rows(dg_MF, mode), w_gate_T, off)
-        dx_MD += backend.mx_mm(backend.mx_rows(du_MF, mode), w_up_T, off)
-        xq_cols = cols(x_TD[token].contiguous())
-        dw_gate = backend.mx_wgrad(cols(dg_MF), xq_cols, poff)  # (E, F, D)
-        dw_up = backend.mx_wgrad(cols(du_MF), xq_cols, poff)
-        dx_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device).index_add_(0, token, dx_MD)
-        return (
-            dx_TD.to(x_TD.dtype),
-            d_topk.reshape(topk_w.shape).to(topk_w.dtype),
-            dw_gate.to(w_gate.dtype),
-            dw_up.to(w_up.dtype),
-            dw_down.to(w_down.dtype),
-            None,
-            None,
-            None,
-        )
+def _input_grad(b, mode, x_TD, routing, dg_MF, du_MF, w_gate, w_up) -> torch.Tensor:
+    """dx[t] = sum over t's pairs of dg W_gate[e] + du W_up[e], reducing over F in MXFP8."""
+    off = routing.offsets_E1
+    w_gate_T = b.mx_experts(w_gate.transpose(1, 2).contiguous(), mode)  # (E, D, F), along F
+    w_up_T = b.mx_experts(w_up.transpose(1, 2).contiguous(), mode)
+    dx_MD = b.mx_mm(b.mx_rows(dg_MF, mode), w_gate_T, off)
+    dx_MD += b.mx_mm(b.mx_rows(du_MF, mode), w_up_T, off)
+    dx_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+    return dx_TD.index_add_(0, routing.token_M, dx_MD).to(x_TD.dtype)
 
 
 def _quantized_forward(

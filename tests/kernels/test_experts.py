@@ -158,3 +158,15 @@ def test_bad_arguments_are_rejected() -> None:
         fn(c.x.half(), c.ids, c.weights, c.w_gate, c.w_up, c.w_down)
     with pytest.raises(TypeError, match="ExpertsPrecision"):
         make_experts_fn("triton")  # type: ignore[arg-type]
+
+
+def test_frozen_weights_get_no_gradient_and_x_still_does() -> None:
+    c = SMALL
+    x = c.x.clone().requires_grad_()
+    y = make_experts_fn(ExpertsPrecision.EMULATED)(x, c.ids, c.weights, c.w_gate, c.w_up, c.w_down)
+    y.backward(c.dy)
+    assert x.grad is not None and sqnr_db(_float64_run(c)[1], x.grad) > 13
+    w_down = c.w_down.clone().requires_grad_()
+    y = make_experts_fn(ExpertsPrecision.EMULATED)(c.x, c.ids, c.weights, c.w_gate, c.w_up, w_down)
+    y.backward(c.dy)
+    assert w_down.grad is not None and sqnr_db(_float64_run(c)[5], w_down.grad) > 12
