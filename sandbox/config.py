@@ -24,6 +24,8 @@ class SandboxLimits:
     Attributes:
         cpu_time_s: RLIMIT_CPU of each process (seconds of CPU time).
         memory_bytes: RLIMIT_AS of each process (virtual address space).
+        total_memory_bytes: memory cgroup limit on all of an environment's processes together
+            (and the tmpfs pages they write), when a memory cgroup is available on the host.
         file_size_bytes: RLIMIT_FSIZE: the largest file a process may write.
         num_processes: RLIMIT_NPROC, counted per environment (each command runs in its own
             user namespace, so environments do not share the count).
@@ -37,6 +39,7 @@ class SandboxLimits:
 
     cpu_time_s: int = 30
     memory_bytes: int = 1024 * _MIB
+    total_memory_bytes: int = 2048 * _MIB
     file_size_bytes: int = 64 * _MIB
     num_processes: int = 64
     num_open_files: int = 256
@@ -50,6 +53,7 @@ class SandboxLimits:
             "SandboxLimits",
             cpu_time_s=self.cpu_time_s,
             memory_bytes=self.memory_bytes,
+            total_memory_bytes=self.total_memory_bytes,
             file_size_bytes=self.file_size_bytes,
             num_processes=self.num_processes,
             num_open_files=self.num_open_files,
@@ -58,6 +62,8 @@ class SandboxLimits:
             disk_bytes=self.disk_bytes,
             num_inodes=self.num_inodes,
         )
+        if self.total_memory_bytes < 64 * _MIB:
+            raise ValueError(f"SandboxLimits.total_memory_bytes={self.total_memory_bytes} is below 64 MiB; raise it")
         if self.memory_bytes < 64 * _MIB:
             raise ValueError(
                 f"SandboxLimits.memory_bytes={self.memory_bytes} is below 64 MiB; bash and python "
@@ -87,6 +93,8 @@ class SandboxConfig:
         shell: the shell (inside the sandbox) that runs command strings.
         workspace_dir: where the workspace appears inside the sandbox.
         max_layer_depth: snapshots deeper than this are squashed into one layer.
+        memory_cgroup: put each environment in its own memory cgroup when the host allows it
+            (see `sandbox._cgroup`); otherwise only per-process rlimits bound memory.
     """
 
     root_dir: str = "/var/tmp/asyncrl-sandbox"
@@ -96,6 +104,7 @@ class SandboxConfig:
     shell: str = "/bin/bash"
     workspace_dir: str = "/workspace"
     max_layer_depth: int = 16
+    memory_cgroup: bool = True
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.root_dir):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import structlog
 
 from sandbox import _mount
+from sandbox._cgroup import EnvCgroup
 from sandbox._host import GRADER_NAME, system_binds
 from sandbox._process import CappedReader, RunningCommand, ulimit_prelude
 from sandbox.config import SandboxLimits
@@ -79,6 +80,7 @@ class Environment:
         self._layers = layers
         self._procs: set[RunningCommand] = set()
         self._closed = False
+        self._cgroup: EnvCgroup | None = None
         store.retain(layers)
         try:
             self._setup()
@@ -120,6 +122,9 @@ class Environment:
             os.mkdir(path, mode)
             os.chown(path, owner, gid if owner else 0)
         self._mount_overlay()
+        if self.store.cgroup is not None:
+            parent, version = self.store.cgroup
+            self._cgroup = EnvCgroup(parent, version, f"{self.store.name}-{self.id}", lim.total_memory_bytes, uid, gid)
 
     def _mount_overlay(self) -> None:
         lower = ":".join(layer.path for layer in self._layers)
@@ -134,7 +139,10 @@ class Environment:
     # -- commands ------------------------------------------------------------------------
     def _argv(self, cmd: str, extra_binds: tuple[tuple[str, str], ...], info_fd: int) -> list[str]:
         cfg = self.store.config
-        argv = [self.store.bwrap_path, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+        argv = []
+        if self._cgroup is not None:  # join the environment's memory cgroup, then become bwrap
+            argv += ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self._cgroup.procs_path]
+        argv += [self.store.bwrap_path, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
         argv += ["--info-fd", str(info_fd)]
         for key, value in _INNER_ENV.items():
             argv += ["--setenv", key, value]
@@ -310,6 +318,8 @@ class Environment:
             running.kill()
         _mount.umount_tree(self.dir)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._cgroup is not None:
+            self._cgroup.remove()
         self.store.release(self._layers)
 
     def __enter__(self) -> Environment:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import structlog
 
-from sandbox import _mount
+from sandbox import _cgroup, _mount
 from sandbox._host import check_host, prepare_static_dir
 from sandbox._safepath import split_relpath, write_atomic
 from sandbox.config import SandboxConfig
@@ -150,12 +150,18 @@ class LayerStore:
         for d in (self.dir, self.layers_dir, self.envs_dir):
             os.mkdir(d, 0o711)
         self.static_dir = prepare_static_dir(self.dir, self.config)
+        self.name = os.path.basename(self.dir)
+        self.cgroup: tuple[str, int] | None = None
+        if self.config.memory_cgroup:
+            self.cgroup = _cgroup.probe(self.name, self.config.sandbox_uid, self.config.sandbox_gid)
+            if self.cgroup is not None:
+                _cgroup.reap_stale(self.cgroup[0])
         self._refs: dict[str, int] = {}
         self._layers: dict[str, Layer] = {}
         self._by_content: dict[str, str] = {}
         self._lock = threading.Lock()
         self._closed = False
-        log.info("sandbox_store_opened", dir=self.dir)
+        log.info("sandbox_store_opened", dir=self.dir, memory_cgroup=self.cgroup is not None)
 
     # -- layers --------------------------------------------------------------------------
     def new_layer_dir(self) -> tuple[str, str]:

@@ -84,6 +84,9 @@ def store() -> Iterator[LayerStore]:
         s.close()
         assert _mount.mounts_under(s.dir) == [], "store left mounts behind"
         assert not os.path.exists(s.dir), "store left files behind"
+        if s.cgroup is not None:
+            left = [n for n in os.listdir(s.cgroup[0]) if n.startswith(f"asyncrl-{s.name}")]
+            assert left == [], f"store left cgroups behind: {left}"
 
 
 @pytest.fixture

@@ -250,3 +250,18 @@ async def test_concurrent_commands_each_contained(store: LayerStore, tight: Sand
         results = await asyncio.gather(*(env.run(f"echo {i}; sleep 0.2") for i in range(8)))
     assert [r.stdout.strip() for r in results] == [str(i) for i in range(8)]
     assert time.monotonic() - start < 5
+
+
+async def test_many_process_memory_bomb_is_capped_in_total(store: LayerStore, tight: SandboxLimits) -> None:
+    if store.cgroup is None:
+        pytest.skip("no delegable memory cgroup on this host: only per-process rlimits apply")
+    limits = tight.replace(memory_bytes=512 * 1024 * 1024, total_memory_bytes=256 * 1024 * 1024, wall_time_s=20.0)
+    hog = "import time; a = bytearray(200 * 1024**2); a[::4096] = b'x' * len(a[::4096]); time.sleep(2); print('kept')"
+    with Environment.create(store, {"hog.py": hog}, limits) as env:
+        result = await env.run("for i in 1 2 3 4 5 6; do python3 hog.py & done; wait")
+        assert env._cgroup is not None
+        v1_peak = os.path.join(env._cgroup.path, "memory.max_usage_in_bytes")
+        with open(v1_peak if os.path.exists(v1_peak) else os.path.join(env._cgroup.path, "memory.peak")) as f:
+            peak = int(f.read())
+    assert result.stdout.count("kept") <= 1  # 6 x 200 MiB cannot all live under 256 MiB
+    assert peak <= limits.total_memory_bytes
