@@ -1,0 +1,261 @@
+"""What goes into and comes out of the lifecycle core: work orders, completions, durable side records.
+
+Orders are what the reconciler publishes on ``work.<stage>`` (with `msg_id` as the JetStream
+message id, so a re-publish of the same attempt is deduplicated); completions are what it consumes
+from ``done.<stage>``. Both are plain frozen dataclasses; the reconciler actor maps them to its wire
+messages. Completions are idempotent by (key, stage, attempt): the core ignores any whose attempt is
+not the current one, or whose slot has moved on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import msgpack
+
+from actors.slots import SlotDecodeError, Stage
+
+__all__ = [
+    "Completion",
+    "GroupDone",
+    "GroupOrder",
+    "GroupOutcome",
+    "MetaRecord",
+    "RewardDone",
+    "RewardOrder",
+    "RolloutDone",
+    "RolloutOrder",
+    "StageFailed",
+    "TrainDone",
+    "TrainOrder",
+    "WorkOrder",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolloutOrder:
+    """Generate one sample. The actor must use weights of version >= `policy_version_floor`."""
+
+    STAGE: ClassVar[Stage] = Stage.ROLLOUT
+    sample_id: str
+    attempt: int
+    prompt_id: str
+    group_id: str
+    index_in_group: int
+    policy_version_floor: int
+
+    @property
+    def key(self) -> str:
+        return self.sample_id
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.STAGE}.{self.key}.{self.attempt}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RewardOrder:
+    """Score one finished rollout (its trajectory is at `rollout_key`)."""
+
+    STAGE: ClassVar[Stage] = Stage.REWARD
+    sample_id: str
+    attempt: int
+    prompt_id: str
+    group_id: str
+    rollout_key: str
+
+    @property
+    def key(self) -> str:
+        return self.sample_id
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.STAGE}.{self.key}.{self.attempt}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupOrder:
+    """Compute advantages over the group's surviving samples and checkpoint it."""
+
+    STAGE: ClassVar[Stage] = Stage.GROUP
+    group_id: str
+    attempt: int
+    prompt_id: str
+    sample_ids: tuple[str, ...]
+    reward_keys: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return self.group_id
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.STAGE}.{self.key}.{self.attempt}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainOrder:
+    """Train one step on these groups.
+
+    The trainer decides each `batch_id` once and keeps the decision with its checkpoint: it trains
+    the batch at most once and answers any later attempt of a trained batch with its `TrainDone`;
+    it rejects a batch with `StageFailed` (for good: every later attempt gets the same answer) if
+    its version exceeds `deadline_version` (training would break the staleness bound) or it cannot
+    train it. The core drops a rejected batch's groups with the reason; a batch whose trainer
+    timed out or was lost is re-issued without bound, never dropped, since it may have trained.
+    It checks its ledger of decided batch ids before the deadline.
+    """
+
+    STAGE: ClassVar[Stage] = Stage.TRAIN
+    batch_id: str
+    attempt: int
+    group_ids: tuple[str, ...]
+    group_keys: tuple[str, ...]
+    sample_ids: tuple[str, ...]
+    trainer_version: int
+    deadline_version: int
+
+    @property
+    def key(self) -> str:
+        return self.batch_id
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.STAGE}.{self.key}.{self.attempt}"
+
+
+WorkOrder = RolloutOrder | RewardOrder | GroupOrder | TrainOrder
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolloutDone:
+    STAGE: ClassVar[Stage] = Stage.ROLLOUT
+    sample_id: str
+    attempt: int
+    result_key: str
+    min_version: int
+    max_version: int
+
+    def __post_init__(self) -> None:
+        if self.min_version > self.max_version:
+            raise ValueError(
+                f"RolloutDone {self.sample_id}: min_version {self.min_version} > max_version {self.max_version}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RewardDone:
+    STAGE: ClassVar[Stage] = Stage.REWARD
+    sample_id: str
+    attempt: int
+    result_key: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupDone:
+    STAGE: ClassVar[Stage] = Stage.GROUP
+    group_id: str
+    attempt: int
+    result_key: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainDone:
+    """The batch was trained; `trainer_version` is the trainer's version after the step."""
+
+    STAGE: ClassVar[Stage] = Stage.TRAIN
+    batch_id: str
+    attempt: int
+    trainer_version: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageFailed:
+    """The actor gave up on this work (error, refused, invalid input); it is retried, bounded."""
+
+    stage: Stage
+    key: str
+    attempt: int
+    reason: str
+
+
+Completion = RolloutDone | RewardDone | GroupDone | TrainDone | StageFailed
+
+
+def _pack(data: Mapping[str, Any]) -> bytes:
+    return msgpack.packb(dict(data), use_bin_type=True)
+
+
+def _unpack(raw: bytes, what: str, version: int) -> dict[str, Any]:
+    data = msgpack.unpackb(raw, raw=False)
+    if not isinstance(data, dict) or data.get("v") != version:
+        raise SlotDecodeError(f"{what} record is not a schema-{version} msgpack map: {data!r}")
+    return data
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetaRecord:
+    """Run-level durable state beside the table (store key ``meta``).
+
+    The batch in training is recorded here *before* its slots move to TRAIN and cleared *before*
+    they are freed, so a resume knows exactly which groups it holds (and that TRAIN slots of any
+    other batch were trained).
+    """
+
+    SCHEMA: ClassVar[int] = 1
+    trainer_version: int = 0
+    batch_id: str = ""
+    batch_group_ids: tuple[str, ...] = ()
+    batch_version: int = 0
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "v": self.SCHEMA,
+                "trainer_version": self.trainer_version,
+                "batch_id": self.batch_id,
+                "batch_group_ids": list(self.batch_group_ids),
+                "batch_version": self.batch_version,
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> MetaRecord:
+        data = _unpack(raw, "meta", cls.SCHEMA)
+        return cls(
+            trainer_version=int(data["trainer_version"]),
+            batch_id=str(data["batch_id"]),
+            batch_group_ids=tuple(data["batch_group_ids"]),
+            batch_version=int(data["batch_version"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupOutcome:
+    """A group that did not train whole (store key ``outcome.<group_id>``).
+
+    `dropped` groups are never trained; `trained_rest` groups train without `failed_samples`.
+    """
+
+    SCHEMA: ClassVar[int] = 1
+    group_id: str
+    prompt_id: str
+    epoch: int
+    position: int
+    dropped: bool
+    reason: str
+    failed_samples: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["failed_samples"] = dict(self.failed_samples)
+        data["v"] = self.SCHEMA
+        return _pack(data)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> GroupOutcome:
+        data = _unpack(raw, "group outcome", cls.SCHEMA)
+        data.pop("v")
+        return cls(**data)
