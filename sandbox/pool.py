@@ -58,6 +58,7 @@ class EnvironmentPool:
         self._snapshots: dict[str, Snapshot] = {}
         self._warm: dict[str, deque[Environment]] = {}
         self._wake = asyncio.Event()
+        self._refilled = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.num_hits = 0
         self.num_misses = 0
@@ -125,10 +126,13 @@ class EnvironmentPool:
         return Environment.fork(snapshot, self.config.limits)
 
     async def wait_warm(self) -> None:
-        """Wait until every registered snapshot has its warm environments (useful in tests)."""
-        while any(len(self._warm[k]) < self.config.warm_per_snapshot for k in self._snapshots):
-            self._wake.set()
-            await asyncio.sleep(0)
+        """Wait until every registered snapshot has its warm environments."""
+        self._require(PoolStatus.RUNNING)
+        async with self._refilled:
+            await self._refilled.wait_for(self._all_warm)
+
+    def _all_warm(self) -> bool:
+        return all(len(self._warm[k]) >= self.config.warm_per_snapshot for k in self._snapshots)
 
     def _drop(self, key: str) -> None:
         self._snapshots.pop(key, None)
@@ -153,3 +157,5 @@ class EnvironmentPool:
                         break
                     await asyncio.sleep(0)  # let acquirers run between forks
                     queue = self._warm.get(key)
+            async with self._refilled:
+                self._refilled.notify_all()

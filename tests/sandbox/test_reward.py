@@ -116,3 +116,24 @@ async def test_custom_test_command_is_all_or_nothing(store: LayerStore) -> None:
     with Environment.create(store, task.files) as env:
         outcome = await score(env, task)
     assert (outcome.num_passed, outcome.num_total) == (1, 1)
+
+
+async def test_many_rollouts_concurrently(store: LayerStore) -> None:
+    """What the rollout actor does, eight at a time on one event loop."""
+    import asyncio
+
+    from sandbox import ToolBox, generate_tasks
+
+    async def rollout(task: Task) -> float:
+        with Environment.create(store, task.files, task.limits) as env:
+            tools = ToolBox(env)
+            assert (
+                await tools.call(
+                    "write_file", {"path": "solution.py", "content": task.reference_solution["solution.py"]}
+                )
+            ).ok
+            assert (await tools.call("run", {"command": "python3 -c 'import solution'"})).ok
+            return (await score(env, task)).fraction
+
+    tasks = generate_tasks(seed=7, n=8)
+    assert await asyncio.gather(*(rollout(t) for t in tasks)) == [1.0] * 8
