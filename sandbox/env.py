@@ -184,12 +184,43 @@ class Environment:
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         start = time.monotonic()
-        info_r, info_w = os.pipe()
+        running = await self._spawn(cmd, extra_ro_binds, with_stdin=stdin is not None)
+        proc = running.proc
+        assert proc.stdout is not None and proc.stderr is not None
+        out = CappedReader(proc.stdout, self.limits.output_bytes)
+        err = CappedReader(proc.stderr, self.limits.output_bytes)
+        timed_out = False
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(out.drain(), err.drain(), self._feed(proc, stdin), proc.wait())
+        except TimeoutError:
+            timed_out = True
+        finally:
+            running.kill()  # synchronous, so it happens even if we are being cancelled
+            try:
+                await asyncio.shield(running.terminate())
+            finally:
+                self._procs.discard(running)
+        result = CommandResult(
+            exit_code=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
+            stdout=out.data.decode("utf-8", "replace"),
+            stderr=err.data.decode("utf-8", "replace"),
+            truncated=out.truncated or err.truncated,
+            timed_out=timed_out,
+            duration_s=time.monotonic() - start,
+        )
+        log.debug("sandbox_command", env=self.id, exit_code=result.exit_code, timed_out=timed_out)
+        return result
+
+    async def _spawn(
+        self, cmd: str, extra_ro_binds: tuple[tuple[str, str], ...], *, with_stdin: bool
+    ) -> RunningCommand:
+        info_r, info_w = os.pipe()  # bwrap reports its sandbox init's pid here
         os.set_blocking(info_r, False)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self._argv(cmd, extra_ro_binds, info_fd=info_w),
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE if with_stdin else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=_BWRAP_ENV,
@@ -207,28 +238,7 @@ class Environment:
             os.close(info_w)
         running = RunningCommand(proc, info_r)
         self._procs.add(running)
-        assert proc.stdout is not None and proc.stderr is not None
-        out = CappedReader(proc.stdout, self.limits.output_bytes)
-        err = CappedReader(proc.stderr, self.limits.output_bytes)
-        timed_out = False
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.gather(out.drain(), err.drain(), self._feed(proc, stdin), proc.wait())
-        except TimeoutError:
-            timed_out = True
-        finally:
-            await asyncio.shield(running.terminate())
-            self._procs.discard(running)
-        result = CommandResult(
-            exit_code=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
-            stdout=out.data.decode("utf-8", "replace"),
-            stderr=err.data.decode("utf-8", "replace"),
-            truncated=out.truncated or err.truncated,
-            timed_out=timed_out,
-            duration_s=time.monotonic() - start,
-        )
-        log.debug("sandbox_command", env=self.id, exit_code=result.exit_code, timed_out=timed_out)
-        return result
+        return running
 
     @staticmethod
     async def _feed(proc: asyncio.subprocess.Process, data: bytes | None) -> None:

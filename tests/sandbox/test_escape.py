@@ -265,3 +265,16 @@ async def test_many_process_memory_bomb_is_capped_in_total(store: LayerStore, ti
             peak = int(f.read())
     assert result.stdout.count("kept") <= 1  # 6 x 200 MiB cannot all live under 256 MiB
     assert peak <= limits.total_memory_bytes
+
+
+async def test_cancelled_command_is_killed(store: LayerStore, tight: SandboxLimits) -> None:
+    with Environment.create(store, {}, tight.replace(wall_time_s=60.0)) as env:
+        task = asyncio.create_task(env.run("sleep 50 & sleep 60"))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        assert sandbox_pids() == []
+        assert env.num_running == 0
+        env.snapshot().release()  # idle again
