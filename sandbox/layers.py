@@ -227,9 +227,10 @@ class LayerStore:
         with self._lock:
             return len(self._layers)
 
-    def snapshot_of(self, layers: tuple[Layer, ...]) -> Snapshot:
+    def snapshot_from_files(self, files: Mapping[str, str | bytes]) -> Snapshot:
+        """A snapshot of a workspace holding ``files``: hold one per task and fork it per rollout."""
         self._check_open()
-        return Snapshot(self, layers)
+        return Snapshot(self, (self.layer_from_files(files),))
 
     # -- lifecycle -----------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -205,3 +205,12 @@ async def test_import_strips_setuid(store: LayerStore) -> None:
     with import_snapshot_bytes(store, _zstd_tar([_member("tool", data=b"#!/bin/sh\n")])) as snap:
         mode = os.stat(os.path.join(snap.layers[0].path, "tool")).st_mode
         assert mode & 0o7000 == 0
+
+
+async def test_snapshot_from_files_shares_one_base_layer(store: LayerStore) -> None:
+    files = {"solution.py": "def f(x):\n    pass\n"}
+    with store.snapshot_from_files(files) as a, store.snapshot_from_files(files) as b:
+        assert a.layers == b.layers and store.num_layers() == 1
+        with Environment.fork(a) as env:
+            assert (await env.run("cat solution.py")).stdout == files["solution.py"]
+    assert store.num_layers() == 0
