@@ -230,11 +230,10 @@ class Slot:
         out: dict[str, Any] = {"v": SLOT_SCHEMA_VERSION, "index": self.index, "state": self.state.value}
         if self.state is SlotState.EMPTY:
             return out
-        for field in dataclasses.fields(self):
-            if field.name in ("index", "state"):
-                continue
-            value = getattr(self, field.name)
-            out[field.name] = dict(value) if isinstance(value, Mapping) else value
+        for name in _SCALAR_FIELDS:
+            out[name] = getattr(self, name)
+        out["entered_at"] = dict(self.entered_at)
+        out["blob_keys"] = dict(self.blob_keys)
         return out
 
     @classmethod
@@ -270,3 +269,8 @@ class Slot:
         if not isinstance(data, dict):
             raise SlotDecodeError(f"slot record must be a msgpack map, got {type(data).__name__}")
         return cls.from_dict(data)
+
+
+_SCALAR_FIELDS = tuple(
+    f.name for f in dataclasses.fields(Slot) if f.name not in ("index", "state", "entered_at", "blob_keys")
+)
