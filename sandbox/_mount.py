@@ -14,6 +14,7 @@ __all__ = [
     "MS_RDONLY",
     "mount",
     "mounts_under",
+    "mounts_with_source_prefix",
     "umount",
     "umount_tree",
 ]
@@ -75,6 +76,18 @@ def mounts_under(prefix: str) -> list[str]:
             point = _unescape(line.split()[4])
             if point == prefix or point.startswith(prefix + "/"):
                 found.append(point)
+    return found
+
+
+def mounts_with_source_prefix(prefix: str) -> list[str]:
+    """Mount points (this namespace) whose source field starts with ``prefix``."""
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            if len(fields) > sep + 2 and fields[sep + 2].startswith(prefix):
+                found.append(_unescape(fields[4]))
     return found
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -257,13 +258,23 @@ class LayerStore:
         self.close()
 
 
+_STORE_DIR_RE = re.compile(r"^(.*/(\d+)-[0-9a-f]{8})/[EL]/")
+
+
 def _reap_stale(root: str) -> None:
-    """Remove store directories (and their mounts) left by processes that no longer exist."""
+    """Remove store directories (and their mounts) left by processes that no longer exist:
+    every store under ``root``, and any store elsewhere that still has sandbox mounts."""
+    stale = set()
     for name in os.listdir(root):
         pid_text = name.split("-", 1)[0]
-        if not pid_text.isdigit() or os.path.exists(f"/proc/{pid_text}"):
-            continue
-        path = os.path.join(root, name)
+        if pid_text.isdigit() and not os.path.exists(f"/proc/{pid_text}"):
+            stale.add(os.path.join(root, name))
+    for point in _mount.mounts_with_source_prefix("asyncrl-"):
+        match = _STORE_DIR_RE.match(point)
+        if match and not os.path.exists(f"/proc/{match.group(2)}"):
+            stale.add(match.group(1))
+    for path in sorted(stale):
         _mount.umount_tree(path)
-        shutil.rmtree(path, ignore_errors=True)
+        if not _mount.mounts_under(path):
+            shutil.rmtree(path, ignore_errors=True)
         log.warning("sandbox_stale_store_reaped", dir=path)

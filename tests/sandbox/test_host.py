@@ -70,3 +70,35 @@ def test_split_relpath_never_yields_dotdot(path: str) -> None:
         return
     assert ".." not in parts and "" not in parts and "." not in parts
     assert all("/" not in p for p in parts)
+
+
+def test_a_crashed_process_leaves_nothing_behind_after_the_next_store(store: LayerStore) -> None:
+    """A process killed with environments open leaks mounts; the next LayerStore reaps them."""
+    import subprocess
+    import sys
+
+    from sandbox import _mount
+
+    from .conftest import TEST_CONFIG
+
+    crash_root = f"{TEST_CONFIG.root_dir}-crash-{os.getpid()}"
+    script = (
+        "import dataclasses, os, sys\n"
+        "from sandbox import Environment, LayerStore\n"
+        "from tests.sandbox.conftest import TEST_CONFIG\n"
+        f"s = LayerStore(dataclasses.replace(TEST_CONFIG, root_dir={crash_root!r}))\n"
+        "envs = [Environment.create(s, {'a': 'x'}) for _ in range(3)]\n"
+        "print(s.dir, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, check=True)
+    leaked_dir = out.stdout.split()[-1]
+    assert len(_mount.mounts_under(leaked_dir)) == 6  # tmpfs + overlay per environment
+    LayerStore(TEST_CONFIG).close()
+    assert _mount.mounts_under(leaked_dir) == []
+    assert not os.path.exists(leaked_dir)
+    if store.cgroup is not None:
+        name = f"asyncrl-{os.path.basename(leaked_dir)}"
+        assert [n for n in os.listdir(store.cgroup[0]) if n.startswith(name)] == []
+    os.rmdir(crash_root)
