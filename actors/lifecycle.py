@@ -36,44 +36,32 @@ are freed. See `actors.scheduling` for admission and batch selection.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import heapq
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
 
 import structlog
 
+from actors._slot_table import CoreBroken, SlotTable, TableGroup, TrainBatch, load_slots
 from actors.lifecycle_events import (
     Completion,
     GroupDone,
-    GroupOrder,
     GroupOutcome,
     MetaRecord,
     RewardDone,
-    RewardOrder,
     RolloutDone,
-    RolloutOrder,
     StageFailed,
     TrainDone,
-    TrainOrder,
     WorkOrder,
 )
-from actors.lifecycle_metrics import LifecycleMetrics, LifecycleSnapshot
+from actors.lifecycle_metrics import LifecycleSnapshot
 from actors.scheduling import BatchWait, FailedGroupPolicy, GroupView, SchedulingConfig, admission, select_batch
-from actors.slot_store import META_KEY, SLOT_PREFIX, SlotStore, outcome_key, slot_key
-from actors.slots import SampleLifecycleError, Slot, SlotState, Stage
+from actors.slot_store import META_KEY, SlotStore, outcome_key
+from actors.slots import Slot, SlotState, Stage
 from actors.task_cursor import TaskCursor, TaskSource
 
 __all__ = ["CoreBroken", "Lifecycle", "LifecycleConfig", "Resumption"]
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
-
-
-class CoreBroken(SampleLifecycleError, RuntimeError):
-    """An earlier call failed part-way; this core may disagree with the store. Resume a new one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,68 +113,8 @@ class Resumption:
     num_reissued: int
 
 
-@dataclasses.dataclass(slots=True)
-class _Group:
-    group_id: str
-    prompt_id: str
-    epoch: int
-    position: int
-    members: list[int]
-
-
-@dataclasses.dataclass(slots=True)
-class _Issued:
-    attempt: int
-    last_seen: float
-    actor_id: str = ""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Batch:
-    batch_id: str
-    group_ids: tuple[str, ...]
-    trainer_version: int
-
-
-class Lifecycle:
+class Lifecycle(SlotTable):
     """The slot table and its scheduling. Build with `Lifecycle.resume` (fresh runs too)."""
-
-    def __init__(
-        self,
-        config: LifecycleConfig,
-        store: SlotStore,
-        cursor: TaskCursor,
-        slots: list[Slot],
-        revisions: list[int],
-        meta: MetaRecord,
-        meta_revision: int,
-    ) -> None:
-        self._config = config
-        self._scheduling = config.scheduling
-        self._store = store
-        self._cursor = cursor
-        self._slots = slots
-        self._revs = revisions
-        self._version = meta.trainer_version
-        self._meta = meta
-        self._meta_rev = meta_revision
-        self._counts: Counter[SlotState] = Counter(s.state for s in slots)
-        self._by_sample = {s.sample_id: s.index for s in slots if s.is_live}
-        self._free = [s.index for s in slots if not s.is_live]
-        heapq.heapify(self._free)
-        self._groups: dict[str, _Group] = {}
-        self._ready: set[str] = set()
-        self._work: dict[tuple[Stage, str], _Issued] = {}
-        self._batch: _Batch | None = None
-        self._num_rollout_actors = 0
-        self._out: list[WorkOrder] = []
-        self._now = 0.0
-        self._lock = asyncio.Lock()
-        self._broken = False
-        self._log_allowance = 0.0
-        self._log_last = 0.0
-        self._log_suppressed = 0
-        self.metrics = LifecycleMetrics(window_s=config.metrics_window_s)
 
     # ------------------------------------------------------------------ construction and resume
     @classmethod
@@ -215,7 +143,7 @@ class Lifecycle:
             meta, meta_rev = MetaRecord(), await store.create(META_KEY, MetaRecord().encode())
         else:
             meta, meta_rev = MetaRecord.decode(entry.value), entry.revision
-        slots, revisions = await _load_slots(store, config.num_slots)
+        slots, revisions = await load_slots(store, config.num_slots)
         core = cls(config, store, cursor, slots, revisions, meta, meta_rev)
         core._num_rollout_actors = num_rollout_actors
         counts = await core._guarded(now, core._recover)
@@ -334,162 +262,6 @@ class Lifecycle:
             cursor=(self._cursor.record.epoch, self._cursor.record.position),
             slots_per_state={state.value: self._counts[state] for state in SlotState},
         )
-
-    # ------------------------------------------------------------------ call discipline
-    async def _run(self, now: float, body: Callable[[], Awaitable[None]]) -> list[WorkOrder]:
-        await self._guarded(now, body)
-        orders, self._out = self._out, []
-        return orders
-
-    async def _guarded(self, now: float, body: Callable[[], Awaitable[T]]) -> T:
-        if self._broken:
-            raise CoreBroken("an earlier call on this lifecycle core failed; resume a new core from the store")
-        async with self._lock:
-            self._now = max(self._now, now)
-            try:
-                return await body()
-            except BaseException:
-                self._broken = True
-                raise
-
-    # ------------------------------------------------------------------ writes
-    async def _write(self, new: Slot) -> None:
-        i = new.index
-        old = self._slots[i]
-        self._revs[i] = await self._store.update(slot_key(i), new.encode(), self._revs[i])
-        self._slots[i] = new
-        self._counts[old.state] -= 1
-        self._counts[new.state] += 1
-        if old.sample_id and old.sample_id != new.sample_id:
-            self._by_sample.pop(old.sample_id, None)
-        if new.sample_id:
-            self._by_sample[new.sample_id] = i
-        if old.is_live and not new.is_live:
-            heapq.heappush(self._free, i)
-        self.metrics.counters["transitions"] += 1
-        self._log_transition(old, new)
-
-    async def _write_all(self, slots: Iterable[Slot]) -> None:
-        await asyncio.gather(*(self._write(s) for s in slots))
-
-    async def _put_outcome(self, outcome: GroupOutcome) -> None:
-        key = outcome_key(outcome.group_id)
-        entry = await self._store.get(key)
-        if entry is None:
-            await self._store.create(key, outcome.encode())
-            return
-        earlier = GroupOutcome.decode(entry.value)
-        merged = dataclasses.replace(outcome, failed_samples={**earlier.failed_samples, **outcome.failed_samples})
-        await self._store.update(key, merged.encode(), entry.revision)
-
-    async def _save_meta(self, version: int, batch: _Batch | None) -> None:
-        meta = MetaRecord(version)
-        if batch is not None:
-            meta = MetaRecord(version, batch.batch_id, batch.group_ids, batch.trainer_version)
-        self._meta_rev = await self._store.update(META_KEY, meta.encode(), self._meta_rev)
-        self._meta = meta
-        self._version = version
-
-    async def _set_version(self, version: int) -> None:
-        if version > self._version:
-            await self._save_meta(version, self._batch)
-            await self._drop_stale()
-        await self._pump()
-
-    def _log_transition(self, old: Slot, new: Slot) -> None:
-        rate = self._config.transition_events_per_s
-        if rate == 0:
-            return
-        self._log_allowance = min(rate, self._log_allowance + (self._now - self._log_last) * rate)
-        self._log_last = self._now
-        if self._log_allowance < 1.0:
-            self._log_suppressed += 1
-            return
-        self._log_allowance -= 1.0
-        sample = new if new.is_live else old
-        log.info(
-            "slot_transition",
-            slot=new.index,
-            sample_id=sample.sample_id,
-            from_state=old.state.value,
-            to_state=new.state.value,
-            attempt=new.attempt,
-            policy_version=self._version,
-            num_suppressed=self._log_suppressed,
-        )
-        self._log_suppressed = 0
-
-    # ------------------------------------------------------------------ work bookkeeping
-    def _timeout(self, stage: Stage) -> float:
-        return getattr(self._scheduling, f"{stage.value}_timeout_s")
-
-    def _issue(self, order: WorkOrder) -> None:
-        self._work[(order.STAGE, order.key)] = _Issued(order.attempt, self._now)
-        self._out.append(order)
-
-    def _finish(self, stage: Stage, key: str, started: float) -> None:
-        self._work.pop((stage, key), None)
-        self.metrics.record_latency(stage.value, self._now - started)
-
-    def _members(self, group: _Group) -> list[Slot]:
-        return [self._slots[i] for i in group.members]
-
-    def _alive(self, group: _Group) -> list[Slot]:
-        return [s for s in self._members(group) if s.state is not SlotState.FAILED]
-
-    def _deadline(self, group: _Group) -> int:
-        floors = [s.version_floor for s in self._alive(group)]
-        return (min(floors) if floors else self._version) + self._scheduling.eta
-
-    def _issue_sample(self, slot: Slot) -> None:
-        if slot.state is SlotState.ROLLOUT:
-            self._issue(
-                RolloutOrder(
-                    slot.sample_id,
-                    slot.attempt,
-                    slot.prompt_id,
-                    slot.group_id,
-                    slot.index_in_group,
-                    slot.issued_version,
-                )
-            )
-        else:
-            self._issue(
-                RewardOrder(slot.sample_id, slot.attempt, slot.prompt_id, slot.group_id, slot.blob_keys["rollout"])
-            )
-
-    def _issue_group(self, group: _Group) -> None:
-        alive = sorted(self._alive(group), key=lambda s: s.index_in_group)
-        self._issue(
-            GroupOrder(
-                group.group_id,
-                max(s.attempt for s in alive),
-                group.prompt_id,
-                tuple(s.sample_id for s in alive),
-                tuple(s.blob_keys["reward"] for s in alive),
-            )
-        )
-
-    def _issue_batch(self, batch: _Batch) -> None:
-        groups = [self._groups[g] for g in batch.group_ids]
-        members = [s for g in groups for s in sorted(self._members(g), key=lambda s: s.index_in_group)]
-        self._issue(
-            TrainOrder(
-                batch.batch_id,
-                max(s.attempt for s in members),
-                batch.group_ids,
-                tuple(self._members(g)[0].blob_keys["group"] for g in groups),
-                tuple(s.sample_id for s in members),
-                batch.trainer_version,
-                min(self._deadline(g) for g in groups),
-            )
-        )
-
-    async def _bump(self, slots: list[Slot], *, count: bool, **changes: object) -> list[Slot]:
-        attempt = max(s.attempt for s in slots) + 1
-        bumped = [s.retried(self._now, count_retry=count, attempt=attempt, **changes) for s in slots]
-        await self._write_all(bumped)
-        return bumped
 
     # ------------------------------------------------------------------ completions
     def _current_sample(self, stage: Stage, sample_id: str, attempt: int) -> Slot | None:
@@ -624,7 +396,7 @@ class Lifecycle:
         log.warning("sample_failed", sample_id=slot.sample_id, stage=slot.state.value, reason=reason)
         await self._advance_group(self._groups[slot.group_id])
 
-    async def _advance_group(self, group: _Group) -> None:
+    async def _advance_group(self, group: TableGroup) -> None:
         """Issue the group stage once every surviving sample is rewarded; apply the failed-group policy."""
         members = self._members(group)
         failed = [s for s in members if s.state is SlotState.FAILED]
@@ -643,7 +415,7 @@ class Lifecycle:
             log.warning("group_trains_rest", group_id=group.group_id, num_failed=len(failed))
         self._issue_group(group)
 
-    def _outcome(self, group: _Group, failed: list[Slot], *, dropped: bool, reason: str) -> GroupOutcome:
+    def _outcome(self, group: TableGroup, failed: list[Slot], *, dropped: bool, reason: str) -> GroupOutcome:
         return GroupOutcome(
             group.group_id,
             group.prompt_id,
@@ -654,7 +426,7 @@ class Lifecycle:
             {s.sample_id: s.failure_reason for s in failed},
         )
 
-    async def _drop_group(self, group: _Group, reason: str) -> None:
+    async def _drop_group(self, group: TableGroup, reason: str) -> None:
         members = self._members(group)
         failed = [s for s in members if s.state is SlotState.FAILED]
         await self._put_outcome(self._outcome(group, failed, dropped=True, reason=reason))
@@ -695,7 +467,7 @@ class Lifecycle:
             if decision.wait is not BatchWait.NOT_ENOUGH_READY:
                 self.metrics.record_batch_wait(decision.wait.value)
             return
-        batch = _Batch(f"b{self._version}-{decision.group_ids[0]}", decision.group_ids, self._version)
+        batch = TrainBatch(f"b{self._version}-{decision.group_ids[0]}", decision.group_ids, self._version)
         members = [s for g in batch.group_ids for s in self._members(self._groups[g])]
         assert all(self._version - s.version_floor <= self._scheduling.eta for s in members), batch
         await self._save_meta(self._version, batch)
@@ -737,7 +509,7 @@ class Lifecycle:
         await self._cursor.advance_to(self._cursor.after(prompts[-1]))
         for k, p in enumerate(prompts):
             slots = new[k * size : (k + 1) * size]
-            self._groups[slots[0].group_id] = _Group(
+            self._groups[slots[0].group_id] = TableGroup(
                 slots[0].group_id, p.prompt_id, p.epoch, p.position, [s.index for s in slots]
             )
             for s in slots:
@@ -753,7 +525,7 @@ class Lifecycle:
             if s.is_live:
                 group = self._groups.get(s.group_id)
                 if group is None:
-                    group = self._groups[s.group_id] = _Group(s.group_id, s.prompt_id, s.epoch, s.position, [])
+                    group = self._groups[s.group_id] = TableGroup(s.group_id, s.prompt_id, s.epoch, s.position, [])
                 group.members.append(s.index)
         num_dropped = await self._finish_interrupted()
         await self._restore_batch()
@@ -821,9 +593,9 @@ class Lifecycle:
                 for s in members
                 if s.state is SlotState.READY
             )
-        self._batch = _Batch(meta.batch_id, group_ids, meta.batch_version)
+        self._batch = TrainBatch(meta.batch_id, group_ids, meta.batch_version)
 
-    async def _reissue(self, group: _Group) -> int:
+    async def _reissue(self, group: TableGroup) -> int:
         """Re-issue a group's in-flight work with a new attempt (not counted as a retry)."""
         members = self._members(group)
         if all(s.state is SlotState.READY for s in members):
@@ -842,28 +614,3 @@ class Lifecycle:
             num += 1
         await self._advance_group(group)
         return num
-
-
-async def _load_slots(store: SlotStore, num_slots: int) -> tuple[list[Slot], list[int]]:
-    slots: list[Slot] = []
-    revisions: list[int] = []
-    for i in range(num_slots):
-        entry = await store.get(slot_key(i))
-        if entry is None:
-            slot = Slot(index=i)
-            revisions.append(await store.create(slot_key(i), slot.encode()))
-        else:
-            slot = Slot.decode(entry.value)
-            if slot.index != i:
-                raise ValueError(f"store key {slot_key(i)!r} holds slot index {slot.index}")
-            revisions.append(entry.revision)
-        slots.append(slot)
-    for key in await store.keys():
-        if key.startswith(SLOT_PREFIX) and int(key[len(SLOT_PREFIX) :]) >= num_slots:
-            entry = await store.get(key)
-            if entry is not None and Slot.decode(entry.value).is_live:
-                raise ValueError(
-                    f"store holds live slot {key!r} beyond num_slots={num_slots}; resume with the run's "
-                    "original num_slots (the table cannot shrink while slots are live)"
-                )
-    return slots, revisions

@@ -16,7 +16,7 @@ Metric: trained samples per simulated second, median over seeds; the ratio async
 lag distribution (trainer version − oldest token version at training) per eta. Rollout actors
 generate with the newest weights when they start (in-flight weight updates are not modelled).
 
-Run: .venv/bin/python tests/bench/async_vs_sync.py   (prints one JSON line)
+Run: .venv/bin/python -m tests.bench.async_vs_sync   (prints one JSON line)
 """
 
 from __future__ import annotations

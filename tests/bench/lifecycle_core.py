@@ -8,7 +8,7 @@ Peer, in the same process: a bare state machine moving the same samples through 
 in plain dicts (no records, no store, no scheduling): the floor the core's overhead is measured
 against. Prints one JSON line with medians over repeats.
 
-Run: .venv/bin/python tests/bench/lifecycle_core.py
+Run: .venv/bin/python -m tests.bench.lifecycle_core
 """
 
 from __future__ import annotations
