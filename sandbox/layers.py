@@ -24,7 +24,7 @@ from sandbox import _cgroup, _mount
 from sandbox._host import check_host, prepare_static_dir
 from sandbox._safepath import split_relpath, write_atomic
 from sandbox.config import SandboxConfig
-from sandbox.errors import SandboxStateError
+from sandbox.errors import SandboxStateError, SandboxUnavailable
 
 __all__ = ["Layer", "LayerStore", "Snapshot", "copy_tree"]
 
@@ -151,6 +151,7 @@ class LayerStore:
         for d in (self.dir, self.layers_dir, self.envs_dir):
             os.mkdir(d, 0o711)
         self.static_dir = prepare_static_dir(self.dir, self.config)
+        _probe_mounts(self.dir)
         self.name = os.path.basename(self.dir)
         self.cgroup: tuple[str, int] | None = None
         if self.config.memory_cgroup:
@@ -256,6 +257,27 @@ class LayerStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _probe_mounts(store_dir: str) -> None:
+    """Mount a tiny tmpfs and an overlay on it, so a host that forbids either fails clearly now."""
+    probe = os.path.join(store_dir, "probe")
+    os.mkdir(probe, 0o700)
+    try:
+        _mount.mount("asyncrl-probe", probe, "tmpfs", _mount.MS_NOSUID | _mount.MS_NODEV, "size=1m")
+        for name in ("lower", "upper", "work", "merged"):
+            os.mkdir(os.path.join(probe, name))
+        options = ",".join(f"{k}dir={os.path.join(probe, k)}" for k in ("lower", "upper", "work"))
+        _mount.mount("asyncrl-probe", os.path.join(probe, "merged"), "overlay", _mount.MS_NOSUID, options)
+    except OSError as e:
+        _mount.umount_tree(probe)
+        shutil.rmtree(store_dir, ignore_errors=True)
+        raise SandboxUnavailable(
+            f"cannot mount the sandbox's tmpfs/overlayfs workspaces ({e}); in a container, run it with "
+            "CAP_SYS_ADMIN (e.g. docker --privileged) or run on the host as root"
+        ) from e
+    _mount.umount_tree(probe)
+    shutil.rmtree(probe)
 
 
 _STORE_DIR_RE = re.compile(r"^(.*/(\d+)-[0-9a-f]{8})/[EL]/")

@@ -102,3 +102,18 @@ def test_a_crashed_process_leaves_nothing_behind_after_the_next_store(store: Lay
         name = f"asyncrl-{os.path.basename(leaked_dir)}"
         assert [n for n in os.listdir(store.cgroup[0]) if n.startswith(name)] == []
     os.rmdir(crash_root)
+
+
+def test_forbidden_mounts_are_reported(store: LayerStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import sandbox.layers as layers
+
+    from .conftest import TEST_CONFIG
+
+    def deny(*args: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(layers._mount, "mount", deny)
+    with pytest.raises(SandboxUnavailable, match="CAP_SYS_ADMIN"):
+        LayerStore(TEST_CONFIG)
