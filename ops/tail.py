@@ -248,7 +248,8 @@ async def _connect_or_none(run_dir: Path) -> Bus | None:
     except (TimeoutError, BusError, ConfigError) as e:
         reason = str(e) or f"no answer within {CONNECT_TIMEOUT_S}s"
         print(
-            f"ops.tail: the bus of {run_dir} is not reachable ({reason}); reading {run_dir / 'logs'} instead",
+            f"ops.tail: the bus of {run_dir} is not reachable ({reason}); "
+            f"reading what {run_dir / 'logs'} holds now instead (no following)",
             file=sys.stderr,
         )
         return None
@@ -259,7 +260,10 @@ async def tail(
 ) -> None:
     bus = None if args.files else await _connect_or_none(run_dir)
     if bus is None:
-        for line, event in read_files(sorted((run_dir / "logs").glob("*.jsonl"))):
+        files = sorted((run_dir / "logs").glob("*.jsonl"))
+        if not files:
+            print(f"ops.tail: no event logs (*.jsonl) under {run_dir / 'logs'}", file=sys.stderr)
+        for line, event in read_files(files):
             show(line, event)
         return
     try:
@@ -280,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = resolve_run_dir(args.run_dir)
     except (ValueError, re.error, ConfigError) as e:
         return fail(str(e))
+    if not run_dir.is_dir():
+        return fail(f"{run_dir} is not a directory; pass a run directory made by python -m runtime.up")
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     try:
         asyncio.run(tail(args, run_dir, make_printer(filt, args.json, color), filt.since))
