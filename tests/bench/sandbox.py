@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -24,7 +25,7 @@ if not __package__:  # run as a script: this file's folder would shadow the `san
 
 import structlog
 
-from sandbox import Environment, LayerStore
+from sandbox import Environment, LayerStore, SandboxConfig
 from sandbox._host import system_binds
 from sandbox._safepath import write_atomic
 
@@ -59,8 +60,20 @@ def _timed(fn):
 
 async def main(rounds: int) -> dict[str, object]:
     samples: dict[str, list[float]] = {
-        k: [] for k in ("create", "create_cached", "fork", "snapshot", "run_true", "bare_bwrap_true", "naive_copy_fork")
+        k: []
+        for k in (
+            "create",
+            "create_cached",
+            "fork",
+            "snapshot",
+            "run_true",
+            "bare_bwrap_true",
+            "naive_copy_fork",
+            "run_true_no_cgroup",
+        )
     }
+    plain = LayerStore(dataclasses.replace(SandboxConfig(), memory_cgroup=False))
+    plain_env = Environment.create(plain, {})
     with LayerStore() as store:
         base = Environment.create(store, TREE)
         snap = base.snapshot()
@@ -90,12 +103,17 @@ async def main(rounds: int) -> dict[str, object]:
             assert result.exit_code == 0
             fork.close()
             samples["bare_bwrap_true"].append(await _bare_bwrap(store))
+            t0 = time.perf_counter()
+            await plain_env.run("true")
+            samples["run_true_no_cgroup"].append(time.perf_counter() - t0)
             target = os.path.join(store.dir, "naive-" + secrets.token_hex(4))
             dt, _ = _timed(lambda target=target: shutil.copytree(layer, target, symlinks=True))
             samples["naive_copy_fork"].append(dt)
             shutil.rmtree(target)
         snap.release()
         base.close()
+    plain_env.close()
+    plain.close()
     med = {f"{k}_ms": round(statistics.median(v) * 1000, 3) for k, v in samples.items()}
     return {
         "bench": "sandbox",
@@ -103,7 +121,9 @@ async def main(rounds: int) -> dict[str, object]:
         "tree_files": len(TREE),
         "tree_bytes": sum(len(v) for v in TREE.values()),
         **med,
+        "memory_cgroup": store.cgroup is not None,
         "command_overhead_ratio": round(med["run_true_ms"] / med["bare_bwrap_true_ms"], 3),
+        "command_overhead_ratio_no_cgroup": round(med["run_true_no_cgroup_ms"] / med["bare_bwrap_true_ms"], 3),
         "naive_over_fork_ratio": round(med["naive_copy_fork_ms"] / med["fork_ms"], 1),
         "goal_fork_le_20ms": med["fork_ms"] <= 20.0,
         "goal_overhead_le_2x": med["run_true_ms"] <= 2 * med["bare_bwrap_true_ms"],
