@@ -220,11 +220,24 @@ class Manifest:
             manifest = cls(**raw, shards=shards, tensors=tensors)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise CorruptVersion(f"manifest {where} is malformed: {exc}") from exc
+        _check_manifest_types(manifest, where)
         if manifest.base_version is not None and manifest.base_version >= manifest.version:
             raise CorruptVersion(
                 f"manifest {where}: base_version {manifest.base_version} is not older than version {manifest.version}"
             )
         return manifest
+
+
+def _check_manifest_types(manifest: Manifest, where: str) -> None:
+    sizes = [manifest.version, manifest.anchor_version, manifest.num_since_anchor]
+    sizes += [manifest.base_version] if manifest.base_version is not None else []
+    sizes += [shard.num_bytes for shard in manifest.shards]
+    for tensor in manifest.tensors:
+        sizes += [tensor.shard, tensor.num_changed, *tensor.shape, *(n for frame in tensor.frames for n in frame)]
+        if type(tensor.shard) is int and not 0 <= tensor.shard < len(manifest.shards):
+            raise CorruptVersion(f"manifest {where}: tensor {tensor.name!r} names missing shard {tensor.shard}")
+    if type(manifest.zstd_level) is not int or not all(type(n) is int and n >= 0 for n in sizes):
+        raise CorruptVersion(f"manifest {where} has a non-integer or negative version, size or offset")
 
 
 # -- bits, checksums, frames ---------------------------------------------------------------------
@@ -916,6 +929,7 @@ class WeightSubscriber:
         self._retry = _Retry(config.max_attempts, config.backoff_base_s, config.backoff_max_s)
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="weights-decode")
         self._state: WeightState | None = None
+        self._fetching = asyncio.Lock()  # one fetch at a time: each continues from the held state
         self._log = log.bind(run=config.run)
 
     @property
@@ -954,6 +968,10 @@ class WeightSubscriber:
             CorruptVersion: a manifest or shard on the chain failed validation.
             BaseMismatch: the chain does not continue from the state it starts from.
         """
+        async with self._fetching:
+            return await self._fetch(target)
+
+    async def _fetch(self, target: int) -> dict[str, torch.Tensor]:
         if self._state is not None and self._state.version == target:
             return self._state.tensors
         started = time.perf_counter()

@@ -9,7 +9,10 @@ the next step runs. For lr 1e-6 and 1e-5 it measures, in the same process:
   anchor every K versions;
 - encode and decode throughput in GB/s of bf16 weights (standalone, ``workers`` threads);
 - the training-step slowdown caused by publishing: median step time (including the bf16 cast)
-  with the publisher running in the background, over the median without publishing.
+  with the publisher running in the background, over the median without publishing; and the same
+  ratio for process CPU seconds per step (training + background encode/upload threads), which is
+  what the slowdown converges to when training saturates every core and is far less sensitive to
+  other load on a shared machine.
 
 Prints ONE JSON line. Goals (issue 8): ratio >= 30 at lr 1e-6, encode >= 1 GB/s on 2 cores,
 slowdown <= 5%.
@@ -27,12 +30,14 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import safetensors.torch
+import structlog
 import torch
 
 from model.weight_delta import CodecConfig, PublisherConfig, WeightPublisher, decode_version, encode_version
@@ -68,15 +73,22 @@ def snapshot(model: torch.nn.Module) -> State:
     return {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
 
 
-async def timed_steps(step: Callable[[], None], count: int, publish: Callable[[], None] | None) -> list[float]:
+async def timed_steps(
+    step: Callable[[], None], count: int, publish: Callable[[], None] | None
+) -> list[tuple[float, float]]:
+    """(wall seconds, process CPU seconds) per step; CPU includes the publisher's background threads."""
     times = []
     for _ in range(count):
-        started = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         await asyncio.to_thread(step)
         if publish is not None:
             publish()  # the bf16 cast is the caller's share of publishing
-        times.append(time.perf_counter() - started)
+        times.append((time.perf_counter() - wall, time.process_time() - cpu))
     return times
+
+
+def _median(samples: list[tuple[float, float]], index: int) -> float:
+    return statistics.median(sample[index] for sample in samples)
 
 
 async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[str, float | str]:
@@ -118,9 +130,12 @@ async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[st
         "bytes_ratio": full_bytes / delta_bytes,
         f"bytes_ratio_amortised_k{k}": full_bytes / amortised,
         **measure_codec(snapshots, codec, args.reps),
-        "step_s_baseline_median": statistics.median(baseline),
-        "step_s_publishing_median": statistics.median(with_publishing),
-        "step_slowdown": statistics.median(with_publishing) / statistics.median(baseline) - 1.0,
+        "step_s_baseline_median": _median(baseline, 0),
+        "step_s_publishing_median": _median(with_publishing, 0),
+        "step_slowdown": _median(with_publishing, 0) / _median(baseline, 0) - 1.0,
+        "step_cpu_s_baseline_median": _median(baseline, 1),
+        "step_cpu_s_publishing_median": _median(with_publishing, 1),
+        "step_cpu_overhead": _median(with_publishing, 1) / _median(baseline, 1) - 1.0,
         "num_published": len(published),
         "num_superseded": len(futures) - len(published),
         "publisher_encode_s_median": statistics.median(p.encode_s for p in deltas),
@@ -199,7 +214,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=24, help="Linear layers (24 x 2048^2 = 100.7M params)")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1024, help="rows (tokens) of the random batch per step")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per block")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3, help="repetitions of the standalone codec timing")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
@@ -211,4 +226,5 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout: one JSON line
     print(json.dumps(asyncio.run(main(parse_args()))))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -284,6 +285,13 @@ def test_decode_detects_damaged_and_truncated_shards() -> None:
         decode_version(manifest, v2.shards, v1.state)
     with pytest.raises(CorruptVersion, match="malformed"):
         Manifest.from_json(b'{"format": "asyncrl.weight_delta.v1", "run": 3}', where="x")
+    raw = json.loads(v2.manifest.to_json())
+    for field, value in [("version", "2"), ("base_version", 7)]:
+        with pytest.raises(CorruptVersion, match=r"non-integer|not older"):
+            Manifest.from_json(json.dumps({**raw, field: value}).encode(), where="x")
+    raw["tensors"][0]["frames"][0][1] = -5
+    with pytest.raises(CorruptVersion, match="negative"):
+        Manifest.from_json(json.dumps(raw).encode(), where="x")
 
 
 def test_shards_split_by_size_and_config_validation() -> None:
