@@ -25,7 +25,14 @@ from model.errors import CheckpointError
 from model.experts import ExpertsFn, reference_experts_forward
 from model.transformer import MoETransformer
 
-__all__ = ["from_hf_state_dict", "load_checkpoint", "save_checkpoint", "to_hf_state_dict"]
+__all__ = [
+    "checked_state",
+    "from_hf_state_dict",
+    "load_checkpoint",
+    "load_state_into",
+    "save_checkpoint",
+    "to_hf_state_dict",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -78,8 +85,12 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict
     return out
 
 
-def load_state_into(model: MoETransformer, state: dict[str, torch.Tensor]) -> None:
-    """Copy a state dict (this model's names or HF names) into `model`, checking keys and shapes."""
+def checked_state(model: MoETransformer, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` under this model's names (HF names converted) after checking keys and shapes.
+
+    Raises:
+        CheckpointError: a key is missing or unexpected, or a tensor's shape differs from the model's.
+    """
     if any(_EXPERT_KEY.match(k) or _FUSED_KEY.match(k) for k in state):
         state = from_hf_state_dict(state, model.config)
     own = model.state_dict()
@@ -94,9 +105,15 @@ def load_state_into(model: MoETransformer, state: dict[str, torch.Tensor]) -> No
             raise CheckpointError(
                 f"{name}: checkpoint shape {tuple(state[name].shape)} != model shape {tuple(own[name].shape)}"
             )
+    return {name: state[name] for name in expected}
+
+
+def load_state_into(model: MoETransformer, state: dict[str, torch.Tensor]) -> None:
+    """Copy a state dict (this model's names or HF names) into `model`, checking keys and shapes."""
+    own = model.state_dict()
     with torch.no_grad():
-        for name in expected:
-            own[name].copy_(state[name])
+        for name, value in checked_state(model, state).items():
+            own[name].copy_(value)
 
 
 def save_checkpoint(model: MoETransformer, directory: str | Path, dtype: torch.dtype | None = None) -> Path:

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from model._engine_core import EngineCore, Request
-from model.checkpoint import from_hf_state_dict
+from model.checkpoint import checked_state
 from model.errors import EngineError, EngineStateError
 from model.generation import EngineConfig, FinishReason, Generation, KVPolicy, WeightSwap
 from model.sampling import SamplingParams
@@ -162,12 +162,22 @@ class GenerationEngine:
     async def update_weights(
         self, state_dict: dict[str, torch.Tensor], version: int, kv_policy: KVPolicy = KVPolicy.RECOMPUTE
     ) -> None:
-        """Swap in new weights (this model's or HF names) between two decode steps; returns once applied."""
-        self._require(EngineStatus.RUNNING, "update_weights")
+        """Swap in new weights (this model's or HF names) between two decode steps; returns once applied.
+
+        Before start() the weights are copied at once.
+
+        Raises:
+            ValueError: `version` is not newer than the engine's and every pending update's.
+            CheckpointError: keys or shapes do not match the model.
+        """
+        if self._status not in (EngineStatus.CREATED, EngineStatus.RUNNING):
+            raise EngineStateError(f"cannot update_weights: engine is {self._status.value}")
         if version <= self.version or any(u.version >= version for u in self._updates):
             raise ValueError(f"weight version {version} is not newer than the engine's {self.version}")
-        if any(".experts." in k for k in state_dict):
-            state_dict = from_hf_state_dict(state_dict, self._core.model.config)
+        state_dict = checked_state(self._core.model, state_dict)  # errors reach the caller, not the loop
+        if self._status is EngineStatus.CREATED:
+            self._core.apply_update(state_dict, version, KVPolicy(kv_policy))
+            return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._updates.append(_Update(state_dict, version, KVPolicy(kv_policy), done))
         self._signal()
@@ -214,7 +224,8 @@ class GenerationEngine:
                 self._fail_outstanding(EngineError(f"engine step failed: {exc!r}"))
                 return
             for update in updates:
-                update.done.set_result(None)
+                if not update.done.done():  # the caller may have stopped waiting
+                    update.done.set_result(None)
             for request_id, generation in finished:
                 future = self._futures.pop(request_id, None)
                 if future is not None and not future.done():

@@ -64,14 +64,16 @@ def reference_experts_forward(
     num_experts = w_gate_EFD.shape[0]
     order_S, token_S, counts = sort_by_expert(topk_ids_TK, num_experts)
     x_SD = x_TD.index_select(0, token_S)
+    # unbind once: indexing w[e] per expert would make backward build E full-size gradient buffers
+    w_gate, w_up, w_down = w_gate_EFD.unbind(0), w_up_EFD.unbind(0), w_down_EDF.unbind(0)
     outs: list[torch.Tensor] = []
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         xs_ND = x_SD[start : start + n]
-        h_NF = F.silu(F.linear(xs_ND, w_gate_EFD[e])) * F.linear(xs_ND, w_up_EFD[e])
-        outs.append(F.linear(h_NF, w_down_EDF[e]))
+        h_NF = F.silu(F.linear(xs_ND, w_gate[e])) * F.linear(xs_ND, w_up[e])
+        outs.append(F.linear(h_NF, w_down[e]))
         start += n
     if not outs:
         return torch.zeros_like(x_TD)

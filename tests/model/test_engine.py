@@ -9,7 +9,7 @@ import torch
 
 from model.attention import AttentionBatch
 from model.engine import EngineConfig, EngineStatus, FinishReason, GenerationEngine, SamplingParams
-from model.errors import EngineStateError
+from model.errors import CheckpointError, EngineStateError
 from model.kv_cache import KVCache
 from model.tokenizer import ByteTokenizer
 from tests.model.helpers import random_prompts, seeded_model, small_config
@@ -150,6 +150,10 @@ def test_lifecycle_and_validation() -> None:
             await engine.generate([CONFIG.vocab_size])
         with pytest.raises(ValueError, match="not newer"):
             await engine.update_weights(model.state_dict(), version=0)
+        bad = dict(model.state_dict(), **{"lm_head.weight": torch.zeros(3, 3)})
+        with pytest.raises(CheckpointError, match="lm_head"):
+            await engine.update_weights(bad, version=1)
+        assert engine.status is EngineStatus.RUNNING
         # a cancelled caller leaves the engine serving the others
         slow = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=200)))
         await asyncio.sleep(0.01)
@@ -191,3 +195,26 @@ def test_cached_multi_token_continuation_matches_full_forward() -> None:
     got = torch.cat([a, b, c])
     assert torch.allclose(got, full[:10], atol=1e-5, rtol=0)
     assert cache.capacity >= 10
+
+
+def test_bf16_engine_matches_bf16_full_forward() -> None:
+    model = seeded_model(CONFIG, seed=9, dtype=torch.bfloat16)
+    prompts = random_prompts(3, CONFIG.vocab_size, 4, 12, seed=11)
+    params = [SamplingParams(max_new_tokens=12, seed=i) for i in range(3)]
+    gens = asyncio.run(_generate_all(model, prompts, params))
+    for prompt, gen in zip(prompts, gens, strict=True):
+        ref, _ = reference_logprobs(model, prompt, gen.token_ids)
+        # bf16 KV-cache and full forwards round differently; they must still agree to bf16 precision
+        assert (torch.tensor(gen.logprobs, dtype=torch.float64) - ref).abs().max() < 0.1
+
+
+def test_update_weights_before_start_applies_immediately() -> None:
+    v1, v2 = seeded_model(CONFIG, seed=1), seeded_model(CONFIG, seed=2)
+
+    async def run() -> None:
+        engine = GenerationEngine(v1, version=3)
+        await engine.update_weights(v2.state_dict(), version=4)
+        assert engine.version == 4
+        assert torch.equal(engine.model.lm_head.weight, v2.lm_head.weight)
+
+    asyncio.run(run())

@@ -1,0 +1,158 @@
+"""Benchmark: our MoE transformer vs HF transformers Qwen3MoeForCausalLM (eager), same config and weights.
+
+Measures, for the tiny default and the ~100M configuration, in fp32 on CPU:
+- training tokens/s: forward + backward of next-token cross-entropy over a batch of equal-length
+  sequences (ours packed, HF as a (B, L) batch with labels);
+- generation tokens/s: B prompts, greedy, fixed number of new tokens (ours: the async `GenerationEngine`
+  with continuous batching and KV cache; HF: `generate` with its KV cache).
+Runs alternate between the two implementations; medians are reported. Prints ONE JSON line.
+
+    .venv/bin/python tests/bench/model.py [--quick]      (or: python -m tests.bench.model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if not __package__:  # run as a script: this file's folder would shadow the `model` package
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+import torch
+import torch.nn.functional as F
+
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import ModelConfig, medium_100m, tiny
+from model.engine import EngineConfig, GenerationEngine, SamplingParams
+from model.packing import pack_sequences
+from model.transformer import MoETransformer
+
+SHAPES = {
+    # name: (config, train batch, train len, gen batch, prompt len, new tokens)
+    "tiny": (tiny, 8, 256, 16, 32, 64),
+    "medium_100m": (medium_100m, 4, 256, 8, 32, 32),
+}
+
+
+def _median_pair(ours: Callable[[], float], theirs: Callable[[], float], reps: int) -> tuple[float, float]:
+    ours(), theirs()  # warm up
+    a, b = [], []
+    for _ in range(reps):
+        a.append(ours())
+        b.append(theirs())
+    return statistics.median(a), statistics.median(b)
+
+
+def _train_fns(ours: MoETransformer, hf: torch.nn.Module, ids_BL: torch.Tensor):
+    batch = pack_sequences(list(ids_BL))
+    n_tokens = ids_BL.numel()
+
+    def run_ours() -> float:
+        ours.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        logits = ours(batch.input_ids_T, seq_lens=batch.seq_lens).logits
+        loss = F.cross_entropy(logits[batch.target_mask_T], batch.targets_T[batch.target_mask_T])
+        loss.backward()
+        return n_tokens / (time.perf_counter() - start)
+
+    def run_hf() -> float:
+        hf.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        hf(ids_BL, labels=ids_BL).loss.backward()
+        return n_tokens / (time.perf_counter() - start)
+
+    return run_ours, run_hf
+
+
+def _gen_fns(ours: MoETransformer, hf: torch.nn.Module, prompts_BP: torch.Tensor, new: int):
+    b = prompts_BP.shape[0]
+    params = SamplingParams(max_new_tokens=new, temperature=0.0)
+
+    async def ours_async() -> float:
+        engine = GenerationEngine(ours, EngineConfig(max_batch_size=b))
+        await engine.start()
+        try:
+            start = time.perf_counter()
+            gens = await asyncio.gather(*(engine.generate(p.tolist(), params) for p in prompts_BP))
+            elapsed = time.perf_counter() - start
+        finally:
+            await engine.stop()
+        assert all(len(g.token_ids) == new for g in gens)
+        return b * new / elapsed
+
+    def run_hf() -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(prompts_BP, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        assert out.shape[1] == prompts_BP.shape[1] + new
+        return b * new / (time.perf_counter() - start)
+
+    return lambda: asyncio.run(ours_async()), run_hf
+
+
+def bench_config(name: str, reps: int) -> dict[str, float]:
+    import transformers
+
+    make, tb, tl, gb, pl, new = SHAPES[name]
+    config: ModelConfig = make()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(MoETransformer(config).init_weights(0), tmp)
+        _, ours = load_checkpoint(tmp)
+        hf = transformers.Qwen3MoeForCausalLM.from_pretrained(
+            tmp, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
+        )
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (tb, tl), generator=gen)
+    ours.train(), hf.train()
+    train_ours, train_hf = _median_pair(*_train_fns(ours, hf, ids), reps)
+    ours.eval(), hf.eval()
+    prompts = torch.randint(0, 256, (gb, pl), generator=gen)
+    gen_ours, gen_hf = _median_pair(*_gen_fns(ours, hf, prompts, new), reps)
+    return {
+        "params": config.num_parameters(),
+        "train_tokens": tb * tl,
+        "train_tok_s": round(train_ours, 1),
+        "hf_train_tok_s": round(train_hf, 1),
+        "train_ratio": round(train_ours / train_hf, 3),
+        "gen_batch": gb,
+        "gen_new_tokens": new,
+        "gen_tok_s": round(gen_ours, 1),
+        "hf_gen_tok_s": round(gen_hf, 1),
+        "gen_ratio": round(gen_ours / gen_hf, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny config only, 2 repetitions")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    names = ["tiny"] if args.quick else list(SHAPES)
+    reps = 2 if args.quick else args.reps
+    results = {name: bench_config(name, reps) for name in names}
+    print(
+        json.dumps(
+            {
+                "bench": "model",
+                "dtype": "float32",
+                "device": "cpu",
+                "threads": torch.get_num_threads(),
+                "peer": "transformers Qwen3MoeForCausalLM eager",
+                **{f"{n}_{k}": v for n, r in results.items() for k, v in r.items()},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
