@@ -28,6 +28,8 @@ import enum
 import math
 from collections.abc import Sequence
 
+from runtime.config import live
+
 __all__ = [
     "AdmissionDecision",
     "AdmissionLimit",
@@ -66,17 +68,17 @@ class SchedulingConfig:
             hand out a batch of fewer than B groups.
     """
 
-    eta: int = 2
-    max_ready_groups: int | None = None
-    max_inflight_per_rollout_actor: int = 8
-    max_retries: int = 2
-    failed_group_policy: FailedGroupPolicy = FailedGroupPolicy.TRAIN_REST
-    min_group_survivors: int = 2
-    rollout_timeout_s: float = 1800.0
-    reward_timeout_s: float = 600.0
-    group_timeout_s: float = 120.0
-    train_timeout_s: float = 1800.0
-    train_partial_final_batch: bool = True
+    eta: int = live(2)
+    max_ready_groups: int | None = live(None)
+    max_inflight_per_rollout_actor: int = live(8)
+    max_retries: int = live(2)
+    failed_group_policy: FailedGroupPolicy = live(FailedGroupPolicy.TRAIN_REST)
+    min_group_survivors: int = live(2)
+    rollout_timeout_s: float = live(120.0)  # without a completion or heartbeat (actors beat every 5 s)
+    reward_timeout_s: float = live(120.0)
+    group_timeout_s: float = live(60.0)
+    train_timeout_s: float = live(600.0)
+    train_partial_final_batch: bool = live(True)
 
     def __post_init__(self) -> None:
         if self.eta < 0:

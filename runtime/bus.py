@@ -10,6 +10,7 @@ Subjects (see DESIGN.md):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass
 from typing import Any
@@ -91,16 +92,20 @@ class Bus:
         self._kv: dict[str, KeyValue] = {}
 
     @classmethod
-    async def connect(cls, url: str, name: str, limits: BusLimits = BusLimits()) -> Bus:
+    async def connect(cls, url: str, name: str, limits: BusLimits = BusLimits(),
+                      connect_timeout_s: float = 5.0) -> Bus:
         async def on_error(e: Exception) -> None:
             log.warning("nats_client_error", error=str(e), client=name)
 
+        # Reconnect forever once connected (a restarted server comes back), but bound the first
+        # connect: nats-py would otherwise retry it forever and a command on a stopped run would hang.
         try:
-            nc = await nats.connect(url, name=name, error_cb=on_error, connect_timeout=5,
-                                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                    allow_reconnect=True)
+            nc = await asyncio.wait_for(
+                nats.connect(url, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
+                             max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True),
+                connect_timeout_s)
         except Exception as e:
-            raise BusError(f"cannot connect to NATS at {url}: {e}; is the run up?") from e
+            raise BusError(f"cannot connect to NATS at {url}: {e!r}; is the run up?") from e
         return cls(nc, limits)
 
     async def close(self) -> None:

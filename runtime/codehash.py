@@ -21,8 +21,8 @@ def code_hash(extra_roots: tuple[Path, ...] = ()) -> str:
         if not path or not path.endswith(".py"):
             continue
         resolved = Path(path).resolve()
-        if ".venv" in resolved.parts or "site-packages" in resolved.parts:
-            continue
+        if ".venv" in resolved.parts or "site-packages" in resolved.parts or not resolved.is_file():
+            continue  # installed packages, and modules with made-up paths (torch._classes)
         if any(resolved.is_relative_to(r) for r in roots):
             files.add(resolved)
     digest = hashlib.sha256()

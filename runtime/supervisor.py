@@ -120,7 +120,7 @@ class Supervisor:
                 env=env)
         ap = ActorProcess(kind, actor_id, proc)
         self.procs[actor_id] = ap
-        log.info("actor_spawned", kind=kind, actor_id=actor_id, pid=proc.pid)
+        log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid)
         self._tg.create_task(self._watch(ap))
         return ap
 
@@ -128,20 +128,20 @@ class Supervisor:
         rc = await ap.proc.wait()
         self.procs.pop(ap.actor_id, None)
         if ap.retiring or self._stop.is_set():
-            log.info("actor_exited", kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc)
+            log.info("actor_exited", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc)
             return
         now = time.monotonic()
         recent = self._restarts[ap.kind]
         recent.append(now)
         while recent and now - recent[0] > self.config.supervisor.restart_window_s:
             recent.popleft()
-        log.error("actor_crashed", kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc,
+        log.error("actor_crashed", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc,
                   num_recent_restarts=len(recent), log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
         sup = self.config.supervisor
         if len(recent) > sup.max_restarts:
             reason = (f"{ap.kind} crashed {len(recent)} times within {sup.restart_window_s}s "
                       f"(limit {sup.max_restarts}); see {self.run_dir / 'logs' / (ap.actor_id + '.out')}")
-            log.error("restart_intensity_exceeded", kind=ap.kind, num_restarts=len(recent),
+            log.error("restart_intensity_exceeded", actor_kind=ap.kind, num_restarts=len(recent),
                       window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
             self.request_stop(Outcome.FAILED, reason)
             return
@@ -151,7 +151,7 @@ class Supervisor:
         if self._stop.is_set():
             return
         new = await self._spawn(ap.kind)
-        log.info("actor_restarted", kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay)
+        log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay)
 
     async def _retire(self, ap: ActorProcess) -> None:
         """Drain, then TERM, then KILL: whatever it takes, the process is gone when this returns."""
@@ -184,13 +184,13 @@ class Supervisor:
             old = [p for p in self.procs.values() if p.kind == kind and not p.retiring]
             registry = await self.bus.kv("actors")
             old_info = [await _registry_entry(registry, p.actor_id) for p in old]
-            log.info("swap_started", kind=kind, old=[p.actor_id for p in old])
+            log.info("swap_started", actor_kind=kind, old=[p.actor_id for p in old])
             new = [await self._spawn(kind) for _ in range(max(1, len(old)))]
             new_info = [await self._wait_running(registry, p) for p in new]
             for p in old:
                 await self._retire(p)
             report = {"kind": kind, "old": _hashes(old, old_info), "new": _hashes(new, new_info)}
-            log.info("swap_finished", **report)
+            log.info("swap_finished", actor_kind=kind, old=report["old"], new=report["new"])
             return report
 
     async def _wait_running(self, registry: Any, ap: ActorProcess) -> dict[str, Any]:
@@ -240,7 +240,7 @@ class Supervisor:
         try:
             reply: dict[str, Any] = {"ok": True, **await self.swap(kind)}
         except (ValueError, RuntimeError) as e:
-            log.error("swap_failed", kind=kind, error=str(e))
+            log.error("swap_failed", actor_kind=kind, error=str(e))
             reply = {"ok": False, "error": str(e)}
         if raw.reply:
             await self.bus.nc.publish(raw.reply, msgpack.packb(reply, use_bin_type=True))

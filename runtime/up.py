@@ -140,6 +140,9 @@ def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resume
 
 
 def _progress_printer(out: IO[str] | None) -> Any:
+    """One line with the latest figures every publisher reported on ``progress.<source>``."""
+    latest: dict[str, Any] = {}
+
     async def show(raw: Any) -> None:
         if out is None:
             return
@@ -147,7 +150,9 @@ def _progress_printer(out: IO[str] | None) -> Any:
             fields = msgpack.unpackb(raw.data, raw=False)
         except Exception:
             return
-        text = "  ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
+        if isinstance(fields, dict):
+            latest.update(fields)
+        text = "  ".join(f"{k}={_fmt(v)}" for k, v in latest.items())
         end = "\r" if out.isatty() else "\n"
         print(f"{text:<120}", end=end, file=out, flush=True)
 

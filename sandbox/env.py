@@ -22,7 +22,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -61,6 +61,15 @@ class CommandResult:
     truncated: bool
     timed_out: bool
     duration_s: float
+
+
+def _drop_privileges(uid: int, gid: int) -> Callable[[], None]:
+    def drop() -> None:  # runs in the forked child before exec: supplementary groups, then gid, then uid
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+
+    return drop
 
 
 class Environment:
@@ -225,9 +234,9 @@ class Environment:
                 stderr=asyncio.subprocess.PIPE,
                 env=_BWRAP_ENV,
                 cwd="/",
-                user=self.store.config.sandbox_uid,
-                group=self.store.config.sandbox_gid,
-                extra_groups=[],
+                # Dropping to the sandbox user in preexec_fn, not with user=/group= (which uvloop,
+                # the actors' event loop, does not accept).
+                preexec_fn=_drop_privileges(self.store.config.sandbox_uid, self.store.config.sandbox_gid),
                 start_new_session=True,
                 pass_fds=(info_w,),
             )

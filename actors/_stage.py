@@ -1,0 +1,93 @@
+"""What every stage actor (rollout, reward, grouping, trainer) shares: take an order, do the work while
+telling the reconciler it is alive, report the completion (or the failure) on ``done.<stage>``.
+
+Completions are published durably with a message id of (stage, key, attempt), so a redelivered order
+that is handled again reports the same completion and the stream deduplicates it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, ClassVar
+
+import msgpack
+import structlog
+import torch
+import zstandard
+
+from actors.config import RLConfig
+from actors.lifecycle_events import StageFailed
+from actors.messages import COMPLETION_TYPES, WorkHeartbeat, done_subject, order_types, work_queue_of
+from actors.slots import Stage
+from runtime.actor import Actor, ActorContext, Delivery
+from runtime.codec import Codec
+
+log = structlog.get_logger(__name__)
+
+HEARTBEAT_SUBJECT = "heartbeat"
+
+
+class WorkRefused(ValueError):
+    """The order cannot be done by anyone (bad input, broken staleness bound): report it, do not retry."""
+
+
+class StageActor(Actor):
+    """Subclasses set ``stage`` and implement ``work(order) -> completion``."""
+
+    stage: ClassVar[Stage]
+    Config = RLConfig
+    heartbeat_every_s: ClassVar[float] = 5.0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "stage" in cls.__dict__:
+            cls.kind = cls.kind or cls.stage.value
+            cls.queues = (work_queue_of(cls.stage),)
+            cls.messages = order_types(cls.stage)
+
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        self.config: RLConfig
+        self.done_codec = Codec(COMPLETION_TYPES)
+        self.heartbeat_codec = Codec([WorkHeartbeat])
+        torch.set_num_threads(self.config.policy.torch_threads)
+
+    async def work(self, order: Any, delivery: Delivery) -> Any:
+        """Do the order; tasks it starts in ``delivery.task_group`` finish before the order is acked."""
+        raise NotImplementedError
+
+    async def handle(self, msg: Any, delivery: Delivery) -> None:
+        beat = delivery.task_group.create_task(self._report_alive(msg))
+        try:
+            done = await self.work(msg, delivery)
+        except WorkRefused as e:
+            log.warning("work_refused", stage=self.stage.value, key=msg.key, attempt=msg.attempt, reason=str(e))
+            done = StageFailed(self.stage, msg.key, msg.attempt, str(e))
+        finally:
+            beat.cancel()
+        await self.bus.publish_durable(done_subject(self.stage), await self.done_codec.encode(done),
+                                       msg_id=f"done.{self.stage.value}.{msg.key}.{msg.attempt}")
+
+    async def _report_alive(self, order: Any) -> None:
+        beat = await self.heartbeat_codec.encode(
+            WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id))
+        while True:
+            with contextlib.suppress(Exception):
+                await self.bus.nc.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
+            await asyncio.sleep(self.heartbeat_every_s)
+
+    # --- blobs: small msgpack records, zstd-compressed -----------------------------------------
+    async def put_record(self, key: str, record: dict[str, Any]) -> None:
+        await self.ctx.blob.put(key, zstandard.ZstdCompressor(level=3).compress(
+            msgpack.packb(record, use_bin_type=True)))
+
+    async def get_record(self, key: str) -> dict[str, Any]:
+        try:
+            raw = await self.ctx.blob.get(key)
+        except KeyError:
+            raise WorkRefused(f"blob {key!r} is missing; the stage that wrote it must run again") from None
+        try:
+            return msgpack.unpackb(zstandard.ZstdDecompressor().decompress(raw), raw=False)
+        except (zstandard.ZstdError, ValueError) as e:
+            raise WorkRefused(f"blob {key!r} is corrupt ({e}); the stage that wrote it must run again") from None

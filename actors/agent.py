@@ -1,0 +1,240 @@
+"""The agent loop: one episode of the policy working on a task in a sandbox through tools.
+
+This module is the single definition of what an episode looks like on the token level; rollouts,
+held-out evaluation and the supervised starting policy all use it, so they can never drift apart.
+
+    <|user|>{task prompt}<|end|><|assistant|>{turn}[<|end|><|tool|>{result}<|end|><|assistant|>{turn}...]
+
+A turn is generated until ``</tool>`` or the end token. A turn with a tool call gets the tool's
+result (never an exception: malformed calls get the parse error as their result) and another turn;
+a turn without one is the final answer. The episode also ends on the turn budget, the token budget
+or the wall-clock timeout. Tokens the policy sampled carry loss mask 1, their behaviour log-prob,
+their policy version and their router choices; template and tool-output tokens carry mask 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from model.chat import TOOL_CLOSE, ToolCall, ToolCallError, find_tool_call, render_tool_call
+from model.generation import Generation
+from model.sampling import SamplingParams
+from model.tokenizer import ByteTokenizer
+from sandbox.tasks import Task
+
+__all__ = [
+    "AgentConfig",
+    "EpisodeEnd",
+    "ToolUse",
+    "Trajectory",
+    "reference_episode_text",
+    "run_episode",
+    "task_prompt_text",
+]
+
+Generate = Callable[[Sequence[int], SamplingParams], Awaitable[Generation]]
+CallTool = Callable[[str, dict[str, Any]], Awaitable[tuple[bool, str]]]
+
+USER, ASSISTANT, TOOL, END = "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"
+FINAL_ANSWER = "done"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    max_turns: int = 3
+    max_new_tokens_per_turn: int = 160
+    max_total_tokens: int = 640
+    tool_output_max_chars: int = 400
+    episode_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_new_tokens_per_turn < 1:
+            raise ValueError(f"max_turns={self.max_turns} and max_new_tokens_per_turn="
+                             f"{self.max_new_tokens_per_turn} must be >= 1")
+
+
+class EpisodeEnd(enum.StrEnum):
+    FINAL_ANSWER = "final_answer"
+    TURN_BUDGET = "turn_budget"
+    TOKEN_BUDGET = "token_budget"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    name: str
+    ok: bool
+    malformed: bool
+    num_output_tokens: int
+
+
+@dataclass
+class Trajectory:
+    """Everything the reward, grouping and trainer stages need from one episode."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]
+    versions: list[int]  # -1 where the policy did not sample the token
+    topk_ids_TLK: torch.Tensor | None  # router choices used to compute each position (int16)
+    prompt_len: int
+    end: EpisodeEnd
+    tool_uses: list[ToolUse] = field(default_factory=list)
+    num_turns: int = 0
+    num_tool_call_tokens: int = 0
+    num_tool_output_tokens: int = 0
+    num_final_tokens: int = 0
+    num_thinking_tokens: int = 0
+    duration_s: float = 0.0
+    generate_s: float = 0.0
+    tools_s: float = 0.0
+
+    @property
+    def num_malformed_calls(self) -> int:
+        return sum(u.malformed for u in self.tool_uses)
+
+    @property
+    def min_version(self) -> int:
+        sampled = [v for v in self.versions if v >= 0]
+        return min(sampled) if sampled else 0
+
+    @property
+    def max_version(self) -> int:
+        return max(self.versions, default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["end"] = self.end.value
+        d["tool_uses"] = [dataclasses.asdict(u) for u in self.tool_uses]
+        d["topk_ids_TLK"] = None if self.topk_ids_TLK is None else _tensor_to_wire(self.topk_ids_TLK)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        d["end"] = EpisodeEnd(d["end"])
+        d["tool_uses"] = [ToolUse(**u) for u in d["tool_uses"]]
+        d["topk_ids_TLK"] = None if d["topk_ids_TLK"] is None else _tensor_from_wire(d["topk_ids_TLK"])
+        return cls(**d)
+
+
+def _tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
+    t = t.to(torch.int16).contiguous()
+    return {"shape": list(t.shape), "data": t.numpy().tobytes()}
+
+
+def _tensor_from_wire(d: dict[str, Any]) -> torch.Tensor:
+    flat = torch.frombuffer(bytearray(d["data"]), dtype=torch.int16)
+    return flat.reshape(d["shape"]).clone()
+
+
+def task_prompt_text(task: Task) -> str:
+    return f"{USER}{task.prompt}{END}{ASSISTANT}"
+
+
+def reference_episode_text(task: Task) -> list[tuple[str, bool]]:
+    """The episode a perfect agent has on ``task``, as (text, trained) segments: supervised data.
+
+    The tool result text is what ``sandbox.tools.ToolBox`` answers to that call.
+    """
+    (path, content), = task.reference_solution.items()
+    call = render_tool_call(ToolCall("write_file", {"path": path, "content": content}))
+    result = f"wrote {len(content.encode())} bytes to {path}"
+    return [(task_prompt_text(task), False), (call, True), (f"{END}{TOOL}{result}{END}{ASSISTANT}", False),
+            (f"{FINAL_ANSWER}{END}", True)]
+
+
+async def run_episode(task: Task, generate: Generate, call_tool: CallTool, tokenizer: ByteTokenizer,
+                      config: AgentConfig, sampling: SamplingParams) -> Trajectory:
+    """Runs one episode; the budget and timeout ends are normal outcomes, not errors."""
+    started = time.monotonic()
+    prompt = tokenizer.encode(task_prompt_text(task))
+    traj = Trajectory(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt), None,
+                      len(prompt), EpisodeEnd.TURN_BUDGET)
+    end_id = tokenizer.end_token_id
+    try:
+        async with asyncio.timeout(config.episode_timeout_s):
+            traj.end = await _turns(task, generate, call_tool, tokenizer, config, sampling, traj, end_id)
+    except TimeoutError:
+        traj.end = EpisodeEnd.TIMEOUT
+    traj.duration_s = time.monotonic() - started
+    return traj
+
+
+async def _turns(task: Task, generate: Generate, call_tool: CallTool, tokenizer: ByteTokenizer,
+                 config: AgentConfig, sampling: SamplingParams, traj: Trajectory, end_id: int) -> EpisodeEnd:
+    for _turn in range(config.max_turns):
+        budget = min(config.max_new_tokens_per_turn, config.max_total_tokens - len(traj.token_ids))
+        if budget <= 0:
+            return EpisodeEnd.TOKEN_BUDGET
+        params = dataclasses.replace(sampling, max_new_tokens=budget, stop_token_ids=(end_id,),
+                                     stop_strings=(TOOL_CLOSE,))
+        t0 = time.monotonic()
+        gen = await generate(list(traj.token_ids), params)
+        traj.generate_s += time.monotonic() - t0
+        _append_generation(traj, gen)
+        traj.num_turns += 1
+        text = tokenizer.decode(gen.token_ids)
+        found = find_tool_call(text)
+        if found is None:
+            traj.num_final_tokens += len(gen.token_ids)
+            return EpisodeEnd.FINAL_ANSWER if gen.token_ids and gen.token_ids[-1] == end_id else (
+                EpisodeEnd.TOKEN_BUDGET)
+        call_start = text.find("<tool>")
+        num_thinking = len(tokenizer.encode(text[:call_start]))
+        traj.num_thinking_tokens += num_thinking
+        traj.num_tool_call_tokens += len(gen.token_ids) - num_thinking
+        t0 = time.monotonic()
+        ok, output = await _use_tool(found, call_tool)
+        traj.tools_s += time.monotonic() - t0
+        output = output[: config.tool_output_max_chars]
+        suffix = tokenizer.encode(f"{END}{TOOL}{output}{END}{ASSISTANT}")
+        if gen.token_ids and gen.token_ids[-1] == end_id:
+            suffix = suffix[1:]  # the policy already closed its turn
+        num_output = len(tokenizer.encode(output))
+        traj.tool_uses.append(ToolUse(getattr(found, "name", ""), ok, isinstance(found, ToolCallError), num_output))
+        traj.num_tool_output_tokens += num_output
+        _append_context(traj, suffix)
+    return EpisodeEnd.TURN_BUDGET
+
+
+async def _use_tool(found: ToolCall | ToolCallError, call_tool: CallTool) -> tuple[bool, str]:
+    if isinstance(found, ToolCallError):
+        return False, f"malformed tool call: {found.reason}"
+    return await call_tool(found.name, found.args)
+
+
+def _append_generation(traj: Trajectory, gen: Generation) -> None:
+    start = len(traj.token_ids)
+    n = len(gen.token_ids)
+    traj.token_ids += gen.token_ids
+    traj.loss_mask += [1] * n
+    traj.behaviour_logprobs += gen.logprobs
+    traj.versions += gen.versions
+    rows = gen.topk_ids_TLK.to(torch.int16)
+    if traj.topk_ids_TLK is None:
+        traj.topk_ids_TLK = rows.clone()
+        return
+    # Keep the routing each sampled token was produced with: rows before this turn's prompt end stay,
+    # rows from the last prompt position on come from this generation.
+    merged = torch.cat([traj.topk_ids_TLK[: start - 1], rows[start - 1:]], dim=0)
+    traj.topk_ids_TLK = merged
+    assert merged.shape[0] == start + n
+
+
+def _append_context(traj: Trajectory, ids: list[int]) -> None:
+    traj.token_ids += ids
+    traj.loss_mask += [0] * len(ids)
+    traj.behaviour_logprobs += [0.0] * len(ids)
+    traj.versions += [-1] * len(ids)
+    if traj.topk_ids_TLK is not None:
+        pad = torch.full((len(ids), *traj.topk_ids_TLK.shape[1:]), -1, dtype=torch.int16)
+        traj.topk_ids_TLK = torch.cat([traj.topk_ids_TLK, pad], dim=0)

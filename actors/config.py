@@ -1,0 +1,138 @@
+"""The RL run's configuration: one typed section per part, shared by every actor kind of the run.
+
+Keys made with ``live(...)`` can be changed while the run goes on (``python -m ops.config set``);
+the rest are fixed at start. Defaults are the embedded default run (tiny policy, built-in tasks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from actors.agent import AgentConfig
+from actors.scheduling import SchedulingConfig
+from runtime.config import live
+
+__all__ = [
+    "EvalSection",
+    "PolicySection",
+    "RLConfig",
+    "ReconcilerSection",
+    "RewardSection",
+    "RolloutSection",
+    "TasksSection",
+    "TrainerSection",
+]
+
+
+@dataclass(frozen=True)
+class PolicySection:
+    checkpoint: str = ""  # a local HF-layout directory; empty: the built-in starting policy
+    cache_dir: Path = Path("runs/_cache")  # where the built-in starting policy is built once and kept
+    experts_precision: str = "reference"  # reference | emulated | triton (kernels/)
+    torch_threads: int = 1  # intra-op threads per actor process: 2 cores are shared by every actor
+
+    def __post_init__(self) -> None:
+        if self.experts_precision not in ("reference", "emulated", "triton"):
+            raise ValueError(f"experts_precision={self.experts_precision!r}: use reference, emulated or triton")
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads={self.torch_threads} must be >= 1")
+
+
+@dataclass(frozen=True)
+class TasksSection:
+    seed: int = 0  # order of the training prompts
+    num_train: int = 0  # 0: every generated training task
+    num_heldout: int = 64
+    difficulties: tuple[int, ...] = (1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    temperature: float = live(1.0)
+    top_p: float = live(1.0)
+    kv_policy: str = live("recompute")  # on an in-flight weight swap: keep | recompute
+    max_batch_size: int = 32  # sequences the engine decodes together
+    agent: AgentConfig = AgentConfig()
+    warm_environments: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kv_policy not in ("keep", "recompute"):
+            raise ValueError(f"rollout.kv_policy={self.kv_policy!r}: use keep or recompute")
+        if not 0.0 <= self.temperature <= 4.0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be in [0, 4] and "
+                             f"top_p={self.top_p} in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RewardSection:
+    """reward = pass fraction − length_coef · C(x) − malformed_call_penalty · #malformed calls.
+
+    C(x) = ((1 + kx)^(1−q) − 1) / (k(1−q)) over x = the weighted count below (the seeds' nonlinear
+    length penalty: steep for the first tokens, flattening for long hard work).
+    """
+
+    length_coef: float = live(0.002)
+    k: float = 0.01
+    q: float = 0.5
+    weight_thinking_tokens: float = 1.0
+    weight_tool_call_tokens: float = 1.0
+    weight_tool_output_tokens: float = 0.25
+    weight_final_tokens: float = 1.0
+    weight_tool_calls: float = 5.0
+    weight_turns: float = 5.0
+    malformed_call_penalty: float = live(0.1)
+
+    def __post_init__(self) -> None:
+        if self.k <= 0 or self.q == 1.0:
+            raise ValueError(f"reward.k={self.k} must be > 0 and reward.q={self.q} must not be 1")
+
+
+@dataclass(frozen=True)
+class ReconcilerSection:
+    num_slots: int = 96
+    group_size: int = 8
+    batch_size_groups: int = 4
+    num_epochs: int = 1  # 1: single epoch, a prompt is never trained twice
+    tick_s: float = 0.5  # timeouts and admission are re-checked at least this often
+    status_every_s: float = 2.0
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    lr: float = live(2e-4)
+    betas: tuple[float, ...] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ratio_cap: float = 2.0
+    kl_coef: float = live(0.0)
+    router_replay: bool = True  # train with the experts the rollout used (R3)
+    replay_plausibility_factor: float = 0.1  # replace replayed experts the router finds implausible
+    loss_normalizer: float = 4096.0  # a constant: the loss is a token sum divided by this
+    checkpoint_every: int = 1  # steps between checkpoints; a crash loses the steps since the last one
+    keep_checkpoints: int = 2
+    metrics_file: str = "metrics.jsonl"
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.loss_normalizer <= 0 or self.checkpoint_every < 1:
+            raise ValueError(f"trainer.lr={self.lr} and loss_normalizer={self.loss_normalizer} must be > 0, "
+                             f"checkpoint_every={self.checkpoint_every} >= 1")
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    every_versions: int = live(5)  # held-out evaluation after every this many policy versions
+    temperature: float = 0.0  # 0: greedy, pass@1 of the policy's most likely answer
+    concurrency: int = 16
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    policy: PolicySection = PolicySection()
+    tasks: TasksSection = TasksSection()
+    rollout: RolloutSection = RolloutSection()
+    reward: RewardSection = RewardSection()
+    reconciler: ReconcilerSection = ReconcilerSection()
+    trainer: TrainerSection = TrainerSection()
+    eval: EvalSection = EvalSection()

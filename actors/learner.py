@@ -1,0 +1,204 @@
+"""The learner: the trainer's torch half. One RL step on a batch of group checkpoints, and its state.
+
+Legend: T packed tokens, L layers, K experts per token.
+
+The loss is model.loss.policy_loss (Dr. GRPO advantages, truncated importance ratio against the
+behaviour log-probs, optional k1 KL against the starting policy, token sum over a constant). Router
+replay feeds the rollout's recorded experts into the forward. The state that makes a restart exact —
+weights, Adam moments, version, the batch ids already trained — is saved together, atomically.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors.torch import load_file, save_file
+
+from actors.config import TrainerSection
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.loss import PolicyLossConfig, packed_logprobs, policy_loss, token_entropy
+from model.packing import pack_sequences
+from model.router import RouterReplayConfig
+from model.transformer import MoETransformer
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Learner", "StepMetrics"]
+
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    version: int
+    num_groups: int
+    num_samples: int
+    num_tokens: int
+    num_trained_tokens: int
+    loss: float
+    pg_loss: float
+    kl: float
+    entropy: float
+    clip_fraction: float
+    ratio_mean: float
+    ratio_max: float
+    grad_norm: float
+    reward_mean: float
+    pass_rate: float
+    lag_min: int
+    lag_max: int
+    lag_histogram: dict[str, int]
+    num_versions_in_batch: int
+    replay_replaced_fraction: float
+    step_s: float
+    tokens_per_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Learner:
+    def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0) -> None:
+        self.model = model.train()
+        self.config = config
+        self.version = version
+        self.trained_batches: list[str] = []
+        self.router_replay = (RouterReplayConfig(config.replay_plausibility_factor) if config.router_replay
+                              else None)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=tuple(config.betas),
+                                           weight_decay=config.weight_decay)
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, groups: Sequence[dict[str, Any]], batch_id: str) -> StepMetrics:
+        """One optimizer step over every sample of ``groups``; the version then goes up by one."""
+        started = time.perf_counter()
+        samples = [s for g in groups for s in g["samples"]]
+        if not samples:
+            raise ValueError(f"batch {batch_id} has no samples")
+        batch = pack_sequences([s["trajectory"]["token_ids"] for s in samples])
+        behaviour, mask, advantages, replay = _aligned(samples, batch.num_tokens)
+        loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref, _ = packed_logprobs(self.reference, batch, replay, self.router_replay)
+        entropy = token_entropy(out.logits.detach())
+        loss, m = policy_loss(logp, behaviour, advantages, mask, loss_cfg, ref, entropy)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        self.optimizer.step()
+        self.version += 1
+        self.trained_batches.append(batch_id)
+        elapsed = time.perf_counter() - started
+        lags = [self.version - 1 - v for s in samples for v, keep in
+                zip(s["trajectory"]["versions"], s["trajectory"]["loss_mask"], strict=True) if keep]
+        histogram: dict[str, int] = {}
+        for lag in lags:
+            histogram[str(lag)] = histogram.get(str(lag), 0) + 1
+        rewards = [s["reward"] for s in samples]
+        return StepMetrics(
+            version=self.version, num_groups=len(groups), num_samples=len(samples), num_tokens=batch.num_tokens,
+            num_trained_tokens=m.num_tokens, loss=float(loss.detach()), pg_loss=m.pg_loss, kl=m.kl,
+            entropy=m.entropy, clip_fraction=m.clip_fraction, ratio_mean=m.ratio_mean, ratio_max=m.ratio_max,
+            grad_norm=grad_norm, reward_mean=sum(rewards) / len(rewards),
+            pass_rate=sum(s["components"]["pass_fraction"] == 1.0 for s in samples) / len(samples),
+            lag_min=min(lags, default=0), lag_max=max(lags, default=0), lag_histogram=histogram,
+            num_versions_in_batch=len({v for s in samples for v in s["trajectory"]["versions"] if v >= 0}),
+            replay_replaced_fraction=out.routing_stats.replaced_fraction, step_s=elapsed,
+            tokens_per_s=batch.num_tokens / elapsed if elapsed > 0 else 0.0)
+
+    # --- state ----------------------------------------------------------------------------------
+    def save(self, directory: Path) -> Path:
+        """Writes weights (HF safetensors), optimizer moments and trainer state; visible atomically."""
+        final = directory / f"step-{self.version:07d}"
+        tmp = directory / f".tmp-step-{self.version:07d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_checkpoint(self.model, tmp)
+        save_file(_optimizer_tensors(self.optimizer, self.model), str(tmp / "optimizer.safetensors"))
+        (tmp / STATE_FILE).write_text(json.dumps({
+            "version": self.version, "trained_batches": self.trained_batches,
+            "optimizer_steps": _optimizer_steps(self.optimizer), "lr": self.optimizer.param_groups[0]["lr"]}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(directory.glob("step-*"))[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    @classmethod
+    def latest_checkpoint(cls, directory: Path) -> Path | None:
+        done = sorted(p for p in directory.glob("step-*") if (p / STATE_FILE).exists())
+        return done[-1] if done else None
+
+    @classmethod
+    def load(cls, path: Path, config: TrainerSection) -> Learner:
+        _, model = load_checkpoint(path)
+        state = json.loads((path / STATE_FILE).read_text())
+        learner = cls(model, config, int(state["version"]))
+        learner.trained_batches = list(state["trained_batches"])
+        _load_optimizer(learner.optimizer, learner.model, load_file(str(path / "optimizer.safetensors")),
+                        int(state["optimizer_steps"]))
+        log.info("learner_resumed", path=str(path), version=learner.version,
+                 num_trained_batches=len(learner.trained_batches))
+        return learner
+
+
+def _aligned(samples: Sequence[dict[str, Any]], num_tokens: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed position p: behaviour log-prob, loss mask and advantage of token p+1; router rows of p."""
+    behaviour = torch.zeros(num_tokens)
+    mask = torch.zeros(num_tokens, dtype=torch.bool)
+    advantages = torch.zeros(num_tokens)
+    replay_rows = []
+    offset = 0
+    for s in samples:
+        t = s["trajectory"]
+        n = len(t["token_ids"])
+        behaviour[offset:offset + n - 1] = torch.tensor(t["behaviour_logprobs"][1:])
+        mask[offset:offset + n - 1] = torch.tensor(t["loss_mask"][1:], dtype=torch.bool)
+        advantages[offset:offset + n] = s["advantage"]
+        topk = t["topk_ids_TLK"]
+        rows = torch.frombuffer(bytearray(topk["data"]), dtype=torch.int16).reshape(topk["shape"])
+        replay_rows.append(rows[:n].long())
+        offset += n
+    return behaviour, mask, advantages, torch.cat(replay_rows, dim=0)
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, state in opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                out[f"{names[id(p)]}.{key}"] = state[key].contiguous()
+    return out
+
+
+def _optimizer_steps(opt: torch.optim.Optimizer) -> int:
+    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                    steps: int) -> None:
+    for name, p in model.named_parameters():
+        if f"{name}.exp_avg" in tensors:
+            opt.state[p] = {"step": torch.tensor(float(steps)), "exp_avg": tensors[f"{name}.exp_avg"].clone(),
+                            "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].clone()}

@@ -1,0 +1,87 @@
+"""Wire names of everything the RL actors say to each other over NATS (through the reconciler).
+
+The work orders and completions are the lifecycle core's own dataclasses (actors.lifecycle_events);
+this module only names them on the wire. One codec type set per direction keeps decoding strict: a
+rollout actor that receives a train order dead-letters it instead of guessing.
+"""
+
+from __future__ import annotations
+
+from actors.lifecycle_events import (
+    GroupDone,
+    GroupOrder,
+    RewardDone,
+    RewardOrder,
+    RolloutDone,
+    RolloutOrder,
+    StageFailed,
+    TrainDone,
+    TrainOrder,
+)
+from actors.slots import Stage
+from runtime.bus import DONE_QUEUE, Queue, work_queue
+from runtime.codec import message
+
+ORDER_TYPES: dict[Stage, tuple[str, type]] = {
+    Stage.ROLLOUT: ("order.rollout", RolloutOrder),
+    Stage.REWARD: ("order.reward", RewardOrder),
+    Stage.GROUP: ("order.group", GroupOrder),
+    Stage.TRAIN: ("order.train", TrainOrder),
+}
+COMPLETION_TYPES: dict[str, type] = {
+    "done.rollout": RolloutDone,
+    "done.reward": RewardDone,
+    "done.group": GroupDone,
+    "done.train": TrainDone,
+    "done.failed": StageFailed,
+}
+
+
+def work_queue_of(stage: Stage) -> Queue:
+    return work_queue(stage.value)
+
+
+def order_types(stage: Stage) -> dict[str, type]:
+    name, cls = ORDER_TYPES[stage]
+    return {name: cls}
+
+
+def all_order_types() -> dict[str, type]:
+    return {name: cls for name, cls in ORDER_TYPES.values()}
+
+
+def done_subject(stage: Stage) -> str:
+    return f"done.{stage.value}"
+
+
+@message("weights.published")
+class WeightsPublished:
+    """The trainer published policy ``version``; its state is at ``key`` in blob storage."""
+
+    run: str
+    version: int
+    key: str
+    num_bytes: int
+
+
+@message("heartbeat.work")
+class WorkHeartbeat:
+    """A stage actor is still working on (stage, key, attempt): the reconciler keeps it alive."""
+
+    stage: Stage
+    key: str
+    attempt: int
+    actor_id: str
+
+
+__all__ = [
+    "COMPLETION_TYPES",
+    "DONE_QUEUE",
+    "ORDER_TYPES",
+    "WeightsPublished",
+    "WorkHeartbeat",
+    "all_order_types",
+    "done_subject",
+    "order_types",
+    "work_queue_of",
+]

@@ -1,0 +1,141 @@
+"""The reconciler actor: owns the slot table and moves every sample through its lifecycle.
+
+It wraps the transport-free core (actors.lifecycle.Lifecycle) with NATS: completions arrive on
+``done.<stage>`` (a durable stream, acked only after the core has recorded them), work orders go out
+on ``work.<stage>`` with the order's (stage, key, attempt) as the message id, stage actors' liveness
+arrives on ``heartbeat.<stage>``, the live rollout-actor count comes from the actor registry, and a
+tick re-checks timeouts and admission. The table lives in the ``slots`` KV bucket, every write a
+compare-and-set, so a restarted reconciler (or a resumed run) continues where this one stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import msgpack
+import structlog
+
+from actors.config import RLConfig
+from actors.kv_slot_store import KVSlotStore
+from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
+from actors.lifecycle_events import WorkOrder
+from actors.messages import COMPLETION_TYPES, DONE_QUEUE, WorkHeartbeat, all_order_types, work_queue_of
+from actors.slots import Stage
+from actors.task_catalog import TaskCatalog
+from runtime import config as config_mod
+from runtime.actor import Actor, Delivery
+from runtime.codec import Codec
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["ReconcilerActor"]
+
+
+class ReconcilerActor(Actor):
+    kind = "reconciler"
+    queues = (DONE_QUEUE,)
+    messages = COMPLETION_TYPES
+    Config = RLConfig
+
+    async def setup(self) -> None:
+        for stage in Stage:
+            await self.bus.ensure_queue(work_queue_of(stage))
+        self.store = KVSlotStore(await self.bus.kv("slots"))
+        self.source = TaskCatalog.build(self.config.tasks)
+        self.order_codec = Codec(all_order_types())
+        self.heartbeat_codec = Codec([WorkHeartbeat])
+        self.core_lock = asyncio.Lock()  # the core is called from one task at a time
+        self.num_rollout_actors = await self._count_rollout_actors()
+        await self._resume()
+        sub = await self.bus.nc.subscribe("heartbeat.>", cb=self._on_heartbeat)
+        self.exit_stack.push_async_callback(sub.unsubscribe)
+
+    def _lifecycle_config(self) -> LifecycleConfig:
+        r = self.config.reconciler
+        return LifecycleConfig(num_slots=r.num_slots, group_size=r.group_size, batch_size_groups=r.batch_size_groups,
+                               num_epochs=r.num_epochs, scheduling=r.scheduling)
+
+    async def _resume(self) -> None:
+        resumed = await Lifecycle.resume(self.store, self.source, self._lifecycle_config(), time.time(),
+                                         num_rollout_actors=self.num_rollout_actors)
+        self.core = resumed.lifecycle
+        log.info("reconciler_resumed", trainer_version=self.core.trainer_version,
+                 num_reissued=resumed.num_reissued, num_rolled_back_slots=resumed.num_rolled_back_slots,
+                 num_discarded_groups=resumed.num_discarded_groups, num_orders=len(resumed.orders))
+        await self._issue(resumed.orders)
+
+    async def _call(self, method: str, *args: Any) -> None:
+        """Calls one core event method and publishes the orders it returns; a broken core is rebuilt."""
+        async with self.core_lock:
+            try:
+                orders = await getattr(self.core, method)(*args, time.time())
+            except CoreBroken as e:
+                log.error("reconciler_core_broken", error=str(e))
+                await self._resume()
+                return
+            await self._issue(orders)
+
+    async def _issue(self, orders: list[WorkOrder] | tuple[WorkOrder, ...]) -> None:
+        for order in orders:
+            await self.bus.publish_durable(f"work.{order.STAGE.value}", await self.order_codec.encode(order),
+                                           msg_id=order.msg_id)
+
+    # --- inputs -------------------------------------------------------------------------------
+    async def handle(self, msg: Any, delivery: Delivery) -> None:
+        await self._call("on_completion", msg)  # acked by the base only after the core recorded it
+
+    async def _on_heartbeat(self, raw: Any) -> None:
+        try:
+            beat = await self.heartbeat_codec.decode(raw.data)
+        except ValueError as e:
+            log.warning("heartbeat_rejected", error=str(e))
+            return
+        self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time())
+
+    async def on_config_change(self, key: str, old: Any, new: Any) -> None:
+        if key.startswith("reconciler.scheduling."):
+            await self._call("update_scheduling", self.config.reconciler.scheduling)
+
+    async def background(self, tg: asyncio.TaskGroup) -> None:
+        tg.create_task(self._tick_loop())
+        tg.create_task(self._watch_rollout_actors())
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await self._call("tick")
+            await asyncio.sleep(self.config.reconciler.tick_s)
+
+    async def _count_rollout_actors(self) -> int:
+        kv = await self.bus.kv("actors")
+        try:
+            keys = await kv.keys()
+        except Exception:
+            return 0
+        count = 0
+        for key in keys:
+            with contextlib.suppress(Exception):
+                info = msgpack.unpackb((await kv.get(key)).value, raw=False)
+                count += info.get("kind") == "rollout" and info.get("state") == "running"
+        return count
+
+    async def _watch_rollout_actors(self) -> None:
+        kv = await self.bus.kv("actors")
+        watcher = await kv.watch(">")
+        try:
+            async for _ in watcher:
+                count = await self._count_rollout_actors()
+                if count != self.num_rollout_actors:
+                    self.num_rollout_actors = count
+                    log.info("rollout_actors_changed", num_rollout_actors=count)
+                    await self._call("set_rollout_actors", count)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    def status(self) -> dict[str, Any]:
+        snapshot = self.core.snapshot(time.time())
+        return {"lifecycle": snapshot.to_dict(), "trainer_version": self.core.trainer_version,
+                "finished": self.core.is_finished, "scheduling": config_mod.to_dict(self.core.scheduling)}

@@ -1,0 +1,104 @@
+"""The reward actor: grade a finished rollout with its task's hidden tests, in a fresh fork.
+
+    reward = pass fraction − length_coef · C(x) − malformed_call_penalty · (number of malformed calls)
+    C(x)   = ((1 + k·x)^(1−q) − 1) / (k·(1−q)),   x = weighted count of the episode's tokens, calls and turns
+
+Every component is recorded beside the reward, so a run's reward can always be taken apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from actors._stage import StageActor, WorkRefused
+from actors.agent import Trajectory
+from actors.config import RewardSection
+from actors.lifecycle_events import RewardDone, RewardOrder
+from actors.slots import Stage
+from actors.task_catalog import TaskCatalog
+from runtime.actor import Delivery
+from sandbox import LayerStore, SandboxConfig, import_snapshot_bytes, score
+from sandbox.errors import SnapshotFormatError
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["RewardActor", "RewardBreakdown", "compute_reward", "length_penalty"]
+
+
+def length_penalty(x: float, k: float, q: float) -> float:
+    """C(x) = ((1 + kx)^(1−q) − 1) / (k(1−q)); C(0) = 0, C'(0) = 1, concave for q > 0."""
+    return ((1.0 + k * x) ** (1.0 - q) - 1.0) / (k * (1.0 - q))
+
+
+@dataclass(frozen=True)
+class RewardBreakdown:
+    pass_fraction: float
+    num_passed: int
+    num_tests: int
+    weighted_length: float
+    length_penalty: float
+    num_malformed_calls: int
+    malformed_penalty: float
+    reward: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def compute_reward(traj: Trajectory, num_passed: int, num_tests: int, cfg: RewardSection) -> RewardBreakdown:
+    x = (cfg.weight_thinking_tokens * traj.num_thinking_tokens
+         + cfg.weight_tool_call_tokens * traj.num_tool_call_tokens
+         + cfg.weight_tool_output_tokens * traj.num_tool_output_tokens
+         + cfg.weight_final_tokens * traj.num_final_tokens
+         + cfg.weight_tool_calls * len(traj.tool_uses)
+         + cfg.weight_turns * traj.num_turns)
+    pass_fraction = num_passed / num_tests if num_tests else 0.0
+    length = cfg.length_coef * length_penalty(x, cfg.k, cfg.q)
+    malformed = cfg.malformed_call_penalty * traj.num_malformed_calls
+    return RewardBreakdown(pass_fraction, num_passed, num_tests, x, length, traj.num_malformed_calls, malformed,
+                           pass_fraction - length - malformed)
+
+
+class RewardActor(StageActor):
+    stage = Stage.REWARD
+
+    async def setup(self) -> None:
+        self.tasks = TaskCatalog.build(self.config.tasks)
+        root = self.exit_stack.enter_context(tempfile.TemporaryDirectory(prefix="reward-", dir="/var/tmp"))
+        self.store = LayerStore(SandboxConfig(root_dir=root))
+        self.exit_stack.callback(self.store.close)
+
+    async def work(self, order: RewardOrder, delivery: Delivery) -> RewardDone:
+        try:
+            task = self.tasks.task(order.prompt_id)
+        except KeyError as e:
+            raise WorkRefused(str(e)) from None
+        record = await self.get_record(f"{order.rollout_key}/trajectory")
+        traj = Trajectory.from_dict(record["trajectory"])
+        try:
+            workspace = await self.ctx.blob.get(f"{order.rollout_key}/workspace.tar.zst")
+            snapshot = import_snapshot_bytes(self.store, workspace)
+        except KeyError:
+            raise WorkRefused(f"workspace of {order.rollout_key} is missing") from None
+        except SnapshotFormatError as e:
+            raise WorkRefused(f"workspace of {order.rollout_key} is corrupt: {e}") from None
+        try:
+            outcome = await score(snapshot, task)
+        finally:
+            snapshot.release()
+        breakdown = compute_reward(traj, outcome.num_passed, outcome.num_total, self.config.reward)
+        key = f"{order.rollout_key}/reward-a{order.attempt}"
+        await self.put_record(key, {
+            "sample_id": order.sample_id, "prompt_id": order.prompt_id, "rollout_key": order.rollout_key,
+            "reward": breakdown.reward, "components": breakdown.to_dict(),
+            "tests": [{"name": d.name, "passed": d.passed} for d in outcome.details],
+        })
+        log.info("sample_rewarded", sample_id=order.sample_id, prompt_id=order.prompt_id, reward=breakdown.reward,
+                 pass_fraction=breakdown.pass_fraction, length_penalty=breakdown.length_penalty,
+                 num_malformed_calls=breakdown.num_malformed_calls)
+        return RewardDone(order.sample_id, order.attempt, key)

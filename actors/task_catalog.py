@@ -1,0 +1,48 @@
+"""The run's tasks: the training prompts in a stable order (the reconciler's task source) and the
+held-out set, both derived from configuration alone so that every process agrees on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.config import TasksSection
+from sandbox.tasks import Task, generate_tasks
+
+__all__ = ["TaskCatalog"]
+
+
+@dataclass(frozen=True)
+class TaskCatalog:
+    train: tuple[Task, ...]
+    heldout: tuple[Task, ...]
+
+    @classmethod
+    def build(cls, section: TasksSection) -> TaskCatalog:
+        def split(name: str, n: int) -> tuple[Task, ...]:
+            return tuple(generate_tasks(section.seed, n or _split_size(section, name), name, section.difficulties))
+
+        return cls(split("train", section.num_train), split("heldout", section.num_heldout))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_id", {t.id: t for t in (*self.train, *self.heldout)})
+
+    # TaskSource protocol (actors.task_cursor): prompts by stable position.
+    def __len__(self) -> int:
+        return len(self.train)
+
+    def prompt_id(self, position: int) -> str:
+        return self.train[position].id
+
+    def task(self, prompt_id: str) -> Task:
+        try:
+            return self._by_id[prompt_id]  # type: ignore[attr-defined]
+        except KeyError:
+            raise KeyError(f"task {prompt_id!r} is not in this run's task set; was the tasks config changed "
+                           "between runs?") from None
+
+
+def _split_size(section: TasksSection, split: str) -> int:
+    from sandbox._families import all_tasks
+
+    wanted = set(section.difficulties)
+    return sum(1 for t in all_tasks(split) if t.difficulty in wanted)

@@ -1,0 +1,127 @@
+"""The trainer actor: train on batches of READY groups, publish each new policy version.
+
+Per order: refuse if training now would break the staleness bound; answer a batch already trained
+with its result (idempotent); otherwise load the group checkpoints, take one learner step, save
+weights + optimizer + trained batch ids (safetensors, HF layout), and hand a bf16 copy of the
+weights to the publisher, which encodes and uploads the delta in the background and then signals
+``weights.<run>``. Per-step metrics go to ``metrics.jsonl`` in the run directory and to the live
+progress display.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+import torch
+
+from actors._stage import StageActor, WorkRefused
+from actors.learner import Learner, StepMetrics
+from actors.lifecycle_events import TrainDone, TrainOrder
+from actors.messages import WeightsPublished
+from actors.policy import load_policy, weights_run_name
+from actors.rollout import weights_subject
+from actors.slots import Stage
+from model.weight_delta import PublishedVersion, PublisherConfig, WeightPublisher
+from runtime.actor import Delivery
+from runtime.codec import Codec
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["TrainerActor", "append_metrics"]
+
+
+class StepBudgetReached(RuntimeError):
+    """The run trained its ``run.steps``; further batches stay queued for a resumed run."""
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+class TrainerActor(StageActor):
+    stage = Stage.TRAIN
+
+    async def setup(self) -> None:
+        cfg = self.config
+        self.checkpoints = Path(self.ctx.run_dir) / "checkpoints"
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        latest = Learner.latest_checkpoint(self.checkpoints)
+        if latest is not None:
+            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer)
+        else:
+            self.learner = Learner(await asyncio.to_thread(load_policy, cfg.policy), cfg.trainer)
+        self.metrics_path = Path(self.ctx.run_dir) / cfg.trainer.metrics_file
+        self.run_name = weights_run_name(self.ctx.run_dir)
+        self.publisher = WeightPublisher(self.ctx.blob, PublisherConfig(run=self.run_name))
+        await self.exit_stack.enter_async_context(self.publisher)
+        self.signal_codec = Codec([WeightsPublished])
+        self.started_at = time.monotonic()
+        self.busy_s = 0.0
+        self.num_samples = 0
+        if latest is None:
+            await self._signal_when_uploaded(self._publish())  # version 0: the anchor rollouts start from
+
+    async def on_config_change(self, key: str, old: Any, new: Any) -> None:
+        if key == "trainer.lr":
+            self.learner.set_lr(float(new))
+
+    def status(self) -> dict[str, Any]:
+        return {"version": self.learner.version, "num_trained_batches": len(self.learner.trained_batches)}
+
+    async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
+        learner = self.learner
+        if order.batch_id in learner.trained_batches:
+            log.info("batch_already_trained", batch_id=order.batch_id, version=learner.version)
+            return TrainDone(order.batch_id, order.attempt, learner.version)
+        steps = self.ctx.run.steps if self.ctx.run else 0
+        if steps and learner.version >= steps:  # nak: the batch waits for a resumed run with more steps
+            raise StepBudgetReached(f"the run's step budget ({steps}) is reached; batch {order.batch_id} waits")
+        if learner.version > order.deadline_version:
+            raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
+                              f"{order.deadline_version}: training it would exceed the staleness bound")
+        groups = [await self.get_record(k) for k in order.group_keys]
+        started = time.monotonic()
+        metrics = await asyncio.to_thread(learner.step, groups, order.batch_id)
+        if learner.version % self.config.trainer.checkpoint_every == 0:
+            await asyncio.to_thread(learner.save, self.checkpoints)
+        self.busy_s += time.monotonic() - started
+        self.num_samples += metrics.num_samples
+        # Upload runs in the background; the order is acked once the new version is announced.
+        delivery.task_group.create_task(self._signal_when_uploaded(self._publish()))
+        await self._report(metrics, order)
+        return TrainDone(order.batch_id, order.attempt, learner.version)
+
+    def _publish(self) -> asyncio.Future[PublishedVersion]:
+        state = {k: v.detach().to(torch.bfloat16).clone() for k, v in self.learner.model.state_dict().items()}
+        return self.publisher.submit(self.learner.version, state)
+
+    async def _signal_when_uploaded(self, future: asyncio.Future[PublishedVersion]) -> None:
+        try:
+            published = await future
+        except Exception as e:  # a newer version supersedes it; readers catch up from that one
+            log.warning("weights_publish_failed", error=repr(e))
+            return
+        msg = WeightsPublished(self.run_name, published.version, published.manifest_key, published.num_encoded_bytes)
+        await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
+        log.info("weights_published", version=published.version, base_version=published.base_version,
+                 num_encoded_bytes=published.num_encoded_bytes, num_weight_bytes=published.num_weight_bytes,
+                 encode_s=round(published.encode_s, 4), upload_s=round(published.upload_s, 4))
+
+    async def _report(self, m: StepMetrics, order: TrainOrder) -> None:
+        wall = time.monotonic() - self.started_at
+        row = {"kind": "train", "time": time.time(), "batch_id": order.batch_id, **m.to_dict(),
+               "samples_per_s": self.num_samples / wall if wall > 0 else 0.0,
+               "trainer_utilisation": self.busy_s / wall if wall > 0 else 0.0}
+        await asyncio.to_thread(append_metrics, self.metrics_path, row)
+        log.info("train_step", **{k: v for k, v in row.items() if k not in ("lag_histogram", "kind")})
+        progress = {"step": m.version, "reward": round(m.reward_mean, 3), "pass": round(m.pass_rate, 3),
+                    "lag": f"{m.lag_min}..{m.lag_max}", "samples/s": round(row["samples_per_s"], 2),
+                    "util": round(row["trainer_utilisation"], 2)}
+        await self.bus.nc.publish("progress.train", msgpack.packb(progress, use_bin_type=True))

@@ -1,0 +1,112 @@
+"""The RL stage actors, started for real by runtime.up, driven by hand in the reconciler's place:
+rollout (real engine, real sandbox) -> reward (hidden tests in a fresh fork) -> grouping -> trainer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from actors.config import TasksSection
+from actors.lifecycle_events import (
+    GroupDone,
+    GroupOrder,
+    RewardDone,
+    RewardOrder,
+    RolloutDone,
+    RolloutOrder,
+    TrainDone,
+    TrainOrder,
+)
+from actors.messages import COMPLETION_TYPES, all_order_types
+from actors.task_catalog import TaskCatalog
+from model.checkpoint import save_checkpoint
+from model.config import tiny
+from model.transformer import MoETransformer
+from runtime.bus import DONE_QUEUE
+from runtime.codec import Codec
+from tests.integration.harness import LiveRun, write_config
+
+pytestmark = pytest.mark.timeout(300)
+
+STAGES_RUN = """
+[actors.rollout]
+entry = "actors.rollout:RolloutActor"
+max_concurrency = 8
+[actors.reward]
+entry = "actors.reward:RewardActor"
+[actors.grouping]
+entry = "actors.grouping:GroupingActor"
+[actors.trainer]
+entry = "actors.trainer:TrainerActor"
+max_concurrency = 1
+
+[policy]
+checkpoint = "{checkpoint}"
+[tasks]
+num_train = 8
+num_heldout = 4
+difficulties = [1]
+[rollout.agent]
+max_turns = 2
+max_new_tokens_per_turn = 48
+"""
+
+
+async def test_one_batch_through_every_stage(tmp_path: Path) -> None:
+    ckpt = tmp_path / "policy"
+    save_checkpoint(MoETransformer(tiny()).init_weights(0), ckpt)
+    cfg = write_config(tmp_path / "run.toml", STAGES_RUN.format(checkpoint=ckpt))
+    run = await LiveRun(tmp_path / "run", cfg).start()
+    try:
+        assert run.bus is not None
+        for kind in ("rollout", "reward", "grouping", "trainer"):
+            await run.wait_actors(kind, 1, timeout_s=120)
+        await run.bus.ensure_queue(DONE_QUEUE)
+        orders = Codec(all_order_types())
+        done = Codec(COMPLETION_TYPES)
+        sub = await run.bus.js.pull_subscribe_bind(durable=DONE_QUEUE.durable, stream=DONE_QUEUE.stream)
+
+        async def next_done():
+            while True:
+                try:
+                    (raw,) = await sub.fetch(1, timeout=60)
+                except TimeoutError:
+                    continue
+                await raw.ack()
+                return await done.decode(raw.data)
+
+        tasks = TaskCatalog.build(TasksSection(num_train=8, num_heldout=4, difficulties=(1,)))
+        prompt = tasks.prompt_id(0)
+        samples = [f"s{i}" for i in range(2)]
+        for i, s in enumerate(samples):
+            await run.bus.publish_durable("work.rollout", await orders.encode(RolloutOrder(s, 1, prompt, "g0", i, 0)))
+        rolled = [await next_done() for _ in samples]
+        assert all(isinstance(d, RolloutDone) and d.min_version == 0 for d in rolled), rolled
+        for d in rolled:
+            await run.bus.publish_durable("work.reward", await orders.encode(
+                RewardOrder(d.sample_id, 1, prompt, "g0", d.result_key)))
+        rewarded = {d.sample_id: d for d in [await next_done() for _ in samples]}
+        assert all(isinstance(d, RewardDone) for d in rewarded.values())
+        await run.bus.publish_durable("work.group", await orders.encode(
+            GroupOrder("g0", 1, prompt, tuple(samples), tuple(rewarded[s].result_key for s in samples))))
+        grouped = await next_done()
+        assert isinstance(grouped, GroupDone)
+        train = TrainOrder("b0", 1, ("g0",), (grouped.result_key,), tuple(samples), 0, 2)
+        await run.bus.publish_durable("work.train", await orders.encode(train))
+        trained = await next_done()
+        assert isinstance(trained, TrainDone) and trained.trainer_version == 1
+        repeat = TrainOrder("b0", 2, ("g0",), (grouped.result_key,), tuple(samples), 0, 2)  # a re-issue
+        await run.bus.publish_durable("work.train", await orders.encode(repeat))
+        again = await next_done()
+        assert isinstance(again, TrainDone) and again.trainer_version == 1, "a batch is trained at most once"
+        metrics = (run.run_dir / "metrics.jsonl").read_text().splitlines()
+        assert len(metrics) == 1 and '"version": 1' in metrics[0]
+        assert any((run.run_dir / "checkpoints").glob("step-0000001"))
+        await asyncio.sleep(1.0)
+        swapped = [line for f in (run.run_dir / "logs").glob("rollout-*.jsonl")
+                   for line in f.read_text().splitlines() if '"weights_swapped"' in line]
+        assert swapped and '"version": 1' in swapped[-1], "the rollout actor took version 1 in flight"
+    finally:
+        assert await run.stop() == 0
