@@ -735,6 +735,8 @@ class WeightPublisher:
         self._anchor_of: dict[int, int] = {}  # versions published by this publisher -> their anchor
         self._known: list[int] | None = None  # versions in the store (any publisher), once listed
         self._last_version: int | None = None
+        self._spare: list[dict[str, torch.Tensor]] = []  # retired snapshot buffers, reused by snapshot()
+        self._owned: set[int] = set()  # ids of buffers snapshot() made (only those are ever reused)
         self._stack: contextlib.AsyncExitStack | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._status: Literal["new", "running", "closing", "closed"] = "new"
@@ -766,6 +768,34 @@ class WeightPublisher:
         await stack.aclose()
         self._status = "closed"
 
+    def snapshot(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = torch.bfloat16
+    ) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` (floating ones cast to ``dtype``) into buffers of a retired version.
+
+        Cheap enough for every training step: reusing buffers avoids faulting in fresh memory for
+        each copy. Pass the result to :meth:`submit`; the publisher recycles it once it is no
+        longer needed as a delta base.
+        """
+        spare = self._spare.pop() if self._spare else {}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            want = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            buffer = spare.pop(name, None)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != want:
+                buffer = torch.empty(tensor.shape, dtype=want)
+                self._owned.add(id(buffer))
+            out[name] = buffer.copy_(tensor.detach())
+        self._owned.difference_update(id(t) for t in spare.values())  # dropped with ``spare``
+        return out
+
+    def _retire(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Keep a no-longer-needed snapshot for reuse if snapshot() made every tensor in it."""
+        if len(self._spare) < 2 and tensors and all(id(t) in self._owned for t in tensors.values()):
+            self._spare.append(dict(tensors))
+        else:
+            self._owned.difference_update(id(t) for t in tensors.values())
+
     def submit(self, version: int, state: Mapping[str, torch.Tensor]) -> asyncio.Future[PublishedVersion]:
         """Queue ``state`` as ``version``; returns at once. The future fails with PublishFailed."""
         if self._status != "running":
@@ -781,6 +811,7 @@ class WeightPublisher:
             dropped = self._pending.popleft()
             self._log.warning("weights_version_superseded", version=dropped.version, by=version)
             dropped.future.set_exception(PublishFailed(f"version {dropped.version} superseded by {version}"))
+            self._retire(dropped.state)
         self._pending.append(_Job(version, state, future))
         self._wake.set()
         return future
@@ -817,6 +848,8 @@ class WeightPublisher:
                 self._log.exception("weights_encode_failed", version=job.version)
                 job.future.set_exception(PublishFailed(f"encoding version {job.version} failed: {exc}"))
                 continue
+            if self._base is not None:
+                self._retire(self._base.tensors)
             self._base = encoded.state
             await self._encoded.put((job, encoded, time.perf_counter() - started))
 

@@ -68,11 +68,6 @@ def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: i
     return step
 
 
-def snapshot(model: torch.nn.Module) -> State:
-    """The published state: bf16 casts of the fp32 masters (fresh tensors the publisher owns)."""
-    return {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
-
-
 async def timed_steps(
     step: Callable[[], None], count: int, publish: Callable[[], None] | None
 ) -> list[tuple[float, float]]:
@@ -103,14 +98,15 @@ async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[st
     snapshots: list[State] = []
     async with open_store(f"file://{blob_root}") as store, WeightPublisher(store, config) as publisher:
         version = 0
-        anchor = await publisher.submit(version, snapshot(model))  # the chain's first anchor, untimed
+        params = dict(model.named_parameters())
+        anchor = await publisher.submit(version, publisher.snapshot(params))  # first anchor, untimed
         futures = []
 
         def publish() -> None:
             nonlocal version
             version += 1
-            state = snapshot(model)
-            snapshots[:] = [*snapshots[-1:], state]
+            state = publisher.snapshot(params)  # bf16 copy into recycled buffers
+            snapshots[:] = [*snapshots[-1:], {name: t.clone() for name, t in state.items()}]
             futures.append(publisher.submit(version, state))
 
         with_publishing = await timed_steps(step, args.steps, publish)

@@ -466,3 +466,28 @@ async def test_submit_never_waits_and_supersedes_when_behind(tmp_path: Path) -> 
             assert await reader.versions() == [p.version for p in published]
         with pytest.raises(RuntimeError, match="closed"):
             publisher.submit(9, states[0])
+
+
+async def test_snapshot_buffers_are_recycled_without_corrupting_bases(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    model = TinyNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    expected: list[State] = []
+    pointers: list[set[int]] = []
+    async with open_store(f"file://{tmp_path}") as store:
+        config = PublisherConfig(run="run1", codec=CodecConfig(anchor_every=4))
+        async with WeightPublisher(store, config) as publisher:
+            for version in range(8):
+                state = publisher.snapshot(model.state_dict())
+                assert all(state[n].dtype == torch.bfloat16 for n in state if n != "norm.num_batches_tracked")
+                expected.append({name: t.clone() for name, t in state.items()})
+                pointers.append({t.data_ptr() for t in state.values()})
+                await publisher.submit(version, state)
+                x_BD = torch.randn(16, 32)
+                model(x_BD).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        with subscriber(store) as reader:
+            for version in range(8):
+                assert_bit_exact(await reader.fetch(version), expected[version])
+    assert any(pointers[v] == pointers[u] for v in range(8) for u in range(v))  # buffers were reused
