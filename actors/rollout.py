@@ -138,7 +138,8 @@ class RolloutActor(StageActor):
                 return result.ok, result.text
 
             r = self.config.rollout
-            sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=_seed(order))
+            sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p,
+                                      seed=_seed(order, self.ctx.run.seed if self.ctx.run else 0))
             traj = await run_episode(task, self.engine.generate, call_tool, self.tokenizer, r.agent, sampling)
             snapshot = env.snapshot()
             try:
@@ -157,6 +158,7 @@ class RolloutActor(StageActor):
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)
 
 
-def _seed(order: RolloutOrder) -> int:
-    digest = hashlib.sha256(f"{order.sample_id}/{order.attempt}".encode()).digest()
+def _seed(order: RolloutOrder, run_seed: int) -> int:
+    """Sampling seed of one attempt: reproducible for a run seed, different across attempts and runs."""
+    digest = hashlib.sha256(f"{run_seed}/{order.sample_id}/{order.attempt}".encode()).digest()
     return int.from_bytes(digest[:4], "big")
