@@ -1,0 +1,349 @@
+"""Simulated stage actors: the real `actors._stage.StageActor` protocol with simulated work.
+
+For integration tests and benchmarks of the reconciler on a real bus: each kind takes its real work
+order, heart-beats, sleeps a long-tailed (lognormal) time, sometimes fails, and reports a correct
+completion on ``done.<stage>``:
+
+- `SimRolloutActor`: a `RolloutDone` whose min/max policy versions respect the order's floor and the
+  versions the simulated trainer announced while it "generated".
+- `SimRewardActor`: reads the rollout record, scores it, writes a reward record (`RewardDone`).
+- `SimGroupActor`: reads the reward records, Dr. GRPO advantages, writes a group record (`GroupDone`).
+- `SimTrainActor`: keeps a ledger of decided batch ids in the ``sim_trainer`` KV bucket (one record,
+  every step one compare-and-set), so it trains each batch id at most once across restarts, answers
+  a repeated batch with its recorded decision, and refuses batches past their ``deadline_version``.
+
+Knobs: the run directory's ``sim_stages.json`` (`SimConfig.write` makes it; absent: the defaults).
+A file in the run directory rather than a section of the run's shared schema (`actors.config.RLConfig`
+is the real run's, and must not grow test-only keys) or environment variables (process-global, and
+lost on ``--resume``): the knobs travel with the run, every process of it reads the same ones, and
+a resumed run keeps them.
+
+Failures: ``refuse_rate`` raises `WorkRefused` (reported as `StageFailed`: a counted retry for
+rollout, reward and group; a train refusal drops the batch for good and is recorded in the ledger),
+``error_rate`` raises a plain exception (the actor base naks and the order is redelivered).
+With ``records`` off, no blobs are written or read: the no-op stages of tests/bench/lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from actors._stage import StageActor, WorkRefused
+from actors.lifecycle_events import (
+    GroupDone,
+    GroupOrder,
+    RewardDone,
+    RewardOrder,
+    RolloutDone,
+    RolloutOrder,
+    TrainDone,
+    TrainOrder,
+)
+from actors.messages import WeightsPublished
+from actors.policy import weights_run_name
+from actors.slots import Stage
+from runtime.actor import Delivery
+from runtime.codec import Codec
+
+log = structlog.get_logger(__name__)
+
+__all__ = [
+    "LEDGER_BUCKET",
+    "LEDGER_KEY",
+    "SIM_CONFIG_FILE",
+    "SimConfig",
+    "SimError",
+    "SimGroupActor",
+    "SimRewardActor",
+    "SimRolloutActor",
+    "SimTrainActor",
+    "StageSim",
+    "TrainerLedger",
+]
+
+SIM_CONFIG_FILE = "sim_stages.json"
+LEDGER_BUCKET = "sim_trainer"
+LEDGER_KEY = "ledger"
+
+
+class SimError(RuntimeError):
+    """An injected plain failure (not a refusal): the base naks the order and it is redelivered."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSim:
+    """One stage's simulated work: lognormal duration (median, log-space sigma, cap) and failures.
+
+    Attributes:
+        refuse_rate: chance that one handling raises `WorkRefused` (a counted retry).
+        error_rate: chance that one handling raises a plain exception (nak, redelivery).
+        poison_rate: fraction of keys (sample, group or batch ids, chosen by a hash of the key, so
+            every process agrees) refused every time: they end FAILED, or their group dropped.
+    """
+
+    median_s: float = 0.02
+    sigma: float = 1.0
+    max_s: float = 2.0
+    refuse_rate: float = 0.0
+    error_rate: float = 0.0
+    poison_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.median_s < 0 or self.sigma < 0 or self.max_s < 0:
+            raise ValueError(f"StageSim median_s={self.median_s}, sigma={self.sigma}, max_s={self.max_s} must be >= 0")
+        for name in ("refuse_rate", "error_rate", "poison_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"StageSim.{name}={getattr(self, name)} must be in [0, 1)")
+
+    def is_poisoned(self, key: str) -> bool:
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2**64 < self.poison_rate
+
+    def duration(self, rng: random.Random) -> float:
+        if self.median_s == 0:
+            return 0.0
+        return min(self.max_s, rng.lognormvariate(math.log(self.median_s), self.sigma))
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """Every simulated stage's knobs; lives in ``<run dir>/sim_stages.json``.
+
+    Attributes:
+        rollout, reward, group, train: per-stage `StageSim`.
+        heartbeat_s: how often a working actor tells the reconciler it is alive.
+        records: write and check blob records between stages (off: no-op stages).
+        seed: base of every process's random stream (mixed with its pid).
+    """
+
+    rollout: StageSim = StageSim()
+    reward: StageSim = StageSim()
+    group: StageSim = StageSim()
+    train: StageSim = StageSim(median_s=0.05, sigma=0.5)
+    heartbeat_s: float = 0.5
+    records: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"SimConfig.heartbeat_s={self.heartbeat_s} must be > 0")
+
+    def stage(self, stage: Stage) -> StageSim:
+        return getattr(self, stage.value)
+
+    def write(self, run_dir: Path) -> Path:
+        path = Path(run_dir) / SIM_CONFIG_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        return path
+
+    @classmethod
+    def read(cls, run_dir: Path) -> SimConfig:
+        path = Path(run_dir) / SIM_CONFIG_FILE
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        stages = {s.value: StageSim(**data.pop(s.value, {})) for s in Stage}
+        return cls(**stages, **data)
+
+
+class _SimStage(StageActor):
+    """Loads the knobs, sleeps the stage's time, injects the stage's failures."""
+
+    async def setup(self) -> None:
+        self.sim = SimConfig.read(Path(self.ctx.run_dir))
+        self.heartbeat_every_s = self.sim.heartbeat_s
+        self.rng = random.Random(self.sim.seed * 1_000_003 + os.getpid())
+
+    async def simulate(self, what: str) -> None:
+        knobs = self.sim.stage(self.stage)
+        duration = knobs.duration(self.rng)
+        if duration:
+            await asyncio.sleep(duration)
+        if knobs.is_poisoned(what):
+            raise WorkRefused(f"simulated poison {self.stage.value} {what}: refused every time")
+        roll = self.rng.random()
+        if roll < knobs.refuse_rate:
+            raise WorkRefused(f"simulated refusal of {self.stage.value} {what}")
+        if roll < knobs.refuse_rate + knobs.error_rate:
+            raise SimError(f"simulated error in {self.stage.value} {what}")
+
+    async def put(self, key: str, record: dict[str, Any]) -> str:
+        if self.sim.records:
+            await self.put_record(key, record)
+        return key
+
+
+class SimRolloutActor(_SimStage):
+    stage = Stage.ROLLOUT
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.version = await (await TrainerLedger.open(self.bus)).version()  # a restart resumes at it
+        self.weights_codec = Codec([WeightsPublished])
+        subject = f"weights.{weights_run_name(self.ctx.run_dir)}"
+        sub = await self.bus.nc.subscribe(subject, cb=self._on_weights)
+        self.exit_stack.push_async_callback(sub.unsubscribe)
+
+    async def _on_weights(self, raw: Any) -> None:
+        try:
+            self.version = max(self.version, (await self.weights_codec.decode(raw.data)).version)
+        except ValueError as e:
+            log.warning("weights_signal_rejected", error=str(e))
+
+    async def work(self, order: RolloutOrder, delivery: Delivery) -> RolloutDone:
+        self.version = max(self.version, order.policy_version_floor)  # "fetch" the floor's weights
+        min_version = self.version
+        await self.simulate(order.sample_id)
+        key = await self.put(
+            f"sim/rollouts/{order.sample_id}/a{order.attempt}",
+            {
+                "sample_id": order.sample_id,
+                "prompt_id": order.prompt_id,
+                "group_id": order.group_id,
+                "min_version": min_version,
+                "max_version": self.version,
+            },
+        )
+        return RolloutDone(order.sample_id, order.attempt, key, min_version, self.version)
+
+
+class SimRewardActor(_SimStage):
+    stage = Stage.REWARD
+
+    async def work(self, order: RewardOrder, delivery: Delivery) -> RewardDone:
+        reward = random.Random(order.sample_id).random()  # a pure function of the sample
+        record: dict[str, Any] = {"sample_id": order.sample_id, "reward": reward}
+        if self.sim.records:
+            rollout = await self.get_record(order.rollout_key)
+            if rollout["sample_id"] != order.sample_id:
+                raise WorkRefused(
+                    f"rollout record {order.rollout_key} is {rollout['sample_id']}, not {order.sample_id}"
+                )
+            record.update(min_version=rollout["min_version"], max_version=rollout["max_version"])
+        await self.simulate(order.sample_id)
+        key = await self.put(f"sim/rewards/{order.sample_id}/a{order.attempt}", record)
+        return RewardDone(order.sample_id, order.attempt, key)
+
+
+class SimGroupActor(_SimStage):
+    stage = Stage.GROUP
+
+    async def work(self, order: GroupOrder, delivery: Delivery) -> GroupDone:
+        if len(order.sample_ids) != len(order.reward_keys) or not order.sample_ids:
+            raise WorkRefused(
+                f"group {order.group_id}: {len(order.sample_ids)} samples, {len(order.reward_keys)} reward keys"
+            )
+        record: dict[str, Any] = {
+            "group_id": order.group_id,
+            "prompt_id": order.prompt_id,
+            "sample_ids": list(order.sample_ids),
+        }
+        if self.sim.records:
+            rewards = [await self.get_record(k) for k in order.reward_keys]
+            if [r["sample_id"] for r in rewards] != list(order.sample_ids):
+                raise WorkRefused(f"group {order.group_id}: reward records do not match its samples")
+            mean = sum(r["reward"] for r in rewards) / len(rewards)
+            record.update(
+                advantages=[r["reward"] - mean for r in rewards], min_version=min(r["min_version"] for r in rewards)
+            )
+        await self.simulate(order.group_id)
+        key = await self.put(f"sim/groups/{order.group_id}/a{order.attempt}", record)
+        return GroupDone(order.group_id, order.attempt, key)
+
+
+class SimTrainActor(_SimStage):
+    stage = Stage.TRAIN
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.ledger = await TrainerLedger.open(self.bus)
+        self.weights_codec = Codec([WeightsPublished])
+        self.run_name = weights_run_name(self.ctx.run_dir)
+
+    async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
+        state, revision = await self.ledger.load()
+        decided = state["trained"].get(order.batch_id)
+        if decided is not None:
+            log.info("batch_already_trained", batch_id=order.batch_id, version=decided["version"])
+            return TrainDone(order.batch_id, order.attempt, decided["version"])
+        if order.batch_id in state["refused"]:
+            raise WorkRefused(state["refused"][order.batch_id])
+        version = state["version"]
+        try:
+            if version > order.deadline_version:
+                raise WorkRefused(
+                    f"trainer at version {version} is past batch {order.batch_id}'s deadline {order.deadline_version}"
+                )
+            groups = await self._check_groups(order)
+            await self.simulate(order.batch_id)
+        except WorkRefused as e:
+            state["refused"][order.batch_id] = str(e)
+            await self.ledger.commit(state, revision)
+            raise
+        state["version"] = version + 1
+        state["trained"][order.batch_id] = {
+            "version": version + 1,
+            "trained_at_version": version,
+            "group_ids": list(order.group_ids),
+            "sample_ids": list(order.sample_ids),
+            **groups,
+        }
+        await self.ledger.commit(state, revision)  # the step's effect: once, or not at all
+        signal = WeightsPublished(self.run_name, version + 1, "", 0)
+        await self.bus.nc.publish(f"weights.{self.run_name}", await self.weights_codec.encode(signal))
+        log.info("batch_trained", batch_id=order.batch_id, version=version + 1, num_samples=len(order.sample_ids))
+        return TrainDone(order.batch_id, order.attempt, version + 1)
+
+    async def _check_groups(self, order: TrainOrder) -> dict[str, Any]:
+        """The batch's prompt ids and oldest token version, from its group records."""
+        if not self.sim.records:
+            return {}
+        groups = [await self.get_record(k) for k in order.group_keys]
+        if [g["group_id"] for g in groups] != list(order.group_ids):
+            raise WorkRefused(f"batch {order.batch_id}: group records do not match its groups")
+        return {"prompt_ids": [g["prompt_id"] for g in groups], "min_version": min(g["min_version"] for g in groups)}
+
+
+class TrainerLedger:
+    """The simulated trainer's durable decisions: version, trained and refused batch ids (one KV record)."""
+
+    def __init__(self, kv: Any) -> None:
+        self._kv = kv
+
+    @classmethod
+    async def open(cls, bus: Any) -> TrainerLedger:
+        return cls(await bus.kv(LEDGER_BUCKET))
+
+    async def load(self) -> tuple[dict[str, Any], int]:
+        """The ledger and its revision (0: none yet)."""
+        try:
+            entry = await self._kv.get(LEDGER_KEY)
+        except KeyNotFoundError:
+            return {"version": 0, "trained": {}, "refused": {}}, 0
+        return msgpack.unpackb(entry.value, raw=False), entry.revision
+
+    async def version(self) -> int:
+        return (await self.load())[0]["version"]
+
+    async def commit(self, state: dict[str, Any], revision: int) -> int:
+        """Compare-and-set; a conflict means another trainer decided meanwhile: nak and decide again."""
+        data = msgpack.packb(state, use_bin_type=True)
+        try:
+            if revision == 0:
+                return await self._kv.create(LEDGER_KEY, data)
+            return await self._kv.update(LEDGER_KEY, data, last=revision)
+        except KeyWrongLastSequenceError:
+            raise SimError("the trainer ledger changed under this step; retrying the order") from None

@@ -1,0 +1,310 @@
+"""The reconciler on a real bus: its KV store, table ownership, and the whole lifecycle under kills.
+
+The big test runs ``python -m runtime.up`` with the real `actors.reconciler.ReconcilerActor` and the
+simulated stage actors of tests/integration/sim_stages.py (long-tailed sleeps, refusals, errors),
+kills stage actors with SIGKILL at random and the reconciler twice, and then accounts for every
+prompt from two independent records: the simulated trainer's ledger and the reconciler's durable
+state in the ``slots`` bucket (``outcome.<group>`` records and the cursor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.config import TasksSection
+from actors.kv_slot_store import KVSlotStore
+from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
+from actors.lifecycle_events import GroupOutcome, RolloutDone, RolloutOrder
+from actors.scheduling import SchedulingConfig
+from actors.slot_store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX, CasConflict
+from actors.slots import Slot, SlotState
+from actors.task_catalog import TaskCatalog
+from actors.task_cursor import CursorRecord, ListTaskSource
+from runtime.bus import Bus
+from runtime.natsserver import NatsServer, NatsServerConfig
+from tests.integration.harness import LiveRun, write_config
+from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger
+
+pytestmark = pytest.mark.timeout(420)
+
+SIM_RUN = """
+[run]
+name = "sim"
+[bus]
+ack_wait_s = 4.0
+[supervisor]
+max_restarts = 1000
+restart_window_s = 60.0
+backoff_base_s = 0.2
+backoff_max_s = 1.0
+[actors.reconciler]
+entry = "actors.reconciler:ReconcilerActor"
+max_concurrency = 64
+heartbeat_s = 1.0
+[actors.rollout]
+entry = "tests.integration.sim_stages:SimRolloutActor"
+count = 2
+max_concurrency = 64
+heartbeat_s = 1.0
+[actors.reward]
+entry = "tests.integration.sim_stages:SimRewardActor"
+count = 2
+max_concurrency = 64
+heartbeat_s = 1.0
+[actors.grouping]
+entry = "tests.integration.sim_stages:SimGroupActor"
+max_concurrency = 16
+heartbeat_s = 1.0
+[actors.trainer]
+entry = "tests.integration.sim_stages:SimTrainActor"
+max_concurrency = 1
+heartbeat_s = 1.0
+[tasks]
+num_train = {num_prompts}
+num_heldout = 4
+[reconciler]
+num_slots = {num_slots}
+group_size = {group_size}
+batch_size_groups = {batch_groups}
+tick_s = 0.25
+[reconciler.scheduling]
+eta = {eta}
+max_retries = 3
+max_inflight_per_rollout_actor = 64
+failed_group_policy = "train_rest"
+rollout_timeout_s = 3.0
+reward_timeout_s = 3.0
+group_timeout_s = 3.0
+train_timeout_s = 5.0
+"""
+
+STAGE_KINDS = ("rollout", "reward", "grouping", "trainer")
+
+
+@contextlib.asynccontextmanager
+async def nats_bus(tmp_path: Path) -> AsyncIterator[Bus]:
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
+        bus = await Bus.connect(server.url, name="test")
+        try:
+            await bus.ensure_base()
+            yield bus
+        finally:
+            await bus.close()
+
+
+# ------------------------------------------------------------------------------ KVSlotStore
+async def test_kv_slot_store_compare_and_set(tmp_path: Path) -> None:
+    async with nats_bus(tmp_path) as bus:
+        store = KVSlotStore(await bus.kv("slots"))
+        assert await store.keys() == [] and await store.get("slot.0") is None
+        r1 = await store.create("slot.0", b"a")
+        with pytest.raises(CasConflict) as exists:
+            await store.create("slot.0", b"b")
+        assert exists.value.expected is None and exists.value.actual == r1
+        r2 = await store.update("slot.0", b"b", r1)
+        assert r2 > r1 and (await store.get("slot.0")).value == b"b"
+        with pytest.raises(CasConflict) as stale:
+            await store.update("slot.0", b"c", r1)
+        assert (stale.value.expected, stale.value.actual) == (r1, r2)
+        assert (await store.get("slot.0")).revision == r2, "a failed compare-and-set changes nothing"
+        with pytest.raises(CasConflict) as missing:
+            await store.update("slot.9", b"x", r2)
+        assert missing.value.actual is None
+        await store.create("cursor", b"c")
+        assert sorted(await store.keys()) == ["cursor", "slot.0"]
+        revisions = await asyncio.gather(*(store.update("slot.0", b"z", r2) for _ in range(5)), return_exceptions=True)
+        assert sum(isinstance(r, int) for r in revisions) == 1, "exactly one of concurrent writers wins"
+        assert all(isinstance(r, CasConflict) for r in revisions if not isinstance(r, int))
+
+
+async def test_a_second_reconciler_fences_the_first(tmp_path: Path) -> None:
+    """Two cores on one table: once the newer one has resumed, the older one's next write fails."""
+    config = LifecycleConfig(num_slots=8, group_size=2, batch_size_groups=2, scheduling=SchedulingConfig(eta=1))
+    source = ListTaskSource.numbered(10)
+    async with nats_bus(tmp_path) as bus:
+        store = KVSlotStore(await bus.kv("slots"))
+        first = await Lifecycle.resume(store, source, config, 0.0, num_rollout_actors=1)
+        rollout = next(o for o in first.orders if isinstance(o, RolloutOrder))
+        second = await Lifecycle.resume(store, source, config, 1.0, num_rollout_actors=1)
+        assert second.num_reissued == len(first.orders), "the newer core re-issues all in-flight work"
+        with pytest.raises(CasConflict):
+            await first.lifecycle.on_completion(RolloutDone(rollout.sample_id, rollout.attempt, "k", 0, 0), 2.0)
+        with pytest.raises(CoreBroken):
+            await first.lifecycle.tick(3.0)
+        reissued = next(o for o in second.orders if getattr(o, "sample_id", None) == rollout.sample_id)
+        orders = await second.lifecycle.on_completion(RolloutDone(reissued.sample_id, reissued.attempt, "k", 0, 0), 2.0)
+        assert [o.sample_id for o in orders] == [rollout.sample_id], "the newer core owns the table"
+        slot = next(s for s in second.lifecycle.slots if s.sample_id == rollout.sample_id)
+        stored = Slot.decode((await store.get(f"{SLOT_PREFIX}{slot.index}")).value)
+        assert stored.state is SlotState.REWARD and stored.blob_keys == {"rollout": "k"}
+
+
+# ------------------------------------------------------------------------------ the whole lifecycle
+async def _trained(ledger: TrainerLedger) -> dict[str, Any]:
+    return (await ledger.load())[0]
+
+
+async def _num_trained_groups(ledger: TrainerLedger) -> int:
+    return sum(len(b["group_ids"]) for b in (await _trained(ledger))["trained"].values())
+
+
+async def _live(run: LiveRun, kind: str) -> list[dict[str, Any]]:
+    return [a for a in await run.actors() if a["kind"] == kind and not a["retiring"]]
+
+
+async def _until(predicate: Any, timeout_s: float, what: str, every_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def _kill_reconciler(run: LiveRun, ledger: TrainerLedger) -> str:
+    (old,) = await _live(run, "reconciler")
+    os.kill(old["pid"], signal.SIGKILL)
+
+    async def replaced() -> bool:
+        return any(a["id"] != old["id"] for a in await _live(run, "reconciler"))
+
+    await _until(replaced, 30, "the supervisor to restart the reconciler")
+    return old["id"]
+
+
+async def _chaos(run: LiveRun, rng: random.Random, stop: asyncio.Event, killed: list[str]) -> None:
+    """SIGKILL a random working stage actor process every few seconds until stopped.
+
+    Only processes up for a while are killed: a process killed while it still imports does nothing
+    a test could learn from, and restarts cost real CPU on this machine.
+    """
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), rng.uniform(3.0, 7.0))
+        if stop.is_set():
+            return
+        victims = [
+            a for a in await run.actors() if a["kind"] in STAGE_KINDS and not a["retiring"] and a["uptime_s"] >= 5.0
+        ]
+        if victims:
+            victim = rng.choice(victims)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim["pid"], signal.SIGKILL)
+                killed.append(victim["kind"])
+
+
+async def _durable_table(bus: Bus) -> tuple[CursorRecord, list[Slot], dict[str, GroupOutcome]]:
+    store = KVSlotStore(await bus.kv("slots"))
+    keys = await store.keys()
+    cursor = CursorRecord.decode((await store.get(CURSOR_KEY)).value)
+    slots = [Slot.decode((await store.get(k)).value) for k in keys if k.startswith(SLOT_PREFIX)]
+    outcomes = {
+        k[len(OUTCOME_PREFIX) :]: GroupOutcome.decode((await store.get(k)).value)
+        for k in keys
+        if k.startswith(OUTCOME_PREFIX)
+    }
+    return cursor, slots, outcomes
+
+
+@pytest.mark.slow
+async def test_2000_samples_survive_kills(tmp_path: Path) -> None:
+    num_prompts, group_size, eta = 500, 4, 2
+    run_dir = tmp_path / "run"
+    SimConfig(
+        rollout=StageSim(median_s=0.02, sigma=1.0, max_s=1.0, refuse_rate=0.03, error_rate=0.02, poison_rate=0.01),
+        reward=StageSim(median_s=0.01, sigma=1.0, max_s=0.5, refuse_rate=0.02, error_rate=0.02, poison_rate=0.005),
+        group=StageSim(median_s=0.01, sigma=0.5, max_s=0.5, refuse_rate=0.01, error_rate=0.02, poison_rate=0.01),
+        train=StageSim(median_s=0.05, sigma=0.5, max_s=0.5, error_rate=0.03),
+        seed=7,
+    ).write(run_dir)
+    cfg = write_config(
+        tmp_path / "run.toml",
+        SIM_RUN.format(num_prompts=num_prompts, num_slots=128, group_size=group_size, batch_groups=8, eta=eta),
+    )
+    started = time.monotonic()
+    run = await LiveRun(run_dir, cfg).start()
+    rng = random.Random(11)
+    killed_stages: list[str] = []
+    killed_reconcilers: list[str] = []
+    try:
+        assert run.bus is not None
+        ledger = TrainerLedger(await run.bus.kv(LEDGER_BUCKET))
+        stop = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(_chaos(run, rng, stop, killed_stages))
+            for fraction in (0.25, 0.55):
+
+                async def progressed(fraction: float = fraction) -> bool:
+                    return await _num_trained_groups(ledger) >= fraction * num_prompts
+
+                await _until(progressed, 150, f"{fraction:.0%} of the prompts trained")
+                killed_reconcilers.append(await _kill_reconciler(run, ledger))
+
+            async def finished() -> bool:
+                cursor, slots, _ = await _durable_table(run.bus)
+                return cursor.position == num_prompts and all(s.state is SlotState.EMPTY for s in slots)
+
+            await _until(finished, 200, "every prompt to be trained or dropped", every_s=1.0)
+            stop.set()
+        elapsed = time.monotonic() - started
+        await _account(run.bus, ledger, num_prompts, group_size, eta)
+    finally:
+        assert await run.stop() == 0
+    print(f"accounted and stopped after {time.monotonic() - started:.1f}s")
+    assert len(killed_reconcilers) == 2 and len(killed_stages) >= 5, (killed_reconcilers, killed_stages)
+    print(f"2000 samples in {elapsed:.1f}s; killed {killed_stages} and the reconciler twice")
+
+
+async def _account(bus: Bus, ledger: TrainerLedger, num_prompts: int, group_size: int, eta: int) -> None:
+    """Every prompt trained exactly once or dropped with a reason; every sample trained or failed."""
+    state = await _trained(ledger)
+    batches = list(state["trained"].values())
+    trained_groups = [g for b in batches for g in b["group_ids"]]
+    trained_prompts = [p for b in batches for p in b["prompt_ids"]]
+    trained_samples = [s for b in batches for s in b["sample_ids"]]
+    assert len(trained_groups) == len(set(trained_groups)), "a group was trained twice"
+    assert len(trained_prompts) == len(set(trained_prompts)), "a prompt was trained twice"
+    assert len(trained_samples) == len(set(trained_samples)), "a sample was trained twice"
+    assert state["version"] == len(batches), "one version per trained batch"
+    for b in batches:
+        assert b["trained_at_version"] - b["min_version"] <= eta, f"batch trained past the staleness bound: {b}"
+
+    cursor, slots, outcomes = await _durable_table(bus)
+    assert cursor == CursorRecord(0, num_prompts), "the cursor stopped at the end of the dataset"
+    assert all(s.state is SlotState.EMPTY for s in slots)
+    catalog = TaskCatalog.build(TasksSection(num_train=num_prompts, num_heldout=4))
+    prompt_of = {f"e0-p{i}": catalog.prompt_id(i) for i in range(num_prompts)}
+    for b in batches:
+        assert [prompt_of[g] for g in b["group_ids"]] == b["prompt_ids"], "group and prompt ids agree"
+
+    dropped = {g: o for g, o in outcomes.items() if o.dropped}
+    assert all(o.reason for o in outcomes.values()), "every outcome names its reason"
+    assert not set(dropped) & set(trained_groups), "a dropped group was trained"
+    assert set(dropped) | set(trained_groups) == set(prompt_of), "a prompt was skipped"
+    trained_set = set(trained_samples)
+    for group_id in trained_groups:
+        expected = {f"{group_id}-s{j}" for j in range(group_size)}
+        missing = expected - trained_set
+        failed = dict(outcomes[group_id].failed_samples) if group_id in outcomes else {}
+        assert missing == set(failed), f"group {group_id}: untrained samples {missing} vs failed {failed}"
+        assert all(failed.values()), f"group {group_id}: a failed sample has no reason"
+    for batch_id, reason in state["refused"].items():
+        assert reason, f"batch {batch_id} refused without a reason"
+    num_failed = sum(len(o.failed_samples) for g, o in outcomes.items() if not o.dropped)
+    assert len(trained_samples) + num_failed + group_size * len(dropped) == num_prompts * group_size
+    assert len(trained_groups) >= 0.85 * num_prompts, f"only {len(trained_groups)} of {num_prompts} prompts trained"
+    print(
+        f"trained {len(trained_groups)} prompts / {len(trained_samples)} samples in {len(batches)} batches; "
+        f"dropped {len(dropped)} groups ({sorted({o.reason.split(':')[0] for o in dropped.values()})}); "
+        f"{num_failed} failed samples in groups trained without them"
+    )
