@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 __all__ = ["ExpertsFn", "reference_experts_forward", "sort_by_expert"]
 
+_FUSE_ROWS_PER_EXPERT = 32
+
 
 class ExpertsFn(Protocol):
     """Signature of every expert implementation (reference, emulated low precision, Triton)."""
@@ -64,15 +66,27 @@ def reference_experts_forward(
     num_experts = w_gate_EFD.shape[0]
     order_S, token_S, counts = sort_by_expert(topk_ids_TK, num_experts)
     x_SD = x_TD.index_select(0, token_S)
-    # unbind once: indexing w[e] per expert would make backward build E full-size gradient buffers
-    w_gate, w_up, w_down = w_gate_EFD.unbind(0), w_up_EFD.unbind(0), w_down_EDF.unbind(0)
+    f = w_gate_EFD.shape[1]
+    # Unbind once: indexing w[e] per expert would make backward build E full-size gradient buffers.
+    # With enough rows per expert, one (2F, D) matmul for gate and up beats two (F, D) ones, even after
+    # paying for the concatenated copy of the weights.
+    fuse = len(token_S) >= _FUSE_ROWS_PER_EXPERT * num_experts
+    if fuse:
+        w_gu = torch.cat([w_gate_EFD, w_up_EFD], dim=1).unbind(0)
+    else:
+        w_gate, w_up = w_gate_EFD.unbind(0), w_up_EFD.unbind(0)
+    w_down = w_down_EDF.unbind(0)
     outs: list[torch.Tensor] = []
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         xs_ND = x_SD[start : start + n]
-        h_NF = F.silu(F.linear(xs_ND, w_gate[e])) * F.linear(xs_ND, w_up[e])
+        if fuse:
+            gu_N2F = F.linear(xs_ND, w_gu[e])
+            h_NF = F.silu(gu_N2F[:, :f]) * gu_N2F[:, f:]
+        else:
+            h_NF = F.silu(F.linear(xs_ND, w_gate[e])) * F.linear(xs_ND, w_up[e])
         outs.append(F.linear(h_NF, w_down[e]))
         start += n
     if not outs:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,8 +43,22 @@ def test_assignment_is_a_partition_within_lpt_bound(lengths: list[int], num_rank
     assert len(ranks) == num_ranks
     assert sorted(i for r in ranks for i in r) == list(range(len(lengths)))
     loads = [sum(cost(lengths[i]) for i in r) for r in ranks]
-    lower_bound = max(sum(loads) / num_ranks, max(cost(n) for n in lengths))
-    assert max(loads) <= lower_bound * (4 / 3) + 1e-6
+    costs = [cost(n) for n in lengths]
+    # Graham's list-scheduling bound holds for any greedy order
+    assert max(loads) <= sum(costs) / num_ranks + (1 - 1 / num_ranks) * max(costs) + 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=8), num_ranks=st.integers(1, 3))
+def test_assignment_within_four_thirds_of_brute_force_optimum(lengths: list[int], num_ranks: int) -> None:
+    cost = SequenceCost(linear=1000.0, quadratic=1.0)
+    costs = [cost(n) for n in lengths]
+    best = min(
+        max(sum(c for c, r in zip(costs, assign, strict=True) if r == rank) for rank in range(num_ranks))
+        for assign in itertools.product(range(num_ranks), repeat=len(costs))
+    )
+    loads = [sum(costs[i] for i in r) for r in assign_to_ranks(lengths, num_ranks, cost)]
+    assert max(loads) <= best * 4 / 3 + 1e-6
 
 
 def test_quadratic_term_changes_the_balance() -> None:
