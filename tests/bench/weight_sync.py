@@ -8,11 +8,11 @@ the next step runs. For lr 1e-6 and 1e-5 it measures, in the same process:
   bf16 weights (what most frameworks upload every step), and the amortised ratio with one full
   anchor every K versions;
 - encode and decode throughput in GB/s of bf16 weights (standalone, ``workers`` threads);
-- the training-step slowdown caused by publishing: median step time (including the bf16 cast)
-  with the publisher running in the background, over the median without publishing; and the same
-  ratio for process CPU seconds per step (training + background encode/upload threads), which is
-  what the slowdown converges to when training saturates every core and is far less sensitive to
-  other load on a shared machine.
+- the training-step slowdown caused by publishing: over adjacent pairs of steps, (bf16 snapshot +
+  a step run while that version is encoded and uploaded) / (a step with nothing in the background),
+  median over pairs; and the same ratio of process CPU seconds (training + background threads),
+  which is what the slowdown converges to when training saturates every core and is less
+  sensitive to other load on a shared machine.
 
 Prints ONE JSON line. Goals (issue 8): ratio >= 30 at lr 1e-6, encode >= 1 GB/s on 2 cores,
 slowdown <= 5%.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -82,8 +83,34 @@ async def timed_steps(
     return times
 
 
-def _median(samples: list[tuple[float, float]], index: int) -> float:
-    return statistics.median(sample[index] for sample in samples)
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    clean_s: float
+    clean_cpu_s: float
+    busy_s: float  # the bf16 snapshot + the next step, which runs while that version is encoded
+    busy_cpu_s: float
+
+
+async def paired_steps(
+    step: Callable[[], None], count: int, publish: Callable[[], None], publisher: WeightPublisher
+) -> list[Pair]:
+    """Adjacent clean/busy step pairs, so load drift on a shared machine cancels within each pair.
+
+    A clean step runs with nothing in the background; then a version is published and the next
+    step runs while it is encoded and uploaded. Each busy delta spans two optimizer steps (the
+    step before the clean one was not published), which makes its encode work larger, not smaller.
+    """
+    pairs = []
+    for _ in range(count):
+        await publisher.flush()
+        ((clean_s, clean_cpu_s),) = await timed_steps(step, 1, None)
+        wall, cpu = time.perf_counter(), time.process_time()
+        publish()
+        ((busy_s, busy_cpu_s),) = await timed_steps(step, 1, None)
+        wall, cpu = time.perf_counter() - wall - busy_s, time.process_time() - cpu - busy_cpu_s
+        pairs.append(Pair(clean_s, clean_cpu_s, busy_s + wall, busy_cpu_s + cpu))
+    await publisher.flush()
+    return pairs
 
 
 async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[str, float | str]:
@@ -91,7 +118,6 @@ async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[st
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     step = make_step(model, optimizer, args.batch)
     await timed_steps(step, args.warmup, None)
-    baseline = await timed_steps(step, args.steps, None)
 
     codec = CodecConfig(anchor_every=args.anchor_every, zstd_level=args.zstd_level, workers=args.workers)
     config = PublisherConfig(run=f"bench-lr{lr:g}", codec=codec, retain_versions=4, max_pending=2)
@@ -105,15 +131,16 @@ async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[st
         def publish() -> None:
             nonlocal version
             version += 1
-            state = publisher.snapshot(params)  # bf16 copy into recycled buffers
-            snapshots[:] = [*snapshots[-1:], {name: t.clone() for name, t in state.items()}]
-            futures.append(publisher.submit(version, state))
+            futures.append(publisher.submit(version, publisher.snapshot(params)))  # bf16 copy, recycled buffers
 
-        with_publishing = await timed_steps(step, args.steps, publish)
+        for _ in range(args.steps):  # consecutive published steps: bytes per step of a one-step delta
+            await timed_steps(step, 1, None)
+            publish()
+            snapshots[:] = [*snapshots[-1:], {name: t.detach().to(torch.bfloat16) for name, t in params.items()}]
         await publisher.flush()
+        pairs = await paired_steps(step, args.pairs, publish, publisher)
     published = [f.result() for f in futures if f.exception() is None]
-    deltas = [p for p in published if p.base_version is not None]
-    baseline += await timed_steps(step, args.steps, None)  # bracket the publishing block
+    deltas = [p for p in published[: args.steps] if p.base_version is not None]
 
     full_bytes = len(safetensors.torch.save(snapshots[-1]))
     delta_bytes = statistics.median(p.num_encoded_bytes for p in deltas)
@@ -126,14 +153,11 @@ async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[st
         "bytes_ratio": full_bytes / delta_bytes,
         f"bytes_ratio_amortised_k{k}": full_bytes / amortised,
         **measure_codec(snapshots, codec, args.reps),
-        "step_s_baseline_median": _median(baseline, 0),
-        "step_s_publishing_median": _median(with_publishing, 0),
-        "step_slowdown": _median(with_publishing, 0) / _median(baseline, 0) - 1.0,
-        "step_cpu_s_baseline_median": _median(baseline, 1),
-        "step_cpu_s_publishing_median": _median(with_publishing, 1),
-        "step_cpu_overhead": _median(with_publishing, 1) / _median(baseline, 1) - 1.0,
+        "step_s_clean_median": statistics.median(p.clean_s for p in pairs),
+        "step_slowdown": statistics.median(p.busy_s / p.clean_s for p in pairs) - 1.0,
+        "step_cpu_overhead": statistics.median(p.busy_cpu_s / p.clean_cpu_s for p in pairs) - 1.0,
         "num_published": len(published),
-        "num_superseded": len(futures) - len(published),
+        "num_failed_or_superseded": len(futures) - len(published),
         "publisher_encode_s_median": statistics.median(p.encode_s for p in deltas),
     }
 
@@ -210,7 +234,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=24, help="Linear layers (24 x 2048^2 = 100.7M params)")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1024, help="rows (tokens) of the random batch per step")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    parser.add_argument("--steps", type=int, default=3, help="consecutive published steps (bytes, codec)")
+    parser.add_argument("--pairs", type=int, default=3, help="clean/busy step pairs (slowdown)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3, help="repetitions of the standalone codec timing")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
