@@ -116,11 +116,12 @@ class TrainerActor(StageActor):
 
     async def _report(self, m: StepMetrics, order: TrainOrder) -> None:
         wall = time.monotonic() - self.started_at
-        row = {"kind": "train", "time": time.time(), "batch_id": order.batch_id, **m.to_dict(),
+        row = {"kind": "train", "time": time.time(), "batch_id": order.batch_id, "group_ids": list(order.group_ids),
+               **m.to_dict(),
                "samples_per_s": self.num_samples / wall if wall > 0 else 0.0,
                "trainer_utilisation": self.busy_s / wall if wall > 0 else 0.0}
         await asyncio.to_thread(append_metrics, self.metrics_path, row)
-        log.info("train_step", **{k: v for k, v in row.items() if k not in ("lag_histogram", "kind")})
+        log.info("train_step", **{k: v for k, v in row.items() if k not in ("lag_histogram", "kind", "group_ids")})
         progress = {"step": m.version, "reward": round(m.reward_mean, 3), "pass": round(m.pass_rate, 3),
                     "lag": f"{m.lag_min}..{m.lag_max}", "samples/s": round(row["samples_per_s"], 2),
                     "util": round(row["trainer_utilisation"], 2)}
