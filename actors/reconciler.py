@@ -106,6 +106,7 @@ class ReconcilerActor(Actor):
     async def _tick_loop(self) -> None:
         while True:
             await self._call("tick")
+            _raise_if_cancelled()
             await asyncio.sleep(self.config.reconciler.tick_s)
 
     async def _count_rollout_actors(self) -> int:
@@ -117,20 +118,28 @@ class ReconcilerActor(Actor):
         count = 0
         for key in keys:
             with contextlib.suppress(Exception):
-                info = msgpack.unpackb((await kv.get(key)).value, raw=False)
-                count += info.get("kind") == "rollout" and info.get("state") == "running"
+                count += _is_running_rollout((await kv.get(key)).value)
         return count
 
     async def _watch_rollout_actors(self) -> None:
+        """Follows the registry's entries (no requests per event: each would be a round trip and a
+        place where Python 3.11's ``wait_for`` can swallow the drain's cancellation)."""
         kv = await self.bus.kv("actors")
         watcher = await kv.watch(">")
+        running: set[str] = set()
         try:
-            async for _ in watcher:
-                count = await self._count_rollout_actors()
+            async for entry in watcher:
+                if entry is None:  # end of the initial values
+                    continue
+                running.discard(entry.key)
+                if entry.operation is None and entry.value and _is_running_rollout(entry.value):
+                    running.add(entry.key)
+                count = len(running)
                 if count != self.num_rollout_actors:
                     self.num_rollout_actors = count
                     log.info("rollout_actors_changed", num_rollout_actors=count)
                     await self._call("set_rollout_actors", count)
+                    _raise_if_cancelled()
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
@@ -139,3 +148,20 @@ class ReconcilerActor(Actor):
         snapshot = self.core.snapshot(time.time())
         return {"lifecycle": snapshot.to_dict(), "trainer_version": self.core.trainer_version,
                 "finished": self.core.is_finished, "scheduling": config_mod.to_dict(self.core.scheduling)}
+
+
+def _is_running_rollout(raw: bytes) -> bool:
+    try:
+        info = msgpack.unpackb(raw, raw=False)
+    except ValueError:
+        return False
+    return isinstance(info, dict) and info.get("kind") == "rollout" and info.get("state") == "running"
+
+
+def _raise_if_cancelled() -> None:
+    """Re-raise a cancellation that Python 3.11's ``asyncio.wait_for`` (inside nats-py requests)
+    swallowed when its inner future finished at the same moment: the loop would otherwise go on
+    after the drain cancelled it, and the actor would never stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -23,43 +23,90 @@ from runtime.errors import BusError, ConfigError
 async def collect(run_dir: Path) -> dict[str, Any]:
     bus = await connect(run_dir, "ops-status")
     try:
-        kv = await bus.kv("actors")
-        actors = []
-        try:
-            keys = await kv.keys()
-        except Exception:
-            keys = []
-        for key in keys:
-            entry = await kv.get(key)
-            info = msgpack.unpackb(entry.value, raw=False) if entry.value else {}
-            if "kind" in info:
-                actors.append(info)
+        actors = await _registry(bus)
+        live = await _live_ids(bus)
+        for actor in actors:
+            # A process killed with SIGKILL never deregisters: trust the supervisor's process list.
+            actor["live"] = live is None or actor["id"] in live
         status: dict[str, Any] = {"actors": sorted(actors, key=lambda a: (a["kind"], a["id"]))}
         for actor in actors:
-            if actor["kind"] in ("reconciler", "trainer") and actor.get("state") == "running":
-                status[actor["kind"]] = await request(bus, f"ctl.{actor['id']}.status")
+            if actor["kind"] in ("reconciler", "trainer") and actor["live"] and actor.get("state") == "running":
+                try:
+                    status[actor["kind"]] = await request(bus, f"ctl.{actor['id']}.status")
+                except BusError as e:  # restarting, or wedged: say so, keep the rest of the picture
+                    status.setdefault("unanswered", []).append({"id": actor["id"], "error": str(e)})
         return status
     finally:
         await bus.close()
 
 
+async def _registry(bus: Any) -> list[dict[str, Any]]:
+    kv = await bus.kv("actors")
+    try:
+        keys = await kv.keys()
+    except Exception:  # NoKeysError: nothing registered
+        return []
+    actors = []
+    for key in keys:
+        entry = await kv.get(key)
+        info = msgpack.unpackb(entry.value, raw=False) if entry.value else {}
+        if "kind" in info:
+            actors.append(info)
+    return actors
+
+
+async def _live_ids(bus: Any) -> set[str] | None:
+    """Ids of the processes the supervisor runs now; None if it does not answer."""
+    try:
+        reply = await request(bus, "ctl.supervisor.status", timeout_s=2.0)
+    except BusError:
+        return None
+    return {a["id"] for a in reply.get("actors", [])}
+
+
 def render(status: dict[str, Any]) -> str:
     lines = ["actors:"]
     for a in status["actors"]:
-        lines.append(f"  {a['kind']:<11} {a['id']:<22} pid={a['pid']:<7} code={a['code_hash']} "
-                     f"state={a['state']:<9} handled={a['num_handled']} failed={a['num_failed']} "
-                     f"inflight={a['num_inflight']}")
+        lines.append(
+            f"  {a['kind']:<11} {a['id']:<22} pid={a['pid']:<7} code={a['code_hash']} "
+            f"state={a['state'] if a.get('live', True) else 'gone':<9} handled={a['num_handled']} "
+            f"failed={a['num_failed']} inflight={a['num_inflight']}"
+        )
+    for missing in status.get("unanswered", []):
+        lines.append(f"  no status from {missing['id']}: {missing['error']}")
     rec = status.get("reconciler")
     if rec:
-        lc = rec["lifecycle"]
-        lines.append(f"reconciler: trainer_version={rec['trainer_version']} finished={rec['finished']} "
-                     f"eta={rec['scheduling']['eta']}")
-        for key, value in lc.items():
-            lines.append(f"  {key}: {json.dumps(value)}")
+        lines.extend(_render_lifecycle(rec))
     trainer = status.get("trainer")
     if trainer:
         lines.append(f"trainer: version={trainer.get('version')} trained_batches={trainer.get('num_trained_batches')}")
     return "\n".join(lines)
+
+
+def _render_lifecycle(rec: dict[str, Any]) -> list[str]:
+    lc = rec["lifecycle"]
+    latency = (
+        " | ".join(
+            f"{stage} p50={v['p50_s'] * 1e3:.1f}ms p99={v['p99_s'] * 1e3:.1f}ms n={v['count']}"
+            for stage, v in lc["stage_latency"].items()
+        )
+        or "-"
+    )
+    return [
+        f"reconciler: trainer_version={rec['trainer_version']} finished={rec['finished']} "
+        f"eta={rec['scheduling']['eta']} cursor={lc['cursor_epoch']}:{lc['cursor_position']}",
+        f"  slots       {_pairs(lc['slots_per_state'])} (total {sum(lc['slots_per_state'].values())})",
+        f"  latency     {latency}",
+        f"  admission   {_pairs(lc['admissions'])}",
+        f"  batch waits {_pairs(lc['batch_waits'])}",
+        f"  lag         {_pairs(lc['lag_histogram'])} (trainer version - token version: samples)",
+        f"  throughput  {lc['samples_per_s']:.2f} samples/s  {lc['groups_per_s']:.2f} groups/s",
+        f"  counters    {_pairs(lc['counters'])}",
+    ]
+
+
+def _pairs(values: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in values.items()) or "-"
 
 
 def main(argv: list[str] | None = None) -> int:

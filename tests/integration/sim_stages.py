@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,86 @@ __all__ = [
     "SimTrainActor",
     "StageSim",
     "TrainerLedger",
+    "sim_run_toml",
 ]
 
 SIM_CONFIG_FILE = "sim_stages.json"
 LEDGER_BUCKET = "sim_trainer"
 LEDGER_KEY = "ledger"
+
+
+SIM_RUN_TEMPLATE = """
+[run]
+name = "sim"
+[bus]
+ack_wait_s = 4.0
+[supervisor]
+max_restarts = 1000
+restart_window_s = 60.0
+backoff_base_s = 0.2
+backoff_max_s = 1.0
+[actors.reconciler]
+entry = "actors.reconciler:ReconcilerActor"
+max_concurrency = 64
+heartbeat_s = 1.0
+[actors.rollout]
+entry = "tests.integration.sim_stages:SimRolloutActor"
+count = {rollout_count}
+max_concurrency = 64
+heartbeat_s = 1.0
+[actors.reward]
+entry = "tests.integration.sim_stages:SimRewardActor"
+count = {reward_count}
+max_concurrency = 64
+heartbeat_s = 1.0
+[actors.grouping]
+entry = "tests.integration.sim_stages:SimGroupActor"
+max_concurrency = 16
+heartbeat_s = 1.0
+[actors.trainer]
+entry = "tests.integration.sim_stages:SimTrainActor"
+max_concurrency = 1
+heartbeat_s = 1.0
+[tasks]
+num_train = {num_prompts}
+num_heldout = 4
+[reconciler]
+num_slots = {num_slots}
+group_size = {group_size}
+batch_size_groups = {batch_groups}
+tick_s = 0.25
+[reconciler.scheduling]
+eta = {eta}
+max_retries = 3
+max_inflight_per_rollout_actor = 64
+failed_group_policy = "train_rest"
+rollout_timeout_s = 3.0
+reward_timeout_s = 3.0
+group_timeout_s = 3.0
+train_timeout_s = 5.0
+"""
+
+
+def sim_run_toml(
+    *,
+    num_prompts: int,
+    num_slots: int,
+    group_size: int,
+    batch_groups: int,
+    eta: int,
+    rollout_count: int = 2,
+    reward_count: int = 2,
+) -> str:
+    """A run file: the real reconciler and every simulated stage, with timeouts short enough for tests."""
+    return SIM_RUN_TEMPLATE.format(
+        num_prompts=num_prompts,
+        num_slots=num_slots,
+        group_size=group_size,
+        batch_groups=batch_groups,
+        eta=eta,
+        rollout_count=rollout_count,
+        reward_count=reward_count,
+    )
 
 
 class SimError(RuntimeError):
@@ -270,6 +346,8 @@ class SimTrainActor(_SimStage):
     async def setup(self) -> None:
         await super().setup()
         self.ledger = await TrainerLedger.open(self.bus)
+        state, _ = await self.ledger.load()
+        self.version, self.num_trained_batches = state["version"], len(state["trained"])
         self.weights_codec = Codec([WeightsPublished])
         self.run_name = weights_run_name(self.ctx.run_dir)
 
@@ -296,16 +374,21 @@ class SimTrainActor(_SimStage):
         state["version"] = version + 1
         state["trained"][order.batch_id] = {
             "version": version + 1,
+            "time": time.time(),
             "trained_at_version": version,
             "group_ids": list(order.group_ids),
             "sample_ids": list(order.sample_ids),
             **groups,
         }
         await self.ledger.commit(state, revision)  # the step's effect: once, or not at all
+        self.version, self.num_trained_batches = version + 1, len(state["trained"])
         signal = WeightsPublished(self.run_name, version + 1, "", 0)
         await self.bus.nc.publish(f"weights.{self.run_name}", await self.weights_codec.encode(signal))
         log.info("batch_trained", batch_id=order.batch_id, version=version + 1, num_samples=len(order.sample_ids))
         return TrainDone(order.batch_id, order.attempt, version + 1)
+
+    def status(self) -> dict[str, Any]:
+        return {"version": self.version, "num_trained_batches": self.num_trained_batches}
 
     async def _check_groups(self, order: TrainOrder) -> dict[str, Any]:
         """The batch's prompt ids and oldest token version, from its group records."""

@@ -33,60 +33,9 @@ from actors.task_cursor import CursorRecord, ListTaskSource
 from runtime.bus import Bus
 from runtime.natsserver import NatsServer, NatsServerConfig
 from tests.integration.harness import LiveRun, write_config
-from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger
+from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
 pytestmark = pytest.mark.timeout(420)
-
-SIM_RUN = """
-[run]
-name = "sim"
-[bus]
-ack_wait_s = 4.0
-[supervisor]
-max_restarts = 1000
-restart_window_s = 60.0
-backoff_base_s = 0.2
-backoff_max_s = 1.0
-[actors.reconciler]
-entry = "actors.reconciler:ReconcilerActor"
-max_concurrency = 64
-heartbeat_s = 1.0
-[actors.rollout]
-entry = "tests.integration.sim_stages:SimRolloutActor"
-count = 2
-max_concurrency = 64
-heartbeat_s = 1.0
-[actors.reward]
-entry = "tests.integration.sim_stages:SimRewardActor"
-count = 2
-max_concurrency = 64
-heartbeat_s = 1.0
-[actors.grouping]
-entry = "tests.integration.sim_stages:SimGroupActor"
-max_concurrency = 16
-heartbeat_s = 1.0
-[actors.trainer]
-entry = "tests.integration.sim_stages:SimTrainActor"
-max_concurrency = 1
-heartbeat_s = 1.0
-[tasks]
-num_train = {num_prompts}
-num_heldout = 4
-[reconciler]
-num_slots = {num_slots}
-group_size = {group_size}
-batch_size_groups = {batch_groups}
-tick_s = 0.25
-[reconciler.scheduling]
-eta = {eta}
-max_retries = 3
-max_inflight_per_rollout_actor = 64
-failed_group_policy = "train_rest"
-rollout_timeout_s = 3.0
-reward_timeout_s = 3.0
-group_timeout_s = 3.0
-train_timeout_s = 5.0
-"""
 
 STAGE_KINDS = ("rollout", "reward", "grouping", "trainer")
 
@@ -229,7 +178,7 @@ async def test_2000_samples_survive_kills(tmp_path: Path) -> None:
     ).write(run_dir)
     cfg = write_config(
         tmp_path / "run.toml",
-        SIM_RUN.format(num_prompts=num_prompts, num_slots=128, group_size=group_size, batch_groups=8, eta=eta),
+        sim_run_toml(num_prompts=num_prompts, num_slots=128, group_size=group_size, batch_groups=8, eta=eta),
     )
     started = time.monotonic()
     run = await LiveRun(run_dir, cfg).start()
