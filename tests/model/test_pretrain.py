@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,6 +16,17 @@ from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
 
 TOKENIZER = ByteTokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One torch thread: tiny matmuls gain nothing from two, and two collapse on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 SMALL = ModelConfig(
     hidden_size=64,
     moe_intermediate_size=32,
