@@ -40,7 +40,7 @@ class ExpertsFn(Protocol):
 
 
 def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Order the T*K (token, slot) pairs by expert.
+    """Order the S = T*K (token, slot) pairs by expert.
 
     Returns:
         order_S: indices into the flattened (T*K) pairs, grouped by expert, stable within an expert.
@@ -54,6 +54,20 @@ def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.T
     return order_S, token_S, counts
 
 
+class _PermuteRows(torch.autograd.Function):
+    """rows = x[perm] for a permutation; the gradient is a gather by the inverse (no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def reference_experts_forward(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -64,13 +78,18 @@ def reference_experts_forward(
 ) -> torch.Tensor:
     """Plain torch SwiGLU experts; differentiable in x, the weights and the gates."""
     num_experts = w_gate_EFD.shape[0]
-    order_S, token_S, counts = sort_by_expert(topk_ids_TK, num_experts)
-    x_SD = x_TD.index_select(0, token_S)
+    num_tokens, top_k = topk_ids_TK.shape
+    order_S, _, counts = sort_by_expert(topk_ids_TK, num_experts)
+    inverse_S = torch.empty_like(order_S)
+    inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
+    # dispatch: row s of x_SD is token order_S[s] // K (expand to T*K rows, then permute; no scatter)
+    x_TKD = x_TD.unsqueeze(1).expand(num_tokens, top_k, x_TD.shape[1]).reshape(num_tokens * top_k, -1)
+    x_SD = _PermuteRows.apply(x_TKD, order_S, inverse_S)
     f = w_gate_EFD.shape[1]
     # Unbind once: indexing w[e] per expert would make backward build E full-size gradient buffers.
     # With enough rows per expert, one (2F, D) matmul for gate and up beats two (F, D) ones, even after
     # paying for the concatenated copy of the weights.
-    fuse = len(token_S) >= _FUSE_ROWS_PER_EXPERT * num_experts
+    fuse = order_S.numel() >= _FUSE_ROWS_PER_EXPERT * num_experts
     if fuse:
         w_gu = torch.cat([w_gate_EFD, w_up_EFD], dim=1).unbind(0)
     else:
@@ -91,5 +110,6 @@ def reference_experts_forward(
         start += n
     if not outs:
         return torch.zeros_like(x_TD)
-    y_SD = torch.cat(outs) * topk_weights_TK.reshape(-1)[order_S].unsqueeze(1).to(x_TD.dtype)
-    return torch.zeros_like(x_TD).index_add_(0, token_S, y_SD)
+    # combine: back to (token, slot) order, weight by the gates, sum the K slots of each token
+    y_TKD = _PermuteRows.apply(torch.cat(outs), inverse_S, order_S).view(num_tokens, top_k, -1)
+    return (y_TKD * topk_weights_TK.to(x_TD.dtype).unsqueeze(-1)).sum(dim=1)

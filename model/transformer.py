@@ -107,6 +107,7 @@ class MoETransformer(nn.Module):
         input_ids_T: torch.Tensor,
         *,
         seq_lens: Sequence[int] | torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         batch: AttentionBatch | None = None,
         replay_topk_ids_TLK: torch.Tensor | None = None,
         replay: RouterReplayConfig | None = None,
@@ -117,6 +118,7 @@ class MoETransformer(nn.Module):
         Args:
             input_ids_T: token ids of all sequences back to back, shape (T,).
             seq_lens: lengths of the packed sequences (training layout); default one sequence.
+            cu_seqlens: the same as start offsets plus the total, shape (num_sequences + 1,).
             batch: an explicit layout instead of `seq_lens` (the engine passes a cached one).
             replay_topk_ids_TLK: recorded expert ids per token and layer to route with (-1 rows = none).
             replay: router replay settings (plausibility factor).
@@ -124,6 +126,10 @@ class MoETransformer(nn.Module):
         """
         if input_ids_T.dim() != 1:
             raise ValueError(f"input_ids_T must be 1-D (packed), got shape {tuple(input_ids_T.shape)}")
+        if cu_seqlens is not None:
+            if seq_lens is not None:
+                raise ValueError("pass seq_lens or cu_seqlens, not both")
+            seq_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         if batch is None:
             batch = _as_batch(input_ids_T.shape[0], seq_lens, input_ids_T.device)
         h_TD = self.model.embed_tokens(input_ids_T)

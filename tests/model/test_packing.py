@@ -27,8 +27,10 @@ def test_packed_forward_equals_separate_forwards() -> None:
     batch = pack_sequences(seqs)
     with torch.no_grad():
         packed = model(batch.input_ids_T, seq_lens=batch.seq_lens).logits
+        via_cu = model(batch.input_ids_T, cu_seqlens=batch.cu_seqlens).logits
         separate = torch.cat([model(torch.tensor(s)).logits for s in seqs])
     assert torch.allclose(packed, separate, atol=1e-5, rtol=0)
+    assert torch.equal(packed, via_cu)
 
 
 @settings(max_examples=60, deadline=None)
