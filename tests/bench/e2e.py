@@ -1,6 +1,7 @@
 """End-to-end RL throughput, asynchronous (eta = 2) vs synchronous (eta = 0), on the real system.
 
-    .venv/bin/python -m tests.bench.e2e [--steps 8] [--group-size 4] [--batch-groups 2] [--checkpoint DIR]
+    .venv/bin/python -m tests.bench.e2e [--steps 8] [--group-size 4] [--batch-groups 2] [--repeats 1]
+                                        [--checkpoint DIR | --policy auto|starting|random]
 
 Runs ``python -m runtime.up`` twice in one invocation, one mode after the other: the default run's
 actors (reconciler, rollout, reward with sandboxed hidden tests, grouping, trainer), the default task
@@ -21,8 +22,10 @@ Figures per mode, from the trainer's rows in ``<run_dir>/metrics.jsonl``:
   actors start) to the last train row; includes actor start-up and model loading, equal in both modes.
 - the lag distribution (trained tokens per lag = trainer version - token version), lag min/max per
   batch, and the number of policy versions per batch.
-The ratios are async / sync of samples/s and of utilisation. The policy is the cached starting policy
-when one exists (``--policy auto``), else a randomly initialised tiny policy; the line says which.
+The ratios are async / sync of samples/s and of utilisation. With ``--repeats R`` the bench runs R
+pairs, alternating which mode goes first, and reports per-mode medians (each run is in ``runs``).
+The policy is the cached starting policy when one exists (``--policy auto``), else a randomly
+initialised tiny policy; the line says which.
 The machine's 1-minute load average before and after each run is reported: on a shared machine the
 two runs may see different loads. Prints ONE JSON line on stdout; progress goes to stderr.
 """
@@ -116,11 +119,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--checkpoint", type=Path, help="use this HF-layout checkpoint directory (overrides --policy)")
     p.add_argument("--order", default="async,sync", help="which mode runs first: async,sync or sync,async")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="pairs of runs; the order alternates from pair to pair and the figures are medians",
+    )
     p.add_argument("--run-timeout-s", type=float, default=420.0, help="per mode, from start to the last step")
     p.add_argument("--keep", type=Path, help="keep the run directories under this directory")
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error(f"--steps={args.steps}: the steady window needs at least 2 steps")
+    if args.repeats < 1:
+        p.error(f"--repeats={args.repeats} must be >= 1")
     if sorted(args.order.split(",")) != ["async", "sync"]:
         p.error(f"--order={args.order!r}: use async,sync or sync,async")
     return args
@@ -183,10 +194,11 @@ def train_rows(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_mode(args: argparse.Namespace, mode: str, eta: int, checkpoint: Path, work_dir: Path) -> dict[str, Any]:
+def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, work_dir: Path) -> dict[str, Any]:
     """Starts runtime.up with this eta, waits for the last train row, stops the run; returns its figures."""
-    run_dir = work_dir / f"run-{mode}"
-    config = work_dir / f"{mode}.toml"
+    mode = name.split("-")[0]
+    run_dir = work_dir / f"run-{name}"
+    config = work_dir / f"{name}.toml"
     config.write_text(
         RUN_FILE.format(
             mode=mode,
@@ -203,7 +215,7 @@ def run_mode(args: argparse.Namespace, mode: str, eta: int, checkpoint: Path, wo
         )
     )
     load_before = os.getloadavg()[0]
-    with open(work_dir / f"{mode}.out", "wb") as out:
+    with open(work_dir / f"{name}.out", "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
             cwd=REPO,
@@ -213,7 +225,7 @@ def run_mode(args: argparse.Namespace, mode: str, eta: int, checkpoint: Path, wo
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
     try:
-        rows = _wait_for_steps(proc, run_dir, args.steps, args.run_timeout_s, work_dir / f"{mode}.out")
+        rows = _wait_for_steps(proc, run_dir, args.steps, args.run_timeout_s, work_dir / f"{name}.out")
     finally:
         exit_code = _stop(proc)
     started_at = json.loads((run_dir / "run.json").read_text())["started_at"]
@@ -313,12 +325,40 @@ def summarise(rows: list[dict[str, Any]], started_at: float) -> dict[str, Any]:
         "step_interval_s_median": round(
             statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(rows)), 3
         ),
+        "lag_tokens": lag_tokens,
         "lag_token_fraction": {str(k): round(lag_tokens[k] / num_tokens, 4) for k in sorted(lag_tokens)},
         "lag_mean": round(sum(k * n for k, n in lag_tokens.items()) / num_tokens, 4),
         "lag_max": max(r["lag_max"] for r in rows),
         "lag_min_max_per_step": [[r["lag_min"], r["lag_max"]] for r in rows],
         "num_versions_in_batch": [r["num_versions_in_batch"] for r in rows],
         "reward_mean": round(statistics.fmean(r["reward_mean"] for r in rows), 4),
+    }
+
+
+WINDOW_KEYS = ("wall_s", "samples_per_s", "trainer_utilisation")
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode over its repeats: median figures per window, the lag over every run, and each run."""
+    pooled: dict[int, int] = {}
+    for run in runs:
+        for k, n in run["lag_tokens"].items():
+            pooled[k] = pooled.get(k, 0) + n
+    total = sum(pooled.values())
+    return {
+        "eta": runs[0]["eta"],
+        "num_runs": len(runs),
+        **{
+            window: {key: round(statistics.median(r[window][key] for r in runs), 4) for key in WINDOW_KEYS}
+            for window in ("steady", "from_start")
+        },
+        # Both share 2 cores in async mode: contention shows as slower steps and slower rollouts.
+        "step_s_median": round(statistics.median(r["step_s_median"] for r in runs), 3),
+        "rollout_s_median": round(statistics.median(r["rollout_s_median"] or 0.0 for r in runs), 3),
+        "lag_token_fraction": {str(k): round(pooled[k] / total, 4) for k in sorted(pooled)},
+        "lag_max": max(r["lag_max"] for r in runs),
+        "lag_within_eta": all(r["lag_within_eta"] for r in runs),
+        "runs": [{k: v for k, v in r.items() if k != "lag_tokens"} for r in runs],
     }
 
 
@@ -339,7 +379,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         kind, checkpoint = choose_policy(args, work_dir)
         print(f"policy: {kind} {checkpoint}", file=sys.stderr, flush=True)
         started = time.monotonic()
-        modes = {mode: run_mode(args, mode, etas[mode], checkpoint, work_dir) for mode in args.order.split(",")}
+        runs: dict[str, list[dict[str, Any]]] = {"async": [], "sync": []}
+        order = args.order.split(",")
+        for repeat in range(args.repeats):
+            for mode in order if repeat % 2 == 0 else order[::-1]:
+                runs[mode].append(run_mode(args, f"{mode}-{repeat}", etas[mode], checkpoint, work_dir))
+    modes = {mode: medians(results) for mode, results in runs.items()}
     return {
         "bench": "e2e",
         "policy": {"kind": kind, "checkpoint": str(checkpoint)},
@@ -352,12 +397,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "max_new_tokens": args.max_new_tokens,
             "seed": args.seed,
             "order": args.order,
+            "repeats": args.repeats,
             "tasks": "default",
             "evaluator": False,
         },
         "async": modes["async"],
         "sync": modes["sync"],
         "ratio_async_over_sync": ratios(modes["async"], modes["sync"]),
+        "ratio_steady_samples_per_s_per_repeat": [
+            round(a["steady"]["samples_per_s"] / s["steady"]["samples_per_s"], 3)
+            for a, s in zip(runs["async"], runs["sync"], strict=True)
+        ],
         "bench_s": round(time.monotonic() - started, 1),
         "cpus": os.cpu_count(),
     }
