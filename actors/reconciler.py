@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import structlog
 
 from actors.config import RLConfig
-from actors.kv_slot_store import KVSlotStore
+from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore
 from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.lifecycle_events import WorkOrder
 from actors.messages import COMPLETION_TYPES, DONE_QUEUE, WorkHeartbeat, all_order_types, work_queue_of
@@ -39,11 +39,11 @@ class ReconcilerActor(Actor):
     queues = (DONE_QUEUE,)
     messages = COMPLETION_TYPES
     Config = RLConfig
+    pipelined_writes: ClassVar[bool] = True  # group commit (see _call); False: one round trip per write
 
     async def setup(self) -> None:
         for stage in Stage:
             await self.bus.ensure_queue(work_queue_of(stage))
-        self.store = KVSlotStore(await self.bus.kv("slots"))
         self.source = TaskCatalog.build(self.config.tasks)
         self.order_codec = Codec(all_order_types())
         self.heartbeat_codec = Codec([WorkHeartbeat])
@@ -58,9 +58,20 @@ class ReconcilerActor(Actor):
         return LifecycleConfig(num_slots=r.num_slots, group_size=r.group_size, batch_size_groups=r.batch_size_groups,
                                num_epochs=r.num_epochs, scheduling=r.scheduling)
 
+    async def _open_store(self) -> KVSlotStore:
+        kv = await self.bus.kv("slots")
+        if self.pipelined_writes:
+            return await PipelinedKVSlotStore.open(self.bus.nc, kv, "slots")
+        return KVSlotStore(kv)
+
     async def _resume(self) -> None:
+        old = getattr(self, "store", None)
+        if isinstance(old, PipelinedKVSlotStore):
+            await old.close()
+        self.store = await self._open_store()  # a fresh one: a pipelined store that failed stays broken
         resumed = await Lifecycle.resume(self.store, self.source, self._lifecycle_config(), time.time(),
                                          num_rollout_actors=self.num_rollout_actors)
+        await self.store.sync()  # the rebuilt table is durable before a re-issued order goes out
         self.core = resumed.lifecycle
         log.info("reconciler_resumed", trainer_version=self.core.trainer_version,
                  num_reissued=resumed.num_reissued, num_rolled_back_slots=resumed.num_rolled_back_slots,
@@ -68,20 +79,45 @@ class ReconcilerActor(Actor):
         await self._issue(resumed.orders)
 
     async def _call(self, method: str, *args: Any) -> None:
-        """Calls one core event method and publishes the orders it returns; a broken core is rebuilt."""
+        """Calls one core event method and publishes the orders it returns; a broken core is rebuilt.
+
+        Group commit: with a pipelined store the core's writes go out without waiting for their
+        acknowledgements, the lock is released, and this call then waits (`sync`) until its writes
+        and every earlier one are durable; only then are its orders published and (for a
+        completion) the message acknowledged by the base. Meanwhile the next events already run
+        through the core, so one round trip covers many transitions. If a write failed, the core
+        no longer matches the store: it is dropped and a new one resumed from the store, and the
+        call raises (a completion is then nak'ed, redelivered and judged by the new core).
+        """
         async with self.core_lock:
+            core, store = self.core, self.store
             try:
-                orders = await getattr(self.core, method)(*args, time.time())
+                orders = await getattr(core, method)(*args, time.time())
             except CoreBroken as e:
                 log.error("reconciler_core_broken", error=str(e))
                 await self._resume()
                 return
-            await self._issue(orders)
+        try:
+            await store.sync()
+        except Exception as e:
+            await self._discard(core, e)
+            raise
+        await self._issue(orders)
+
+    async def _discard(self, core: Lifecycle, error: Exception) -> None:
+        async with self.core_lock:
+            if self.core is core:
+                log.error("reconciler_store_write_failed", error=repr(error))
+                await self._resume()
 
     async def _issue(self, orders: list[WorkOrder] | tuple[WorkOrder, ...]) -> None:
-        for order in orders:
-            await self.bus.publish_durable(f"work.{order.STAGE.value}", await self.order_codec.encode(order),
-                                           msg_id=order.msg_id)
+        """Publishes the orders concurrently (one flush, acknowledgements awaited together). A failed
+        publish raises after the others went out; its work is re-issued when its timeout expires."""
+        await asyncio.gather(*(self._publish(order) for order in orders))
+
+    async def _publish(self, order: WorkOrder) -> None:
+        await self.bus.publish_durable(f"work.{order.STAGE.value}", await self.order_codec.encode(order),
+                                       msg_id=order.msg_id)
 
     # --- inputs -------------------------------------------------------------------------------
     async def handle(self, msg: Any, delivery: Delivery) -> None:

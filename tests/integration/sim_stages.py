@@ -91,7 +91,7 @@ restart_window_s = 60.0
 backoff_base_s = 0.2
 backoff_max_s = 1.0
 [actors.reconciler]
-entry = "actors.reconciler:ReconcilerActor"
+entry = "{reconciler_entry}"
 max_concurrency = 64
 heartbeat_s = 1.0
 [actors.rollout]
@@ -141,6 +141,7 @@ def sim_run_toml(
     eta: int,
     rollout_count: int = 2,
     reward_count: int = 2,
+    reconciler_entry: str = "actors.reconciler:ReconcilerActor",
 ) -> str:
     """A run file: the real reconciler and every simulated stage, with timeouts short enough for tests."""
     return SIM_RUN_TEMPLATE.format(
@@ -151,6 +152,7 @@ def sim_run_toml(
         eta=eta,
         rollout_count=rollout_count,
         reward_count=reward_count,
+        reconciler_entry=reconciler_entry,
     )
 
 

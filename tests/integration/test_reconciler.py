@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from actors.config import TasksSection
-from actors.kv_slot_store import KVSlotStore
+from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
 from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.lifecycle_events import GroupOutcome, RolloutDone, RolloutOrder
 from actors.scheduling import SchedulingConfig
-from actors.slot_store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX, CasConflict
+from actors.slot_store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX, CasConflict, Entry
 from actors.slots import Slot, SlotState
 from actors.task_catalog import TaskCatalog
 from actors.task_cursor import CursorRecord, ListTaskSource
@@ -74,6 +74,32 @@ async def test_kv_slot_store_compare_and_set(tmp_path: Path) -> None:
         revisions = await asyncio.gather(*(store.update("slot.0", b"z", r2) for _ in range(5)), return_exceptions=True)
         assert sum(isinstance(r, int) for r in revisions) == 1, "exactly one of concurrent writers wins"
         assert all(isinstance(r, CasConflict) for r in revisions if not isinstance(r, int))
+
+
+async def test_pipelined_store_applies_a_prefix_of_its_writes(tmp_path: Path) -> None:
+    async with nats_bus(tmp_path) as bus:
+        kv = await bus.kv("slots")
+        store = await PipelinedKVSlotStore.open(bus.nc, kv, "slots")
+        r1 = await store.create("slot.0", b"a")
+        r2 = await store.create("slot.1", b"b")
+        r3 = await store.update("slot.0", b"c", r1)
+        assert await store.get("slot.0") == Entry(b"c", r3), "a read waits for the writes before it"
+        assert (r1, r2, r3) == (r1, r1 + 1, r1 + 2) and (await store.get("slot.1")).revision == r2
+        await store.update("slot.1", b"x", r1)  # a stale revision: the server refuses it ...
+        await store.update("slot.0", b"y", r3)  # ... and everything after it, though this one is valid
+        with pytest.raises(CasConflict):
+            await store.sync()
+        with pytest.raises(StoreBroken):
+            await store.update("slot.0", b"z", r3)
+        plain = KVSlotStore(kv)
+        assert await plain.get("slot.0") == Entry(b"c", r3) and await plain.get("slot.1") == Entry(b"b", r2)
+        again = await PipelinedKVSlotStore.open(bus.nc, kv, "slots")
+        assert await again.update("slot.0", b"y", r3) == r3 + 1
+        await again.sync()
+        await kv.put("other", b"another writer")
+        await again.update("slot.0", b"w", r3 + 1)
+        with pytest.raises(CasConflict):
+            await again.sync()
 
 
 async def test_a_second_reconciler_fences_the_first(tmp_path: Path) -> None:

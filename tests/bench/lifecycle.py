@@ -1,0 +1,410 @@
+"""Benchmark: sample lifecycles per second, the reconciler on NATS vs a central controller on Ray.
+
+    .venv/bin/python -m tests.bench.lifecycle [--prompts 500] [--group-size 4] [--trials 2]
+
+Both sides move the same samples through the same lifecycle (rollout → reward per sample; group per
+G samples; train per B groups, one batch at a time, under the same staleness bound) with no-op stages:
+
+- NATS: a real run (``python -m runtime.up``) of the real `actors.reconciler.ReconcilerActor`, its
+  table in the ``slots`` JetStream KV bucket (file storage, every transition a compare-and-set), work
+  orders and completions on JetStream streams, and the simulated stage actors of
+  tests/integration/sim_stages.py with zero work time and no blob records, one process per kind.
+  Durability on: everything the reconciler decides is in JetStream before it is acted on.
+- Ray: the design verl and OpenRLHF use: a driver loop (this process) calling rollout, reward, group
+  and train Ray actors (local Ray, ``num_cpus=2``) with asyncio awaits, keeping S samples in flight
+  and admitting groups under the same bound; state in the driver's memory only.
+
+Lifecycles/s = trained samples / seconds from the first admission to the last trained batch (NATS:
+read from the trainer's ledger, whose entries carry their time, and the reconciler's own counters).
+Latency = per stage, from issuing the work to accepting its completion (queue time included); the
+NATS side reports the reconciler's own p50/p99 (`actors.lifecycle_metrics`). Prints ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+
+from actors.reconciler import ReconcilerActor
+from runtime.bus import Bus
+from runtime.rundir import RunInfo
+from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
+
+REPO = Path(__file__).resolve().parents[2]
+NOOP = StageSim(median_s=0.0, sigma=0.0)
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# --- CPU accounting from /proc: the machine is shared, so CPU per lifecycle is the robust figure ---------
+def process_tree(root: int) -> dict[int, str]:
+    """pid -> command line of root and every live descendant."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, p in parents.items() if p == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    out = {}
+    for pid in tree:
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+def role_of(cmdline: str) -> str:
+    if "--kind reconciler" in cmdline:
+        return "reconciler"
+    if "actor_process" in cmdline:
+        return "stages"
+    if "nats-server" in cmdline:
+        return "nats_server"
+    return "supervisor_and_other"
+
+
+def cpu_by_role(root: int) -> dict[str, float]:
+    out: dict[str, float] = collections.defaultdict(float)
+    for pid, cmdline in process_tree(root).items():
+        out[role_of(cmdline)] += cpu_s(pid)
+    return dict(out)
+
+
+def cpu_ms_per_lifecycle(before: dict[str, float], after: dict[str, float], num: int) -> dict[str, float]:
+    out = {role: 1e3 * (after.get(role, 0.0) - before.get(role, 0.0)) / num for role in after}
+    out["total"] = sum(out.values())
+    return out
+
+
+# --- NATS: the real reconciler in a real run ----------------------------------------------------------
+class SerialReconcilerActor(ReconcilerActor):
+    """The reconciler with one KV round trip per write (no group commit): the before of this bench."""
+
+    pipelined_writes = False
+
+
+RECONCILERS = {
+    "nats": "actors.reconciler:ReconcilerActor",
+    "nats_serial": "tests.bench.lifecycle:SerialReconcilerActor",
+}
+
+
+async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry: str) -> dict[str, Any]:
+    run_dir = work_dir / "run"
+    SimConfig(rollout=NOOP, reward=NOOP, group=NOOP, train=NOOP, records=False, heartbeat_s=5.0).write(run_dir)
+    config = work_dir / "run.toml"
+    text = sim_run_toml(
+        num_prompts=args.prompts,
+        num_slots=args.slots,
+        group_size=args.group_size,
+        batch_groups=args.batch_groups,
+        eta=args.eta,
+        rollout_count=1,
+        reward_count=1,
+        reconciler_entry=reconciler_entry,
+    )
+    config.write_text(text)
+    out = open(work_dir / "up.out", "wb")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
+        [sys.executable, "-m", "runtime.up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    out.close()
+    try:
+        async with asyncio.timeout(90):
+            while not (run_dir / "run.json").exists():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"runtime.up exited {proc.returncode}: {(work_dir / 'up.out').read_text()}")
+                await asyncio.sleep(0.05)
+        bus = await Bus.connect(RunInfo.read(run_dir).nats_url, name="bench")
+        try:
+            return await _watch_run(args, bus, proc.pid)
+        finally:
+            await bus.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.wait, 120)
+
+
+async def _request(bus: Bus, subject: str) -> dict[str, Any]:
+    reply = await bus.nc.request(subject, b"", timeout=10.0)
+    return msgpack.unpackb(reply.data, raw=False)
+
+
+async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[str, Any]:
+    """Waits until the reconciler reports the dataset done; reads its figures and the trainer's ledger."""
+    ledger = TrainerLedger(await bus.kv(LEDGER_BUCKET))
+    cpu_samples: list[tuple[float, dict[str, float]]] = []
+    async with asyncio.timeout(args.timeout_s):
+        while True:
+            await asyncio.sleep(0.2)
+            cpu_samples.append((time.time(), await asyncio.to_thread(cpu_by_role, root_pid)))
+            actors = (await _request(bus, "ctl.supervisor.status"))["actors"]
+            reconciler = [a["id"] for a in actors if a["kind"] == "reconciler"]
+            if not reconciler:
+                continue
+            try:
+                status = await _request(bus, f"ctl.{reconciler[0]}.status")
+            except Exception:  # not consuming yet
+                continue
+            if status.get("finished"):
+                break
+    state, _ = await ledger.load()
+    lc = status["lifecycle"]
+    batches = sorted((b["time"], len(b["sample_ids"])) for b in state["trained"].values())
+    # CPU over the samples' window nearest the steady span [first batch, last batch]
+    before = max((c for c in cpu_samples if c[0] <= batches[0][0]), key=lambda c: c[0], default=cpu_samples[0])
+    after = min((c for c in cpu_samples if c[0] >= batches[-1][0]), key=lambda c: c[0], default=cpu_samples[-1])
+    in_window = sum(n for t, n in batches if before[0] < t <= after[0])
+    return {
+        **steady_rate(batches),
+        "cpu_ms_per_lifecycle": cpu_ms_per_lifecycle(before[1], after[1], in_window),
+        "stage_p50_ms": {k: 1e3 * v["p50_s"] for k, v in lc["stage_latency"].items()},
+        "stage_p99_ms": {k: 1e3 * v["p99_s"] for k, v in lc["stage_latency"].items()},
+        "slot_writes_per_sample": lc["counters"]["transitions"] / max(1, lc["counters"]["trained_samples"]),
+    }
+
+
+def steady_rate(batches: list[tuple[float, int]]) -> dict[str, Any]:
+    """Samples/s between the first and the last trained batch (start-up and pipeline fill excluded)."""
+    elapsed = batches[-1][0] - batches[0][0]
+    num = sum(n for _, n in batches[1:])
+    return {"lifecycles_per_s": num / elapsed, "trained_samples": sum(n for _, n in batches), "elapsed_s": elapsed}
+
+
+# --- Ray: a central controller calling stage actors ---------------------------------------------------
+class RayRollout:
+    async def rollout(self, sample_id: str, version: int) -> tuple[str, int]:
+        return sample_id, version
+
+
+class RayReward:
+    async def reward(self, sample_id: str) -> float:
+        return float(hash(sample_id) % 1000) / 1000.0
+
+
+class RayGroup:
+    async def group(self, group_id: str, rewards: list[float]) -> list[float]:
+        mean = sum(rewards) / len(rewards)
+        return [r - mean for r in rewards]
+
+
+class RayTrain:
+    def __init__(self) -> None:
+        self.version = 0
+
+    async def train(self, batch: list[str]) -> int:
+        self.version += 1
+        return self.version
+
+
+class Controller:
+    """The driver loop: admits whole groups under the AReaL bound, awaits stage calls, trains batches."""
+
+    def __init__(self, args: argparse.Namespace, actors: dict[str, Any]) -> None:
+        self.args = args
+        self.actors = actors
+        self.version = 0
+        self.live_groups = 0
+        self.ready: collections.deque[str] = collections.deque()
+        self.latency: dict[str, list[float]] = collections.defaultdict(list)
+        self.batches: list[tuple[float, int]] = []
+        self.cpu: list[dict[str, float]] = []
+        self.wake = asyncio.Condition()
+
+    async def _call(self, stage: str, method: Any, *call_args: Any) -> Any:
+        t0 = time.perf_counter()
+        result = await method.remote(*call_args)
+        self.latency[stage].append(time.perf_counter() - t0)
+        return result
+
+    async def _sample(self, sample_id: str) -> float:
+        await self._call("rollout", self.actors["rollout"].rollout, sample_id, self.version)
+        return await self._call("reward", self.actors["reward"].reward, sample_id)
+
+    async def _group(self, position: int) -> None:
+        group_id = f"e0-p{position}"
+        g = self.args.group_size
+        rewards = await asyncio.gather(*(self._sample(f"{group_id}-s{j}") for j in range(g)))
+        await self._call("group", self.actors["group"].group, group_id, list(rewards))
+        async with self.wake:
+            self.ready.append(group_id)
+            self.wake.notify_all()
+
+    async def _trainer(self, num_groups: int) -> None:
+        done = 0
+        while done < num_groups:
+            size = min(self.args.batch_groups, num_groups - done)
+            async with self.wake:
+                await self.wake.wait_for(lambda size=size: len(self.ready) >= size)
+                batch = [self.ready.popleft() for _ in range(size)]
+            self.version = await self._call("train", self.actors["train"].train, batch)
+            done += len(batch)
+            self.batches.append((time.time(), len(batch) * self.args.group_size))
+            if len(self.batches) == 1 or done == num_groups:
+                self.cpu.append(ray_cpu())
+            async with self.wake:
+                self.live_groups -= len(batch)
+                self.wake.notify_all()
+
+    async def run(self) -> None:
+        a = self.args
+        cap = min((a.eta + 1) * a.batch_groups, a.slots // a.group_size)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._trainer(a.prompts))
+            for position in range(a.prompts):
+                async with self.wake:
+                    await self.wake.wait_for(lambda: self.live_groups < cap)
+                    self.live_groups += 1
+                tg.create_task(self._group(position))
+
+
+async def ray_trial(args: argparse.Namespace, actors: dict[str, Any]) -> dict[str, Any]:
+    controller = Controller(args, actors)
+    await controller.run()
+    before, after = controller.cpu
+    return {
+        **steady_rate(controller.batches),
+        "cpu_ms_per_lifecycle": cpu_ms_per_lifecycle(before, after, sum(n for _, n in controller.batches[1:])),
+        "stage_p50_ms": {k: 1e3 * statistics.median(v) for k, v in controller.latency.items()},
+        "stage_p99_ms": {k: 1e3 * statistics.quantiles(v, n=100)[98] for k, v in controller.latency.items()},
+    }
+
+
+def ray_cpu() -> dict[str, float]:
+    """CPU seconds of the driver (this process, its controller loop) and of every Ray process under it."""
+    me = os.getpid()
+    others = sum(cpu_s(pid) for pid in process_tree(me) if pid != me)
+    return {"driver": cpu_s(me), "ray_processes": others}
+
+
+def start_ray() -> dict[str, Any]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    classes = {"rollout": RayRollout, "reward": RayReward, "group": RayGroup, "train": RayTrain}
+    return {k: ray.remote(num_cpus=0, max_concurrency=256)(c).remote() for k, c in classes.items()}
+
+
+# --- report --------------------------------------------------------------------------------------------
+def _median_of(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in trials[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: round(statistics.median(t[key][k] for t in trials), 3) for k in value}
+        else:
+            out[key] = round(statistics.median(t[key] for t in trials), 3)
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in args.sides}
+    actors = start_ray() if "ray" in args.sides else {}
+    try:
+        if actors:
+            await ray_trial(argparse.Namespace(**{**vars(args), "prompts": 20}), actors)  # warm-up
+        for trial in range(args.trials):  # the sides alternate, so the machine's load hits both alike
+            for side in [s for s in runs if s in RECONCILERS]:
+                work_dir = Path(tempfile.mkdtemp(prefix="bench-lifecycle-"))
+                try:
+                    runs[side].append(await nats_trial(args, work_dir, RECONCILERS[side]))
+                finally:
+                    shutil.rmtree(work_dir, ignore_errors=True)
+            if "ray" in runs:
+                runs["ray"].append(await ray_trial(args, actors))
+            print(f"trial {trial}: " + " ".join(f"{k}={v[-1]}" for k, v in runs.items()), file=sys.stderr)
+    finally:
+        if actors:
+            import ray
+
+            ray.shutdown()
+    result: dict[str, Any] = {
+        "bench": "lifecycle",
+        "params": {k: v for k, v in vars(args).items() if k != "timeout_s"},
+        "cpus": os.cpu_count(),
+        "load_avg_1m_at_end": os.getloadavg()[0],
+    }
+    names = {
+        "nats": "nats_reconciler_durable",
+        "nats_serial": "nats_reconciler_durable_one_round_trip_per_write",
+        "ray": "ray_central_controller",
+    }
+    for side, trials in runs.items():
+        result[names[side]] = _median_of(trials)
+    if "nats" in runs and "ray" in runs:
+        nats, ray_side = result[names["nats"]], result[names["ray"]]
+        result["ratio_lifecycles_per_s_nats_over_ray"] = round(
+            nats["lifecycles_per_s"] / ray_side["lifecycles_per_s"], 3
+        )
+        result["ratio_cpu_per_lifecycle_nats_over_ray"] = round(
+            nats["cpu_ms_per_lifecycle"]["total"] / ray_side["cpu_ms_per_lifecycle"]["total"], 3
+        )
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=500, help="groups per trial (the task set holds 524)")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--batch-groups", type=int, default=16)
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--eta", type=int, default=2)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument(
+        "--sides",
+        type=lambda v: v.split(","),
+        default=["nats", "ray"],
+        help="of nats, nats_serial (the reconciler without group commit), ray",
+    )
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--reconciler-entry",
+        default="actors.reconciler:ReconcilerActor",
+        help="module:Class of the reconciler (to compare two versions of it)",
+    )
+    args = p.parse_args()
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
+    import uvloop
+
+    print(json.dumps(uvloop.run(main_async(args))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
