@@ -391,11 +391,6 @@ def main() -> None:
         help="of nats, nats_serial (the reconciler without group commit), ray",
     )
     p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument(
-        "--reconciler-entry",
-        default="actors.reconciler:ReconcilerActor",
-        help="module:Class of the reconciler (to compare two versions of it)",
-    )
     args = p.parse_args()
     structlog.configure(
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
