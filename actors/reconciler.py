@@ -180,6 +180,16 @@ class ReconcilerActor(Actor):
             with contextlib.suppress(Exception):
                 await watcher.stop()
 
+    async def handover(self) -> dict[str, Any] | None:
+        """Nothing to hand over (the table is durable in KV); log the final accounting instead."""
+        snapshot = self.core.snapshot(time.time())
+        live_groups = sorted({s.group_id for s in self.core.slots if s.is_live})
+        log.info("reconciler_accounting", cursor_epoch=snapshot.cursor_epoch,
+                 cursor_position=snapshot.cursor_position, trainer_version=self.core.trainer_version,
+                 live_groups=live_groups, counters=dict(snapshot.counters),
+                 slots_per_state=dict(snapshot.slots_per_state))
+        return None
+
     def status(self) -> dict[str, Any]:
         snapshot = self.core.snapshot(time.time())
         return {"lifecycle": snapshot.to_dict(), "trainer_version": self.core.trainer_version,

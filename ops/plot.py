@@ -1,0 +1,73 @@
+"""Render a run's learning curve from its own metrics: ``python -m ops.plot RUN_DIR [RUN_DIR ...] --out FILE``.
+
+Held-out pass@1 (greedy) against wall-clock minutes for each run, with the training reward beside it;
+several runs (seeds) are drawn on the same axes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ops._client import fail
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory with metrics?")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a crash
+    return rows
+
+
+def render(runs: list[Path], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_eval, ax_reward) = plt.subplots(1, 2, figsize=(11, 4))
+    for run_dir in runs:
+        rows = read_metrics(run_dir)
+        start = min(r["time"] for r in rows)
+        evals = [r for r in rows if r["kind"] == "eval"]
+        train = [r for r in rows if r["kind"] == "train"]
+        label = run_dir.name
+        ax_eval.plot([(r["time"] - start) / 60 for r in evals], [100 * r["pass_at_1"] for r in evals],
+                     marker="o", label=label)
+        ax_reward.plot([r["version"] for r in train], [r["reward_mean"] for r in train], alpha=0.8, label=label)
+    ax_eval.set(xlabel="minutes", ylabel="held-out pass@1 (%)", title="held-out pass@1 (greedy)")
+    ax_reward.set(xlabel="policy version", ylabel="mean reward", title="training reward")
+    for ax in (ax_eval, ax_reward):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ops.plot", description=__doc__)
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=Path("learning_curve.png"))
+    p.add_argument("--title", default="asyncrl default run")
+    args = p.parse_args(argv)
+    try:
+        print(render(args.runs, args.out, args.title))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        return fail(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
