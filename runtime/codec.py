@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import types
 import typing
@@ -140,6 +141,12 @@ class Codec:
         raise MessageError("malformed", "envelope has neither body nor blob")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """Resolved field types of a message class; resolving them per message was a tenth of decode time."""
+    return typing.get_type_hints(cls)
+
+
 def _version(cls: type) -> int:
     return int(getattr(cls, "VERSION", 1))
 
@@ -159,7 +166,7 @@ def _to_wire(msg: Any) -> Any:
 def _from_wire(cls: type[M], fields: Any, path: str) -> M:
     if not isinstance(fields, dict):
         raise MessageError("invalid", f"{path}: expected a map, got {type(fields).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
     unknown = set(fields) - set(names)
     if unknown:
