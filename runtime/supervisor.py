@@ -127,6 +127,9 @@ class Supervisor:
     async def _watch(self, ap: ActorProcess) -> None:
         rc = await ap.proc.wait()
         self.procs.pop(ap.actor_id, None)
+        if rc != 0:  # a killed process cannot unregister itself: drop its registry entry for it
+            with contextlib.suppress(Exception):
+                await (await self.bus.kv("actors")).delete(ap.actor_id)
         if ap.retiring or self._stop.is_set():
             log.info("actor_exited", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc)
             return
