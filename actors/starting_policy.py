@@ -5,10 +5,14 @@ are `reference_episode_text` of the difficulty-1 tasks of the train split of `sa
 (integer arithmetic; the held-out split is never trained on), and training stops shortly after the tiny
 model starts copying the task's constant from the prompt into its answer. Measured on the way there: the
 episode format is learned within ~60 steps, but the constant stays a fixed guess ("x-11", "x*66") until
-copying emerges, between steps 300 and 400 at lr 6e-3 (at lr 3e-3, or on every difficulty, not within
-240-400 steps). The policy then solves about half of the held-out difficulty-1 tasks at temperature 1,
-with the digits still uncertain, and no task of difficulty 2-4: RL has easy tasks to sharpen and hard
-ones to discover. The result is evaluated on the whole held-out split with the RL sampling settings
+copying emerges. That transition is sharp and depends on the data order: with seed 0's order (the whole
+train split shuffled by the seed, then filtered to difficulty 1) it came between steps 300 and 400 at lr
+6e-3 (held-out pass@1 at temperature 1: 5% at step 300, 39% at step 400); with the difficulty-1 tasks
+shuffled on their own it had not come by step 400, 500 or 600 (pass@1 1-3%); at lr 3e-3, or on every
+difficulty, not within 240-400 steps. So the default recipe pins seed 0 and that order, and another
+`--seed` may need more steps. The default policy solves about half of the held-out difficulty-1 tasks at
+temperature 1, with the digits still uncertain, and no task of difficulty 2-4: RL has easy tasks to
+sharpen and hard ones to discover. The result is evaluated on the whole held-out split with the RL sampling settings
 (temperature 1) and greedily, and saved as an HF-layout safetensors checkpoint with a JSON card.
 
     python -m actors.starting_policy [--out DIR] [--steps N] [--seed S]
@@ -105,7 +109,8 @@ class StartingPolicyRecipe:
             raise ValueError(f"StartingPolicyRecipe.num_threads={self.num_threads} must be >= 1")
 
     def train_tasks(self) -> list[Task]:
-        pool = _all_of_split("train", self.seed, self.difficulties)
+        # the whole train split shuffled by the seed, then filtered: the data order the calibration measured
+        pool = [t for t in _all_of_split("train", self.seed, None) if t.difficulty in self.difficulties]
         return pool if self.num_train_tasks is None else pool[: self.num_train_tasks]
 
     def eval_tasks(self) -> list[Task]:
