@@ -110,7 +110,7 @@ class TrainerActor(StageActor):
             return
         msg = WeightsPublished(self.run_name, published.version, published.manifest_key, published.num_encoded_bytes)
         await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
-        log.info("weights_published", version=published.version, base_version=published.base_version,
+        log.info("weights_announced", version=published.version, base_version=published.base_version,
                  num_encoded_bytes=published.num_encoded_bytes, num_weight_bytes=published.num_weight_bytes,
                  encode_s=round(published.encode_s, 4), upload_s=round(published.upload_s, 4))
 

@@ -1,0 +1,172 @@
+"""The product's main job, end to end and for real: runtime.up with every RL actor, the cached starting
+policy, sandboxed rewards, delta weight sync; plus kill -9 of stage actors in the middle of a run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import msgpack
+import pytest
+import zstandard
+
+from actors.starting_policy import ensure_starting_policy
+from tests.integration.harness import REPO, LiveRun, write_config
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+SHORT_RUN = """
+[run]
+name = "e2e"
+seed = {seed}
+steps = {steps}
+
+[actors.reconciler]
+entry = "actors.reconciler:ReconcilerActor"
+max_concurrency = 64
+[actors.rollout]
+entry = "actors.rollout:RolloutActor"
+max_concurrency = 16
+threads = 1
+[actors.reward]
+entry = "actors.reward:RewardActor"
+max_concurrency = 8
+threads = 1
+[actors.grouping]
+entry = "actors.grouping:GroupingActor"
+threads = 1
+[actors.trainer]
+entry = "actors.trainer:TrainerActor"
+max_concurrency = 1
+threads = 1
+[actors.evaluator]
+entry = "actors.evaluator:EvaluatorActor"
+threads = 1
+
+[policy]
+checkpoint = "{checkpoint}"
+[tasks]
+num_heldout = 8
+difficulties = [1, 2]
+[reconciler]
+num_slots = 24
+group_size = 4
+batch_size_groups = 2
+[reconciler.scheduling]
+eta = 2
+[eval]
+every_versions = 100
+[rollout.agent]
+max_turns = 2
+max_new_tokens_per_turn = 96
+"""
+
+
+@pytest.fixture(scope="session")
+def starting_policy() -> Path:
+    return ensure_starting_policy(REPO / "runs" / "_cache")
+
+
+def _rows(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if r["kind"] == kind]
+
+
+async def _wait_finished(run: LiveRun, timeout_s: float) -> int:
+    assert run.proc is not None
+    return await asyncio.wait_for(asyncio.to_thread(run.proc.wait), timeout_s)
+
+
+async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) -> None:
+    cfg = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=0, steps=4, checkpoint=starting_policy))
+    run = await LiveRun(tmp_path / "run", cfg).start()
+    try:
+        assert await _wait_finished(run, 300) == 0, run.output()
+    finally:
+        await run.stop()
+    train = _rows(run.run_dir, "train")
+    evals = _rows(run.run_dir, "eval")
+    assert [r["version"] for r in train] == [1, 2, 3, 4], "versions advanced one per step"
+    assert {e["version"] for e in evals} >= {0, 4}, "held-out evaluation at the start and at the end"
+    assert any(r["num_versions_in_batch"] >= 2 for r in train), "samples of 2+ policy versions trained together"
+    assert max(r["lag_max"] for r in train) <= 2, "lag within eta"
+    assert all(r["grad_norm"] > 0 for r in train)
+    logs = run.run_dir / "logs"
+    scored = [
+        json.loads(line)
+        for f in logs.glob("reward-*.jsonl")
+        for line in f.read_text().splitlines()
+        if '"sandbox_scored"' in line
+    ]
+    assert len(scored) >= 4 * 2 * 4 and all(s["num_total"] == 5 for s in scored), "rewards from sandboxed tests"
+    published = [
+        json.loads(line)
+        for f in logs.glob("trainer-*.jsonl")
+        for line in f.read_text().splitlines()
+        if '"weights_announced"' in line
+    ]
+    assert [p["version"] for p in published][:5] == [0, 1, 2, 3, 4]
+    assert any(p["base_version"] is not None for p in published), "versions after the anchor travel as deltas"
+    assert published[-1]["num_encoded_bytes"] < published[-1]["num_weight_bytes"]
+    assert any((run.run_dir / "checkpoints").glob("step-*")), "model and optimizer checkpoints were written"
+    swapped = [json.loads(line) for f in logs.glob("rollout-*.jsonl") for line in f.read_text().splitlines()
+               if '"weights_swapped"' in line and '"engine"' in line]
+    assert [s["version"] for s in swapped] == sorted({s["version"] for s in swapped}), "versions applied in order"
+    assert {s["version"] for s in swapped} >= {1, 2, 3}, "rollout actors hot-loaded the versions through deltas"
+    mixed = 0
+    for blob in (run.run_dir / "blobs" / "samples").glob("*/a*/trajectory"):
+        record = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(blob.read_bytes()), raw=False)
+        mixed += len({v for v in record["trajectory"]["versions"] if v >= 0}) >= 2
+    assert mixed >= 1, "some trajectories carry tokens of two versions: weights swapped mid-rollout"
+
+
+async def test_kill_9_of_stage_actors_loses_no_sample(tmp_path: Path, starting_policy: Path) -> None:
+    cfg = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=1, steps=5, checkpoint=starting_policy))
+    run = await LiveRun(
+        tmp_path / "run",
+        cfg,
+        "--set",
+        "bus.ack_wait_s=5.0",
+        "--set",
+        "reconciler.scheduling.rollout_timeout_s=20.0",
+        "--set",
+        "reconciler.scheduling.reward_timeout_s=20.0",
+        "--set",
+        "reconciler.scheduling.group_timeout_s=20.0",
+    ).start()
+    try:
+        for kind in ("rollout", "reward", "grouping"):
+            victims = await run.wait_actors(kind, 1, timeout_s=180)
+            await asyncio.sleep(2.0)
+            os.kill(victims[0]["pid"], signal.SIGKILL)
+        assert await _wait_finished(run, 360) == 0, run.output()
+    finally:
+        await run.stop()
+    assert [r["version"] for r in _rows(run.run_dir, "train")] == [1, 2, 3, 4, 5]
+    supervisor = (run.run_dir / "logs" / "supervisor.jsonl").read_text()
+    assert supervisor.count('"actor_crashed"') == 3 and supervisor.count('"actor_restarted"') == 3
+    # Every admitted prompt is trained once or accounted for: the trainer ledger and the durable table agree.
+    state = json.loads(
+        sorted((run.run_dir / "checkpoints").glob("step-*"))[-1].joinpath("trainer_state.json").read_text()
+    )
+    assert len(state["trained_batches"]) == len(set(state["trained_batches"])) == 5
+    trained_groups: list[str] = []
+    for line in (run.run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["kind"] == "train":
+            trained_groups += row["group_ids"]
+    assert len(trained_groups) == len(set(trained_groups)), "no group trained twice"
+    (accounting,) = [
+        json.loads(line)
+        for f in (run.run_dir / "logs").glob("reconciler-*.jsonl")
+        for line in f.read_text().splitlines()
+        if '"reconciler_accounting"' in line
+    ]
+    dropped = accounting["counters"].get("dropped_groups", 0)
+    live = set(accounting["live_groups"])
+    assert live.isdisjoint(trained_groups)
+    assert accounting["cursor_position"] == len(trained_groups) + dropped + len(live), accounting
