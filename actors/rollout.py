@@ -53,7 +53,8 @@ class RolloutActor(StageActor):
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.subscriber = WeightSubscriber(self.ctx.blob, SubscriberConfig(run=self.run_name, workers=1))
         self.exit_stack.callback(self.subscriber.close)
-        self.engine = GenerationEngine(load_policy(cfg.policy), EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
+        policy = await asyncio.to_thread(load_policy, cfg.policy)  # may build the starting policy once
+        self.engine = GenerationEngine(policy, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                                        detokenize=self.tokenizer.decode)
         await self.engine.start()
         self.exit_stack.push_async_callback(self.engine.stop)
