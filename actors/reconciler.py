@@ -26,7 +26,7 @@ from actors.messages import COMPLETION_TYPES, DONE_QUEUE, WorkHeartbeat, all_ord
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from runtime import config as config_mod
-from runtime.actor import Actor, Delivery
+from runtime.actor import Actor, Delivery, raise_if_cancelled
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
@@ -142,7 +142,7 @@ class ReconcilerActor(Actor):
     async def _tick_loop(self) -> None:
         while True:
             await self._call("tick")
-            _raise_if_cancelled()
+            raise_if_cancelled()
             await asyncio.sleep(self.config.reconciler.tick_s)
 
     async def _count_rollout_actors(self) -> int:
@@ -175,7 +175,7 @@ class ReconcilerActor(Actor):
                     self.num_rollout_actors = count
                     log.info("rollout_actors_changed", num_rollout_actors=count)
                     await self._call("set_rollout_actors", count)
-                    _raise_if_cancelled()
+                    raise_if_cancelled()
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
@@ -203,11 +203,3 @@ def _is_running_rollout(raw: bytes) -> bool:
         return False
     return isinstance(info, dict) and info.get("kind") == "rollout" and info.get("state") == "running"
 
-
-def _raise_if_cancelled() -> None:
-    """Re-raise a cancellation that Python 3.11's ``asyncio.wait_for`` (inside nats-py requests)
-    swallowed when its inner future finished at the same moment: the loop would otherwise go on
-    after the drain cancelled it, and the actor would never stop."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError

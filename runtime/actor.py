@@ -323,6 +323,7 @@ class Actor:
         watcher = await kv.watch(">")
         try:
             async for entry in watcher:
+                raise_if_cancelled()
                 if entry is None or entry.value is None or entry.operation is not None:
                     continue
                 await self._apply_config(entry.key, entry.value)
@@ -347,6 +348,15 @@ class Actor:
         self.config = new
         self._log.info("config_changed", key=full_key, old=old_value, new=_get_path(new, key))
         await self.on_config_change(key, old_value, _get_path(new, key))
+
+
+def raise_if_cancelled() -> None:
+    """Re-raise a cancellation that Python 3.11's ``asyncio.wait_for`` (used inside nats-py) swallowed
+    when its inner future finished at the same moment; call it in loops that await nats-py calls, or a
+    cancelled loop goes on and the actor never stops."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _get_path(obj: Any, dotted: str) -> Any:
