@@ -12,6 +12,7 @@ from pathlib import Path
 from actors.agent import AgentConfig
 from actors.scheduling import SchedulingConfig
 from runtime.config import live
+from sandbox.tasks import count_tasks
 
 __all__ = [
     "EvalSection",
@@ -45,6 +46,13 @@ class TasksSection:
     num_train: int = 0  # 0: every generated training task
     num_heldout: int = 64
     difficulties: tuple[int, ...] = (1, 2, 3, 4)
+
+    def __post_init__(self) -> None:
+        for split, wanted in (("train", self.num_train), ("heldout", self.num_heldout)):
+            available = count_tasks(split, self.difficulties)
+            if not 0 <= wanted <= available:
+                raise ValueError(f"tasks.num_{split}={wanted}, but the {split} split holds {available} tasks of "
+                                 f"difficulties {list(self.difficulties)}; use at most {available} (0: all)")
 
 
 @dataclass(frozen=True)

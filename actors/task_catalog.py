@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.config import TasksSection
-from sandbox.tasks import Task, generate_tasks
+from sandbox.tasks import Task, count_tasks, generate_tasks
 
 __all__ = ["TaskCatalog"]
 
@@ -19,7 +19,8 @@ class TaskCatalog:
     @classmethod
     def build(cls, section: TasksSection) -> TaskCatalog:
         def split(name: str, n: int) -> tuple[Task, ...]:
-            return tuple(generate_tasks(section.seed, n or _split_size(section, name), name, section.difficulties))
+            return tuple(generate_tasks(section.seed, n or count_tasks(name, section.difficulties), name,
+                                        section.difficulties))
 
         return cls(split("train", section.num_train), split("heldout", section.num_heldout))
 
@@ -40,9 +41,3 @@ class TaskCatalog:
             raise KeyError(f"task {prompt_id!r} is not in this run's task set; was the tasks config changed "
                            "between runs?") from None
 
-
-def _split_size(section: TasksSection, split: str) -> int:
-    from sandbox._families import all_tasks
-
-    wanted = set(section.difficulties)
-    return sum(1 for t in all_tasks(split) if t.difficulty in wanted)

@@ -22,6 +22,7 @@ from sandbox.errors import SandboxViolation
 
 __all__ = [
     "Task",
+    "count_tasks",
     "dump_tasks_jsonl",
     "generate_tasks",
     "load_tasks_dir",
@@ -173,6 +174,16 @@ def load_tasks_dir(path: str | os.PathLike[str]) -> list[Task]:
         except (ValueError, TypeError) as e:
             raise ValueError(f"{task_dir}: {e}") from e
     return tasks
+
+
+def count_tasks(split: str = "train", difficulties: Iterable[int] | None = None) -> int:
+    """How many generated tasks ``split`` holds (of these difficulties): the largest ``n`` for `generate_tasks`."""
+    from sandbox._families import all_tasks
+
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    wanted = None if difficulties is None else set(difficulties)
+    return sum(1 for t in all_tasks(split) if wanted is None or t.difficulty in wanted)
 
 
 def generate_tasks(seed: int, n: int, split: str = "train", difficulties: Iterable[int] | None = None) -> list[Task]:
