@@ -68,6 +68,7 @@ class RolloutActor(StageActor):
         self.exit_stack.callback(self._release_bases)
         self.latest_version = await self.subscriber.latest_version() or 0
         self.weights_changed = asyncio.Event()
+        self.weights_lock = asyncio.Lock()
         self.weights_codec = Codec([WeightsPublished])
         sub = await self.bus.nc.subscribe(weights_subject(self.run_name), cb=self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
@@ -97,6 +98,10 @@ class RolloutActor(StageActor):
             await self._load_weights()
 
     async def _load_weights(self) -> None:
+        async with self.weights_lock:  # the weights loop and a catching-up rollout may both ask
+            await self._load_latest()
+
+    async def _load_latest(self) -> None:
         target = self.latest_version
         if target <= self.engine.version:
             return
