@@ -12,5 +12,7 @@ import os
 
 import torch
 
+pytest_plugins = ["tests.s3_fixtures"]
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

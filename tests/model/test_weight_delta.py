@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import boto3
@@ -94,23 +94,7 @@ def bits_changed(a: State, b: State) -> int:
 # -- stores --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    with MotoServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def proxy(moto: MotoServer) -> Iterator[FaultProxy]:
-    with FaultProxy(moto.endpoint) as fault_proxy:
-        yield fault_proxy
-
-
-@pytest.fixture(autouse=True)
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+pytestmark = pytest.mark.usefixtures("aws_env")  # moto and proxy come from tests/s3_fixtures.py
 
 
 @pytest.fixture(params=["file", "s3"])

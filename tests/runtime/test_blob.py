@@ -6,7 +6,7 @@ import asyncio
 import io
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import boto3
@@ -26,23 +26,7 @@ MiB = 1024 * 1024
 PART = 5 * MiB
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    with MotoServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def proxy(moto: MotoServer) -> Iterator[FaultProxy]:
-    with FaultProxy(moto.endpoint) as fault_proxy:
-        yield fault_proxy
-
-
-@pytest.fixture(autouse=True)
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+pytestmark = pytest.mark.usefixtures("aws_env")  # moto and proxy come from tests/s3_fixtures.py
 
 
 def _s3_client(moto: MotoServer):
