@@ -132,7 +132,15 @@ class TrainerSection:
 class EvalSection:
     every_versions: int = live(5)  # held-out evaluation after every this many policy versions
     temperature: float = 0.0  # 0: greedy, pass@1 of the policy's most likely answer
+    samples_per_task: int = 1  # sampled evaluation: pass@1 is the mean over this many episodes per task
     concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        if self.samples_per_task < 1 or self.concurrency < 1:
+            raise ValueError(f"eval.samples_per_task={self.samples_per_task} and eval.concurrency="
+                             f"{self.concurrency} must be >= 1")
+        if self.temperature == 0 and self.samples_per_task > 1:
+            raise ValueError("eval.samples_per_task > 1 needs eval.temperature > 0 (greedy episodes are identical)")
 
 
 @dataclass(frozen=True)

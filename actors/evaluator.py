@@ -107,7 +107,8 @@ class EvaluatorActor(Actor):
         e = self.config.eval
         sampling = greedy() if e.temperature == 0 else sampled(e.temperature)
         result = await evaluate(self.engine, self.tasks, sampling=sampling, agent_config=self.config.rollout.agent,
-                                concurrency=e.concurrency, store=self.store, tokenizer=self.tokenizer)
+                                concurrency=e.concurrency, store=self.store, tokenizer=self.tokenizer,
+                                samples_per_task=e.samples_per_task)
         summary = result.summary()
         row = {"kind": "eval", "time": time.time(), "version": version, **summary}
         await asyncio.to_thread(append_metrics, self.metrics_path, row)
