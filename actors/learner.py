@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from actors.config import TrainerSection
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.loss import PolicyLossConfig, packed_logprobs, policy_loss, token_entropy
+from model.loss import PolicyLossConfig, PolicyLossMetrics, packed_logprobs, policy_loss, token_entropy
 from model.packing import pack_sequences
 from model.router import RouterReplayConfig
 from model.transformer import MoETransformer
@@ -37,6 +37,8 @@ log = structlog.get_logger(__name__)
 __all__ = ["Learner", "StepMetrics"]
 
 STATE_FILE = "trainer_state.json"
+_NO_TOKENS = PolicyLossMetrics(num_tokens=0, pg_loss=0.0, kl=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0,
+                               ratio_max=1.0, entropy=float("nan"))
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class StepMetrics:
     version: int
     num_groups: int
     num_samples: int
+    num_computed: int  # samples in the forward: those with a non-zero advantage (all of them with a KL term)
     num_tokens: int
     num_trained_tokens: int
     loss: float
@@ -90,6 +93,38 @@ class Learner:
         samples = [s for g in groups for s in g["samples"]]
         if not samples:
             raise ValueError(f"batch {batch_id} has no samples")
+        # Without a KL term a sample whose advantage is exactly 0 (its group's rewards all equal) adds
+        # nothing to the gradient: leaving it out of the forward gives the same update for less compute.
+        computed = samples if self.config.kl_coef > 0 else [s for s in samples if s["advantage"] != 0.0]
+        if computed:
+            loss, m, grad_norm, replaced = self._optimize(computed)
+        else:
+            loss, m, grad_norm, replaced = torch.zeros(()), _NO_TOKENS, 0.0, 0.0
+            log.info("batch_without_signal", batch_id=batch_id, num_samples=len(samples))
+        self.version += 1
+        self.trained_batches.append(batch_id)
+        elapsed = time.perf_counter() - started
+        lags = [self.version - 1 - v for s in samples for v, keep in
+                zip(s["trajectory"]["versions"], s["trajectory"]["loss_mask"], strict=True) if keep]
+        histogram: dict[str, int] = {}
+        for lag in lags:
+            histogram[str(lag)] = histogram.get(str(lag), 0) + 1
+        rewards = [s["reward"] for s in samples]
+        num_tokens = sum(len(s["trajectory"]["token_ids"]) for s in computed)
+        return StepMetrics(
+            version=self.version, num_groups=len(groups), num_samples=len(samples), num_computed=len(computed),
+            num_tokens=num_tokens,
+            num_trained_tokens=m.num_tokens, loss=float(loss.detach()), pg_loss=m.pg_loss, kl=m.kl,
+            entropy=m.entropy, clip_fraction=m.clip_fraction, ratio_mean=m.ratio_mean, ratio_max=m.ratio_max,
+            grad_norm=grad_norm, reward_mean=sum(rewards) / len(rewards),
+            pass_rate=sum(s["components"]["pass_fraction"] == 1.0 for s in samples) / len(samples),
+            lag_min=min(lags, default=0), lag_max=max(lags, default=0), lag_histogram=histogram,
+            num_versions_in_batch=len({v for s in samples for v in s["trajectory"]["versions"] if v >= 0}),
+            replay_replaced_fraction=replaced, step_s=elapsed,
+            tokens_per_s=num_tokens / elapsed if elapsed > 0 else 0.0)
+
+    def _optimize(self, samples: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, PolicyLossMetrics, float, float]:
+        """Forward, loss, backward and one Adam step over ``samples``; loss, metrics, grad norm, replay fraction."""
         batch = pack_sequences([s["trajectory"]["token_ids"] for s in samples])
         behaviour, mask, advantages, replay = _aligned(samples, batch.num_tokens)
         loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
@@ -105,25 +140,7 @@ class Learner:
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
         self.optimizer.step()
-        self.version += 1
-        self.trained_batches.append(batch_id)
-        elapsed = time.perf_counter() - started
-        lags = [self.version - 1 - v for s in samples for v, keep in
-                zip(s["trajectory"]["versions"], s["trajectory"]["loss_mask"], strict=True) if keep]
-        histogram: dict[str, int] = {}
-        for lag in lags:
-            histogram[str(lag)] = histogram.get(str(lag), 0) + 1
-        rewards = [s["reward"] for s in samples]
-        return StepMetrics(
-            version=self.version, num_groups=len(groups), num_samples=len(samples), num_tokens=batch.num_tokens,
-            num_trained_tokens=m.num_tokens, loss=float(loss.detach()), pg_loss=m.pg_loss, kl=m.kl,
-            entropy=m.entropy, clip_fraction=m.clip_fraction, ratio_mean=m.ratio_mean, ratio_max=m.ratio_max,
-            grad_norm=grad_norm, reward_mean=sum(rewards) / len(rewards),
-            pass_rate=sum(s["components"]["pass_fraction"] == 1.0 for s in samples) / len(samples),
-            lag_min=min(lags, default=0), lag_max=max(lags, default=0), lag_histogram=histogram,
-            num_versions_in_batch=len({v for s in samples for v in s["trajectory"]["versions"] if v >= 0}),
-            replay_replaced_fraction=out.routing_stats.replaced_fraction, step_s=elapsed,
-            tokens_per_s=batch.num_tokens / elapsed if elapsed > 0 else 0.0)
+        return loss, m, grad_norm, out.routing_stats.replaced_fraction
 
     # --- state ----------------------------------------------------------------------------------
     def save(self, directory: Path) -> Path:

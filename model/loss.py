@@ -94,8 +94,14 @@ def token_entropy(logits_TV: torch.Tensor) -> torch.Tensor:
 
 
 def advantages_dr_grpo(rewards_G: torch.Tensor) -> torch.Tensor:
-    """Reward minus the group mean (Dr. GRPO: no division by the group's std)."""
-    rewards = rewards_G.float()
+    """Reward minus the group mean (Dr. GRPO: no division by the group's std).
+
+    A group whose rewards are all equal gets exactly 0 (not a rounding residue of the mean), so callers
+    can recognise samples without a learning signal by ``advantage == 0``.
+    """
+    rewards = rewards_G if rewards_G.dtype == torch.float64 else rewards_G.float()
+    if rewards.numel() and bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards)
     return rewards - rewards.mean()
 
 
