@@ -27,7 +27,7 @@ from actors.trainer import append_metrics
 from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
-from model.weight_delta import SubscriberConfig, WeightSubscriber, WeightSyncError
+from model.weight_sync import SubscriberConfig, WeightSubscriber, WeightSyncError
 from runtime.actor import Actor
 from runtime.codec import Codec
 from runtime.supervisor import SUPERVISOR_SUBJECT

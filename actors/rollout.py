@@ -2,7 +2,7 @@
 
 All episodes of one process share one generation engine (continuous batching). New weights arrive
 in flight: on ``weights.<run>`` the actor fetches and rebuilds the version in the background (the
-delta chain of model.weight_delta) and hands it to the engine, which swaps it between two decode
+delta chain of model.weight_sync) and hands it to the engine, which swaps it between two decode
 steps; tokens after the swap carry the new version, and the KV-cache policy (``rollout.kv_policy``)
 is applied and recorded per sequence.
 """
@@ -27,7 +27,7 @@ from model.engine import GenerationEngine
 from model.generation import EngineConfig, KVPolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
-from model.weight_delta import SubscriberConfig, WeightSubscriber, WeightSyncError
+from model.weight_sync import SubscriberConfig, WeightSubscriber, WeightSyncError
 from runtime.actor import Delivery
 from runtime.codec import Codec
 from sandbox import Environment, EnvironmentPool, LayerStore, PoolConfig, SandboxConfig, Snapshot, ToolBox

@@ -27,7 +27,7 @@ from actors.messages import WeightsPublished
 from actors.policy import load_policy, weights_run_name
 from actors.rollout import weights_subject
 from actors.slots import Stage
-from model.weight_delta import PublishedVersion, PublisherConfig, WeightPublisher
+from model.weight_sync import PublishedVersion, PublisherConfig, WeightPublisher
 from runtime.actor import Delivery
 from runtime.codec import Codec
 

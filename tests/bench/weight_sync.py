@@ -41,7 +41,7 @@ import safetensors.torch
 import structlog
 import torch
 
-from model.weight_delta import CodecConfig, PublisherConfig, WeightPublisher, decode_version, encode_version
+from model.weight_sync import CodecConfig, PublisherConfig, WeightPublisher, decode_version, encode_version
 from runtime.blob import open_store
 
 State = dict[str, torch.Tensor]

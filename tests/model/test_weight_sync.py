@@ -15,7 +15,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from model.weight_delta import (
+from model.weight_sync import (
+    FORMAT,
     BaseMismatch,
     CodecConfig,
     CorruptVersion,
@@ -268,7 +269,7 @@ def test_decode_detects_damaged_and_truncated_shards() -> None:
     with pytest.raises(CorruptVersion, match="rebuilt bits fail checksum"):
         decode_version(manifest, v2.shards, v1.state)
     with pytest.raises(CorruptVersion, match="malformed"):
-        Manifest.from_json(b'{"format": "asyncrl.weight_delta.v1", "run": 3}', where="x")
+        Manifest.from_json(json.dumps({"format": FORMAT, "run": 3}).encode(), where="x")
     raw = json.loads(v2.manifest.to_json())
     for field, value in [("version", "2"), ("base_version", 7)]:
         with pytest.raises(CorruptVersion, match=r"non-integer|not older"):
@@ -307,7 +308,7 @@ async def _corrupt(store: BlobStore, key: str, how: str) -> None:
 
 
 def _shard(version: int) -> str:
-    return f"weights/run1/v{version:010d}/shard-00000.bin"
+    return f"weights/run1/v{version:010d}/rank-00000-of-00001/shard-00000.bin"
 
 
 async def test_bad_deltas_are_never_applied_and_reader_recovers(store: BlobStore) -> None:
@@ -325,7 +326,7 @@ async def test_bad_deltas_are_never_applied_and_reader_recovers(store: BlobStore
             with pytest.raises(error, match="shard 0"):
                 await reader.fetch(target)
             assert reader.version == 7
-            assert_bit_exact(reader.state.tensors, states[7])  # nothing applied
+            assert_bit_exact(reader.tensors, states[7])  # nothing applied
         assert_bit_exact(await reader.fetch(11), states[11])  # recovers from anchor 10
         with pytest.raises(CorruptVersion, match="truncated"):
             await reader.fetch(12)
@@ -341,7 +342,7 @@ async def test_bad_deltas_are_never_applied_and_reader_recovers(store: BlobStore
             await reader.fetch(22)  # the manifest under v22's key describes version 23
         with pytest.raises(CorruptVersion, match="out of order"):
             await reader.fetch(23)  # its chain needs the mislabelled v22
-        assert_bit_exact(reader.state.tensors, states[21])
+        assert_bit_exact(reader.tensors, states[21])
     rejected = [e for e in logs if e["event"] in ("weights_version_rejected", "weights_chain_broken")]
     assert len(rejected) == 7  # 8, 9, 12, 17 rejected on apply; 19, 22, 23 on planning
 
@@ -362,7 +363,7 @@ async def test_delta_from_another_branch_is_refused(store: BlobStore) -> None:
         await reader.fetch(2)
         with pytest.raises(BaseMismatch, match="state checksum"):
             await reader.fetch(3)
-        assert_bit_exact(reader.state.tensors, states[2])
+        assert_bit_exact(reader.tensors, states[2])
 
 
 # -- publisher: background work, retries, failures, GC -------------------------------------------

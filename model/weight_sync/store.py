@@ -1,0 +1,60 @@
+"""What weight sync needs from a blob store, and the retry of its transient failures.
+
+Any object with async ``put/get/list/delete`` fits (``runtime.blob.BlobStore`` does): missing keys
+raise KeyError and transient failures OSError (ConnectionError), which are retried with capped,
+jittered exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+import structlog
+
+__all__ = ["BlobStoreLike", "Retry"]
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+class BlobStoreLike(Protocol):
+    """What the publisher and subscriber need from a blob store."""
+
+    async def put(self, key: str, data: bytes) -> None: ...
+    async def get(self, key: str) -> bytes: ...
+    async def list(self, prefix: str = "") -> list[str]: ...
+    async def delete(self, key: str) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """Retries of transient storage errors (OSError): ``attempts`` tries, backoff in [base_s, max_s]."""
+
+    attempts: int
+    base_s: float
+    max_s: float
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.base_s < 0 or self.max_s < self.base_s:
+            raise ValueError(
+                f"max_attempts={self.attempts}, backoff_base_s={self.base_s}, backoff_max_s={self.max_s}: "
+                "need attempts >= 1 and 0 <= base <= max"
+            )
+
+    async def run(self, op: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Await ``call()``, retrying OSError with backoff; the last failure propagates."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return await call()
+            except OSError as exc:
+                if attempt == self.attempts:
+                    raise
+                cap = min(self.max_s, self.base_s * 2 ** (attempt - 1))
+                delay_s = cap / 2 + random.uniform(0, cap / 2)
+                log.warning("weights_storage_retry", op=op, key=key, attempt=attempt, delay_s=delay_s, error=str(exc))
+                await asyncio.sleep(delay_s)
+        raise AssertionError("unreachable")  # pragma: no cover
