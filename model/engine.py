@@ -90,6 +90,7 @@ class GenerationEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._newest_version = version  # newest version accepted by update_weights (maybe not yet applied)
 
     @property
     def status(self) -> EngineStatus:
@@ -167,14 +168,19 @@ class GenerationEngine:
         Before start() the weights are copied at once.
 
         Raises:
-            ValueError: `version` is not newer than the engine's and every pending update's.
+            ValueError: `version` is not newer than every update already accepted (applied, queued or
+                being applied), so a duplicate of a version is refused, never applied twice.
             CheckpointError: keys or shapes do not match the model.
         """
         if self._status not in (EngineStatus.CREATED, EngineStatus.RUNNING):
             raise EngineStateError(f"cannot update_weights: engine is {self._status.value}")
-        if version <= self.version or any(u.version >= version for u in self._updates):
-            raise ValueError(f"weight version {version} is not newer than the engine's {self.version}")
+        if version <= self._newest_version:  # applied, queued, or being applied in the worker thread
+            raise ValueError(
+                f"weight version {version} is not newer than the engine's {self.version} "
+                f"(newest accepted {self._newest_version}); an update is applied once"
+            )
         state_dict = checked_state(self._core.model, state_dict)  # errors reach the caller, not the loop
+        self._newest_version = version
         if self._status is EngineStatus.CREATED:
             self._core.apply_update(state_dict, version, KVPolicy(kv_policy))
             return

@@ -128,10 +128,8 @@ def _planes(words: np.ndarray) -> np.ndarray:
 
 
 def _unplanes(data: bytes, dtype: np.dtype) -> np.ndarray:
-    if dtype.itemsize == 1:
-        return np.frombuffer(data, dtype).copy()  # writable, like every other rebuilt tensor
     planes = np.frombuffer(data, np.uint8).reshape(dtype.itemsize, -1)
-    return np.ascontiguousarray(planes.T).view(dtype).reshape(-1)
+    return planes.T.copy().view(dtype).reshape(-1)  # always a copy: writable, like every rebuilt tensor
 
 
 def _sparse_xor(new: np.ndarray, base: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -218,3 +218,43 @@ def test_update_weights_before_start_applies_immediately() -> None:
         assert torch.equal(engine.model.lm_head.weight, v2.lm_head.weight)
 
     asyncio.run(run())
+
+
+def test_duplicate_update_is_refused_while_the_first_is_being_applied() -> None:
+    """The engine, not its callers, guarantees a version is applied once (even mid-apply in the worker)."""
+    import threading
+
+    v1, v2 = seeded_model(CONFIG, seed=1), seeded_model(CONFIG, seed=2)
+    engine = GenerationEngine(v1, version=1)
+    applying, release = threading.Event(), threading.Event()
+    applied: list[int] = []
+    apply = engine._core.apply_update
+
+    def slow_apply(state, version, policy) -> None:  # runs in the engine's worker thread
+        applying.set()
+        release.wait(timeout=10)
+        applied.append(version)
+        apply(state, version, policy)
+
+    engine._core.apply_update = slow_apply
+
+    async def run() -> None:
+        await engine.start()
+        try:
+            first = asyncio.create_task(engine.update_weights(v2.state_dict(), version=2))
+            await asyncio.to_thread(applying.wait, 10)  # taken from the inbox, not applied yet
+            assert engine.version == 1
+            with pytest.raises(ValueError, match="not newer"):
+                await engine.update_weights(v2.state_dict(), version=2)
+            with pytest.raises(ValueError, match="newest accepted 2"):
+                await engine.update_weights(v2.state_dict(), version=1)
+            release.set()
+            await first
+            assert engine.version == 2 and applied == [2]
+            await engine.update_weights(v1.state_dict(), version=3)  # a newer one still goes through
+            assert engine.version == 3 and applied == [2, 3]
+        finally:
+            release.set()
+            await engine.stop()
+
+    asyncio.run(run())

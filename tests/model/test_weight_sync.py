@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -20,6 +21,7 @@ from model.weight_sync import (
     BaseMismatch,
     CodecConfig,
     CorruptVersion,
+    IncompleteVersion,
     Manifest,
     PublisherConfig,
     PublishFailed,
@@ -31,7 +33,10 @@ from model.weight_sync import (
     decode_version,
     encode_version,
     manifest_key,
+    partition,
+    rank_part,
 )
+from model.weight_sync._priority import lower_thread_priority
 from runtime.blob import BlobStore, open_store
 from runtime.blob.testing import FaultProxy, MotoServer
 
@@ -476,3 +481,107 @@ async def test_snapshot_buffers_are_recycled_without_corrupting_bases(tmp_path: 
             for version in range(8):
                 assert_bit_exact(await reader.fetch(version), expected[version])
     assert any(pointers[v] == pointers[u] for v in range(8) for u in range(v))  # buffers were reused
+
+
+# -- ranks: each publishes its part, readers assemble complete versions -------------------------
+
+
+async def publish_ranks(store: BlobStore, states: tuple[State, ...], versions: range, world_size: int, **kw) -> None:
+    """Versions published by ``world_size`` publishers (ranks of one process), each its own part."""
+    async with contextlib.AsyncExitStack() as stack:
+        publishers = [
+            await stack.enter_async_context(
+                WeightPublisher(store, PublisherConfig(run="run1", rank=rank, world_size=world_size,
+                                                       max_pending=len(states), backoff_base_s=0.01, **kw))
+            )
+            for rank in range(world_size)
+        ]  # fmt: skip
+        futures = [
+            publisher.submit(v, rank_part(states[v], rank, world_size))
+            for v in versions
+            for rank, publisher in enumerate(publishers)
+        ]
+        results = await asyncio.gather(*futures)
+    assert {(r.rank, r.world_size) for r in results} == {(rank, world_size) for rank in range(world_size)}
+
+
+def test_partition_is_deterministic_disjoint_and_balanced() -> None:
+    sizes = {f"w{i}": (i % 7 + 1) * 1000 for i in range(40)}
+    parts = partition(sizes, 3)
+    assert parts == partition(dict(reversed(sizes.items())), 3)  # insertion order does not matter
+    assert set().union(*parts) == set(sizes) and sum(map(len, parts)) == len(sizes)
+    loads = [sum(sizes[n] for n in part) for part in parts]
+    assert max(loads) - min(loads) <= max(sizes.values())
+    with pytest.raises(ValueError, match="rank=2"):
+        rank_part({"a": torch.zeros(1)}, 2, 2)
+
+
+async def test_two_ranks_publish_parts_and_the_reader_assembles_them(store: BlobStore) -> None:
+    states = training_chain(1e-5)[:12]
+    await publish_ranks(store, states, range(11), world_size=2)  # version 11 comes later, from rank 0 only
+    with subscriber(store) as reader, capture_logs() as logs:
+        assert await reader.versions() == list(range(11))
+        for version in (0, 3, 7, 10):
+            assert_bit_exact(await reader.fetch(version), states[version])
+        assert len(reader.parts) == 2 and all(part.version == 10 for part in reader.parts)
+        assert {planned(logs, 10)["num_steps"]} == {e["num_steps"] for e in logs if e.get("target") == 10
+                                                    and e["event"] == "weights_fetch_planned"} == {1}  # fmt: skip
+
+        async with WeightPublisher(store, PublisherConfig(run="run1", rank=0, world_size=2)) as rank0:
+            await rank0.submit(11, rank_part(states[11], 0, 2))
+        assert await reader.versions() == list(range(11))  # incomplete: not a version yet
+        with pytest.raises(IncompleteVersion, match=r"ranks \{2: \[1\]\}"):
+            await reader.fetch(11)
+        assert reader.version == 10
+        assert_bit_exact(reader.tensors, states[10])  # nothing applied
+    with subscriber(store) as cold:  # a reader starting mid-chain replays each rank from its anchor
+        assert_bit_exact(await cold.fetch(9), states[9])
+
+
+async def test_ranks_publishing_the_same_tensor_are_refused(tmp_path: Path) -> None:
+    states = training_chain(1e-5)[:2]
+    async with open_store(f"file://{tmp_path}") as store:
+        for rank in range(2):
+            async with WeightPublisher(store, PublisherConfig(run="run1", rank=rank, world_size=2)) as publisher:
+                await publisher.submit(0, states[0])  # the whole state from both ranks
+        with subscriber(store) as reader, pytest.raises(CorruptVersion, match="another rank has"):
+            await reader.fetch(0)
+        assert reader.version is None
+
+
+async def test_retention_with_two_ranks_deletes_each_ranks_old_parts(tmp_path: Path) -> None:
+    states = training_chain(1e-5)[:10]
+    async with open_store(f"file://{tmp_path}") as store:
+        await publish_ranks(store, states, range(10), world_size=2, retain_versions=2,
+                            codec=CodecConfig(anchor_every=4))  # fmt: skip
+        stored = {key.split("/")[2:4][0] + "/" + key.split("/")[3] for key in await store.list("weights/run1/")}
+        assert stored == {f"v{v:010d}/rank-0000{r}-of-00002" for v in (8, 9) for r in (0, 1)}
+        with subscriber(store) as reader:
+            assert await reader.versions() == [8, 9]
+            assert_bit_exact(await reader.fetch(9), states[9])
+
+
+def test_worker_priority_is_lowered_in_the_worker_thread_only() -> None:
+    import os
+    import threading
+
+    def in_thread(nice: int) -> int:
+        result: list[int] = []
+
+        def work() -> None:
+            lower_thread_priority(nice, idle=False)
+            result.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        return result[0]
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert in_thread(19) == 19
+    assert in_thread(0) == before  # never raised back above what the process has
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    with pytest.raises(ValueError, match="worker_nice=20"):
+        PublisherConfig(run="r", worker_nice=20)
+    with pytest.raises(ValueError, match="rank=2"):
+        PublisherConfig(run="r", rank=2, world_size=2)
