@@ -12,24 +12,21 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import structlog
 
 from actors.config import RLConfig
 from actors.evaluation import evaluate, greedy, sampled
-from actors.messages import WeightsPublished
+from actors.metrics_log import read_metrics
 from actors.policy import load_policy, weights_run_name
-from actors.rollout import weights_subject
 from actors.task_catalog import TaskCatalog
 from actors.trainer import append_metrics
+from actors.weights_follower import WeightsFollower
 from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
-from model.weight_sync import SubscriberConfig, WeightSubscriber, WeightSyncError
 from runtime.actor import Actor
-from runtime.codec import Codec
 from runtime.supervisor import SUPERVISOR_SUBJECT
 from sandbox import LayerStore, SandboxConfig
 
@@ -50,8 +47,6 @@ class EvaluatorActor(Actor):
         self.tokenizer = ByteTokenizer()
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.metrics_path = Path(self.ctx.run_dir) / self.config.trainer.metrics_file
-        self.subscriber = WeightSubscriber(self.ctx.blob, SubscriberConfig(run=self.run_name, workers=1))
-        self.exit_stack.callback(self.subscriber.close)
         self.engine = GenerationEngine(await asyncio.to_thread(load_policy, self.config.policy),
                                        EngineConfig(max_batch_size=self.config.eval.concurrency),
                                        detokenize=self.tokenizer.decode)
@@ -60,19 +55,9 @@ class EvaluatorActor(Actor):
         root = self.exit_stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-", dir="/var/tmp"))
         self.store = LayerStore(SandboxConfig(root_dir=root))
         self.exit_stack.callback(self.store.close)
-        self.evaluated = {int(r["version"]) for r in _eval_rows(self.metrics_path)}
-        self.latest = 0
-        self.changed = asyncio.Event()
-        self.codec = Codec([WeightsPublished])
-        sub = await self.bus.nc.subscribe(weights_subject(self.run_name), cb=self._on_weights)
-        self.exit_stack.push_async_callback(sub.unsubscribe)
-        self.latest = await self.subscriber.latest_version() or 0
-        self.changed.set()
-
-    async def _on_weights(self, raw: Any) -> None:
-        msg = await self.codec.decode(raw.data)
-        self.latest = max(self.latest, msg.version)
-        self.changed.set()
+        self.evaluated = {int(r["version"]) for r in read_metrics(self.metrics_path, kind="eval")}
+        self.weights = WeightsFollower(self.bus, self.ctx.blob, self.run_name, self.engine)
+        await self.weights.start(self.exit_stack)
 
     def _due(self, version: int) -> bool:
         steps = self.ctx.run.steps if self.ctx.run else 0
@@ -80,28 +65,17 @@ class EvaluatorActor(Actor):
         return version not in self.evaluated and (version % every == 0 or (steps and version >= steps))
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
-        tg.create_task(self._loop())
+        tg.create_task(self.weights.follow(wanted=self._due, on_loaded=self._on_version))
 
-    async def _loop(self) -> None:
-        while True:
-            await self.changed.wait()
-            self.changed.clear()
-            target = self.latest
-            if not self._due(target):
-                continue
-            if target != self.engine.version:
-                try:
-                    await self.engine.update_weights(await self.subscriber.fetch(target), target)
-                except WeightSyncError as e:
-                    log.error("eval_weights_fetch_failed", version=target, error=str(e))
-                    continue
-            await self._evaluate(target)
-            steps = self.ctx.run.steps if self.ctx.run else 0
-            if steps and target >= steps:
-                log.info("run_step_budget_reached", version=target, steps=steps)
-                await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",
-                                          msgpack.packb({"by": self.identity.actor_id, "reason": "steps"}),
-                                          timeout=5.0)
+    async def _on_version(self, version: int) -> None:
+        """The engine holds ``version``, which is due: evaluate it; finish a run whose budget it ends."""
+        await self._evaluate(version)
+        steps = self.ctx.run.steps if self.ctx.run else 0
+        if steps and version >= steps:
+            log.info("run_step_budget_reached", version=version, steps=steps)
+            await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",
+                                      msgpack.packb({"by": self.identity.actor_id, "reason": "steps"}),
+                                      timeout=5.0)
 
     async def _evaluate(self, version: int) -> None:
         e = self.config.eval
@@ -117,18 +91,3 @@ class EvaluatorActor(Actor):
         progress = {"heldout_pass@1": round(summary["pass_at_1"], 3), "eval_version": version}
         await self.bus.nc.publish("progress.eval", msgpack.packb(progress, use_bin_type=True))
 
-
-def _eval_rows(path: Path) -> list[dict[str, Any]]:
-    import json
-
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if row.get("kind") == "eval":
-            rows.append(row)
-    return rows

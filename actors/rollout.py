@@ -19,28 +19,22 @@ import structlog
 from actors._stage import StageActor, WorkRefused
 from actors.agent import run_episode
 from actors.lifecycle_events import RolloutDone, RolloutOrder
-from actors.messages import WeightsPublished
 from actors.policy import load_policy, weights_run_name
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
+from actors.weights_follower import WeightsFollower, weights_subject
 from model.engine import GenerationEngine
 from model.generation import EngineConfig, KVPolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
-from model.weight_sync import SubscriberConfig, WeightSubscriber, WeightSyncError
 from runtime.actor import Delivery
-from runtime.codec import Codec
 from sandbox import Environment, EnvironmentPool, LayerStore, PoolConfig, SandboxConfig, Snapshot, ToolBox
 from sandbox.archive import export_snapshot_bytes
 from sandbox.tasks import Task
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["RolloutActor", "weights_subject"]
-
-
-def weights_subject(run: str) -> str:
-    return f"weights.{run}"
+__all__ = ["RolloutActor", "weights_subject"]  # weights_subject: kept importable from here
 
 
 class RolloutActor(StageActor):
@@ -51,8 +45,6 @@ class RolloutActor(StageActor):
         self.tasks = TaskCatalog.build(cfg.tasks)
         self.tokenizer = ByteTokenizer()
         self.run_name = weights_run_name(self.ctx.run_dir)
-        self.subscriber = WeightSubscriber(self.ctx.blob, SubscriberConfig(run=self.run_name, workers=1))
-        self.exit_stack.callback(self.subscriber.close)
         policy = await asyncio.to_thread(load_policy, cfg.policy)  # may build the starting policy once
         self.engine = GenerationEngine(policy, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                                        detokenize=self.tokenizer.decode)
@@ -66,53 +58,17 @@ class RolloutActor(StageActor):
         self.exit_stack.push_async_callback(self.pool.stop)
         self.bases: dict[str, Snapshot] = {}
         self.exit_stack.callback(self._release_bases)
-        self.latest_version = await self.subscriber.latest_version() or 0
-        self.weights_changed = asyncio.Event()
-        self.weights_lock = asyncio.Lock()
-        self.weights_codec = Codec([WeightsPublished])
-        sub = await self.bus.nc.subscribe(weights_subject(self.run_name), cb=self._on_weights)
-        self.exit_stack.push_async_callback(sub.unsubscribe)
-        await self._load_weights()  # a restarted actor starts from the newest published version
+        self.weights = WeightsFollower(self.bus, self.ctx.blob, self.run_name, self.engine,
+                                       kv_policy=KVPolicy(cfg.rollout.kv_policy))
+        await self.weights.start(self.exit_stack)
+        await self.weights.load_latest()  # a restarted actor starts from the newest published version
 
     def _release_bases(self) -> None:
         for snapshot in self.bases.values():
             snapshot.release()
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
-        tg.create_task(self._weights_loop())
-
-    async def _on_weights(self, raw: Any) -> None:
-        try:
-            msg = await self.weights_codec.decode(raw.data)
-        except ValueError as e:
-            log.error("weights_signal_rejected", error=str(e))
-            return
-        if msg.version > self.latest_version:
-            self.latest_version = msg.version
-            self.weights_changed.set()
-
-    async def _weights_loop(self) -> None:
-        while True:
-            await self.weights_changed.wait()
-            self.weights_changed.clear()
-            await self._load_weights()
-
-    async def _load_weights(self) -> None:
-        async with self.weights_lock:  # the weights loop and a catching-up rollout may both ask
-            await self._load_latest()
-
-    async def _load_latest(self) -> None:
-        target = self.latest_version
-        if target <= self.engine.version:
-            return
-        try:
-            state = await self.subscriber.fetch(target)
-        except WeightSyncError as e:  # corrupt or missing: keep the current weights, recover on a later anchor
-            log.error("weights_fetch_failed", version=target, error=str(e))
-            return
-        policy = KVPolicy(self.config.rollout.kv_policy)
-        await self.engine.update_weights(state, target, policy)
-        log.info("weights_swapped", version=target, kv_policy=policy.value, engine=self.engine.stats().__dict__)
+        tg.create_task(self.weights.follow())
 
     def _base(self, task: Task) -> Snapshot:
         if task.id not in self.bases:
@@ -131,10 +87,9 @@ class RolloutActor(StageActor):
         except KeyError as e:
             raise WorkRefused(str(e)) from None
         while self.engine.version < order.policy_version_floor:  # admitted under a newer policy than ours
-            self.latest_version = max(self.latest_version, order.policy_version_floor)
-            await self._load_weights()
-            if self.engine.version < order.policy_version_floor:
-                await asyncio.sleep(0.5)
+            self.weights.announce(order.policy_version_floor)
+            if await self.weights.load_latest() < order.policy_version_floor:
+                await asyncio.sleep(0.5)  # announced by the order before the store has it: look again
         env = await self.pool.acquire(self._base(task))
         try:
             toolbox = ToolBox(env)

@@ -7,25 +7,17 @@ several runs (seeds) are drawn on the same axes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from actors import metrics_log
 from ops._client import fail
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory with metrics?")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a crash
-    return rows
+    """The rows of ``run_dir``'s metrics.jsonl, through the same reader the evaluator uses."""
+    return metrics_log.read_metrics(run_dir / "metrics.jsonl", missing_ok=False)
 
 
 def render(runs: list[Path], out: Path, title: str) -> Path:

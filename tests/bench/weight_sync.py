@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,17 +70,24 @@ def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: i
     return step
 
 
-async def timed_steps(
-    step: Callable[[], None], count: int, publish: Callable[[], None] | None
-) -> list[tuple[float, float]]:
-    """(wall seconds, process CPU seconds) per step; CPU includes the publisher's background threads."""
+def on_thread_cpu(step: Callable[[], None]) -> Callable[[], float]:
+    """``step`` that returns the CPU seconds of the thread it ran on (the step's own thread)."""
+
+    def run() -> float:
+        started = time.thread_time()
+        step()
+        return time.thread_time() - started
+
+    return run
+
+
+async def timed_steps(step: Callable[[], None], count: int) -> list[tuple[float, float, float]]:
+    """(wall s, process CPU s, step-thread CPU s) per step; process CPU includes background threads."""
     times = []
     for _ in range(count):
         wall, cpu = time.perf_counter(), time.process_time()
-        await asyncio.to_thread(step)
-        if publish is not None:
-            publish()  # the bf16 cast is the caller's share of publishing
-        times.append((time.perf_counter() - wall, time.process_time() - cpu))
+        thread_cpu = await asyncio.to_thread(on_thread_cpu(step))
+        times.append((time.perf_counter() - wall, time.process_time() - cpu, thread_cpu))
     return times
 
 
@@ -87,8 +95,11 @@ async def timed_steps(
 class Pair:
     clean_s: float
     clean_cpu_s: float
+    clean_thread_cpu_s: float
     busy_s: float  # the bf16 snapshot + the next step, which runs while that version is encoded
     busy_cpu_s: float
+    busy_thread_cpu_s: float  # the step thread's own CPU: publishing must add nothing here
+    caller_s: float  # snapshot + submit: the only part of publishing the training loop waits for
 
 
 async def paired_steps(
@@ -103,12 +114,14 @@ async def paired_steps(
     pairs = []
     for _ in range(count):
         await publisher.flush()
-        ((clean_s, clean_cpu_s),) = await timed_steps(step, 1, None)
+        ((clean_s, clean_cpu_s, clean_thread_s),) = await timed_steps(step, 1)
         wall, cpu = time.perf_counter(), time.process_time()
         publish()
-        ((busy_s, busy_cpu_s),) = await timed_steps(step, 1, None)
+        caller_s = time.perf_counter() - wall
+        ((busy_s, busy_cpu_s, busy_thread_s),) = await timed_steps(step, 1)
         wall, cpu = time.perf_counter() - wall - busy_s, time.process_time() - cpu - busy_cpu_s
-        pairs.append(Pair(clean_s, clean_cpu_s, busy_s + wall, busy_cpu_s + cpu))
+        pairs.append(Pair(clean_s, clean_cpu_s, clean_thread_s, busy_s + wall, busy_cpu_s + cpu, busy_thread_s,
+                          caller_s))  # fmt: skip
     await publisher.flush()
     return pairs
 
@@ -117,10 +130,11 @@ async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[st
     model = build_model(args.layers, args.width, args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     step = make_step(model, optimizer, args.batch)
-    await timed_steps(step, args.warmup, None)
+    await timed_steps(step, args.warmup)
 
     codec = CodecConfig(anchor_every=args.anchor_every, zstd_level=args.zstd_level, workers=args.workers)
-    config = PublisherConfig(run=f"bench-lr{lr:g}", codec=codec, retain_versions=4, max_pending=2)
+    config = PublisherConfig(run=f"bench-lr{lr:g}", codec=codec, retain_versions=4, max_pending=2,
+                             worker_nice=args.worker_nice, worker_idle=args.sched_idle)  # fmt: skip
     snapshots: list[State] = []
     async with open_store(f"file://{blob_root}") as store, WeightPublisher(store, config) as publisher:
         version = 0
@@ -134,7 +148,7 @@ async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[st
             futures.append(publisher.submit(version, publisher.snapshot(params)))  # bf16 copy, recycled buffers
 
         for _ in range(args.steps):  # consecutive published steps: bytes per step of a one-step delta
-            await timed_steps(step, 1, None)
+            await timed_steps(step, 1)
             publish()
             snapshots[:] = [*snapshots[-1:], {name: t.detach().to(torch.bfloat16) for name, t in params.items()}]
         await publisher.flush()
@@ -153,9 +167,13 @@ async def run_lr(args: argparse.Namespace, lr: float, blob_root: str) -> dict[st
         "bytes_ratio": full_bytes / delta_bytes,
         f"bytes_ratio_amortised_k{k}": full_bytes / amortised,
         **measure_codec(snapshots, codec, args.reps),
+        **gil_probe(snapshots, codec, args.reps),
         "step_s_clean_median": statistics.median(p.clean_s for p in pairs),
         "step_slowdown": statistics.median(p.busy_s / p.clean_s for p in pairs) - 1.0,
         "step_cpu_overhead": statistics.median(p.busy_cpu_s / p.clean_cpu_s for p in pairs) - 1.0,
+        "step_thread_cpu_ratio": statistics.median(p.busy_thread_cpu_s / p.clean_thread_cpu_s for p in pairs),
+        "caller_share_s_median": statistics.median(p.caller_s for p in pairs),
+        "caller_share_of_step": statistics.median(p.caller_s / p.clean_s for p in pairs),
         "num_published": len(published),
         "num_failed_or_superseded": len(futures) - len(published),
         "publisher_encode_s_median": statistics.median(p.encode_s for p in deltas),
@@ -202,6 +220,49 @@ def measure_codec(snapshots: list[State], codec: CodecConfig, reps: int) -> dict
     }
 
 
+def _python_work(n: int = 4_000_000) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def gil_probe(snapshots: list[State], codec: CodecConfig, rounds: int) -> dict[str, float]:
+    """How much pure-Python work on another thread slows while a version is encoded in the background.
+
+    One encode worker (plus its driver) beside one Python thread: on 2 cores they need not share
+    a CPU, so a slowdown near 0 says encoding leaves the GIL free (numpy, zstd and xxhash release
+    it); an encoder holding the GIL would slow the Python thread towards 2x. Rounds alternate
+    alone / beside, medians compared.
+    """
+    previous, latest = snapshots
+    one = dataclasses.replace(codec, workers=1)
+    base = encode_version(previous, None, run="bench", version=0, config=one).state
+    alone, beside, num_encodes = [], [], 0
+    with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as driver:
+        for _ in range(rounds):
+            _, wall, _ = _timed(_python_work)
+            alone.append(wall)
+            stop = threading.Event()
+
+            def encode_until_stopped(stop: threading.Event = stop) -> int:
+                count = 0
+                while not stop.is_set():
+                    encode_version(latest, base, run="bench", version=1, config=one, executor=pool)
+                    count += 1
+                return count
+
+            running = driver.submit(encode_until_stopped)
+            _, wall, _ = _timed(_python_work)
+            beside.append(wall)
+            stop.set()
+            num_encodes += running.result()
+    return {
+        "python_thread_slowdown_while_encoding": statistics.median(beside) / statistics.median(alone) - 1.0,
+        "gil_probe_encodes": num_encodes,
+    }
+
+
 async def main(args: argparse.Namespace) -> dict[str, object]:
     num_params = sum(p.numel() for p in build_model(args.layers, args.width, args.seed).parameters())
     result: dict[str, object] = {
@@ -243,6 +304,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--zstd-level", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--worker-nice",
+        type=int,
+        default=PublisherConfig.worker_nice,
+        help="nice value of the publisher's encoding threads (0 = the step's priority)",
+    )
+    parser.add_argument("--sched-idle", action="store_true", help="encoding threads under SCHED_IDLE")
     return parser.parse_args()
 
 

@@ -1,0 +1,107 @@
+"""Following a run's weights: ``weights.<run>`` signals -> fetch through the delta chain -> engine swap.
+
+The rollout actors and the evaluator both hold a generation engine that must track the trainer's
+published versions. A :class:`WeightsFollower` subscribes to the signal, remembers the newest
+version announced, and loads it into the engine: the fetch and rebuild run in the background
+(``model.weight_sync``), the engine swaps between two decode steps. Loads are serialised, and the
+engine refuses a version it already has, so a version is applied once. A version that cannot be
+fetched (corrupt, missing, incomplete) is logged and skipped; the next announcement recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from actors.messages import WeightsPublished
+from model.engine import GenerationEngine
+from model.generation import KVPolicy
+from model.weight_sync import BlobStoreLike, SubscriberConfig, WeightSubscriber, WeightSyncError
+from runtime.bus import Bus
+from runtime.codec import Codec
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["WeightsFollower", "weights_subject"]
+
+
+def weights_subject(run: str) -> str:
+    """The subject on which the trainer announces each published version of ``run``."""
+    return f"weights.{run}"
+
+
+class WeightsFollower:
+    """Keeps ``engine`` on the newest announced version of ``run`` (see the module docstring).
+
+    ``start`` subscribes (resources on the caller's exit stack); ``follow`` is the background loop;
+    ``load_latest`` loads what is announced now (a caller may first raise the target with
+    ``announce``, e.g. a rollout admitted under a newer policy than its engine has).
+    """
+
+    def __init__(
+        self, bus: Bus, blob: BlobStoreLike, run: str, engine: GenerationEngine,
+        *, kv_policy: KVPolicy = KVPolicy.RECOMPUTE, workers: int = 1,
+    ) -> None:  # fmt: skip
+        self.bus, self.run, self.engine, self.kv_policy = bus, run, engine, kv_policy
+        self.subscriber = WeightSubscriber(blob, SubscriberConfig(run=run, workers=workers))
+        self.latest = 0
+        self._changed = asyncio.Event()
+        self._loading = asyncio.Lock()  # the loop and a catching-up caller may both ask
+        self._codec = Codec([WeightsPublished])
+
+    async def start(self, exit_stack: contextlib.AsyncExitStack) -> None:
+        """Subscribe to the signal and learn the newest version already published."""
+        exit_stack.callback(self.subscriber.close)
+        sub = await self.bus.nc.subscribe(weights_subject(self.run), cb=self._on_signal)
+        exit_stack.push_async_callback(sub.unsubscribe)
+        self.announce(await self.subscriber.latest_version() or 0)
+        self._changed.set()  # the first pass of follow() looks at the version known now
+
+    def announce(self, version: int) -> None:
+        """Version ``version`` exists (or will): the next load aims at least that far."""
+        if version > self.latest:
+            self.latest = version
+            self._changed.set()
+
+    async def _on_signal(self, raw: Any) -> None:
+        try:
+            msg = await self._codec.decode(raw.data)
+        except ValueError as e:
+            log.error("weights_signal_rejected", error=str(e))
+            return
+        self.announce(msg.version)
+
+    async def follow(
+        self, *, wanted: Callable[[int], bool] | None = None,
+        on_loaded: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:  # fmt: skip
+        """Forever: on each announcement, load the newest version if ``wanted(version)``, then
+        await ``on_loaded(version)`` once the engine holds it."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            target = self.latest
+            if wanted is not None and not wanted(target):
+                continue
+            if await self.load_latest() == target and on_loaded is not None:
+                await on_loaded(target)
+
+    async def load_latest(self) -> int:
+        """Load the newest announced version unless the engine has it; returns the engine's version."""
+        async with self._loading:
+            target = self.latest
+            if target <= self.engine.version:
+                return self.engine.version
+            try:
+                state = await self.subscriber.fetch(target)
+            except WeightSyncError as e:  # keep the current weights; a later version recovers
+                log.error("weights_fetch_failed", version=target, error=str(e))
+                return self.engine.version
+            await self.engine.update_weights(state, target, self.kv_policy)
+            log.info("weights_swapped", version=target, kv_policy=self.kv_policy.value,
+                     engine=self.engine.stats().__dict__)  # fmt: skip
+            return self.engine.version
