@@ -140,7 +140,10 @@ class SlotTable:
         self._log_transition(old, new)
 
     async def _write_all(self, slots: Iterable[Slot]) -> None:
-        await asyncio.gather(*(self._write(s) for s in slots))
+        # One after another: with the reconciler's group-commit store a write only joins a buffer,
+        # and a task per write (gather) cost more than the write itself.
+        for slot in slots:
+            await self._write(slot)
 
     async def _put_outcome(self, outcome: GroupOutcome) -> None:
         key = outcome_key(outcome.group_id)

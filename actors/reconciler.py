@@ -55,8 +55,13 @@ class ReconcilerActor(Actor):
 
     def _lifecycle_config(self) -> LifecycleConfig:
         r = self.config.reconciler
-        return LifecycleConfig(num_slots=r.num_slots, group_size=r.group_size, batch_size_groups=r.batch_size_groups,
-                               num_epochs=r.num_epochs, scheduling=r.scheduling)
+        return LifecycleConfig(
+            num_slots=r.num_slots,
+            group_size=r.group_size,
+            batch_size_groups=r.batch_size_groups,
+            num_epochs=r.num_epochs,
+            scheduling=r.scheduling,
+        )
 
     async def _open_store(self) -> KVSlotStore:
         kv = await self.bus.kv("slots")
@@ -69,13 +74,19 @@ class ReconcilerActor(Actor):
         if isinstance(old, PipelinedKVSlotStore):
             await old.close()
         self.store = await self._open_store()  # a fresh one: a pipelined store that failed stays broken
-        resumed = await Lifecycle.resume(self.store, self.source, self._lifecycle_config(), time.time(),
-                                         num_rollout_actors=self.num_rollout_actors)
+        resumed = await Lifecycle.resume(
+            self.store, self.source, self._lifecycle_config(), time.time(), num_rollout_actors=self.num_rollout_actors
+        )
         await self.store.sync()  # the rebuilt table is durable before a re-issued order goes out
         self.core = resumed.lifecycle
-        log.info("reconciler_resumed", trainer_version=self.core.trainer_version,
-                 num_reissued=resumed.num_reissued, num_rolled_back_slots=resumed.num_rolled_back_slots,
-                 num_discarded_groups=resumed.num_discarded_groups, num_orders=len(resumed.orders))
+        log.info(
+            "reconciler_resumed",
+            trainer_version=self.core.trainer_version,
+            num_reissued=resumed.num_reissued,
+            num_rolled_back_slots=resumed.num_rolled_back_slots,
+            num_discarded_groups=resumed.num_discarded_groups,
+            num_orders=len(resumed.orders),
+        )
         await self._issue(resumed.orders)
 
     async def _call(self, method: str, *args: Any) -> None:
@@ -111,13 +122,17 @@ class ReconcilerActor(Actor):
                 await self._resume()
 
     async def _issue(self, orders: list[WorkOrder] | tuple[WorkOrder, ...]) -> None:
-        """Publishes the orders concurrently (one flush, acknowledgements awaited together). A failed
-        publish raises after the others went out; its work is re-issued when its timeout expires."""
-        await asyncio.gather(*(self._publish(order) for order in orders))
+        """Publishes the orders into their work streams without waiting for acknowledgements.
 
-    async def _publish(self, order: WorkOrder) -> None:
-        await self.bus.publish_durable(f"work.{order.STAGE.value}", await self.order_codec.encode(order),
-                                       msg_id=order.msg_id)
+        The decision each order carries is already durable (`_call` synced the table first), and
+        an acknowledgement would change nothing: an order the stream did not store is re-issued
+        when its stage's timeout expires (as after a crash, a resume re-issues everything in
+        flight), and a re-published attempt is deduplicated by its message id. So the reconciler
+        pays neither a reply nor a round trip per order.
+        """
+        for order in orders:
+            data = await self.order_codec.encode(order)
+            await self.bus.nc.publish(f"work.{order.STAGE.value}", data, headers={"Nats-Msg-Id": order.msg_id})
 
     # --- inputs -------------------------------------------------------------------------------
     async def handle(self, msg: Any, delivery: Delivery) -> None:
@@ -184,16 +199,25 @@ class ReconcilerActor(Actor):
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""
         snapshot = self.core.snapshot(time.time())
         live_groups = sorted({s.group_id for s in self.core.slots if s.is_live})
-        log.info("reconciler_accounting", cursor_epoch=snapshot.cursor_epoch,
-                 cursor_position=snapshot.cursor_position, trainer_version=self.core.trainer_version,
-                 live_groups=live_groups, counters=dict(snapshot.counters),
-                 slots_per_state=dict(snapshot.slots_per_state))
+        log.info(
+            "reconciler_accounting",
+            cursor_epoch=snapshot.cursor_epoch,
+            cursor_position=snapshot.cursor_position,
+            trainer_version=self.core.trainer_version,
+            live_groups=live_groups,
+            counters=dict(snapshot.counters),
+            slots_per_state=dict(snapshot.slots_per_state),
+        )
         return None
 
     def status(self) -> dict[str, Any]:
         snapshot = self.core.snapshot(time.time())
-        return {"lifecycle": snapshot.to_dict(), "trainer_version": self.core.trainer_version,
-                "finished": self.core.is_finished, "scheduling": config_mod.to_dict(self.core.scheduling)}
+        return {
+            "lifecycle": snapshot.to_dict(),
+            "trainer_version": self.core.trainer_version,
+            "finished": self.core.is_finished,
+            "scheduling": config_mod.to_dict(self.core.scheduling),
+        }
 
 
 def _is_running_rollout(raw: bytes) -> bool:
@@ -202,4 +226,3 @@ def _is_running_rollout(raw: bytes) -> bool:
     except ValueError:
         return False
     return isinstance(info, dict) and info.get("kind") == "rollout" and info.get("state") == "running"
-
