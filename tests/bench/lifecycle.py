@@ -133,6 +133,8 @@ async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry:
         rollout_count=1,
         reward_count=1,
         reconciler_entry=reconciler_entry,
+        max_inflight_per_rollout_actor=args.max_inflight_per_rollout_actor or args.slots,
+        stage_timeout_s=30.0,  # no-op stages never need a retry; a loaded machine must not cause storms of them
     )
     config.write_text(text)
     out = open(work_dir / "up.out", "wb")  # noqa: SIM115 - closed with the process
@@ -196,6 +198,8 @@ async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[
         "stage_p50_ms": {k: 1e3 * v["p50_s"] for k, v in lc["stage_latency"].items()},
         "stage_p99_ms": {k: 1e3 * v["p99_s"] for k, v in lc["stage_latency"].items()},
         "slot_writes_per_sample": lc["counters"]["transitions"] / max(1, lc["counters"]["trained_samples"]),
+        "retries": lc["counters"].get("retries", 0),
+        "ignored_completions": lc["counters"].get("ignored_completions", 0),
     }
 
 
@@ -384,6 +388,13 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--eta", type=int, default=2)
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument(
+        "--max-inflight-per-rollout-actor",
+        type=int,
+        default=0,
+        help="the NATS side's in-flight rollout cap (one rollout actor); 0: --slots, the Ray controller "
+        "having no such cap (its in-flight work is bounded by the staleness bound and the slots only)",
+    )
     p.add_argument(
         "--sides",
         type=lambda v: v.split(","),

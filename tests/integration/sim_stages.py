@@ -115,6 +115,7 @@ heartbeat_s = 1.0
 [tasks]
 num_train = {num_prompts}
 num_heldout = 4
+difficulties = [1, 2, 3, 4]  # all: the simulated stages never look at a task, only at its position
 [reconciler]
 num_slots = {num_slots}
 group_size = {group_size}
@@ -123,12 +124,12 @@ tick_s = 0.25
 [reconciler.scheduling]
 eta = {eta}
 max_retries = 3
-max_inflight_per_rollout_actor = 64
+max_inflight_per_rollout_actor = {max_inflight_per_rollout_actor}
 failed_group_policy = "train_rest"
-rollout_timeout_s = 3.0
-reward_timeout_s = 3.0
-group_timeout_s = 3.0
-train_timeout_s = 5.0
+rollout_timeout_s = {stage_timeout_s}
+reward_timeout_s = {stage_timeout_s}
+group_timeout_s = {stage_timeout_s}
+train_timeout_s = {train_timeout_s}
 """
 
 
@@ -142,8 +143,11 @@ def sim_run_toml(
     rollout_count: int = 2,
     reward_count: int = 2,
     reconciler_entry: str = "actors.reconciler:ReconcilerActor",
+    max_inflight_per_rollout_actor: int = 64,
+    stage_timeout_s: float = 3.0,
 ) -> str:
-    """A run file: the real reconciler and every simulated stage, with timeouts short enough for tests."""
+    """A run file: the real reconciler and every simulated stage, with timeouts short enough for tests
+    (the train stage's is `stage_timeout_s` + 2 s)."""
     return SIM_RUN_TEMPLATE.format(
         num_prompts=num_prompts,
         num_slots=num_slots,
@@ -153,6 +157,9 @@ def sim_run_toml(
         rollout_count=rollout_count,
         reward_count=reward_count,
         reconciler_entry=reconciler_entry,
+        max_inflight_per_rollout_actor=max_inflight_per_rollout_actor,
+        stage_timeout_s=stage_timeout_s,
+        train_timeout_s=stage_timeout_s + 2.0,
     )
 
 

@@ -257,7 +257,7 @@ async def _account(bus: Bus, ledger: TrainerLedger, num_prompts: int, group_size
     cursor, slots, outcomes = await _durable_table(bus)
     assert cursor == CursorRecord(0, num_prompts), "the cursor stopped at the end of the dataset"
     assert all(s.state is SlotState.EMPTY for s in slots)
-    catalog = TaskCatalog.build(TasksSection(num_train=num_prompts, num_heldout=4))
+    catalog = TaskCatalog.build(TasksSection(num_train=num_prompts, num_heldout=4, difficulties=(1, 2, 3, 4)))
     prompt_of = {f"e0-p{i}": catalog.prompt_id(i) for i in range(num_prompts)}
     for b in batches:
         assert [prompt_of[g] for g in b["group_ids"]] == b["prompt_ids"], "group and prompt ids agree"
