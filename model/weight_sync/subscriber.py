@@ -22,6 +22,7 @@ import torch
 from model.weight_sync.errors import CorruptVersion, IncompleteVersion, VersionUnavailable, WeightSyncError
 from model.weight_sync.manifest import (
     Manifest,
+    RankKey,
     complete_world_sizes,
     manifest_key,
     parse_key,
@@ -95,7 +96,7 @@ class WeightSubscriber:
         """Complete versions (every rank's manifest exists), oldest first."""
         prefix = run_prefix(self.config.key_prefix, self.config.run)
         keys = await self._retry.run("list", prefix, lambda: self.store.list(prefix))
-        by_version: dict[int, list] = {}
+        by_version: dict[int, list[RankKey]] = {}
         for parsed in filter(None, map(parse_key, keys)):
             by_version.setdefault(parsed.version, []).append(parsed)
         return sorted(v for v, ks in by_version.items() if _complete(complete_world_sizes(ks)))
