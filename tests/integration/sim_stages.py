@@ -120,6 +120,7 @@ difficulties = [1, 2, 3, 4]  # all: the simulated stages never look at a task, o
 num_slots = {num_slots}
 group_size = {group_size}
 batch_size_groups = {batch_groups}
+num_epochs = 1  # single epoch: the tests account for every prompt trained once
 tick_s = 0.25
 [reconciler.scheduling]
 eta = {eta}
