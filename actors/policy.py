@@ -1,5 +1,5 @@
 """Where a run's policy comes from: a checkpoint directory, or the built-in starting policy (built once
-and cached), with the expert computation chosen by ``policy.experts_precision``."""
+and cached); the trainer's copy computes its experts in ``policy.experts_precision``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from model.transformer import MoETransformer
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["checkpoint_dir", "load_policy", "weights_run_name"]
+__all__ = ["checkpoint_dir", "load_policy", "use_training_precision", "weights_run_name"]
 
 _PRECISION = {"reference": ExpertsPrecision.REFERENCE, "emulated": ExpertsPrecision.EMULATED,
               "triton": ExpertsPrecision.TRITON}
@@ -28,12 +28,23 @@ def checkpoint_dir(section: PolicySection) -> Path:
     return ensure_starting_policy(section.cache_dir)
 
 
-def load_policy(section: PolicySection) -> MoETransformer:
+def load_policy(section: PolicySection, *, training: bool = False) -> MoETransformer:
+    """The run's policy. Only the trainer's copy (``training``) computes its experts in
+    ``policy.experts_precision``; rollout and evaluation decode with the plain model, as an inference
+    engine would, and router replay carries the rollout's expert choices into the quantized forward."""
     path = checkpoint_dir(section)
     _, model = load_checkpoint(path)
+    if training:
+        use_training_precision(model, section)
+    log.info("policy_loaded", path=str(path), training=training)
+    return model
+
+
+def use_training_precision(model: MoETransformer, section: PolicySection) -> MoETransformer:
+    """Compute ``model``'s experts in ``policy.experts_precision`` (also for a trainer resumed from a checkpoint)."""
     if section.experts_precision != "reference":
         model.set_experts_fn(make_experts_fn(_PRECISION[section.experts_precision]))
-    log.info("policy_loaded", path=str(path), experts_precision=section.experts_precision)
+    log.info("experts_precision_set", experts_precision=section.experts_precision)
     return model
 
 

@@ -18,13 +18,12 @@ from typing import Any
 
 import msgpack
 import structlog
-import torch
 
 from actors._stage import StageActor, WorkRefused
 from actors.learner import Learner, StepMetrics
 from actors.lifecycle_events import TrainDone, TrainOrder
 from actors.messages import WeightsPublished
-from actors.policy import load_policy, weights_run_name
+from actors.policy import load_policy, use_training_precision, weights_run_name
 from actors.rollout import weights_subject
 from actors.slots import Stage
 from model.weight_sync import PublishedVersion, PublisherConfig, WeightPublisher
@@ -55,8 +54,9 @@ class TrainerActor(StageActor):
         latest = Learner.latest_checkpoint(self.checkpoints)
         if latest is not None:
             self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer)
+            use_training_precision(self.learner.model, cfg.policy)
         else:
-            self.learner = Learner(await asyncio.to_thread(load_policy, cfg.policy), cfg.trainer)
+            self.learner = Learner(await asyncio.to_thread(load_policy, cfg.policy, training=True), cfg.trainer)
         self.metrics_path = Path(self.ctx.run_dir) / cfg.trainer.metrics_file
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.publisher = WeightPublisher(self.ctx.blob, PublisherConfig(run=self.run_name))
@@ -99,8 +99,8 @@ class TrainerActor(StageActor):
         return TrainDone(order.batch_id, order.attempt, learner.version)
 
     def _publish(self) -> asyncio.Future[PublishedVersion]:
-        state = {k: v.detach().to(torch.bfloat16).clone() for k, v in self.learner.model.state_dict().items()}
-        return self.publisher.submit(self.learner.version, state)
+        # The step's whole share of publishing: one copy into recycled bf16 buffers.
+        return self.publisher.submit(self.learner.version, self.publisher.snapshot(self.learner.model.state_dict()))
 
     async def _signal_when_uploaded(self, future: asyncio.Future[PublishedVersion]) -> None:
         try:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 import zstandard
+from safetensors.torch import load_file
 
 from actors.starting_policy import ensure_starting_policy
 from tests.integration.harness import REPO, LiveRun, write_config
@@ -61,7 +63,7 @@ eta = 2
 every_versions = 100
 [rollout.agent]
 max_turns = 2
-max_new_tokens_per_turn = 96
+max_new_tokens_per_turn = 128  # a whole write_file call of a difficulty-1 solution (~100 bytes)
 """
 
 
@@ -94,7 +96,12 @@ async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) 
     assert {e["version"] for e in evals} >= {0, 4}, "held-out evaluation at the start and at the end"
     assert any(r["num_versions_in_batch"] >= 2 for r in train), "samples of 2+ policy versions trained together"
     assert max(r["lag_max"] for r in train) <= 2, "lag within eta"
-    assert all(r["grad_norm"] > 0 for r in train)
+    # A batch whose groups all have equal rewards carries no gradient (and is not computed).
+    assert any(r["num_computed"] for r in train), "some batch carried a learning signal"
+    assert all(r["grad_norm"] > 0 for r in train if r["num_computed"])
+    trained = load_file(str(sorted((run.run_dir / "checkpoints").glob("step-*"))[-1] / "model.safetensors"))
+    start = load_file(str(starting_policy / "model.safetensors"))
+    assert any(not torch.equal(trained[k].float(), start[k].float()) for k in start), "the weights changed"
     logs = run.run_dir / "logs"
     scored = [
         json.loads(line)
