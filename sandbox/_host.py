@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxUnavailable
@@ -43,6 +44,9 @@ def _check_overlay() -> None:
         )
 
 
+_PROBE_ATTEMPTS = 5
+
+
 def check_host(config: SandboxConfig) -> str:
     """Verify the host can run sandboxes; return the bwrap path.
 
@@ -57,16 +61,23 @@ def check_host(config: SandboxConfig) -> str:
             "(as CI does) or inside a container where you are root"
         )
     _check_overlay()
-    probe = subprocess.run(
-        [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--", "/bin/true"],
-        capture_output=True,
-        env={"PATH": "/usr/bin:/bin"},
-        user=config.sandbox_uid,
-        group=config.sandbox_gid,
-        extra_groups=[],
-        timeout=30,
-        check=False,
-    )
+    for attempt in range(_PROBE_ATTEMPTS):
+        probe = subprocess.run(
+            [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--", "/bin/true"],
+            capture_output=True,
+            env={"PATH": "/usr/bin:/bin"},
+            user=config.sandbox_uid,
+            group=config.sandbox_gid,
+            extra_groups=[],
+            timeout=30,
+            check=False,
+        )
+        # Binding "/" copies every host mount, including other sandboxes' overlays, which may be
+        # unmounted while bwrap walks them ("Can't bind mount ... No such file or directory"): a race
+        # with the neighbours, not a host without user namespaces. Those failures are retried.
+        if probe.returncode == 0 or b"Can't bind mount" not in probe.stderr:
+            break
+        time.sleep(0.05 * (attempt + 1))
     if probe.returncode != 0:
         raise SandboxUnavailable(
             f"bwrap cannot create namespaces as uid {config.sandbox_uid} "
