@@ -84,7 +84,7 @@ class EvaluatorActor(Actor):
                                 concurrency=e.concurrency, store=self.store, tokenizer=self.tokenizer,
                                 samples_per_task=e.samples_per_task)
         summary = result.summary()
-        row = {"kind": "eval", "time": time.time(), "version": version, **summary}
+        row = {"kind": "eval", "time": time.time(), "version": version, "temperature": e.temperature, **summary}
         await asyncio.to_thread(append_metrics, self.metrics_path, row)
         self.evaluated.add(version)
         log.info("heldout_evaluated", version=version, **{k: v for k, v in summary.items() if k != "by_difficulty"})

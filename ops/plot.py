@@ -1,7 +1,7 @@
 """Render a run's learning curve from its own metrics: ``python -m ops.plot RUN_DIR [RUN_DIR ...] --out FILE``.
 
-Held-out pass@1 (greedy) against wall-clock minutes for each run, with the training reward beside it;
-several runs (seeds) are drawn on the same axes.
+Held-out pass@1 (at the evaluator's temperature) against wall-clock minutes for each run, with the
+training reward beside it; several runs (seeds) are drawn on the same axes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return metrics_log.read_metrics(run_dir / "metrics.jsonl", missing_ok=False)
 
 
+def _eval_title(runs: list[Path]) -> str:
+    temperatures = {r.get("temperature") for run_dir in runs for r in read_metrics(run_dir) if r["kind"] == "eval"}
+    if len(temperatures) != 1 or None in temperatures:
+        return "held-out pass@1"
+    (t,) = temperatures
+    return "held-out pass@1 (greedy)" if t == 0 else f"held-out pass@1 (temperature {t:g})"
+
+
 def render(runs: list[Path], out: Path, title: str) -> Path:
     import matplotlib
 
@@ -36,7 +44,7 @@ def render(runs: list[Path], out: Path, title: str) -> Path:
         ax_eval.plot([(r["time"] - start) / 60 for r in evals], [100 * r["pass_at_1"] for r in evals],
                      marker="o", label=label)
         ax_reward.plot([r["version"] for r in train], [r["reward_mean"] for r in train], alpha=0.8, label=label)
-    ax_eval.set(xlabel="minutes", ylabel="held-out pass@1 (%)", title="held-out pass@1 (greedy)")
+    ax_eval.set(xlabel="minutes since the run started", ylabel="held-out pass@1 (%)", title=_eval_title(runs))
     ax_reward.set(xlabel="policy version", ylabel="mean reward", title="training reward")
     for ax in (ax_eval, ax_reward):
         ax.grid(alpha=0.3)
