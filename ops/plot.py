@@ -20,8 +20,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return metrics_log.read_metrics(run_dir / "metrics.jsonl", missing_ok=False)
 
 
-def _eval_title(runs: list[Path]) -> str:
-    temperatures = {r.get("temperature") for run_dir in runs for r in read_metrics(run_dir) if r["kind"] == "eval"}
+def _eval_title(evals: list[dict[str, Any]]) -> str:
+    temperatures = {r.get("temperature") for r in evals}
     if len(temperatures) != 1 or None in temperatures:
         return "held-out pass@1"
     (t,) = temperatures
@@ -35,16 +35,18 @@ def render(runs: list[Path], out: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_eval, ax_reward) = plt.subplots(1, 2, figsize=(11, 4))
+    all_evals: list[dict[str, Any]] = []
     for run_dir in runs:
         rows = read_metrics(run_dir)
         start = min(r["time"] for r in rows)
         evals = [r for r in rows if r["kind"] == "eval"]
+        all_evals += evals
         train = [r for r in rows if r["kind"] == "train"]
         label = run_dir.name
         ax_eval.plot([(r["time"] - start) / 60 for r in evals], [100 * r["pass_at_1"] for r in evals],
                      marker="o", label=label)
         ax_reward.plot([r["version"] for r in train], [r["reward_mean"] for r in train], alpha=0.8, label=label)
-    ax_eval.set(xlabel="minutes since the run started", ylabel="held-out pass@1 (%)", title=_eval_title(runs))
+    ax_eval.set(xlabel="minutes since the run started", ylabel="held-out pass@1 (%)", title=_eval_title(all_evals))
     ax_reward.set(xlabel="policy version", ylabel="mean reward", title="training reward")
     for ax in (ax_eval, ax_reward):
         ax.grid(alpha=0.3)

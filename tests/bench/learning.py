@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from actors.metrics_log import read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 MIN_GAIN = 0.15
 
@@ -44,8 +46,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return sorted((int(r["version"]), float(r["pass_at_1"])) for r in rows if r.get("kind") == "eval")
+    rows = read_metrics(run_dir / "metrics.jsonl", kind="eval", missing_ok=False)
+    return sorted((int(r["version"]), float(r["pass_at_1"])) for r in rows)
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
