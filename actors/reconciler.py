@@ -132,7 +132,7 @@ class ReconcilerActor(Actor):
         """
         for order in orders:
             data = await self.order_codec.encode(order)
-            await self.bus.nc.publish(f"work.{order.STAGE.value}", data, headers={"Nats-Msg-Id": order.msg_id})
+            await self.bus.publish_unconfirmed(f"work.{order.STAGE.value}", data, msg_id=order.msg_id)
 
     # --- inputs -------------------------------------------------------------------------------
     async def handle(self, msg: Any, delivery: Delivery) -> None:

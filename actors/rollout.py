@@ -22,7 +22,7 @@ from actors.lifecycle_events import RolloutDone, RolloutOrder
 from actors.policy import load_policy, weights_run_name
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
-from actors.weights_follower import WeightsFollower, weights_subject
+from actors.weights_follower import WeightsFollower
 from model.engine import GenerationEngine
 from model.generation import EngineConfig, KVPolicy
 from model.sampling import SamplingParams
@@ -34,7 +34,7 @@ from sandbox.tasks import Task
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["RolloutActor", "weights_subject"]  # weights_subject: kept importable from here
+__all__ = ["RolloutActor"]
 
 
 class RolloutActor(StageActor):

@@ -24,8 +24,8 @@ from actors.learner import Learner, StepMetrics
 from actors.lifecycle_events import TrainDone, TrainOrder
 from actors.messages import WeightsPublished
 from actors.policy import load_policy, use_training_precision, weights_run_name
-from actors.rollout import weights_subject
 from actors.slots import Stage
+from actors.weights_follower import weights_subject
 from model.weight_sync import PublishedVersion, PublisherConfig, WeightPublisher
 from runtime.actor import Delivery
 from runtime.codec import Codec

@@ -166,8 +166,13 @@ class Bus:
     # --- publishing -------------------------------------------------------------------------
     async def publish_durable(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window."""
-        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        await self.js.publish(subject, data, headers=headers)
+        await self.js.publish(subject, data, headers=_msg_id_headers(msg_id))
+
+    async def publish_unconfirmed(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
+        """Publish into a stream without waiting for the server's acknowledgement (no reply, no
+        round trip); ``msg_id`` dedups within the window. For senders that already recover a message
+        the stream did not store (e.g. by re-issuing work on a timeout)."""
+        await self.nc.publish(subject, data, headers=_msg_id_headers(msg_id))
 
     async def dead_letter(self, queue: str, reason: str, detail: str, data: bytes,
                           **context: Any) -> None:
@@ -175,3 +180,7 @@ class Bus:
         headers.update({k: str(v) for k, v in context.items()})
         # An oversized message would be refused again: keep a bounded prefix for inspection.
         await self.js.publish(f"dlq.{queue}", data[:64 * 1024], headers=headers)
+
+
+def _msg_id_headers(msg_id: str | None) -> dict[str, str] | None:
+    return {"Nats-Msg-Id": msg_id} if msg_id else None
