@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-NAN = tl.constexpr(float("nan"))
 INF = tl.constexpr(float("inf"))
+# No NaN constant: triton's compiler checks that a global keeps its value between kernels by `!=`, and
+# NaN != NaN. `quiet_nan` makes one from bits instead.
 
 
 def as_loadable(x: torch.Tensor) -> torch.Tensor:
@@ -23,10 +24,18 @@ def as_loadable(x: torch.Tensor) -> torch.Tensor:
 def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
     """Load float32 or bf16 (passed as int16 bits) as float32; bf16 is widened by a 16-bit shift,
     exact for every value including subnormals (the interpreter's bf16 conversion loses those)."""
-    if IS_BF16:
+    if IS_BF16:  # both branches assign one name: the compiler type-checks code after an early return
         bits = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        return (bits << 16).to(tl.float32, bitcast=True)
-    return tl.load(ptr + offs, mask=mask, other=0.0)
+        value = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        value = tl.load(ptr + offs, mask=mask, other=0.0)
+    return value
+
+
+@triton.jit
+def quiet_nan(like):
+    """A float32 quiet NaN shaped like ``like``."""
+    return tl.full(like.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -64,7 +73,7 @@ def decode_e4m3(code):
     mant = c & 0x7
     normal = (((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
     value = tl.where(exp > 0, normal, mant.to(tl.float32) * 0.001953125)
-    value = tl.where((c & 0x7F) == 0x7F, NAN, value)
+    value = tl.where((c & 0x7F) == 0x7F, quiet_nan(value), value)
     return tl.where((c & 0x80) != 0, -value, value)
 
 
@@ -127,7 +136,7 @@ def mx_quant_multiplier(e, IS_RCEIL: tl.constexpr):
     if IS_RCEIL:
         mult = exp2_int(127 - tl.minimum(e, 254))
         mult = tl.where(e == 0, 1.0, mult)
-        mult = tl.where(e == 255, NAN, mult)
+        mult = tl.where(e == 255, quiet_nan(mult), mult)
     else:
         mult = exp2_int(127 - tl.minimum(tl.maximum(e, 1), 254))
         mult = tl.where(e == 255, 0.0, mult)
@@ -151,7 +160,7 @@ def mx_dequant_multiplier(e):
     """2^(max(e, 1) - 127) as float32; NaN for the NaN scale 255."""
     e = e.to(tl.int32) & 0xFF
     mult = exp2_int(tl.minimum(tl.maximum(e, 1), 254) - 127)
-    return tl.where(e == 255, NAN, mult)
+    return tl.where(e == 255, quiet_nan(mult), mult)
 
 
 @triton.jit
@@ -159,4 +168,4 @@ def nan_aware_amax(x, axis: tl.constexpr):
     """max |x| along ``axis`` that is NaN when any element is NaN (hardware max drops NaNs)."""
     amax = tl.max(tl.abs(x), axis=axis, keep_dims=True)
     has_nan = tl.max((x != x).to(tl.int32), axis=axis, keep_dims=True)
-    return tl.where(has_nan > 0, NAN, amax)
+    return tl.where(has_nan > 0, quiet_nan(amax), amax)

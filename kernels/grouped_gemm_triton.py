@@ -126,7 +126,7 @@ def _check_grouped_operands(a_codes, a_scales, b_codes, b_scales, offsets_E1, el
 
 def triton_nvfp4_grouped_mm(
     a: NVFP4Tensor, b: NVFP4Tensor, offsets_E1: torch.Tensor, block_m: int = 64, block_n: int = 64,
-    block_k: int = 64,
+    block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:  # fmt: skip
     """float32 (M, N) grouped A @ B^T (same math as ``grouped_gemm.nvfp4_grouped_mm``).
 
@@ -147,6 +147,7 @@ def triton_nvfp4_grouped_mm(
             a.packed, a.block_scales, a.global_amax.float().contiguous(), b.packed, b.block_scales,
             b.global_amax.float().contiguous(), out, *tiles, n, k,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_BF16=out.is_cuda,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out
 
@@ -192,7 +193,7 @@ def _mxfp8_grouped_mm_kernel(
 
 def triton_mxfp8_grouped_mm(
     a: MXTensor, b: MXTensor, offsets_E1: torch.Tensor, block_m: int = 64, block_n: int = 64,
-    block_k: int = 64,
+    block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:  # fmt: skip
     """float32 (M, N) grouped A @ B^T for MXFP8 operands quantized along K (input gradients)."""
     if a.dim != -1 or b.dim != -1:
@@ -206,6 +207,7 @@ def triton_mxfp8_grouped_mm(
         _mxfp8_grouped_mm_kernel[grid](
             a.codes, a.scales, b.codes, b.scales, out, *tiles, n, k,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_BF16=out.is_cuda,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out
 
@@ -237,7 +239,7 @@ def _mxfp8_grouped_wgrad_kernel(
 
 def triton_mxfp8_grouped_wgrad(
     g: MXTensor, x: MXTensor, padded_offsets_E1: torch.Tensor, block_p: int = 64, block_n: int = 64,
-    block_q: int = 64,
+    block_q: int = 64, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:  # fmt: skip
     """float32 (E, N, Q): out[e] = G_e^T @ X_e over each expert's 32-aligned padded token range."""
     if g.dim != 0 or x.dim != 0:
@@ -263,5 +265,6 @@ def triton_mxfp8_grouped_wgrad(
         _mxfp8_grouped_wgrad_kernel[grid](
             g.codes, g.scales, x.codes, x.scales, out, padded_offsets_E1.contiguous(), n, q,
             BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_Q=block_q, DOT_BF16=out.is_cuda,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out

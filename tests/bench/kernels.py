@@ -4,9 +4,11 @@ Prints ONE JSON line: median times (ms), TFLOP/s and the ratio to bf16 for
 - forward   out[m] = x[m] @ W[e]^T          bf16 torch._grouped_mm  vs  NVFP4 and MXFP8 Triton kernels
 - wgrad     dW[e]  = dY_e^T @ X_e           bf16 torch._grouped_mm  vs  MXFP8 Triton kernel
 Quantization is timed separately ("quant_ms") so GEMM and end-to-end cost can both be read off.
-Without a CUDA GPU it prints a JSON line saying so and exits 0.
+``--sweep`` times each Triton GEMM at every tile configuration of ``TILES`` and reports the fastest
+(with its configuration); without it, the launchers' defaults. Without a CUDA GPU it prints a JSON line
+saying so and exits 0.
 
-    .venv/bin/python tests/bench/kernels.py [--experts 8] [--tokens 16384] [--hidden 2048] [--inter 1536]
+    .venv/bin/python tests/bench/kernels.py [--experts 8] [--tokens 16384] [--hidden 2048] [--inter 1536] [--sweep]
     (or: python -m tests.bench.kernels)
 """
 
@@ -43,6 +45,29 @@ def _time_ms(fn, warmup: int = 5, reps: int = 30) -> float:
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end))
     return statistics.median(samples)
+
+
+# (rows or reduction block, columns block, reduction or column block, num_warps, num_stages): the GEMM
+# launchers' block_m/block_n/block_k (wgrad: block_p/block_n/block_q). The first is the launchers' default.
+TILES = (
+    (64, 64, 64, 4, 3),
+    (128, 64, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (64, 128, 128, 4, 4),
+)
+
+
+def _tile_kwargs(tile: tuple[int, ...], wgrad: bool) -> dict[str, int]:
+    names = ("block_p", "block_n", "block_q") if wgrad else ("block_m", "block_n", "block_k")
+    return {**dict(zip(names, tile[:3], strict=True)), "num_warps": tile[3], "num_stages": tile[4]}
+
+
+def _fastest(make_fn, tiles, wgrad: bool = False) -> tuple[float, tuple[int, ...]]:
+    """Median ms of the fastest tile configuration, and that configuration."""
+    timed = [(_time_ms(make_fn(_tile_kwargs(tile, wgrad))), tile) for tile in tiles]
+    return min(timed)
 
 
 def _bf16_grouped(x, w_ENK, offsets_E1):
@@ -85,12 +110,16 @@ def run(args: argparse.Namespace) -> dict:
     xq8, wq8 = b.mx_rows(x, mode), b.mx_experts(w, mode)
     dyc, xc = b.mx_grouped_cols(dy, layout, mode), b.mx_grouped_cols(x, layout, mode)
     poff = layout.padded_offsets_E1
+    tiles = TILES if args.sweep else TILES[:1]
+    nvfp4_fwd = _fastest(lambda kw: lambda: b.nvfp4_mm(xq4, wq4, offsets, **kw), tiles)
+    mxfp8_fwd = _fastest(lambda kw: lambda: b.mx_mm(xq8, wq8, offsets, **kw), tiles)
+    mxfp8_wgrad = _fastest(lambda kw: lambda: b.mx_wgrad(dyc, xc, poff, **kw), tiles, wgrad=True)
     timings = {
         "bf16_fwd": _time_ms(_bf16_grouped(x, w, offsets)),
-        "nvfp4_fwd": _time_ms(lambda: b.nvfp4_mm(xq4, wq4, offsets)),
-        "mxfp8_fwd": _time_ms(lambda: b.mx_mm(xq8, wq8, offsets)),
+        "nvfp4_fwd": nvfp4_fwd[0],
+        "mxfp8_fwd": mxfp8_fwd[0],
         "bf16_wgrad": _time_ms(_bf16_wgrad(dy, x, offsets)),
-        "mxfp8_wgrad": _time_ms(lambda: b.mx_wgrad(dyc, xc, poff)),
+        "mxfp8_wgrad": mxfp8_wgrad[0],
     }
     quant = {
         "nvfp4_rows": _time_ms(lambda: b.nvfp4_rows(x)),
@@ -107,6 +136,8 @@ def run(args: argparse.Namespace) -> dict:
         "median_ms": {name: round(ms, 4) for name, ms in timings.items()},
         "quant_ms": {name: round(ms, 4) for name, ms in quant.items()},
         "tflops": {name: round(v, 1) for name, v in tflops.items()},
+        "tiles": {"nvfp4_fwd": nvfp4_fwd[1], "mxfp8_fwd": mxfp8_fwd[1], "mxfp8_wgrad": mxfp8_wgrad[1],
+                  "swept": len(tiles)},
         "ratio_vs_bf16": {
             "nvfp4_fwd": round(tflops["nvfp4_fwd"] / tflops["bf16_fwd"], 3),
             "mxfp8_fwd": round(tflops["mxfp8_fwd"] / tflops["bf16_fwd"], 3),
@@ -121,6 +152,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16384, help="routed (token, expert) rows")
     parser.add_argument("--hidden", type=int, default=2048, help="reduction dim K (multiple of 32)")
     parser.add_argument("--inter", type=int, default=1536, help="output dim N (multiple of 32)")
+    parser.add_argument("--sweep", action="store_true", help="time every tile configuration in TILES")
     args = parser.parse_args()
     try:
         import torch
