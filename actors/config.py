@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.agent import AgentConfig
+from actors.lr_schedule import SCHEDULE_KINDS
 from actors.scheduling import SchedulingConfig
 from runtime.config import live
 from sandbox.tasks import count_tasks
@@ -113,7 +114,9 @@ class ReconcilerSection:
 
 @dataclass(frozen=True)
 class TrainerSection:
-    lr: float = live(2e-4)
+    lr: float = live(2e-4)  # the peak of the schedule; a live change rescales the whole schedule
+    lr_schedule: str = "constant"  # constant | cosine (from lr down to lr * lr_min_ratio over run.steps)
+    lr_min_ratio: float = 0.1  # cosine only: the last step's lr is lr * lr_min_ratio
     betas: tuple[float, ...] = (0.9, 0.99)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -130,6 +133,11 @@ class TrainerSection:
         if self.lr <= 0 or self.loss_normalizer <= 0 or self.checkpoint_every < 1:
             raise ValueError(f"trainer.lr={self.lr} and loss_normalizer={self.loss_normalizer} must be > 0, "
                              f"checkpoint_every={self.checkpoint_every} >= 1")
+        if self.lr_schedule not in SCHEDULE_KINDS:
+            raise ValueError(f"trainer.lr_schedule={self.lr_schedule!r}: use one of {', '.join(SCHEDULE_KINDS)}")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"trainer.lr_min_ratio={self.lr_min_ratio} must be in [0, 1] "
+                             "(the cosine's last lr is lr * lr_min_ratio)")
 
 
 @dataclass(frozen=True)

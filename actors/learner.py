@@ -4,8 +4,10 @@ Legend: T packed tokens, L layers, K experts per token.
 
 The loss is model.loss.policy_loss (Dr. GRPO advantages, truncated importance ratio against the
 behaviour log-probs, optional k1 KL against the starting policy, token sum over a constant). Router
-replay feeds the rollout's recorded experts into the forward. The state that makes a restart exact —
-weights, Adam moments, version, the batch ids already trained — is saved together, atomically.
+replay feeds the rollout's recorded experts into the forward. Each step's learning rate comes from
+actors.lr_schedule as a function of the version, set on the optimizer just before the step. The
+state that makes a restart exact — weights, Adam moments, version, the batch ids already trained —
+is saved together, atomically.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.config import TrainerSection
+from actors.lr_schedule import LRSchedule
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.loss import PolicyLossConfig, PolicyLossMetrics, packed_logprobs, policy_loss, token_entropy
 from model.packing import pack_sequences
@@ -57,6 +60,7 @@ class StepMetrics:
     ratio_mean: float
     ratio_max: float
     grad_norm: float
+    lr: float  # the learning rate of this step (the schedule's value at the version it started from)
     reward_mean: float
     pass_rate: float
     lag_min: int
@@ -72,20 +76,42 @@ class StepMetrics:
 
 
 class Learner:
-    def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0) -> None:
+    """The policy being trained, its optimizer and version.
+
+    Args:
+        model: the policy (put in train mode).
+        config: the trainer section; ``lr``, ``lr_schedule`` and ``lr_min_ratio`` make the schedule.
+        version: the policy version of ``model`` (a resumed checkpoint's).
+        num_steps: the run's step budget (``run.steps``; 0: unbounded), the length of a cosine schedule.
+    """
+
+    def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0, num_steps: int = 0) -> None:
         self.model = model.train()
         self.config = config
         self.version = version
+        self.schedule = LRSchedule.for_run(config.lr_schedule, config.lr, config.lr_min_ratio, num_steps)
         self.trained_batches: list[str] = []
         self.router_replay = (RouterReplayConfig(config.replay_plausibility_factor) if config.router_replay
                               else None)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=tuple(config.betas),
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.schedule.lr_at(version),
+                                           betas=tuple(config.betas), weight_decay=config.weight_decay)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
 
     def set_lr(self, lr: float) -> None:
+        """A new peak learning rate (a live ``trainer.lr``): the schedule keeps its shape, scaled to it."""
+        self.schedule = self.schedule.with_peak(lr)
+        self._apply_lr()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.schedule.lr_at(self.version)
+
+    def _apply_lr(self) -> float:
+        lr = self.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        return lr
 
     def step(self, groups: Sequence[dict[str, Any]], batch_id: str) -> StepMetrics:
         """One optimizer step over every sample of ``groups``; the version then goes up by one."""
@@ -96,6 +122,7 @@ class Learner:
         # Without a KL term a sample whose advantage is exactly 0 (its group's rewards all equal) adds
         # nothing to the gradient: leaving it out of the forward gives the same update for less compute.
         computed = samples if self.config.kl_coef > 0 else [s for s in samples if s["advantage"] != 0.0]
+        lr = self._apply_lr()
         if computed:
             loss, m, grad_norm, replaced = self._optimize(computed)
         else:
@@ -116,7 +143,7 @@ class Learner:
             num_tokens=num_tokens,
             num_trained_tokens=m.num_tokens, loss=float(loss.detach()), pg_loss=m.pg_loss, kl=m.kl,
             entropy=m.entropy, clip_fraction=m.clip_fraction, ratio_mean=m.ratio_mean, ratio_max=m.ratio_max,
-            grad_norm=grad_norm, reward_mean=sum(rewards) / len(rewards),
+            grad_norm=grad_norm, lr=lr, reward_mean=sum(rewards) / len(rewards),
             pass_rate=sum(s["components"]["pass_fraction"] == 1.0 for s in samples) / len(samples),
             lag_min=min(lags, default=0), lag_max=max(lags, default=0), lag_histogram=histogram,
             num_versions_in_batch=len({v for s in samples for v in s["trajectory"]["versions"] if v >= 0}),
@@ -165,10 +192,11 @@ class Learner:
         return done[-1] if done else None
 
     @classmethod
-    def load(cls, path: Path, config: TrainerSection) -> Learner:
+    def load(cls, path: Path, config: TrainerSection, num_steps: int = 0) -> Learner:
+        """The learner saved at ``path``; its schedule continues from the saved version."""
         _, model = load_checkpoint(path)
         state = json.loads((path / STATE_FILE).read_text())
-        learner = cls(model, config, int(state["version"]))
+        learner = cls(model, config, int(state["version"]), num_steps)
         learner.trained_batches = list(state["trained_batches"])
         _load_optimizer(learner.optimizer, learner.model, load_file(str(path / "optimizer.safetensors")),
                         int(state["optimizer_steps"]))

@@ -52,11 +52,13 @@ class TrainerActor(StageActor):
         self.checkpoints = Path(self.ctx.run_dir) / "checkpoints"
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         latest = Learner.latest_checkpoint(self.checkpoints)
+        num_steps = self.ctx.run.steps if self.ctx.run else 0  # the length of a cosine lr schedule
         if latest is not None:
-            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer)
+            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps)
             use_training_precision(self.learner.model, cfg.policy)
         else:
-            self.learner = Learner(await asyncio.to_thread(load_policy, cfg.policy, training=True), cfg.trainer)
+            model = await asyncio.to_thread(load_policy, cfg.policy, training=True)
+            self.learner = Learner(model, cfg.trainer, num_steps=num_steps)
         self.metrics_path = Path(self.ctx.run_dir) / cfg.trainer.metrics_file
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.publisher = WeightPublisher(self.ctx.blob, PublisherConfig(run=self.run_name))
@@ -69,7 +71,7 @@ class TrainerActor(StageActor):
             await self._signal_when_uploaded(self._publish())  # version 0: the anchor rollouts start from
 
     async def on_config_change(self, key: str, old: Any, new: Any) -> None:
-        if key == "trainer.lr":
+        if key == "trainer.lr":  # the schedule's peak: the rest of the schedule keeps its shape at the new height
             self.learner.set_lr(float(new))
 
     def status(self) -> dict[str, Any]:

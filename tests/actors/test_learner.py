@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from actors.agent import _tensor_to_wire
 from actors.config import TrainerSection
 from actors.learner import Learner
+from actors.lr_schedule import LRSchedule
 from model.loss import advantages_dr_grpo
 from model.transformer import MoETransformer
 from tests.model.helpers import random_prompts, seeded_model, small_config
@@ -71,3 +74,68 @@ def test_with_a_kl_term_every_sample_is_computed() -> None:
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3, kl_coef=0.1))
     m = learner.step([_group(model, [1.0, 0.0], seed=6), _group(model, [0.5, 0.5], seed=7)], "b0")
     assert m.num_computed == 4 and m.kl == pytest.approx(0.0, abs=1e-6)
+
+
+def _cosine(**overrides: Any) -> TrainerSection:
+    return TrainerSection(**{"lr": 1e-3, "lr_schedule": "cosine", "lr_min_ratio": 0.1, **overrides})
+
+
+def test_each_step_uses_the_schedules_lr_and_reports_it() -> None:
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), _cosine(), num_steps=5)
+    groups = [_group(model, [1.0, 0.0, 1.0, 0.0], seed=2)]
+    lrs = [learner.step(groups, f"b{i}").lr for i in range(6)]
+    expected = [1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(v / 4, 1.0)))) for v in range(6)]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    assert lrs[0] == pytest.approx(1e-3) and lrs[4] == lrs[5] == pytest.approx(1e-4)
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+def test_the_step_applies_the_scheduled_lr_to_the_update() -> None:
+    # The same step at the schedule's version-2 lr equals a constant-lr learner's step at that lr.
+    model = seeded_model(small_config(), seed=1)
+    groups = [_group(model, [1.0, 0.0, 1.0, 0.0], seed=2)]
+    scheduled = Learner(copy.deepcopy(model), _cosine(), version=2, num_steps=5)
+    lr = scheduled.schedule.lr_at(2)
+    assert lr == pytest.approx(1e-3 * 0.55)
+    constant = Learner(copy.deepcopy(model), TrainerSection(lr=lr), version=2)
+    assert scheduled.step(groups, "b").lr == constant.step(groups, "b").lr == pytest.approx(lr, rel=1e-12)
+    for p, q in zip(scheduled.model.parameters(), constant.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_resumed_learner_continues_the_same_schedule(tmp_path: Path) -> None:
+    model = seeded_model(small_config(), seed=1)
+    groups = [_group(model, [1.0, 0.0, 1.0, 0.0], seed=2)]
+    straight = Learner(copy.deepcopy(model), _cosine(), num_steps=6)
+    stopped = Learner(copy.deepcopy(model), _cosine(), num_steps=6)
+    for i in range(3):
+        straight.step(groups, f"b{i}")
+        stopped.step(groups, f"b{i}")
+    resumed = Learner.load(stopped.save(tmp_path), _cosine(), num_steps=6)
+    assert resumed.version == 3 and resumed.lr == pytest.approx(straight.lr, rel=1e-12)
+    for i in range(3, 6):
+        assert resumed.step(groups, f"b{i}").lr == pytest.approx(straight.step(groups, f"b{i}").lr, rel=1e-12)
+    assert resumed.lr == pytest.approx(1e-4)
+
+
+def test_a_live_lr_change_rescales_the_schedules_peak() -> None:
+    model = seeded_model(small_config(), seed=1)
+    groups = [_group(model, [1.0, 0.0, 1.0, 0.0], seed=2)]
+    learner = Learner(copy.deepcopy(model), _cosine(), num_steps=5)
+    learner.step(groups, "b0")
+    learner.set_lr(5e-4)  # halfway down the cosine of peak 1e-3 an operator halves the peak
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(learner.schedule.lr_at(1))
+    lrs = [learner.step(groups, f"b{i}").lr for i in range(1, 5)]
+    reference = LRSchedule("cosine", peak=5e-4, min_ratio=0.1, num_steps=5)
+    assert lrs == pytest.approx([reference.lr_at(v) for v in range(1, 5)], rel=1e-12)
+    assert lrs[-1] == pytest.approx(5e-5)
+
+
+def test_a_constant_schedule_with_a_live_change_uses_the_new_lr() -> None:
+    model = seeded_model(small_config(), seed=1)
+    groups = [_group(model, [1.0, 0.0, 1.0, 0.0], seed=2)]
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=2e-4), num_steps=70)
+    assert learner.step(groups, "b0").lr == 2e-4
+    learner.set_lr(3e-4)
+    assert learner.step(groups, "b1").lr == 3e-4
