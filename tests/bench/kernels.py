@@ -47,27 +47,29 @@ def _time_ms(fn, warmup: int = 5, reps: int = 30) -> float:
     return statistics.median(samples)
 
 
-# (rows or reduction block, columns block, reduction or column block, num_warps, num_stages): the GEMM
-# launchers' block_m/block_n/block_k (wgrad: block_p/block_n/block_q). The first is the launchers' default.
-TILES = (
-    (64, 64, 64, 4, 3),
-    (128, 64, 64, 4, 3),
-    (128, 128, 64, 8, 3),
-    (128, 128, 128, 8, 3),
-    (128, 256, 64, 8, 3),
-    (64, 128, 128, 4, 4),
-)
+# Launch parameters tried by --sweep, per GEMM; the first of each is the launcher's default.
+TILES = {
+    "nvfp4_fwd": [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bm, bn, bk, w, st in (
+        (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 256, 32, 8, 4),
+        (64, 128, 64, 4, 3))],
+    "mxfp8_fwd": [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st) for bm, bn, w, st in (
+        (64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (64, 256, 8, 3), (128, 256, 8, 4), (128, 256, 8, 3))],
+    "mxfp8_wgrad": [dict(block_n=bn, block_q=bq, num_warps=w, num_stages=st) for bn, bq, w, st in (
+        (64, 64, 4, 3), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 3), (256, 128, 8, 3), (128, 128, 8, 3))],
+}
 
 
-def _tile_kwargs(tile: tuple[int, ...], wgrad: bool) -> dict[str, int]:
-    names = ("block_p", "block_n", "block_q") if wgrad else ("block_m", "block_n", "block_k")
-    return {**dict(zip(names, tile[:3], strict=True)), "num_warps": tile[3], "num_stages": tile[4]}
+def _fastest(make_fn, tiles: list[dict[str, int]]) -> tuple[float, dict[str, int]]:
+    """Median ms of the fastest launch configuration, and that configuration."""
+    from triton.runtime.errors import OutOfResources
 
-
-def _fastest(make_fn, tiles, wgrad: bool = False) -> tuple[float, tuple[int, ...]]:
-    """Median ms of the fastest tile configuration, and that configuration."""
-    timed = [(_time_ms(make_fn(_tile_kwargs(tile, wgrad))), tile) for tile in tiles]
-    return min(timed)
+    timed = []
+    for tile in tiles:
+        try:
+            timed.append((_time_ms(make_fn(tile)), tile))
+        except OutOfResources:  # too large a tile for this GPU's shared memory: not a candidate
+            continue
+    return min(timed, key=lambda t: t[0])
 
 
 def _bf16_grouped(x, w_ENK, offsets_E1):
@@ -110,10 +112,10 @@ def run(args: argparse.Namespace) -> dict:
     xq8, wq8 = b.mx_rows(x, mode), b.mx_experts(w, mode)
     dyc, xc = b.mx_grouped_cols(dy, layout, mode), b.mx_grouped_cols(x, layout, mode)
     poff = layout.padded_offsets_E1
-    tiles = TILES if args.sweep else TILES[:1]
-    nvfp4_fwd = _fastest(lambda kw: lambda: b.nvfp4_mm(xq4, wq4, offsets, **kw), tiles)
-    mxfp8_fwd = _fastest(lambda kw: lambda: b.mx_mm(xq8, wq8, offsets, **kw), tiles)
-    mxfp8_wgrad = _fastest(lambda kw: lambda: b.mx_wgrad(dyc, xc, poff, **kw), tiles, wgrad=True)
+    tiles = {name: configs if args.sweep else configs[:1] for name, configs in TILES.items()}
+    nvfp4_fwd = _fastest(lambda kw: lambda: b.nvfp4_mm(xq4, wq4, offsets, **kw), tiles["nvfp4_fwd"])
+    mxfp8_fwd = _fastest(lambda kw: lambda: b.mx_mm(xq8, wq8, offsets, **kw), tiles["mxfp8_fwd"])
+    mxfp8_wgrad = _fastest(lambda kw: lambda: b.mx_wgrad(dyc, xc, poff, **kw), tiles["mxfp8_wgrad"])
     timings = {
         "bf16_fwd": _time_ms(_bf16_grouped(x, w, offsets)),
         "nvfp4_fwd": nvfp4_fwd[0],
@@ -121,7 +123,13 @@ def run(args: argparse.Namespace) -> dict:
         "bf16_wgrad": _time_ms(_bf16_wgrad(dy, x, offsets)),
         "mxfp8_wgrad": mxfp8_wgrad[0],
     }
+    from kernels.grouped_gemm_triton import _nvfp4_unscaled
+
     quant = {
+        # inside nvfp4_fwd: Hopper has no FP4 MMA, so both operands are first expanded to bf16
+        "nvfp4_fwd_dequant_a_b": _time_ms(lambda: (_nvfp4_unscaled(xq4.packed, xq4.block_scales, True),
+                                                   _nvfp4_unscaled(wq4.packed.view(e * n, -1),
+                                                                   wq4.block_scales.view(e * n, -1), True))),
         "nvfp4_rows": _time_ms(lambda: b.nvfp4_rows(x)),
         "mxfp8_rows": _time_ms(lambda: b.mx_rows(x, mode)),
         "mxfp8_grouped_cols": _time_ms(lambda: b.mx_grouped_cols(dy, layout, mode)),
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         "quant_ms": {name: round(ms, 4) for name, ms in quant.items()},
         "tflops": {name: round(v, 1) for name, v in tflops.items()},
         "tiles": {"nvfp4_fwd": nvfp4_fwd[1], "mxfp8_fwd": mxfp8_fwd[1], "mxfp8_wgrad": mxfp8_wgrad[1],
-                  "swept": len(tiles)},
+                  "swept": args.sweep},
         "ratio_vs_bf16": {
             "nvfp4_fwd": round(tflops["nvfp4_fwd"] / tflops["bf16_fwd"], 3),
             "mxfp8_fwd": round(tflops["mxfp8_fwd"] / tflops["bf16_fwd"], 3),

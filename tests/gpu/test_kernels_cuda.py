@@ -154,11 +154,13 @@ def test_grouped_gemms_meet_the_floors_and_agree_with_the_emulation() -> None:
     assert sqnr_db(ref_dx, dx8) >= 25.0
     assert sqnr_db(ref_dw, dw8) >= 24.0
     assert bool((dw8[1] == 0).all()) and bool((dw8[5] == 0).all())  # empty experts: exact zeros
-    # Same quantized operands through the torch emulation: only the fp32 summation order differs.
+    # The same quantized operands through the torch emulation. NVFP4 (bf16 MMA, fp32 accumulation): only
+    # the summation order differs. MXFP8 (FP8 MMA): Hopper's FP8 accumulator keeps about 14 bits within
+    # each 32-product dot (DeepSeek-V3 report, sec. 3.3.2), so the two agree to about 14 bits, not 24.
     assert sqnr_db(grouped_gemm.nvfp4_grouped_mm(_on_cpu(xq4), _on_cpu(wq4), offsets), out4) > 100
-    assert sqnr_db(grouped_gemm.mxfp8_grouped_mm(_on_cpu(xm), _on_cpu(wm), offsets), out8) > 100
+    assert sqnr_db(grouped_gemm.mxfp8_grouped_mm(_on_cpu(xm), _on_cpu(wm), offsets), out8) > 70
     cpu_layout = mxfp8.padded_group_layout(offsets, x.shape[0])
-    assert sqnr_db(grouped_gemm.mxfp8_grouped_wgrad(_on_cpu(dq), _on_cpu(xc), cpu_layout.padded_offsets_E1), dw8) > 100
+    assert sqnr_db(grouped_gemm.mxfp8_grouped_wgrad(_on_cpu(dq), _on_cpu(xc), cpu_layout.padded_offsets_E1), dw8) > 70
 
 
 def test_experts_op_forward_and_backward_on_the_gpu() -> None:

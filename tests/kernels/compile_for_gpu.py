@@ -3,7 +3,7 @@
 The interpreter (what CI runs) accepts code that the compiler rejects (an early return in a
 ``constexpr`` branch, a NaN global), so tests/kernels/test_compile_for_gpu.py runs this in a fresh
 process with TRITON_INTERPRET unset. Each kernel is compiled for every specialization its launcher
-makes (dtypes, scale modes); the block sizes are the launchers' defaults.
+makes (dtypes, scale modes, GPU paths); the block sizes are the launchers' defaults.
 
     python -m tests.kernels.compile_for_gpu [--arch 90]
 """
@@ -36,14 +36,19 @@ def _variants():
                    {"BLOCK_M": 16, "BLOCKS": 8, "IS_RCEIL": rceil, "IS_BF16": is_bf16})
             yield (mx._mxfp8_grouped_cols_kernel, {"x_ptr": x, "src_rows_ptr": I64, "codes_ptr": U8, "scales_ptr": U8},
                    {"BLOCKS": 4, "BLOCK_N": 64, "IS_RCEIL": rceil, "IS_BF16": is_bf16})
-    tiles = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_BF16": True}
-    yield (gg._nvfp4_grouped_mm_kernel, {"a_ptr": U8, "a_scale_ptr": U8, "a_amax_ptr": F32, "b_ptr": U8,
-                                         "b_scale_ptr": U8, "b_amax_ptr": F32, "out_ptr": F32, **TILE_MAP}, tiles)
+    for to_bf16 in (True, False):
+        yield (gg._nvfp4_dequant_kernel, {"packed_ptr": U8, "scales_ptr": U8, "out_ptr": "*bf16" if to_bf16 else F32},
+               {"BLOCK_R": 16, "BLOCK_PAIRS": 128, "TO_BF16": to_bf16})
+    for even_k in (True, False):
+        yield (gg._nvfp4_grouped_mm_kernel, {"a_ptr": "*bf16", "a_amax_ptr": F32, "b_ptr": "*bf16", "b_amax_ptr": F32,
+                                             "out_ptr": F32, **TILE_MAP},
+               {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "EVEN_K": even_k})
     yield (gg._mxfp8_grouped_mm_kernel, {"a_ptr": U8, "a_scale_ptr": U8, "b_ptr": U8, "b_scale_ptr": U8,
-                                         "out_ptr": F32, **TILE_MAP}, tiles)
+                                         "out_ptr": F32, **TILE_MAP},
+           {"BLOCK_M": 64, "BLOCK_N": 128, "ON_GPU": True})
     yield (gg._mxfp8_grouped_wgrad_kernel, {"g_ptr": U8, "g_scale_ptr": U8, "x_ptr": U8, "x_scale_ptr": U8,
                                             "out_ptr": F32, "padded_offsets_ptr": I64},
-           {"BLOCK_P": 64, "BLOCK_N": 64, "BLOCK_Q": 64, "DOT_BF16": True})
+           {"BLOCK_N": 64, "BLOCK_Q": 64, "ON_GPU": True})
 
 
 def compile_all(arch: int) -> list[dict]:

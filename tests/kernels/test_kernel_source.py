@@ -41,6 +41,7 @@ def _jitted(module) -> dict[str, object]:
 NVFP4_KERNELS = {
     **{f"nvfp4_triton.{n}": k for n, k in _jitted(nvfp4_triton).items()},
     **{f"_triton_formats.{n}": k for n, k in _jitted(_triton_formats).items()},
+    "grouped_gemm_triton._nvfp4_dequant_kernel": grouped_gemm_triton._nvfp4_dequant_kernel,
     "grouped_gemm_triton._nvfp4_grouped_mm_kernel": grouped_gemm_triton._nvfp4_grouped_mm_kernel,
 }
 
