@@ -48,6 +48,8 @@ from typing import Any
 
 import structlog
 
+from actors.metrics_log import read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 
 RUN_FILE = """\
@@ -180,18 +182,7 @@ def choose_policy(args: argparse.Namespace, work_dir: Path) -> tuple[str, Path]:
 
 # --- one run ---------------------------------------------------------------------------------------
 def train_rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a row being written
-            continue
-        if row.get("kind") == "train":
-            rows.append(row)
-    return rows
+    return read_metrics(run_dir / "metrics.jsonl", kind="train")
 
 
 def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, work_dir: Path) -> dict[str, Any]:

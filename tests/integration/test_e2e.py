@@ -15,6 +15,7 @@ import torch
 import zstandard
 from safetensors.torch import load_file
 
+from actors.metrics_log import read_metrics
 from actors.starting_policy import ensure_starting_policy
 from tests.integration.harness import REPO, LiveRun, write_config
 
@@ -73,9 +74,7 @@ def starting_policy() -> Path:
 
 
 def _rows(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [r for r in rows if r["kind"] == kind]
+    return read_metrics(run_dir / "metrics.jsonl", kind=kind)
 
 
 async def _wait_finished(run: LiveRun, timeout_s: float) -> int:
