@@ -114,8 +114,10 @@ class ReconcilerSection:
 
 @dataclass(frozen=True)
 class TrainerSection:
-    lr: float = live(2e-4)  # the peak of the schedule; a live change rescales the whole schedule
-    lr_schedule: str = "constant"  # constant | cosine (from lr down to lr * lr_min_ratio over run.steps)
+    # The default run's schedule: cosine from 3e-4 to 3e-5 over its 70 steps gained 19.2/17.4/14.0 held-out
+    # points (seeds 0/1/2) where constant 2e-4 gained 13.4/14.0/14.5; a 5e-4 peak destabilised the policy.
+    lr: float = live(3e-4)  # the peak of the schedule; a live change rescales the whole schedule
+    lr_schedule: str = "cosine"  # constant | cosine (from lr down to lr * lr_min_ratio over run.steps)
     lr_min_ratio: float = 0.1  # cosine only: the last step's lr is lr * lr_min_ratio
     betas: tuple[float, ...] = (0.9, 0.99)
     weight_decay: float = 0.0

@@ -98,7 +98,7 @@ def test_the_step_applies_the_scheduled_lr_to_the_update() -> None:
     scheduled = Learner(copy.deepcopy(model), _cosine(), version=2, num_steps=5)
     lr = scheduled.schedule.lr_at(2)
     assert lr == pytest.approx(1e-3 * 0.55)
-    constant = Learner(copy.deepcopy(model), TrainerSection(lr=lr), version=2)
+    constant = Learner(copy.deepcopy(model), TrainerSection(lr=lr, lr_schedule="constant"), version=2)
     assert scheduled.step(groups, "b").lr == constant.step(groups, "b").lr == pytest.approx(lr, rel=1e-12)
     for p, q in zip(scheduled.model.parameters(), constant.model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -135,7 +135,7 @@ def test_a_live_lr_change_rescales_the_schedules_peak() -> None:
 def test_a_constant_schedule_with_a_live_change_uses_the_new_lr() -> None:
     model = seeded_model(small_config(), seed=1)
     groups = [_group(model, [1.0, 0.0, 1.0, 0.0], seed=2)]
-    learner = Learner(copy.deepcopy(model), TrainerSection(lr=2e-4), num_steps=70)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=2e-4, lr_schedule="constant"), num_steps=70)
     assert learner.step(groups, "b0").lr == 2e-4
     learner.set_lr(3e-4)
     assert learner.step(groups, "b1").lr == 3e-4
