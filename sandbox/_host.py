@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxUnavailable
@@ -44,9 +43,6 @@ def _check_overlay() -> None:
         )
 
 
-_PROBE_ATTEMPTS = 5
-
-
 def check_host(config: SandboxConfig) -> str:
     """Verify the host can run sandboxes; return the bwrap path.
 
@@ -61,23 +57,19 @@ def check_host(config: SandboxConfig) -> str:
             "(as CI does) or inside a container where you are root"
         )
     _check_overlay()
-    for attempt in range(_PROBE_ATTEMPTS):
-        probe = subprocess.run(
-            [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--", "/bin/true"],
-            capture_output=True,
-            env={"PATH": "/usr/bin:/bin"},
-            user=config.sandbox_uid,
-            group=config.sandbox_gid,
-            extra_groups=[],
-            timeout=30,
-            check=False,
-        )
-        # Binding "/" copies every host mount, including other sandboxes' overlays, which may be
-        # unmounted while bwrap walks them ("Can't bind mount ... No such file or directory"): a race
-        # with the neighbours, not a host without user namespaces. Those failures are retried.
-        if probe.returncode == 0 or b"Can't bind mount" not in probe.stderr:
-            break
-        time.sleep(0.05 * (attempt + 1))
+    # The probe binds what sandboxes bind (the system directories), never "/": a recursive bind of
+    # "/" copies every host mount, neighbouring sandboxes' overlays included, and races with their
+    # unmounting ("Can't bind mount ... No such file or directory").
+    probe = subprocess.run(
+        [bwrap, "--unshare-all", "--die-with-parent", *_system_dir_binds(), "--", "/bin/true"],
+        capture_output=True,
+        env={"PATH": "/usr/bin:/bin"},
+        user=config.sandbox_uid,
+        group=config.sandbox_gid,
+        extra_groups=[],
+        timeout=30,
+        check=False,
+    )
     if probe.returncode != 0:
         raise SandboxUnavailable(
             f"bwrap cannot create namespaces as uid {config.sandbox_uid} "
@@ -131,17 +123,23 @@ def prepare_static_dir(store_dir: str, config: SandboxConfig) -> str:
     return static
 
 
-def system_binds(static_dir: str) -> list[str]:
-    """bwrap arguments exposing the host's system directories read-only (merged-/usr aware)
-    and the synthetic /etc with the few host /etc entries programs need."""
-    args = ["--ro-bind", "/usr", "/usr", "--ro-bind", os.path.join(static_dir, "etc"), "/etc"]
-    for name in (*_HOST_ETC_FILES, *_HOST_ETC_DIRS):
-        if os.path.exists(os.path.join(static_dir, "etc", name)):
-            args += ["--ro-bind", os.path.join("/etc", name), os.path.join("/etc", name)]
+def _system_dir_binds() -> list[str]:
+    """bwrap arguments exposing /usr and the top-level bin/lib directories read-only (merged-/usr aware)."""
+    args = ["--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = f"/{name}"
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
+    return args
+
+
+def system_binds(static_dir: str) -> list[str]:
+    """bwrap arguments exposing the host's system directories read-only (merged-/usr aware)
+    and the synthetic /etc with the few host /etc entries programs need."""
+    args = [*_system_dir_binds(), "--ro-bind", os.path.join(static_dir, "etc"), "/etc"]
+    for name in (*_HOST_ETC_FILES, *_HOST_ETC_DIRS):
+        if os.path.exists(os.path.join(static_dir, "etc", name)):
+            args += ["--ro-bind", os.path.join("/etc", name), os.path.join("/etc", name)]
     return args

@@ -1,4 +1,4 @@
-"""The host probe tells a mount-tree race with neighbouring sandboxes from a host without namespaces."""
+"""The host probe: what it binds (never "/", which races with neighbouring sandboxes) and how it fails."""
 
 from __future__ import annotations
 
@@ -28,13 +28,17 @@ def tmp_path() -> Iterator[Path]:
 
 
 def _fake_bwrap(tmp_path: Path, failures: int, message: str) -> str:
-    """A bwrap stand-in failing its first `failures` calls with `message`, then succeeding."""
-    counter = tmp_path / "calls"
+    """A bwrap stand-in failing its first `failures` calls with `message`, then succeeding; it counts its
+    calls in `calls` and writes its arguments, one per line, to `argv`."""
+    counter, argv = tmp_path / "calls", tmp_path / "argv"
     counter.write_text("0")
+    argv.write_text("")
     counter.chmod(0o666)
+    argv.chmod(0o666)
     script = tmp_path / "bwrap"
     script.write_text(f"""#!/bin/sh
 n=$(cat {counter}); echo $((n + 1)) > {counter}
+printf '%s\\n' "$@" > {argv}
 if [ "$n" -lt {failures} ]; then echo "bwrap: {message}" >&2; exit 1; fi
 exit 0
 """)
@@ -42,11 +46,41 @@ exit 0
     return str(script)
 
 
-def test_a_mount_race_with_neighbours_is_retried(tmp_path: Path) -> None:
-    race = "Can't bind mount /oldroot/ on /newroot/: Unable to apply mount flags: No such file or directory"
-    bwrap = _fake_bwrap(tmp_path, failures=2, message=race)
+def test_the_probe_binds_the_system_directories_not_the_root(tmp_path: Path) -> None:
+    bwrap = _fake_bwrap(tmp_path, failures=0, message="")
     assert check_host(SandboxConfig(bwrap_path=bwrap)) == bwrap
-    assert (tmp_path / "calls").read_text().strip() == "3"
+    args = (tmp_path / "argv").read_text().splitlines()
+    binds = [tuple(args[i + 1 : i + 3]) for i, a in enumerate(args) if a == "--ro-bind"]
+    assert ("/usr", "/usr") in binds
+    assert all(src != "/" for src, _ in binds), binds
+    assert args[-2:] == ["--", "/bin/true"]
+
+
+def test_the_real_probe_passes_while_neighbouring_sandboxes_mount_and_unmount(tmp_path: Path) -> None:
+    """Overlays appearing and vanishing on the host meanwhile (what other sandboxes do) do not matter."""
+    import subprocess
+    import threading
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        for i in range(10_000):
+            if stop.is_set():
+                return
+            target = tmp_path / f"m{i}"
+            target.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(target)], check=False, capture_output=True)
+            subprocess.run(["umount", str(target)], check=False, capture_output=True)
+            target.rmdir()
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(20):
+            assert check_host(SandboxConfig()).endswith("bwrap")
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_a_host_without_user_namespaces_fails_at_once_with_the_fix(tmp_path: Path) -> None:
