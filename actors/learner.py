@@ -124,9 +124,9 @@ class Learner:
         computed = samples if self.config.kl_coef > 0 else [s for s in samples if s["advantage"] != 0.0]
         lr = self._apply_lr()
         if computed:
-            loss, m, grad_norm, replaced = self._optimize(computed)
+            loss, m, grad_norm, replaced, num_tokens = self._optimize(computed)
         else:
-            loss, m, grad_norm, replaced = torch.zeros(()), _NO_TOKENS, 0.0, 0.0
+            loss, m, grad_norm, replaced, num_tokens = torch.zeros(()), _NO_TOKENS, 0.0, 0.0, 0
             log.info("batch_without_signal", batch_id=batch_id, num_samples=len(samples))
         self.version += 1
         self.trained_batches.append(batch_id)
@@ -137,7 +137,6 @@ class Learner:
         for lag in lags:
             histogram[str(lag)] = histogram.get(str(lag), 0) + 1
         rewards = [s["reward"] for s in samples]
-        num_tokens = sum(len(s["trajectory"]["token_ids"]) for s in computed)
         return StepMetrics(
             version=self.version, num_groups=len(groups), num_samples=len(samples), num_computed=len(computed),
             num_tokens=num_tokens,
@@ -150,8 +149,11 @@ class Learner:
             replay_replaced_fraction=replaced, step_s=elapsed,
             tokens_per_s=num_tokens / elapsed if elapsed > 0 else 0.0)
 
-    def _optimize(self, samples: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, PolicyLossMetrics, float, float]:
-        """Forward, loss, backward and one Adam step over ``samples``; loss, metrics, grad norm, replay fraction."""
+    def _optimize(
+        self, samples: Sequence[dict[str, Any]]
+    ) -> tuple[torch.Tensor, PolicyLossMetrics, float, float, int]:
+        """Forward, loss, backward and one Adam step over ``samples``: loss, metrics, grad norm, replay
+        fraction and the number of tokens packed."""
         batch = pack_sequences([s["trajectory"]["token_ids"] for s in samples])
         behaviour, mask, advantages, replay = _aligned(samples, batch.num_tokens)
         loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
@@ -167,7 +169,7 @@ class Learner:
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
         self.optimizer.step()
-        return loss, m, grad_norm, out.routing_stats.replaced_fraction
+        return loss, m, grad_norm, out.routing_stats.replaced_fraction, batch.num_tokens
 
     # --- state ----------------------------------------------------------------------------------
     def save(self, directory: Path) -> Path:
