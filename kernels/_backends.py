@@ -17,7 +17,7 @@ from kernels.formats import ScaleMode
 from kernels.mxfp8 import MXTensor, PaddedGroups
 from kernels.nvfp4 import NVFP4Tensor
 
-__all__ = ["EMULATED", "TRITON", "QuantBackend", "take_rows"]
+__all__ = ["EMULATED", "TRITON", "QuantBackend", "take_rows", "triton_interpreted"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,16 @@ def _any_device(device: torch.device) -> None:
     del device
 
 
+def triton_interpreted() -> bool:
+    """Whether the Triton kernels, as imported now, run under the interpreter (TRITON_INTERPRET=1 was set
+    when their modules were imported) rather than compiled."""
+    return not isinstance(nvfp4_triton._nvfp4_quant_kernel, triton.runtime.JITFunction)
+
+
 def _triton_device(device: torch.device) -> None:
     if device.type == "cuda":
         return
-    interpreted = not isinstance(nvfp4_triton._nvfp4_quant_kernel, triton.runtime.JITFunction)
+    interpreted = triton_interpreted()
     if device.type != "cpu" or not interpreted:
         raise KernelDeviceError(
             f"the Triton experts need a CUDA device, or CPU tensors with TRITON_INTERPRET=1 set before"

@@ -24,11 +24,9 @@ TRITON_MODULES = (
 
 def kernels_interpreted() -> bool:
     """Whether the kernel modules, as imported now, run under the interpreter."""
-    import triton
+    from kernels._backends import triton_interpreted
 
-    from kernels import nvfp4_triton
-
-    return not isinstance(nvfp4_triton._nvfp4_quant_kernel, triton.runtime.JITFunction)
+    return triton_interpreted()
 
 
 def use_triton_mode(*, interpret: bool) -> None:
@@ -37,7 +35,7 @@ def use_triton_mode(*, interpret: bool) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
-    if "kernels.nvfp4_triton" in sys.modules and kernels_interpreted() == interpret:
+    if "kernels._backends" in sys.modules and kernels_interpreted() == interpret:
         return
     for name in TRITON_MODULES:
         if name in sys.modules:

@@ -15,7 +15,7 @@ import torch
 
 from kernels import ExpertsPrecision, experts_forward_reference, make_experts_fn, mxfp8, nvfp4
 from kernels.formats import ScaleMode
-from tests.kernels._helpers import all_bf16_values, edge_values, sqnr_db
+from tests.kernels._helpers import all_bf16_values, edge_values, grouped_reference, mixed_values, sqnr_db
 from tests.triton_mode import kernels_interpreted, use_triton_mode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -36,13 +36,6 @@ def _backend():
     return _backends.TRITON
 
 
-def _mixed(rows: int, cols: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g) * 6)
-    heavy = torch.randn(rows, cols, generator=g) / torch.randn(rows, cols, generator=g)
-    return torch.where(torch.rand(rows, cols, generator=g) < 0.2, heavy, x)
-
-
 def _positive_nans(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), float("nan"), x)  # widening bf16 canonicalises -NaN on the CPU
 
@@ -57,7 +50,7 @@ def _same(reference, ours) -> None:
 @pytest.mark.parametrize("mode", list(ScaleMode))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp8_rows_byte_exact(dtype: torch.dtype, mode: ScaleMode) -> None:
-    x = torch.cat([_mixed(509, 512, 0), edge_values(torch.float32).repeat(1, 16)])
+    x = torch.cat([mixed_values(509, 512, 0), edge_values(torch.float32).repeat(1, 16)])
     x = _positive_nans(x.to(dtype))
     _same(mxfp8.mxfp8_quantize(x, mode=mode), _backend().mx_rows(x.to(GPU), mode))
 
@@ -71,7 +64,7 @@ def test_mxfp8_rows_byte_exact_on_all_bf16_values(mode: ScaleMode) -> None:
 @pytest.mark.parametrize("mode", list(ScaleMode))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp8_grouped_columns_byte_exact(dtype: torch.dtype, mode: ScaleMode) -> None:
-    x = _mixed(3001, 256, 1).to(dtype)
+    x = mixed_values(3001, 256, 1).to(dtype)
     offsets = torch.tensor([0, 0, 1000, 1000, 1033, 2990, 3001])  # empty, ragged and short groups
     layout = mxfp8.padded_group_layout(offsets, 3001)
     gpu_layout = mxfp8.padded_group_layout(offsets.to(GPU), 3001)
@@ -79,26 +72,26 @@ def test_mxfp8_grouped_columns_byte_exact(dtype: torch.dtype, mode: ScaleMode) -
 
 
 def test_mxfp8_expert_weights_byte_exact() -> None:
-    w = _mixed(8 * 256, 512, 2).reshape(8, 256, 512).bfloat16()
+    w = mixed_values(8 * 256, 512, 2).reshape(8, 256, 512).bfloat16()
     _same(mxfp8.mxfp8_quantize_experts(w), _backend().mx_experts(w.to(GPU), ScaleMode.RCEIL))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvfp4_rows_byte_exact(dtype: torch.dtype) -> None:
-    x = _mixed(1024, 1024, 3) * torch.logspace(-10, 10, 1024)[:, None]
+    x = mixed_values(1024, 1024, 3) * torch.logspace(-10, 10, 1024)[:, None]
     x[0], x[1, :16], x[2] = 0.0, 0.0, 1e-14
     x = x.to(dtype)
     _same(nvfp4.nvfp4_quantize(x), _backend().nvfp4_rows(x.to(GPU)))
 
 
 def test_nvfp4_expert_weights_byte_exact() -> None:
-    w = _mixed(8 * 256, 512, 4).reshape(8, 256, 512)
+    w = mixed_values(8 * 256, 512, 4).reshape(8, 256, 512)
     w[2], w[3] = 0.0, w[3] * 1e-3
     _same(nvfp4.nvfp4_quantize_experts(w), _backend().nvfp4_experts(w.to(GPU)))
 
 
 def test_nvfp4_is_batch_invariant() -> None:
-    x = _mixed(300, 2048, 5).bfloat16().to(GPU)
+    x = mixed_values(300, 2048, 5).bfloat16().to(GPU)
     full = _backend().nvfp4_rows(x)
     for i in (0, 77, 299):
         alone = _backend().nvfp4_rows(x[i : i + 1].contiguous())
@@ -122,22 +115,12 @@ def _grouped_problem(seed: int):
     return x, w, dout, offsets
 
 
-def _float64_grouped(x, w, dout, offsets):
-    x, w, dout = x.double(), w.double(), dout.double()
-    out, dx, dw = torch.zeros(dout.shape, dtype=torch.float64), torch.zeros_like(x), torch.zeros_like(w)
-    bounds = offsets.tolist()
-    for e in range(w.shape[0]):
-        s, t = bounds[e], bounds[e + 1]
-        out[s:t], dx[s:t], dw[e] = x[s:t] @ w[e].t(), dout[s:t] @ w[e], dout[s:t].t() @ x[s:t]
-    return out, dx, dw
-
-
 def test_grouped_gemms_meet_the_floors_and_agree_with_the_emulation() -> None:
     from kernels import grouped_gemm
 
     b, mode = _backend(), ScaleMode.RCEIL
     x, w, dout, offsets = _grouped_problem(0)
-    ref_out, ref_dx, ref_dw = _float64_grouped(x, w, dout, offsets)
+    ref_out, ref_dx, ref_dw = grouped_reference(x, w, dout, offsets)
     xg, wg, dg, og = x.to(GPU), w.to(GPU), dout.to(GPU), offsets.to(GPU)
     layout = mxfp8.padded_group_layout(og, x.shape[0])
 

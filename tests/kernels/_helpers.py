@@ -39,3 +39,27 @@ def edge_values(dtype: torch.dtype) -> torch.Tensor:
         [464.0, 480.0, 447.9, -465.0] + [0.5] * 28,
     ]
     return torch.tensor(rows, dtype=torch.float32).to(dtype)
+
+
+def mixed_values(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Rows of randn at magnitudes spread over many decades, a fifth of the entries heavy-tailed (ratios)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g) * 6)
+    heavy = torch.randn(rows, cols, generator=g) / torch.randn(rows, cols, generator=g)
+    return torch.where(torch.rand(rows, cols, generator=g) < 0.2, heavy, x)
+
+
+def grouped_reference(
+    x_MK: torch.Tensor, w_ENK: torch.Tensor, dout_MN: torch.Tensor, offsets_E1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out = x W_e^T, dX = dout W_e, dW_e = dout_e^T x_e in float64, expert by expert."""
+    x, w, dout = x_MK.double(), w_ENK.double(), dout_MN.double()
+    out, dx = torch.zeros(dout.shape, dtype=torch.float64), torch.zeros(x.shape, dtype=torch.float64)
+    dw = torch.zeros(w.shape, dtype=torch.float64)
+    bounds = offsets_E1.tolist()
+    for e in range(w.shape[0]):
+        s, t = bounds[e], bounds[e + 1]
+        out[s:t] = x[s:t] @ w[e].t()
+        dx[s:t] = dout[s:t] @ w[e]
+        dw[e] = dout[s:t].t() @ x[s:t]
+    return out, dx, dw

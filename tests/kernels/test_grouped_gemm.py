@@ -13,7 +13,7 @@ from kernels.grouped_gemm import mxfp8_grouped_mm, mxfp8_grouped_wgrad, nvfp4_gr
 from kernels.grouped_gemm_triton import triton_mxfp8_grouped_mm, triton_mxfp8_grouped_wgrad, triton_nvfp4_grouped_mm
 from kernels.mxfp8 import MXTensor, mxfp8_quantize, mxfp8_quantize_experts, padded_group_layout
 from kernels.nvfp4 import nvfp4_quantize, nvfp4_quantize_experts
-from tests.kernels._helpers import sqnr_db
+from tests.kernels._helpers import grouped_reference, sqnr_db
 
 BACKENDS = {"emulated": _backends.EMULATED, "triton": _backends.TRITON}
 
@@ -43,17 +43,7 @@ def _problem(backend: str, seed: int = 0) -> Problem:
 
 
 def _reference(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out = x W_e^T, dX = dout W_e, dW_e = dout_e^T x_e in float64, expert by expert."""
-    x, w, dout = p.x_MK.double(), p.w_ENK.double(), p.dout_MN.double()
-    out, dx = torch.zeros(dout.shape, dtype=torch.float64), torch.zeros(x.shape, dtype=torch.float64)
-    dw = torch.zeros(w.shape, dtype=torch.float64)
-    bounds = p.offsets_E1.tolist()
-    for e in range(w.shape[0]):
-        s, t = bounds[e], bounds[e + 1]
-        out[s:t] = x[s:t] @ w[e].t()
-        dx[s:t] = dout[s:t] @ w[e]
-        dw[e] = dout[s:t].t() @ x[s:t]
-    return out, dx, dw
+    return grouped_reference(p.x_MK, p.w_ENK, p.dout_MN, p.offsets_E1)
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))

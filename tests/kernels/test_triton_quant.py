@@ -8,14 +8,7 @@ import torch
 from kernels import mxfp8, mxfp8_triton, nvfp4, nvfp4_triton
 from kernels.errors import KernelDTypeError, KernelShapeError, KernelStrideError
 from kernels.formats import ScaleMode
-from tests.kernels._helpers import all_bf16_values, edge_values
-
-
-def _mixed(rows: int, cols: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g) * 6)
-    heavy = torch.randn(rows, cols, generator=g) / torch.randn(rows, cols, generator=g)
-    return torch.where(torch.rand(rows, cols, generator=g) < 0.2, heavy, x)
+from tests.kernels._helpers import all_bf16_values, edge_values, mixed_values
 
 
 def _assert_mx_equal(a: mxfp8.MXTensor, b: mxfp8.MXTensor) -> None:
@@ -26,7 +19,7 @@ def _assert_mx_equal(a: mxfp8.MXTensor, b: mxfp8.MXTensor) -> None:
 @pytest.mark.parametrize("mode", list(ScaleMode))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp8_rows_match_reference(dtype: torch.dtype, mode: ScaleMode) -> None:
-    x = torch.cat([_mixed(37, 64, 0), edge_values(torch.float32).repeat(1, 2)]).to(dtype)
+    x = torch.cat([mixed_values(37, 64, 0), edge_values(torch.float32).repeat(1, 2)]).to(dtype)
     if dtype == torch.bfloat16:  # torch canonicalises -NaN when widening bf16; keep NaNs positive
         x = torch.where(torch.isnan(x), float("nan"), x)
     _assert_mx_equal(mxfp8.mxfp8_quantize(x, mode=mode), mxfp8_triton.triton_mxfp8_quantize_rows(x, mode))
@@ -42,7 +35,7 @@ def test_mxfp8_rows_match_reference_on_all_bf16_values(mode: ScaleMode) -> None:
 
 @pytest.mark.parametrize("mode", list(ScaleMode))
 def test_mxfp8_grouped_columns_match_reference(mode: ScaleMode) -> None:
-    x = _mixed(75, 48, 1)
+    x = mixed_values(75, 48, 1)
     offsets = torch.tensor([0, 0, 33, 33, 40, 75])  # empty, ragged and short groups
     layout = mxfp8.padded_group_layout(offsets, 75)
     ref = mxfp8.mxfp8_quantize_grouped_cols(x, layout, mode)
@@ -53,7 +46,7 @@ def test_mxfp8_grouped_columns_match_reference(mode: ScaleMode) -> None:
 
 
 def test_mxfp8_expert_weights_match_reference() -> None:
-    w = _mixed(3 * 24, 64, 2).reshape(3, 24, 64).bfloat16()
+    w = mixed_values(3 * 24, 64, 2).reshape(3, 24, 64).bfloat16()
     _assert_mx_equal(mxfp8.mxfp8_quantize_experts(w), mxfp8_triton.triton_mxfp8_quantize_experts(w))
 
 
@@ -65,7 +58,7 @@ def _assert_nv_equal(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvfp4_rows_match_reference(dtype: torch.dtype) -> None:
-    x = _mixed(45, 96, 3) * torch.logspace(-10, 10, 45)[:, None]
+    x = mixed_values(45, 96, 3) * torch.logspace(-10, 10, 45)[:, None]
     x[0] = 0.0
     x[1, :16] = 0.0
     x[2] = 1e-14
@@ -74,14 +67,14 @@ def test_nvfp4_rows_match_reference(dtype: torch.dtype) -> None:
 
 
 def test_nvfp4_expert_weights_match_reference() -> None:
-    w = _mixed(4 * 20, 64, 4).reshape(4, 20, 64)
+    w = mixed_values(4 * 20, 64, 4).reshape(4, 20, 64)
     w[2] = 0.0
     w[3] *= 1e-3
     _assert_nv_equal(nvfp4.nvfp4_quantize_experts(w), nvfp4_triton.triton_nvfp4_quantize_experts(w))
 
 
 def test_triton_nvfp4_is_batch_invariant() -> None:
-    x = _mixed(24, 64, 5).bfloat16()
+    x = mixed_values(24, 64, 5).bfloat16()
     full = nvfp4_triton.triton_nvfp4_quantize(x)
     for i in (0, 7, 23):
         alone = nvfp4_triton.triton_nvfp4_quantize(x[i : i + 1].contiguous())
