@@ -60,7 +60,7 @@ class EvaluatorActor(Actor):
         await self.weights.start(self.exit_stack)
 
     def _due(self, version: int) -> bool:
-        steps = self.ctx.run.steps if self.ctx.run else 0
+        steps = self.ctx.run_steps
         every = max(1, self.config.eval.every_versions)
         return version not in self.evaluated and (version % every == 0 or (steps and version >= steps))
 
@@ -70,7 +70,7 @@ class EvaluatorActor(Actor):
     async def _on_version(self, version: int) -> None:
         """The engine holds ``version``, which is due: evaluate it; finish a run whose budget it ends."""
         await self._evaluate(version)
-        steps = self.ctx.run.steps if self.ctx.run else 0
+        steps = self.ctx.run_steps
         if steps and version >= steps:
             log.info("run_step_budget_reached", version=version, steps=steps)
             await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",

@@ -52,7 +52,7 @@ class TrainerActor(StageActor):
         self.checkpoints = Path(self.ctx.run_dir) / "checkpoints"
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         latest = Learner.latest_checkpoint(self.checkpoints)
-        num_steps = self.ctx.run.steps if self.ctx.run else 0  # the length of a cosine lr schedule
+        num_steps = self.ctx.run_steps  # the length of a cosine lr schedule
         if latest is not None:
             self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps)
             use_training_precision(self.learner.model, cfg.policy)
@@ -82,7 +82,7 @@ class TrainerActor(StageActor):
         if order.batch_id in learner.trained_batches:
             log.info("batch_already_trained", batch_id=order.batch_id, version=learner.version)
             return TrainDone(order.batch_id, order.attempt, learner.version)
-        steps = self.ctx.run.steps if self.ctx.run else 0
+        steps = self.ctx.run_steps
         if steps and learner.version >= steps:  # nak: the batch waits for a resumed run with more steps
             raise StepBudgetReached(f"the run's step budget ({steps}) is reached; batch {order.batch_id} waits")
         if learner.version > order.deadline_version:

@@ -103,6 +103,11 @@ class ActorContext:
     run_dir: Any = None
     run: Any = None  # runtime.run_config.RunSection: the run's name, seed and step budget
 
+    @property
+    def run_steps(self) -> int:
+        """The run's step budget, ``run.steps`` (0: unbounded, also without a run section)."""
+        return self.run.steps if self.run else 0
+
 
 class Actor:
     """Base class. Subclasses set ``kind``, ``queues``, ``messages`` and override ``handle``."""
