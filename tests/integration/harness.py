@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from runtime.bus import Bus
+from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.rundir import RunInfo
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.asynccontextmanager
+async def nats_bus(tmp_path: Path) -> AsyncIterator[Bus]:
+    """A real nats-server in `tmp_path` and a connected bus with the base streams and buckets."""
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
+        bus = await Bus.connect(server.url, name="test")
+        try:
+            await bus.ensure_base()
+            yield bus
+        finally:
+            await bus.close()
 
 
 def write_config(path: Path, text: str) -> Path:

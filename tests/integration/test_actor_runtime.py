@@ -93,7 +93,6 @@ async def test_kill_9_during_handling_loses_nothing(tmp_path: Path, counter_conf
         effects: dict[str, dict] = {}
 
         async def all_done() -> bool:
-            # One read of the bucket, kept: nats-py's kv.keys() occasionally reports no keys at all.
             effects.update(await _effects(run))
             return len(effects) == len(keys)
 

@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +30,12 @@ from actors.slots import Slot, SlotState
 from actors.task_catalog import TaskCatalog
 from actors.task_cursor import CursorRecord, ListTaskSource
 from runtime.bus import Bus
-from runtime.natsserver import NatsServer, NatsServerConfig
-from tests.integration.harness import LiveRun, write_config
+from tests.integration.harness import LiveRun, nats_bus, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
 pytestmark = pytest.mark.timeout(420)
 
 STAGE_KINDS = ("rollout", "reward", "grouping", "trainer")
-
-
-@contextlib.asynccontextmanager
-async def nats_bus(tmp_path: Path) -> AsyncIterator[Bus]:
-    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
-        bus = await Bus.connect(server.url, name="test")
-        try:
-            await bus.ensure_base()
-            yield bus
-        finally:
-            await bus.close()
 
 
 # ------------------------------------------------------------------------------ KVSlotStore
@@ -256,7 +243,8 @@ async def _account(bus: Bus, ledger: TrainerLedger, num_prompts: int, group_size
 
     cursor, slots, outcomes = await _durable_table(bus)
     assert cursor == CursorRecord(0, num_prompts), "the cursor stopped at the end of the dataset"
-    assert all(s.state is SlotState.EMPTY for s in slots)
+    busy = [s for s in slots if s.state is not SlotState.EMPTY]
+    assert not busy, f"slots still in use after the run finished: {busy}"
     catalog = TaskCatalog.build(TasksSection(num_train=num_prompts, num_heldout=4, difficulties=(1, 2, 3, 4)))
     prompt_of = {f"e0-p{i}": catalog.prompt_id(i) for i in range(num_prompts)}
     for b in batches:
