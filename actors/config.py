@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.agent import AgentConfig
-from actors.lr_schedule import SCHEDULE_KINDS
+from actors.lr_schedule import LRSchedule
 from actors.scheduling import SchedulingConfig
 from runtime.config import live
 from sandbox.tasks import count_tasks
@@ -132,14 +132,14 @@ class TrainerSection:
     metrics_file: str = "metrics.jsonl"
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.loss_normalizer <= 0 or self.checkpoint_every < 1:
-            raise ValueError(f"trainer.lr={self.lr} and loss_normalizer={self.loss_normalizer} must be > 0, "
+        if self.loss_normalizer <= 0 or self.checkpoint_every < 1:
+            raise ValueError(f"trainer.loss_normalizer={self.loss_normalizer} must be > 0 and "
                              f"checkpoint_every={self.checkpoint_every} >= 1")
-        if self.lr_schedule not in SCHEDULE_KINDS:
-            raise ValueError(f"trainer.lr_schedule={self.lr_schedule!r}: use one of {', '.join(SCHEDULE_KINDS)}")
-        if not 0.0 <= self.lr_min_ratio <= 1.0:
-            raise ValueError(f"trainer.lr_min_ratio={self.lr_min_ratio} must be in [0, 1] "
-                             "(the cosine's last lr is lr * lr_min_ratio)")
+        try:  # the schedule checks its own parameters; num_steps is the run's, known only later
+            LRSchedule(self.lr_schedule, self.lr, self.lr_min_ratio, num_steps=1)
+        except ValueError as e:
+            raise ValueError(f"{e} (trainer.lr_schedule={self.lr_schedule!r}, trainer.lr={self.lr}, "
+                             f"trainer.lr_min_ratio={self.lr_min_ratio})") from None
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,10 @@ def test_invalid_schedules_are_refused_naming_the_value(kwargs: dict, message: s
 
 
 def test_the_trainer_section_validates_its_schedule_keys() -> None:
-    with pytest.raises(ValueError, match=re.escape("trainer.lr_schedule='cos': use one of constant, cosine")):
+    unknown = re.escape("kind='cos': use one of constant, cosine (trainer.lr_schedule='cos'")
+    with pytest.raises(ValueError, match=unknown):
         TrainerSection(lr_schedule="cos")
-    with pytest.raises(ValueError, match=r"trainer.lr_min_ratio=-0.1 must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"min_ratio=-0.1 must be in \[0, 1\] .*trainer.lr_min_ratio=-0.1"):
         TrainerSection(lr_min_ratio=-0.1)
+    with pytest.raises(ValueError, match=r"peak=0.0 must be > 0 .*trainer.lr=0.0"):
+        TrainerSection(lr=0.0)
