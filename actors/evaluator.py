@@ -2,8 +2,10 @@
 
 It follows ``weights.<run>`` like a rollout actor (same delta path), evaluates version 0 before
 training moves, then every ``eval.every_versions`` versions and the run's last version; each result
-is a ``{"kind": "eval"}`` row in metrics.jsonl and a progress line. A run with a step budget is
-finished by the evaluator once the last version is evaluated, so the final figure is always there.
+is a ``{"kind": "eval"}`` row in metrics.jsonl and a progress line. The last version is the step
+budget's (``run.steps``) or, when the dataset's last epoch ends first, the one the reconciler names
+in its ``DataExhausted`` message; the evaluator finishes the run once it has evaluated it, so the
+final figure is always there.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import structlog
 
 from actors.config import RLConfig
 from actors.evaluation import evaluate, greedy, sampled
+from actors.messages import DataExhausted, data_exhausted_subject
 from actors.metrics_log import read_metrics
 from actors.policy import load_policy, weights_run_name
 from actors.task_catalog import TaskCatalog
@@ -27,6 +31,7 @@ from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
 from runtime.actor import Actor
+from runtime.codec import Codec
 from runtime.supervisor import SUPERVISOR_SUBJECT
 from sandbox import LayerStore, SandboxConfig
 
@@ -58,11 +63,32 @@ class EvaluatorActor(Actor):
         self.evaluated = {int(r["version"]) for r in read_metrics(self.metrics_path, kind="eval")}
         self.weights = WeightsFollower(self.bus, self.ctx.blob, self.run_name, self.engine)
         await self.weights.start(self.exit_stack)
+        self.exhausted_at: int | None = None  # the last version, once the reconciler says the data ran out
+        self.exhausted_codec = Codec([DataExhausted])
+        sub = await self.bus.nc.subscribe(data_exhausted_subject(self.run_name), cb=self._on_data_exhausted)
+        self.exit_stack.push_async_callback(sub.unsubscribe)
+
+    @property
+    def last_version(self) -> int | None:
+        """The run's last policy version, if known: the step budget's or the dataset's, whichever comes first."""
+        ends = [v for v in (self.ctx.run_steps or None, self.exhausted_at) if v is not None]
+        return min(ends, default=None)
 
     def _due(self, version: int) -> bool:
-        steps = self.ctx.run_steps
         every = max(1, self.config.eval.every_versions)
-        return version not in self.evaluated and (version % every == 0 or (steps and version >= steps))
+        last = self.last_version
+        return version not in self.evaluated and (version % every == 0 or (last is not None and version >= last))
+
+    async def _on_data_exhausted(self, raw: Any) -> None:
+        try:
+            msg = await self.exhausted_codec.decode(raw.data)
+        except ValueError as e:
+            log.error("data_exhausted_rejected", error=str(e))
+            return
+        if self.exhausted_at is None:
+            log.info("run_data_exhausted", last_version=msg.version, steps=self.ctx.run_steps)
+            self.exhausted_at = msg.version
+            self.weights.recheck()  # the newest version, skipped as not due, may be the last one
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
         tg.create_task(self.weights.follow(wanted=self._due, on_loaded=self._on_version))
@@ -70,11 +96,12 @@ class EvaluatorActor(Actor):
     async def _on_version(self, version: int) -> None:
         """The engine holds ``version``, which is due: evaluate it; finish a run whose budget it ends."""
         await self._evaluate(version)
-        steps = self.ctx.run_steps
-        if steps and version >= steps:
-            log.info("run_step_budget_reached", version=version, steps=steps)
+        last = self.last_version
+        if last is not None and version >= last:
+            reason = "steps" if version >= self.ctx.run_steps > 0 else "data exhausted"
+            log.info("run_last_version_evaluated", version=version, steps=self.ctx.run_steps, reason=reason)
             await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",
-                                      msgpack.packb({"by": self.identity.actor_id, "reason": "steps"}),
+                                      msgpack.packb({"by": self.identity.actor_id, "reason": reason}),
                                       timeout=5.0)
 
     async def _evaluate(self, version: int) -> None:

@@ -64,6 +64,20 @@ class WeightsPublished:
     num_bytes: int
 
 
+@message("run.data_exhausted")
+class DataExhausted:
+    """Every prompt of run ``run``'s last epoch was trained or dropped: ``version`` is the last policy.
+
+    The reconciler says so on every tick from then on (a restarted listener hears it within a tick)."""
+
+    run: str
+    version: int
+
+
+def data_exhausted_subject(run: str) -> str:
+    return f"data_exhausted.{run}"
+
+
 @message("heartbeat.work")
 class WorkHeartbeat:
     """A stage actor is still working on (stage, key, attempt): the reconciler keeps it alive."""
@@ -78,9 +92,11 @@ __all__ = [
     "COMPLETION_TYPES",
     "DONE_QUEUE",
     "ORDER_TYPES",
+    "DataExhausted",
     "WeightsPublished",
     "WorkHeartbeat",
     "all_order_types",
+    "data_exhausted_subject",
     "done_subject",
     "order_types",
     "work_queue_of",

@@ -22,7 +22,16 @@ from actors.config import RLConfig
 from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore
 from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.lifecycle_events import WorkOrder
-from actors.messages import COMPLETION_TYPES, DONE_QUEUE, WorkHeartbeat, all_order_types, work_queue_of
+from actors.messages import (
+    COMPLETION_TYPES,
+    DONE_QUEUE,
+    DataExhausted,
+    WorkHeartbeat,
+    all_order_types,
+    data_exhausted_subject,
+    work_queue_of,
+)
+from actors.policy import weights_run_name
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from runtime import config as config_mod
@@ -47,6 +56,9 @@ class ReconcilerActor(Actor):
         self.source = TaskCatalog.build(self.config.tasks)
         self.order_codec = Codec(all_order_types())
         self.heartbeat_codec = Codec([WorkHeartbeat])
+        self.exhausted_codec = Codec([DataExhausted])
+        self.run_name = weights_run_name(self.ctx.run_dir)
+        self.announced_exhausted = False
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
         self.num_rollout_actors = await self._count_rollout_actors()
         await self._resume()
@@ -158,7 +170,19 @@ class ReconcilerActor(Actor):
         while True:
             await self._call("tick")
             raise_if_cancelled()
+            if self.core.is_finished:
+                await self._say_data_exhausted()
             await asyncio.sleep(self.config.reconciler.tick_s)
+
+    async def _say_data_exhausted(self) -> None:
+        """The dataset's last epoch is done: no version after the trainer's current one will come, so
+        whoever ends the run (the evaluator, after its final evaluation) must not wait for ``run.steps``."""
+        version = self.core.trainer_version
+        if not self.announced_exhausted:
+            log.info("dataset_exhausted", last_version=version, steps=self.ctx.run_steps)
+            self.announced_exhausted = True
+        data = await self.exhausted_codec.encode(DataExhausted(self.run_name, version))
+        await self.bus.nc.publish(data_exhausted_subject(self.run_name), data)
 
     async def _count_rollout_actors(self) -> int:
         kv = await self.bus.kv("actors")

@@ -67,6 +67,10 @@ class WeightsFollower:
             self.latest = version
             self._changed.set()
 
+    def recheck(self) -> None:
+        """Have `follow` look at the newest version again: its ``wanted`` may say yes now."""
+        self._changed.set()
+
     async def _on_signal(self, raw: Any) -> None:
         try:
             msg = await self._codec.decode(raw.data)

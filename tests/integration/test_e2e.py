@@ -130,6 +130,25 @@ async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) 
     assert mixed >= 1, "some trajectories carry tokens of two versions: weights swapped mid-rollout"
 
 
+async def test_a_run_whose_data_runs_out_first_ends_after_its_final_evaluation(
+    tmp_path: Path, starting_policy: Path
+) -> None:
+    """4 prompts, one epoch, 2 groups a batch: version 2 is the last though run.steps asks for 50."""
+    cfg = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=0, steps=50, checkpoint=starting_policy))
+    run = await LiveRun(
+        tmp_path / "run", cfg, "--set", "tasks.num_train=4", "--set", "reconciler.num_epochs=1"
+    ).start()
+    try:
+        assert await _wait_finished(run, 300) == 0, run.output()
+    finally:
+        await run.stop()
+    assert [r["version"] for r in _rows(run.run_dir, "train")] == [1, 2]
+    assert {e["version"] for e in _rows(run.run_dir, "eval")} == {0, 2}, "evaluated at the start and the last version"
+    supervisor = [json.loads(line) for line in (run.run_dir / "logs" / "supervisor.jsonl").read_text().splitlines()]
+    (finish,) = [e for e in supervisor if e["event"] == "run_finish_requested"]
+    assert finish["reason"] == "data exhausted"
+
+
 async def test_kill_9_of_stage_actors_loses_no_sample(tmp_path: Path, starting_policy: Path) -> None:
     cfg = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=1, steps=5, checkpoint=starting_policy))
     run = await LiveRun(
