@@ -20,6 +20,7 @@ from runtime.blob import open_store
 from runtime.bus import Bus, BusLimits
 from runtime.codehash import code_hash
 from runtime.events import EventLog
+from runtime.procutil import lower_priority
 from runtime.run_config import import_entry, load_run_config
 from runtime.rundir import CONFIG_FILE, RunInfo
 
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--id", required=True, dest="actor_id")
     args = parser.parse_args(argv)
     cfg = load_run_config([args.run_dir / CONFIG_FILE])
+    # Here, not in the spawn's preexec_fn: uvloop runs that before the child's setsid, where the
+    # autogroup written would still be the supervisor's.
+    lower_priority(cfg.runtime.actors[args.kind].nice)
     event_log = EventLog(args.run_dir / "logs" / f"{args.actor_id}.jsonl", args.kind, args.actor_id,
                          cfg.runtime.log)
     event_log.install()

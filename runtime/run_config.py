@@ -73,12 +73,15 @@ class ActorSpec:
     heartbeat_s: float = 5.0
     drain_timeout_s: float = 60.0
     threads: int = 0  # torch intra-op threads in the process; 0 leaves the default
+    nice: int = 0  # CPU priority below the others' (0 to 19): a side job gives way to the pipeline
 
     def __post_init__(self) -> None:
         if ":" not in self.entry:
             raise ValueError(f"entry {self.entry!r} must look like package.module:ClassName")
         if self.count < 0:
             raise ValueError(f"count={self.count} must be >= 0")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice={self.nice} must be in 0..19 (0: the same priority as every other actor)")
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,19 @@ async def test_sigterm_leaves_no_process_behind(tmp_path: Path, counter_config) 
     assert [p for p in tree if alive(p)] == []
 
 
+async def test_an_actor_with_nice_gives_way_on_the_cpu(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "run.toml", COUNTER_RUN.format(count=1, concurrency=1) + "nice = 7\n")
+    run = await LiveRun(tmp_path / "run", config).start()
+    try:
+        (actor,) = await run.wait_actors("counter", 1)
+        assert os.getpriority(os.PRIO_PROCESS, actor["pid"]) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
+        autogroup = Path(f"/proc/{actor['pid']}/autogroup")
+        if autogroup.exists():  # its session's scheduling group gives way too
+            assert autogroup.read_text().split()[-1] == "7", autogroup.read_text()
+    finally:
+        assert await run.stop() == 0
+
+
 async def test_restart_intensity_limit_fails_the_run(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "run.toml", """
 [supervisor]
