@@ -10,9 +10,10 @@ only difference is ``reconciler.scheduling.eta``: with eta = 0 the admission bou
 groups and admits nothing more until that batch is trained, so generation and training alternate
 (the synchronous baseline); with eta = 2 generation runs ahead of the trainer by up to two versions.
 
-The evaluator actor is left out of the bench's run file, so no held-out evaluation takes CPU from the
-measured stages; since it is the actor that finishes a run with a step budget, the bench itself stops
-each run (SIGTERM to runtime.up: every actor drains) once the trainer's metrics show the last step.
+The evaluator actor is switched off (``count = 0``) in the bench's run file, layered on the default
+run's, so no held-out evaluation takes CPU from the measured stages; since it is the actor that
+finishes a run with a step budget, the bench itself stops each run (SIGTERM to runtime.up: every
+actor drains) once the trainer's metrics show the last step.
 
 Figures per mode, from the trainer's rows in ``<run_dir>/metrics.jsonl``:
 - ``steady``: steps 2..N over the wall time from the first to the last train row (start-up and the
@@ -49,34 +50,19 @@ from typing import Any
 import structlog
 
 from actors.metrics_log import read_metrics
+from runtime.up import default_config_files
 
 REPO = Path(__file__).resolve().parents[2]
 
+# Layered on the default run (actors/run.toml: its actors), as `runtime.up --config A --config B` does.
 RUN_FILE = """\
 [run]
 name = "bench-e2e-{mode}"
 seed = {seed}
 steps = {steps}
 
-[actors.reconciler]
-entry = "actors.reconciler:ReconcilerActor"
-max_concurrency = 64
-[actors.rollout]
-entry = "actors.rollout:RolloutActor"
-max_concurrency = 32
-threads = 1
-[actors.reward]
-entry = "actors.reward:RewardActor"
-max_concurrency = 8
-threads = 1
-[actors.grouping]
-entry = "actors.grouping:GroupingActor"
-max_concurrency = 4
-threads = 1
-[actors.trainer]
-entry = "actors.trainer:TrainerActor"
-max_concurrency = 1
-threads = 1
+[actors.evaluator]
+count = 0  # no held-out evaluation taking CPU from the measured stages
 
 [policy]
 checkpoint = "{checkpoint}"
@@ -89,8 +75,6 @@ batch_size_groups = {batch_groups}
 [reconciler.scheduling]
 eta = {eta}
 max_inflight_per_rollout_actor = {inflight}
-[eval]
-every_versions = 1000000
 [rollout.agent]
 max_turns = {max_turns}
 max_new_tokens_per_turn = {max_new_tokens}
@@ -205,10 +189,11 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, wo
             max_new_tokens=args.max_new_tokens,
         )
     )
+    layered = [a for c in (*default_config_files(), config) for a in ("--config", str(c))]
     load_before = os.getloadavg()[0]
     with open(work_dir / f"{name}.out", "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
+            [sys.executable, "-m", "runtime.up", *layered, "--run-dir", str(run_dir), "--quiet"],
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +40,12 @@ def write_config(path: Path, text: str) -> Path:
 
 
 class LiveRun:
-    def __init__(self, run_dir: Path, config: Path, *extra: str, pythonpath: tuple[Path, ...] = ()) -> None:
+    def __init__(self, run_dir: Path, config: Path | Sequence[Path], *extra: str,
+                 pythonpath: tuple[Path, ...] = ()) -> None:
+        """``config``: a run file, or several layered in order (later files win, as runtime.up does)."""
         self.pythonpath = ":".join(str(p) for p in (REPO, *pythonpath))
         self.run_dir = run_dir
-        self.config = config
+        self.configs = [config] if isinstance(config, Path) else list(config)
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
         self.bus: Bus | None = None
@@ -51,8 +53,8 @@ class LiveRun:
 
     async def start(self, timeout_s: float = 60.0) -> LiveRun:
         self.proc = subprocess.Popen(  # noqa: ASYNC220 - a plain Popen is what the test inspects
-            [sys.executable, "-m", "runtime.up", "--config", str(self.config), "--run-dir", str(self.run_dir),
-             "--quiet", *self.extra],
+            [sys.executable, "-m", "runtime.up", *(a for c in self.configs for a in ("--config", str(c))),
+             "--run-dir", str(self.run_dir), "--quiet", *self.extra],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": self.pythonpath})
         deadline = time.monotonic() + timeout_s

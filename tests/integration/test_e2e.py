@@ -17,37 +17,17 @@ from safetensors.torch import load_file
 
 from actors.metrics_log import read_metrics
 from actors.starting_policy import ensure_starting_policy
+from runtime.up import default_config_files
 from tests.integration.harness import REPO, LiveRun, write_config
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
+# Layered on the default run (actors/run.toml: its actors), as `runtime.up --config A --config B` does.
 SHORT_RUN = """
 [run]
 name = "e2e"
 seed = {seed}
 steps = {steps}
-
-[actors.reconciler]
-entry = "actors.reconciler:ReconcilerActor"
-max_concurrency = 64
-[actors.rollout]
-entry = "actors.rollout:RolloutActor"
-max_concurrency = 16
-threads = 1
-[actors.reward]
-entry = "actors.reward:RewardActor"
-max_concurrency = 8
-threads = 1
-[actors.grouping]
-entry = "actors.grouping:GroupingActor"
-threads = 1
-[actors.trainer]
-entry = "actors.trainer:TrainerActor"
-max_concurrency = 1
-threads = 1
-[actors.evaluator]
-entry = "actors.evaluator:EvaluatorActor"
-threads = 1
 
 [policy]
 checkpoint = "{checkpoint}"
@@ -62,6 +42,7 @@ batch_size_groups = 2
 eta = 2
 [eval]
 every_versions = 100
+samples_per_task = 2
 [rollout.agent]
 max_turns = 2
 max_new_tokens_per_turn = 128  # a whole write_file call of a difficulty-1 solution (~100 bytes)
@@ -71,6 +52,11 @@ max_new_tokens_per_turn = 128  # a whole write_file call of a difficulty-1 solut
 @pytest.fixture(scope="session")
 def starting_policy() -> Path:
     return ensure_starting_policy(REPO / "runs" / "_cache")
+
+
+def _short_run(tmp_path: Path, seed: int, steps: int, checkpoint: Path) -> list[Path]:
+    overlay = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=seed, steps=steps, checkpoint=checkpoint))
+    return [*default_config_files(), overlay]
 
 
 def _rows(run_dir: Path, kind: str) -> list[dict]:
@@ -83,7 +69,7 @@ async def _wait_finished(run: LiveRun, timeout_s: float) -> int:
 
 
 async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) -> None:
-    cfg = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=0, steps=4, checkpoint=starting_policy))
+    cfg = _short_run(tmp_path, seed=0, steps=4, checkpoint=starting_policy)
     run = await LiveRun(tmp_path / "run", cfg).start()
     try:
         assert await _wait_finished(run, 300) == 0, run.output()
@@ -134,7 +120,7 @@ async def test_a_run_whose_data_runs_out_first_ends_after_its_final_evaluation(
     tmp_path: Path, starting_policy: Path
 ) -> None:
     """4 prompts, one epoch, 2 groups a batch: version 2 is the last though run.steps asks for 50."""
-    cfg = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=0, steps=50, checkpoint=starting_policy))
+    cfg = _short_run(tmp_path, seed=0, steps=50, checkpoint=starting_policy)
     run = await LiveRun(
         tmp_path / "run", cfg, "--set", "tasks.num_train=4", "--set", "reconciler.num_epochs=1"
     ).start()
@@ -150,7 +136,7 @@ async def test_a_run_whose_data_runs_out_first_ends_after_its_final_evaluation(
 
 
 async def test_kill_9_of_stage_actors_loses_no_sample(tmp_path: Path, starting_policy: Path) -> None:
-    cfg = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=1, steps=5, checkpoint=starting_policy))
+    cfg = _short_run(tmp_path, seed=1, steps=5, checkpoint=starting_policy)
     run = await LiveRun(
         tmp_path / "run",
         cfg,
