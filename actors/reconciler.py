@@ -59,11 +59,22 @@ class ReconcilerActor(Actor):
         self.exhausted_codec = Codec([DataExhausted])
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.announced_exhausted = False
+        self._warn_if_steps_exceed_data()
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
         self.num_rollout_actors = await self._count_rollout_actors()
         await self._resume()
         sub = await self.bus.nc.subscribe("heartbeat.>", cb=self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
+
+    def _warn_if_steps_exceed_data(self) -> None:
+        r, steps = self.config.reconciler, self.ctx.run_steps
+        if not steps:
+            return
+        num_batches = -(-len(self.source) * r.num_epochs // r.batch_size_groups)  # at most, with no group dropped
+        if steps > num_batches:
+            log.warning("run_steps_exceed_dataset", steps=steps, max_versions=num_batches,
+                        num_prompts=len(self.source), num_epochs=r.num_epochs,
+                        fix="the run ends at the dataset's last version; raise reconciler.num_epochs for more")
 
     def _lifecycle_config(self) -> LifecycleConfig:
         r = self.config.reconciler
