@@ -94,7 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="rollouts in flight per rollout actor, both modes (default: one batch, G*B)",
     )
     p.add_argument("--max-turns", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=96, help="generated tokens per turn at most")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="generated tokens per turn at most (a whole write_file call of a difficulty-1 solution "
+                        "takes ~100 bytes; with 96 every call was cut short, malformed, and no batch had a signal)")
     p.add_argument("--seed", type=int, default=0, help="run seed and task order, both modes")
     p.add_argument(
         "--policy",
