@@ -95,32 +95,35 @@ class Bucket(KeyValue):
     """
 
     def __init__(self, nc: NatsClient, js: JetStreamContext, name: str, direct: bool) -> None:
-        super().__init__(name=name, stream=f"KV_{name}", pre=f"$KV.{name}.", js=js, direct=direct)
         self.bucket = name
+        self._prefix = f"$KV.{name}."  # a key's subject is prefix + key
+        stream = f"KV_{name}"
+        super().__init__(name=name, stream=stream, pre=self._prefix, js=js, direct=direct)
         self._nc = nc
+        self._stream_info_subject = f"$JS.API.STREAM.INFO.{stream}"
 
     async def keys(self, filters: list[str] | None = None, **kwargs: Any) -> list[str]:
         """The live keys (containing one of `filters`, if given); raises ``NoKeysError`` if none, as nats-py does."""
-        keys = [k for k in await self._subjects() if not filters or any(f in k for f in filters)]
+        keys = [k for k in await self._stored_keys() if not filters or any(f in k for f in filters)]
         live = await asyncio.gather(*(self._is_live(k) for k in keys))
         keys = [k for k, alive in zip(keys, live, strict=True) if alive]
         if not keys:
             raise NoKeysError
         return keys
 
-    async def _subjects(self) -> list[str]:
-        prefix = f"$KV.{self.bucket}."
-        subjects: list[str] = []
+    async def _stored_keys(self) -> list[str]:
+        """Every key with a record in the stream, deleted and purged ones included."""
+        keys: list[str] = []
         while True:
-            request = {"subjects_filter": f"{prefix}>", "offset": len(subjects)}
-            reply = await self._nc.request(f"$JS.API.STREAM.INFO.KV_{self.bucket}", json.dumps(request).encode(), 5.0)
+            request = {"subjects_filter": f"{self._prefix}>", "offset": len(keys)}
+            reply = await self._nc.request(self._stream_info_subject, json.dumps(request).encode(), 5.0)
             info = json.loads(reply.data)
             if "error" in info:
                 raise BusError(f"cannot list the keys of bucket {self.bucket!r}: {info['error']}")
             page = list((info["state"].get("subjects") or {}).keys())
-            subjects += [s[len(prefix) :] for s in page]
-            if not page or len(subjects) >= info.get("total", 0):
-                return subjects
+            keys += [s[len(self._prefix) :] for s in page]
+            if not page or len(keys) >= info.get("total", 0):
+                return keys
 
     async def _is_live(self, key: str) -> bool:
         try:
