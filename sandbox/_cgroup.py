@@ -1,11 +1,11 @@
 """Optional per-environment memory cgroup (v1 or v2), capping the sum over all of its processes.
 
 RLIMIT_AS bounds each process; a cgroup bounds their total (and the tmpfs pages they write).
-It is used when this process may create a child of its own memory cgroup and a process of the
-sandbox uid may then move itself into it (checked once by `probe`); otherwise sandboxes fall
-back to rlimits alone and `probe` says why. Commands join the cgroup through a tiny shell
-prefix (``echo $$ > cgroup.procs; exec bwrap ...``) run as the sandbox uid, which owns only
-that one ``cgroup.procs`` file.
+It is used when this process may create a child of its own memory cgroup and move a forked
+child into it (checked once by `probe`); otherwise sandboxes fall back to rlimits alone and
+`probe` says why. The cgroup is made once per environment; each command's forked child joins it
+while still root, before it drops to the sandbox uid and executes bwrap (`sandbox._child`), so
+no shell is started per command and the sandbox uid owns no cgroup file.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import subprocess
 import time
 
 import structlog
+
+from sandbox import _child
 
 __all__ = ["EnvCgroup", "find_memory_cgroup", "probe", "reap_stale"]
 
@@ -52,9 +54,9 @@ def find_memory_cgroup() -> tuple[str, int] | None:
 
 
 class EnvCgroup:
-    """One child memory cgroup; ``procs_path`` is writable by the sandbox uid."""
+    """One child memory cgroup; a process joins it by writing ``0`` to ``procs_path`` (as root)."""
 
-    def __init__(self, parent: str, version: int, name: str, memory_bytes: int, uid: int, gid: int) -> None:
+    def __init__(self, parent: str, version: int, name: str, memory_bytes: int) -> None:
         self.path = os.path.join(parent, _PREFIX + name)
         self.procs_path = os.path.join(self.path, "cgroup.procs")
         os.mkdir(self.path)
@@ -65,7 +67,6 @@ class EnvCgroup:
             else:
                 self._write("memory.max", memory_bytes)
                 self._write("memory.swap.max", 0, optional=True)
-            os.chown(self.procs_path, uid, gid)
         except BaseException:
             self.remove()
             raise
@@ -93,28 +94,30 @@ class EnvCgroup:
 
 
 def probe(store_name: str, uid: int, gid: int) -> tuple[str, int] | None:
-    """Check that a sandbox-uid process can join a child memory cgroup; returns (parent, version)."""
+    """Check that a forked child can join a child memory cgroup and then drop to the sandbox uid
+    (as commands do); returns (parent, version)."""
     found = find_memory_cgroup()
     if found is None:
         log.info("sandbox_memory_cgroup_unavailable", reason="no writable memory cgroup found")
         return None
     parent, version = found
     try:
-        cg = EnvCgroup(parent, version, f"{store_name}-probe", 64 << 20, uid, gid)
+        cg = EnvCgroup(parent, version, f"{store_name}-probe", 64 << 20)
     except OSError as e:
         log.info("sandbox_memory_cgroup_unavailable", reason=str(e), parent=parent)
         return None
     try:
         result = subprocess.run(
-            ["/bin/sh", "-c", 'echo $$ > "$0"', cg.procs_path],
-            user=uid,
-            group=gid,
-            extra_groups=[],
+            ["/bin/true"],
+            preexec_fn=_child.child_setup(uid, gid, cg.procs_path),
             capture_output=True,
             timeout=10,
             check=False,
             env={"PATH": "/usr/bin:/bin"},
         )
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("sandbox_memory_cgroup_unavailable", reason=str(e), parent=parent)
+        return None
     finally:
         cg.remove()
     if result.returncode != 0:

@@ -1,4 +1,4 @@
-"""Host checks (bwrap, overlayfs, root, user namespaces) and the static files commands see."""
+"""Host checks (bwrap, overlayfs, root, user namespaces, seccomp, init) and the static files commands see."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import os
 import shutil
 import subprocess
 
+from sandbox import _seccomp
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxUnavailable
 
-__all__ = ["GRADER_NAME", "check_host", "prepare_static_dir", "system_binds"]
+__all__ = ["GRADER_NAME", "INIT_NAME", "check_host", "prepare_static_dir", "system_binds"]
 
 GRADER_NAME = "grader.py"
-_INSTALL_HINT = "run scripts/install_system_deps.sh as root (or: apt-get install -y bubblewrap)"
+INIT_NAME = "init"
+_INSTALL_HINT = "run scripts/install_system_deps.sh as root (or: apt-get install -y bubblewrap tini libseccomp2)"
+_INIT_CANDIDATES = ("tini-static", "tini")
 
 
 def _find_bwrap(config: SandboxConfig) -> str:
@@ -23,6 +26,17 @@ def _find_bwrap(config: SandboxConfig) -> str:
             f"the sandbox needs it to isolate commands: {_INSTALL_HINT}"
         )
     return path
+
+
+def _find_init() -> str:
+    """tini: the sandbox's pid 1 (reaps orphans, passes on the command's exit status)."""
+    for name in _INIT_CANDIDATES:
+        path = shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
+        if path is not None:
+            return path
+    raise SandboxUnavailable(
+        f"no init for the sandbox's pid namespace (looked for {', '.join(_INIT_CANDIDATES)}): {_INSTALL_HINT}"
+    )
 
 
 def _filesystems() -> set[str]:
@@ -57,26 +71,33 @@ def check_host(config: SandboxConfig) -> str:
             "(as CI does) or inside a container where you are root"
         )
     _check_overlay()
+    _find_init()
+    seccomp_fd = _seccomp.filter_fd()  # also fails clearly now if libseccomp is missing
     # The probe binds what sandboxes bind (the system directories), never "/": a recursive bind of
     # "/" copies every host mount, neighbouring sandboxes' overlays included, and races with their
     # unmounting ("Can't bind mount ... No such file or directory").
-    probe = subprocess.run(
-        [bwrap, "--unshare-all", "--die-with-parent", *_system_dir_binds(), "--", "/bin/true"],
-        capture_output=True,
-        env={"PATH": "/usr/bin:/bin"},
-        user=config.sandbox_uid,
-        group=config.sandbox_gid,
-        extra_groups=[],
-        timeout=30,
-        check=False,
-    )
+    try:
+        probe = subprocess.run(
+            [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+             "--seccomp", str(seccomp_fd), *_system_dir_binds(), "--", "/bin/true"],
+            capture_output=True,
+            env={"PATH": "/usr/bin:/bin"},
+            user=config.sandbox_uid,
+            group=config.sandbox_gid,
+            extra_groups=[],
+            pass_fds=(seccomp_fd,),
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(seccomp_fd)
     if probe.returncode != 0:
         raise SandboxUnavailable(
             f"bwrap cannot create namespaces as uid {config.sandbox_uid} "
             f"(exit {probe.returncode}: {probe.stderr.decode(errors='replace').strip()}); enable "
             "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 or "
             "user.max_user_namespaces>0; on Ubuntu 24.04+ also "
-            "kernel.apparmor_restrict_unprivileged_userns=0)"
+            "kernel.apparmor_restrict_unprivileged_userns=0), and bubblewrap >= 0.8 for --disable-userns"
         )
     return bwrap
 
@@ -113,13 +134,16 @@ def prepare_static_dir(store_dir: str, config: SandboxConfig) -> str:
             os.mkdir(os.path.join(etc, name), 0o755)
     grader_src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_grader.py")
     shutil.copyfile(grader_src, os.path.join(static, GRADER_NAME))
-    for dirpath, dirnames, filenames in os.walk(static):
-        for name in dirnames:
-            os.chmod(os.path.join(dirpath, name), 0o755)
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if not os.path.islink(p):
-                os.chmod(p, 0o644)
+    os.chmod(etc, 0o755)
+    for name in os.listdir(etc):
+        path = os.path.join(etc, name)
+        os.chmod(path, 0o755 if os.path.isdir(path) else 0o644)
+    os.chmod(os.path.join(static, GRADER_NAME), 0o644)
+    # pid 1 executes a copy nobody in the sandbox may read: exec of an unreadable binary makes
+    # the process non-dumpable, so the sandbox can neither ptrace its init nor read its memory.
+    init = os.path.join(static, INIT_NAME)
+    shutil.copyfile(_find_init(), init)
+    os.chmod(init, 0o111)
     return static
 
 

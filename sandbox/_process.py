@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import resource
+import select
 import signal
 
 import structlog
@@ -58,73 +59,132 @@ def ulimit_prelude(limits: SandboxLimits) -> str:
     )
 
 
-class RunningCommand:
-    """A started bwrap and the fd on which it reports its sandbox init's host pid.
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return None
 
-    Killing the sandbox's init (pid 1 of its pid namespace) makes the kernel kill every process
-    in the namespace, and init only finishes exiting once they are all gone. The outer bwrap
-    learns init's status through an eventfd and may exit first, so we also wait (on a pidfd)
-    for init itself to exit; it then lingers only as a zombie until the host's pid 1 reaps it.
+
+def _parent_pid(pidfd: int, pid: int) -> int | None:
+    """The parent of the process behind ``pidfd`` (read through its numeric pid, then checked to
+    still be that process, so a recycled pid reads as None)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        signal.pidfd_send_signal(pidfd, 0)  # still alive, so /proc/{pid} was this process
+    except (OSError, IndexError):
+        return None
+    return int(fields[1])
+
+
+def _send(pidfd: int | None, sig: int) -> None:
+    if pidfd is not None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, sig)
+
+
+class RunningCommand:
+    """A started bwrap and its sandbox's init, both held by pidfds (never signalled by number).
+
+    bwrap reports its child's host pid (the sandbox's pid 1) on ``info_fd`` right after cloning
+    it; the pidfd is opened as soon as the report arrives, and kept only if that process's
+    parent is our bwrap, which we have not reaped, so a recycled pid is never the target.
+    Killing the init (pid 1 of its pid namespace) makes the kernel kill every process in the
+    namespace; before the init is known, killing bwrap does it (``--die-with-parent``).
     """
 
     def __init__(self, proc: asyncio.subprocess.Process, info_fd: int) -> None:
         self.proc = proc
+        self._bwrap_pidfd = _pidfd(proc.pid)  # our unreaped child: its pid is still its own
+        self._init_pidfd: int | None = None
         self._info_fd: int | None = info_fd
         self._info = b""
-        self._child_pid: int | None = None
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(info_fd, self._read_info)
 
-    def _read_child_pid(self) -> int | None:
-        if self._child_pid is None and self._info_fd is not None:
-            with contextlib.suppress(BlockingIOError, OSError):
-                while chunk := os.read(self._info_fd, 4096):  # bwrap may write it in pieces
-                    self._info += chunk
-            match = _CHILD_PID_RE.search(self._info)
-            if match:
-                self._child_pid = int(match.group(1))
-        return self._child_pid
-
-    async def _wait_init_exit(self) -> None:
-        pid = self._read_child_pid()
-        if pid is None:
+    def _read_info(self) -> None:
+        if self._info_fd is None:
             return
+        eof = False
         try:
-            pidfd = os.pidfd_open(pid)
-        except (ProcessLookupError, OSError):
-            return
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+            while chunk := os.read(self._info_fd, 4096):  # bwrap may write it in pieces
+                self._info += chunk
+            eof = True
+        except BlockingIOError:
+            pass
+        except OSError:
+            eof = True
+        match = _CHILD_PID_RE.search(self._info)
+        if match and self._init_pidfd is None:
+            pid = int(match.group(1))
+            pidfd = _pidfd(pid)
+            if pidfd is not None and _parent_pid(pidfd, pid) == self.proc.pid:
+                self._init_pidfd = pidfd
+            elif pidfd is not None:
+                os.close(pidfd)
+        if eof:  # not before: bwrap writes more after the pid, and a closed pipe would SIGPIPE it
+            self._close_info()
+
+    def _close_info(self) -> None:
+        if self._info_fd is not None:
+            self._loop.remove_reader(self._info_fd)
+            os.close(self._info_fd)
+            self._info_fd = None
+
+    def kill(self) -> None:
+        """SIGKILL the sandbox's init (and so its pid namespace); before it is known, bwrap."""
+        self._read_info()
+        if self._init_pidfd is not None:
+            _send(self._init_pidfd, signal.SIGKILL)
+        elif self.proc.returncode is None:
+            _send(self._bwrap_pidfd, signal.SIGKILL)
+
+    def init_exited(self) -> bool:
+        """Whether the sandbox's init is known to be gone (its pid namespace then is empty)."""
+        if self._init_pidfd is None:
+            return self.proc.returncode is not None
+        try:
+            signal.pidfd_send_signal(self._init_pidfd, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie still accepts signal 0: it has exited when its pidfd reads as ready
+        return bool(select.select([self._init_pidfd], [], [], 0)[0])
+
+    async def _wait_init_exit(self) -> bool:
+        if self._init_pidfd is None or self.init_exited():
+            return True
+        exited = self._loop.create_future()
+        self._loop.add_reader(self._init_pidfd, lambda: exited.done() or exited.set_result(None))
         try:
             await asyncio.wait_for(exited, _REAP_TIMEOUT_S)
         except TimeoutError:
-            log.warning("sandbox_init_exit_slow", pid=pid)
+            return False
         finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
+            self._loop.remove_reader(self._init_pidfd)
+        return True
 
-    def kill(self) -> None:
-        """SIGKILL the sandbox's init (or, before it exists, bwrap's process group)."""
-        if self.proc.returncode is not None:
-            return
-        pid = self._read_child_pid()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-            else:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+    async def terminate(self) -> bool:
+        """Kill if still running; True once the sandbox's pid namespace is known to be empty.
 
-    async def terminate(self) -> None:
-        """Kill if still running; return once the sandbox's pid namespace is empty."""
+        False means a sandbox process may still be alive after the kill and the reap timeout:
+        the caller must treat the workspace as in use (see `Environment.snapshot`).
+        """
         try:
             self.kill()
             try:
                 await asyncio.wait_for(self.proc.wait(), _REAP_TIMEOUT_S)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                _send(self._bwrap_pidfd, signal.SIGKILL)
                 await self.proc.wait()
-            await self._wait_init_exit()
+            return await self._wait_init_exit()
         finally:
-            if self._info_fd is not None:
-                os.close(self._info_fd)
-                self._info_fd = None
+            self._close_info()
+
+    def close(self) -> None:
+        """Release the pidfds (after `terminate`, or for a command given up on)."""
+        self._close_info()
+        for fd in (self._init_pidfd, self._bwrap_pidfd):
+            if fd is not None:
+                os.close(fd)
+        self._init_pidfd = self._bwrap_pidfd = None

@@ -14,8 +14,9 @@ import contextlib
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
+from sandbox._tree import DIR_FLAGS, remove_entry
 from sandbox.errors import SandboxViolation
 
 __all__ = [
@@ -27,7 +28,7 @@ __all__ = [
 ]
 
 MAX_PATH_BYTES = 1024
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = DIR_FLAGS
 
 
 def split_relpath(path: str, workspace_dir: str = "/workspace") -> tuple[str, ...]:
@@ -147,23 +148,10 @@ def read_regular(root: str, parts: tuple[str, ...], max_bytes: int) -> bytes:
             return data
 
 
-def _remove_entry(dir_fd: int, name: str) -> None:
-    st = _lstat_or_none(dir_fd, name)
-    if st is None:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=dir_fd)
-        return
-    with _fd(os.open(name, _DIR_FLAGS, dir_fd=dir_fd)) as child:
-        for entry in os.listdir(child):
-            _remove_entry(child, entry)
-    os.rmdir(name, dir_fd=dir_fd)
-
-
 def write_atomic(
     root: str,
     parts: tuple[str, ...],
-    data: bytes,
+    data: bytes | Iterable[bytes],
     *,
     uid: int,
     gid: int,
@@ -172,6 +160,8 @@ def write_atomic(
     force: bool = False,
 ) -> None:
     """Replace ``root/parts`` with a new regular file holding ``data`` (temp file + rename).
+
+    ``data`` is the content, or an iterable of its chunks (streamed, never held whole).
 
     ``mode`` defaults to the old file's permission bits (setuid/setgid stripped) or 0644.
     With ``force``, anything in the way (a symlink or file where a directory is needed, a
@@ -185,7 +175,7 @@ def write_atomic(
             for name in parts[:-1]:
                 st = _lstat_or_none(fd, name)
                 if st is not None and not stat.S_ISDIR(st.st_mode):
-                    _remove_entry(fd, name)
+                    remove_entry(fd, name)
                 if _lstat_or_none(fd, name) is None:
                     os.mkdir(name, 0o755, dir_fd=fd)
                     os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
@@ -194,7 +184,7 @@ def write_atomic(
                 fd = child
             st = _lstat_or_none(fd, parts[-1])
             if st is not None and stat.S_ISDIR(st.st_mode):
-                _remove_entry(fd, parts[-1])
+                remove_entry(fd, parts[-1])
         finally:
             os.close(fd)
     with _fd(open_dir(root, parts[:-1], create=make_parents, uid=uid, gid=gid)) as dir_fd:
@@ -207,9 +197,10 @@ def write_atomic(
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            for chunk in (data,) if isinstance(data, bytes | bytearray | memoryview) else data:
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
             os.fchown(fd, uid, gid)
             os.fchmod(fd, mode & 0o777)
         except BaseException:

@@ -3,136 +3,229 @@
 The archive holds the snapshot's merged view (whiteouts resolved): regular files, directories and
 symlinks, with owners zeroed and setuid/setgid bits stripped. Import treats the archive as hostile:
 member names must be relative without ``..``, only files, directories and symlinks are accepted,
-nothing is ever written through a symlink, and the total size is bounded.
+nothing is ever written through a symlink, and what it may create on the host is budgeted before it
+is written (bytes of files, inodes, including the directories a member's path implies, and
+directory depth). Members are streamed to disk in chunks, never held whole in memory. Both walks
+are iterative and fd-based (`sandbox._tree`).
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import secrets
-import shutil
+import stat
 import tarfile
+from collections.abc import Iterator
 from typing import BinaryIO
 
 import zstandard
 
 from sandbox import _mount
 from sandbox._safepath import open_dir, split_relpath, write_atomic
+from sandbox._tree import TreeBudget, TreeUsage, discard_tree, open_regular_at, walk
+from sandbox.config import SandboxLimits
 from sandbox.errors import SandboxViolation, SnapshotFormatError
 from sandbox.layers import LayerStore, Snapshot
 
 __all__ = ["export_snapshot", "export_snapshot_bytes", "import_snapshot", "import_snapshot_bytes"]
 
 _DEFAULT_MAX_BYTES = 1 << 30
+_DEFAULT_MAX_INODES = SandboxLimits().num_inodes * 2
+_DEFAULT_MAX_DEPTH = SandboxLimits().max_dir_depth
+_CHUNK = 1 << 20
+# what a hostile archive's layout (not the host) makes the OS refuse: a file where a directory
+# must go, a directory where a file goes, a name too long, a symlink loop
+_FORMAT_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTEMPTY}
 
 
-def _tar_tree(tar: tarfile.TarFile, root: str) -> None:
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames.sort()
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in sorted(dirnames) + sorted(filenames):
-            path = os.path.join(dirpath, name)
-            arcname = os.path.normpath(os.path.join(rel_dir, name))
-            info = tar.gettarinfo(path, arcname)
-            if not (info.isreg() or info.isdir() or info.issym()):
-                continue  # whiteouts (at the bottom layer), FIFOs, sockets, devices
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.mode &= 0o777
-            if info.isreg():
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                with os.fdopen(fd, "rb") as f:
-                    tar.addfile(info, f)
-            else:
-                tar.addfile(info)
+def _tar_tree(tar: tarfile.TarFile, root: str, max_bytes: int, max_depth: int) -> None:
+    num_bytes = 0
+    for entry in walk(root, max_depth):
+        if entry.leaving:
+            continue
+        mode = entry.st.st_mode
+        info = tarfile.TarInfo("/".join(entry.rel))
+        info.mode = stat.S_IMODE(mode) & 0o777
+        info.mtime = int(entry.st.st_mtime)
+        if stat.S_ISDIR(mode):
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+        elif stat.S_ISLNK(mode):
+            info.type = tarfile.SYMTYPE
+            info.linkname = os.readlink(entry.name, dir_fd=entry.parent_fd)
+            tar.addfile(info)
+        elif stat.S_ISREG(mode):
+            fd = open_regular_at(entry)
+            with os.fdopen(fd, "rb") as f:
+                info.size = os.fstat(fd).st_size
+                num_bytes += info.size
+                if num_bytes > max_bytes:
+                    raise SandboxViolation(
+                        f"the snapshot holds more than max_bytes={max_bytes} bytes of files (holes count: "
+                        "an archive stores them); delete large files from the workspace"
+                    )
+                tar.addfile(info, f)
+        # whiteouts (at the bottom layer), FIFOs, sockets, devices: not part of a workspace
 
 
-def export_snapshot(snapshot: Snapshot, stream: BinaryIO, *, level: int = 3) -> None:
-    """Write ``snapshot`` as a zstd tar to a binary stream (the stream is left open)."""
+def export_snapshot(
+    snapshot: Snapshot,
+    stream: BinaryIO,
+    *,
+    level: int = 3,
+    max_bytes: int = _DEFAULT_MAX_BYTES,
+    max_depth: int = _DEFAULT_MAX_DEPTH,
+) -> None:
+    """Write ``snapshot`` as a zstd tar to a binary stream (the stream is left open).
+
+    Raises:
+        SandboxViolation: the files hold more than ``max_bytes`` (as the archive stores them,
+            holes included) or nest deeper than ``max_depth``; an importer would refuse it.
+    """
     store = snapshot.store
+    max_depth = max(max_depth, *(layer.usage.depth for layer in snapshot.layers))
     with zstandard.ZstdCompressor(level=level).stream_writer(stream, closefd=False) as zw:  # noqa: SIM117
         with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
             if snapshot.depth == 1:
-                _tar_tree(tar, snapshot.layers[0].path)
+                _tar_tree(tar, snapshot.layers[0].path, max_bytes, max_depth)
                 return
             point = os.path.join(store.envs_dir, "x-" + secrets.token_hex(6))
             os.mkdir(point, 0o700)
             lower = ":".join(layer.path for layer in snapshot.layers)
             _mount.mount("asyncrl-export", point, "overlay", _mount.MS_RDONLY, f"lowerdir={lower}")
             try:
-                _tar_tree(tar, point)
+                _tar_tree(tar, point, max_bytes, max_depth)
             finally:
                 _mount.umount(point)
                 os.rmdir(point)
 
 
-def export_snapshot_bytes(snapshot: Snapshot, *, level: int = 3) -> bytes:
+def export_snapshot_bytes(snapshot: Snapshot, *, level: int = 3, max_bytes: int = _DEFAULT_MAX_BYTES) -> bytes:
     """`export_snapshot` into memory."""
     buf = io.BytesIO()
-    export_snapshot(snapshot, buf, level=level)
+    export_snapshot(snapshot, buf, level=level, max_bytes=max_bytes)
     return buf.getvalue()
 
 
-def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, layer: str, store: LayerStore) -> None:
-    uid, gid = store.config.sandbox_uid, store.config.sandbox_gid
-    try:
-        parts = split_relpath(member.name, store.config.workspace_dir)
-    except SandboxViolation as e:
-        raise SnapshotFormatError(f"archive member {member.name!r} escapes the workspace: {e}") from e
-    if not parts:
-        return
-    if member.isdir():
-        os.close(open_dir(layer, parts, create=True, uid=uid, gid=gid))
-        return
-    if member.isreg():
-        src = tar.extractfile(member)
-        assert src is not None
-        write_atomic(layer, parts, src.read(), uid=uid, gid=gid, mode=member.mode & 0o777)
-        return
-    if member.issym():
-        dir_fd = open_dir(layer, parts[:-1], create=True, uid=uid, gid=gid)
+def _chunks(src: BinaryIO) -> Iterator[bytes]:
+    while chunk := src.read(_CHUNK):
+        yield chunk
+
+
+class _Importer:
+    """Extracts members one at a time into a layer directory, charging each to the budget first."""
+
+    def __init__(self, store: LayerStore, layer: str, budget: TreeBudget) -> None:
+        self.store, self.layer, self.budget = store, layer, budget
+        self.usage = TreeUsage()
+        self._dirs: set[tuple[str, ...]] = set()
+
+    def _charge(self, member: tarfile.TarInfo, parts: tuple[str, ...]) -> None:
+        dir_parts = parts if member.isdir() else parts[:-1]
+        if len(dir_parts) > self.budget.max_depth:
+            raise SnapshotFormatError(
+                f"archive member {member.name!r} nests {len(dir_parts)} directories, more than "
+                f"max_depth={self.budget.max_depth}"
+            )
+        new_dirs = {dir_parts[:i] for i in range(1, len(dir_parts) + 1)} - self._dirs
+        num_inodes = len(new_dirs) + (0 if member.isdir() else 1)
         try:
-            os.symlink(member.linkname, parts[-1], dir_fd=dir_fd)
-            os.chown(parts[-1], uid, gid, dir_fd=dir_fd, follow_symlinks=False)
-        finally:
-            os.close(dir_fd)
-        return
-    raise SnapshotFormatError(
-        f"archive member {member.name!r} has type {member.type!r}; only files, directories and symlinks are allowed"
-    )
+            self.usage.charge(
+                self.budget, num_bytes=member.size if member.isreg() else 0, num_inodes=num_inodes, what="import"
+            )
+        except SandboxViolation as e:
+            limit = (
+                f"max_bytes={self.budget.max_bytes} bytes of files"
+                if self.usage.num_bytes + member.size > self.budget.max_bytes
+                else f"max_inodes={self.budget.max_inodes} files and directories"
+            )
+            raise SnapshotFormatError(f"archive holds more than {limit} (at member {member.name!r})") from e
+        self._dirs |= new_dirs
+        self.usage.depth = max(self.usage.depth, len(dir_parts))
+
+    def extract(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        cfg = self.store.config
+        uid, gid = cfg.sandbox_uid, cfg.sandbox_gid
+        if not (member.isreg() or member.isdir() or member.issym()):
+            raise SnapshotFormatError(
+                f"archive member {member.name!r} has type {member.type!r}; only files, directories and "
+                "symlinks are allowed"
+            )
+        try:
+            parts = split_relpath(member.name, cfg.workspace_dir)
+        except SandboxViolation as e:
+            raise SnapshotFormatError(f"archive member {member.name!r} escapes the workspace: {e}") from e
+        if not parts:
+            return
+        self._charge(member, parts)
+        if member.isdir():
+            os.close(open_dir(self.layer, parts, create=True, uid=uid, gid=gid))
+        elif member.isreg():
+            src = tar.extractfile(member)
+            assert src is not None
+            write_atomic(self.layer, parts, _chunks(src), uid=uid, gid=gid, mode=member.mode & 0o777)
+        else:
+            dir_fd = open_dir(self.layer, parts[:-1], create=True, uid=uid, gid=gid)
+            try:
+                os.symlink(member.linkname, parts[-1], dir_fd=dir_fd)
+                os.chown(parts[-1], uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+            finally:
+                os.close(dir_fd)
 
 
-def import_snapshot(store: LayerStore, stream: BinaryIO, *, max_bytes: int = _DEFAULT_MAX_BYTES) -> Snapshot:
+def import_snapshot(
+    store: LayerStore,
+    stream: BinaryIO,
+    *,
+    max_bytes: int = _DEFAULT_MAX_BYTES,
+    max_inodes: int = _DEFAULT_MAX_INODES,
+    max_depth: int = _DEFAULT_MAX_DEPTH,
+) -> Snapshot:
     """Read a zstd tar written by `export_snapshot` into a new one-layer snapshot.
 
+    Args:
+        max_bytes: bytes of file content it may write on the host.
+        max_inodes: files, directories and symlinks it may create (implied parents included).
+        max_depth: directories it may nest.
+
     Raises:
-        SnapshotFormatError: not a zstd tar, a forbidden member, or more than ``max_bytes`` of files.
+        SnapshotFormatError: not a zstd tar, a forbidden or conflicting member, or over a budget;
+            nothing of it is left on the host.
     """
     layer_id, path = store.new_layer_dir()
     os.chown(path, store.config.sandbox_uid, store.config.sandbox_gid)
-    total = 0
+    importer = _Importer(store, path, TreeBudget(max_bytes, max_inodes, max_depth))
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(stream, closefd=False)
         with tarfile.open(fileobj=reader, mode="r|") as tar:
             for member in tar:
-                total += member.size if member.isreg() else 0
-                if total > max_bytes:
-                    raise SnapshotFormatError(f"archive holds more than max_bytes={max_bytes} bytes of files")
                 try:
-                    _extract_member(tar, member, path, store)
+                    importer.extract(tar, member)
                 except SandboxViolation as e:
                     raise SnapshotFormatError(f"archive member {member.name!r} is unsafe: {e}") from e
+                except OSError as e:
+                    if e.errno not in _FORMAT_ERRNOS:
+                        raise
+                    raise SnapshotFormatError(f"archive member {member.name!r} conflicts with another: {e}") from e
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as e:
-        shutil.rmtree(path, ignore_errors=True)
+        discard_tree(path)
         raise SnapshotFormatError(f"not a valid zstd tar snapshot: {e}") from e
     except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
+        discard_tree(path)
         raise
     os.chmod(path, 0o755)
-    return Snapshot(store, (store.adopt(layer_id, path),))
+    return Snapshot(store, (store.adopt(layer_id, path, importer.usage),))
 
 
-def import_snapshot_bytes(store: LayerStore, data: bytes, *, max_bytes: int = _DEFAULT_MAX_BYTES) -> Snapshot:
+def import_snapshot_bytes(
+    store: LayerStore,
+    data: bytes,
+    *,
+    max_bytes: int = _DEFAULT_MAX_BYTES,
+    max_inodes: int = _DEFAULT_MAX_INODES,
+    max_depth: int = _DEFAULT_MAX_DEPTH,
+) -> Snapshot:
     """`import_snapshot` from memory."""
-    return import_snapshot(store, io.BytesIO(data), max_bytes=max_bytes)
+    return import_snapshot(store, io.BytesIO(data), max_bytes=max_bytes, max_inodes=max_inodes, max_depth=max_depth)

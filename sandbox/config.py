@@ -34,7 +34,9 @@ class SandboxLimits:
         output_bytes: bytes of stdout and of stderr kept per command; the rest is discarded
             and the result is marked truncated.
         disk_bytes: size of the environment's private writable layer (tmpfs) including /tmp.
-        num_inodes: files the writable layer may hold.
+        num_inodes: files the writable layer may hold (and so a snapshot of it).
+        max_dir_depth: directories a workspace may nest; a deeper tree fails its snapshot with
+            `SandboxViolation` instead of reaching host code that walks it.
     """
 
     cpu_time_s: int = 30
@@ -47,6 +49,7 @@ class SandboxLimits:
     output_bytes: int = 64 * 1024
     disk_bytes: int = 256 * _MIB
     num_inodes: int = 32768
+    max_dir_depth: int = 128
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -61,7 +64,13 @@ class SandboxLimits:
             output_bytes=self.output_bytes,
             disk_bytes=self.disk_bytes,
             num_inodes=self.num_inodes,
+            max_dir_depth=self.max_dir_depth,
         )
+        if self.max_dir_depth > 1024:
+            raise ValueError(
+                f"SandboxLimits.max_dir_depth={self.max_dir_depth} is above 1024; host walks hold one fd per "
+                "level, lower it"
+            )
         if self.total_memory_bytes < 64 * _MIB:
             raise ValueError(f"SandboxLimits.total_memory_bytes={self.total_memory_bytes} is below 64 MiB; raise it")
         if self.memory_bytes < 64 * _MIB:

@@ -5,12 +5,20 @@ Host layout of one environment (``<store>/E/<id>``, all under a root-only store 
     rw/       tmpfs (size = limits.disk_bytes): upper/ work/ tmp/ shm/
     merged/   overlayfs: lower = the snapshot's read-only layers, upper = rw/upper
 
-Each command is a fresh ``bwrap`` started as an unprivileged host user with every namespace
-unshared (no network, own pid/mount/ipc/uts/user namespaces), ``merged`` bound at the workspace,
-the host's /usr read-only, a synthetic /etc, and /tmp and /dev/shm taken from the size-capped
-tmpfs. Limits are set inside the sandbox with ``ulimit`` after the user namespace exists, so the
-process count is per environment. The wall clock kills bwrap's process group; the sandbox's pid
-namespace then takes every remaining process (daemons included) down with it.
+Each command is a fresh ``bwrap`` whose forked child joins the environment's memory cgroup, drops
+to an unprivileged host user and a fresh session keyring (`sandbox._child`); bwrap then unshares
+every namespace (no network, own pid/mount/ipc/uts/cgroup/user namespaces), forbids further user
+namespaces (``--disable-userns``), binds ``merged`` at the workspace, the host's /usr read-only, a
+synthetic /etc, a read-only /proc/sys, and /tmp and /dev/shm from the size-capped tmpfs, and
+loads the seccomp filter (`sandbox._seccomp`) before executing the sandbox's init: tini, from a
+copy nobody inside may read, so pid 1 is not dumpable. Limits are set inside with ``ulimit``
+after the user namespace exists, so the process count is per environment. The wall clock kills
+the init through a pidfd; its pid namespace takes every remaining process (daemons included)
+down with it.
+
+What the sandbox leaves on the host is budgeted there, not only inside: a snapshot copies holes
+as holes and hard links as links and stops with `SandboxViolation` past ``limits.disk_bytes``,
+``limits.num_inodes`` or ``limits.max_dir_depth``; every host walk of a workspace is iterative.
 """
 
 from __future__ import annotations
@@ -19,27 +27,29 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import structlog
 
-from sandbox import _mount
+from sandbox import _mount, _seccomp
 from sandbox._cgroup import EnvCgroup
-from sandbox._host import GRADER_NAME, system_binds
+from sandbox._child import child_setup
+from sandbox._host import GRADER_NAME, INIT_NAME, system_binds
 from sandbox._process import CappedReader, RunningCommand, ulimit_prelude
+from sandbox._tree import TreeBudget, copy_tree, discard_tree, remove_entry
 from sandbox.config import SandboxLimits
-from sandbox.errors import SandboxStateError
-from sandbox.layers import Layer, LayerStore, Snapshot, copy_tree
+from sandbox.errors import SandboxStateError, SandboxViolation
+from sandbox.layers import Layer, LayerStore, Snapshot
 
 __all__ = ["GRADER_PATH", "CommandResult", "Environment"]
 
 log = structlog.get_logger(__name__)
 
 GRADER_PATH = "/opt/asyncrl/" + GRADER_NAME
+INIT_PATH = "/opt/asyncrl/" + INIT_NAME
 _BWRAP_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 _INNER_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -63,15 +73,6 @@ class CommandResult:
     duration_s: float
 
 
-def _drop_privileges(uid: int, gid: int) -> Callable[[], None]:
-    def drop() -> None:  # runs in the forked child before exec: supplementary groups, then gid, then uid
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-
-    return drop
-
-
 class Environment:
     """An isolated workspace; create with `create` or `fork`, always `close` (or use ``with``)."""
 
@@ -88,6 +89,7 @@ class Environment:
         self.workspace_path = os.path.join(self.dir, "merged")
         self._layers = layers
         self._procs: set[RunningCommand] = set()
+        self._lingering: set[RunningCommand] = set()  # killed, but their init did not exit in time
         self._closed = False
         self._cgroup: EnvCgroup | None = None
         store.retain(layers)
@@ -133,7 +135,7 @@ class Environment:
         self._mount_overlay()
         if self.store.cgroup is not None:
             parent, version = self.store.cgroup
-            self._cgroup = EnvCgroup(parent, version, f"{self.store.name}-{self.id}", lim.total_memory_bytes, uid, gid)
+            self._cgroup = EnvCgroup(parent, version, f"{self.store.name}-{self.id}", lim.total_memory_bytes)
 
     def _mount_overlay(self) -> None:
         lower = ":".join(layer.path for layer in self._layers)
@@ -146,25 +148,26 @@ class Environment:
         )
 
     # -- commands ------------------------------------------------------------------------
-    def _argv(self, cmd: str, extra_binds: tuple[tuple[str, str], ...], info_fd: int) -> list[str]:
+    def _argv(self, cmd: str, extra_binds: tuple[tuple[str, str], ...], info_fd: int, seccomp_fd: int) -> list[str]:
         cfg = self.store.config
-        argv = []
-        if self._cgroup is not None:  # join the environment's memory cgroup, then become bwrap
-            argv += ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self._cgroup.procs_path]
-        argv += [self.store.bwrap_path, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
-        argv += ["--info-fd", str(info_fd)]
+        argv = [self.store.bwrap_path, "--unshare-all", "--unshare-user", "--disable-userns"]
+        argv += ["--die-with-parent", "--new-session", "--clearenv", "--as-pid-1"]
+        argv += ["--info-fd", str(info_fd), "--seccomp", str(seccomp_fd)]
         for key, value in _INNER_ENV.items():
             argv += ["--setenv", key, value]
         argv += system_binds(self.store.static_dir)
-        argv += ["--proc", "/proc", "--dev", "/dev"]
+        # bwrap covers /proc/sys only where the caller could write it; cover it always (sysctls
+        # read through it are still the sandbox's own namespaces')
+        argv += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"]
         argv += ["--bind", os.path.join(self._rw, "shm"), "/dev/shm", "--remount-ro", "/dev"]
         argv += ["--bind", os.path.join(self._rw, "tmp"), "/tmp"]
         argv += ["--bind", self.workspace_path, cfg.workspace_dir]
         argv += ["--ro-bind", os.path.join(self.store.static_dir, GRADER_NAME), GRADER_PATH]
+        argv += ["--ro-bind", os.path.join(self.store.static_dir, INIT_NAME), INIT_PATH]
         for src, dst in extra_binds:
             argv += ["--ro-bind", src, dst]
         argv += ["--remount-ro", "/", "--hostname", "sandbox", "--chdir", cfg.workspace_dir]
-        argv += ["--", cfg.shell, "-c", ulimit_prelude(self.limits) + cmd]
+        argv += ["--", INIT_PATH, "-s", "--", cfg.shell, "-c", ulimit_prelude(self.limits) + cmd]
         return argv
 
     async def run(
@@ -206,10 +209,7 @@ class Environment:
             timed_out = True
         finally:
             running.kill()  # synchronous, so it happens even if we are being cancelled
-            try:
-                await asyncio.shield(running.terminate())
-            finally:
-                self._procs.discard(running)
+            await asyncio.shield(self._finish(running))
         result = CommandResult(
             exit_code=proc.returncode if proc.returncode is not None else -signal.SIGKILL,
             stdout=out.data.decode("utf-8", "replace"),
@@ -221,30 +221,57 @@ class Environment:
         log.debug("sandbox_command", env=self.id, exit_code=result.exit_code, timed_out=timed_out)
         return result
 
+    async def _finish(self, running: RunningCommand) -> None:
+        try:
+            emptied = await running.terminate()
+        finally:
+            self._procs.discard(running)
+        if emptied:
+            running.close()
+            return
+        self._lingering.add(running)
+        log.error("sandbox_process_lingering", env=self.id, note="init did not exit after SIGKILL")
+
+    def _check_quiescent(self, action: str) -> None:
+        """Refuse ``action`` while any command runs or any killed one may still have processes."""
+        for running in list(self._lingering):
+            if running.init_exited():
+                self._lingering.discard(running)
+                running.close()
+        busy = len(self._procs) + len(self._lingering)
+        if busy:
+            raise SandboxStateError(
+                f"Environment {self.id} has {busy} running command(s); expected idle to {action}"
+            )
+
     async def _spawn(
         self, cmd: str, extra_ro_binds: tuple[tuple[str, str], ...], *, with_stdin: bool
     ) -> RunningCommand:
+        cfg = self.store.config
         info_r, info_w = os.pipe()  # bwrap reports its sandbox init's pid here
         os.set_blocking(info_r, False)
+        seccomp_r = _seccomp.filter_fd()
+        cgroup_procs = self._cgroup.procs_path if self._cgroup is not None else None
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._argv(cmd, extra_ro_binds, info_fd=info_w),
+                *self._argv(cmd, extra_ro_binds, info_fd=info_w, seccomp_fd=seccomp_r),
                 stdin=asyncio.subprocess.PIPE if with_stdin else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=_BWRAP_ENV,
                 cwd="/",
-                # Dropping to the sandbox user in preexec_fn, not with user=/group= (which uvloop,
-                # the actors' event loop, does not accept).
-                preexec_fn=_drop_privileges(self.store.config.sandbox_uid, self.store.config.sandbox_gid),
+                # cgroup, credentials and keyring in preexec_fn, not with user=/group= (which
+                # uvloop, the actors' event loop, does not accept)
+                preexec_fn=child_setup(cfg.sandbox_uid, cfg.sandbox_gid, cgroup_procs),
                 start_new_session=True,
-                pass_fds=(info_w,),
+                pass_fds=(info_w, seccomp_r),
             )
         except BaseException:
             os.close(info_r)
             raise
         finally:
             os.close(info_w)
+            os.close(seccomp_r)
         running = RunningCommand(proc, info_r)
         self._procs.add(running)
         return running
@@ -271,18 +298,19 @@ class Environment:
 
         Raises:
             SandboxStateError: closed, or a command is still running.
+            SandboxViolation: the workspace's changes exceed ``limits.disk_bytes``,
+                ``limits.num_inodes`` or ``limits.max_dir_depth`` on the host (nothing is kept
+                of the attempt; the environment goes on unchanged).
         """
         self._check_open()
-        if self._procs:
-            raise SandboxStateError(
-                f"Environment {self.id} has {len(self._procs)} running command(s); expected idle to snapshot"
-            )
+        self._check_quiescent("snapshot")
         _mount.umount(self.workspace_path)
         try:
             if os.listdir(self._upper):
-                layer_id, path = self.store.new_layer_dir()
-                copy_tree(self._upper, path, keep_whiteouts=True)
-                self._replace_layers((self.store.adopt(layer_id, path), *self._layers))
+                lim = self.limits
+                budget = TreeBudget(lim.disk_bytes, lim.num_inodes, lim.max_dir_depth)
+                layer = self._build_layer(self._upper, budget, keep_whiteouts=True, what="snapshot")
+                self._replace_layers((layer, *self._layers))
                 self._reset_upper()
             if len(self._layers) > self.store.config.max_layer_depth:
                 self._replace_layers((self._squash(),))
@@ -295,25 +323,48 @@ class Environment:
         old, self._layers = self._layers, layers
         self.store.release(old)
 
+    def _build_layer(self, src: str, budget: TreeBudget, *, keep_whiteouts: bool, what: str) -> Layer:
+        layer_id, path = self.store.new_layer_dir()
+        try:
+            usage = copy_tree(src, path, keep_whiteouts=keep_whiteouts, budget=budget, what=what)
+        except SandboxViolation as e:
+            discard_tree(path)
+            log.warning("sandbox_budget_exceeded", env=self.id, what=what, reason=str(e))
+            raise
+        except BaseException:
+            discard_tree(path)
+            raise
+        return self.store.adopt(layer_id, path, usage)
+
     def _reset_upper(self) -> None:
-        for path, mode, uid in ((self._upper, 0o755, self.store.config.sandbox_uid), (self._work, 0o700, 0)):
-            shutil.rmtree(path)
+        cfg = self.store.config
+        for path, mode, uid in ((self._upper, 0o755, cfg.sandbox_uid), (self._work, 0o700, 0)):
+            parent_fd = os.open(self._rw, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                remove_entry(parent_fd, os.path.basename(path))
+            finally:
+                os.close(parent_fd)
             os.mkdir(path, mode)
-            os.chown(path, uid, self.store.config.sandbox_gid if uid else 0)
+            os.chown(path, uid, cfg.sandbox_gid if uid else 0)
 
     def _squash(self) -> Layer:
         point = os.path.join(self.dir, "squash")
         os.mkdir(point, 0o700)
         lower = ":".join(layer.path for layer in self._layers)
+        # the merged view holds no more than its layers together
+        budget = TreeBudget(
+            max_bytes=sum(layer.usage.num_bytes for layer in self._layers),
+            max_inodes=sum(layer.usage.num_inodes for layer in self._layers),
+            max_depth=max(self.limits.max_dir_depth, *(layer.usage.depth for layer in self._layers)),
+        )
         _mount.mount("asyncrl-squash", point, "overlay", _mount.MS_RDONLY, f"lowerdir={lower}")
         try:
-            layer_id, path = self.store.new_layer_dir()
-            copy_tree(point, path, keep_whiteouts=False)
+            layer = self._build_layer(point, budget, keep_whiteouts=False, what="squash")
         finally:
             _mount.umount(point)
             os.rmdir(point)
         log.info("sandbox_layers_squashed", env=self.id, depth=len(self._layers))
-        return self.store.adopt(layer_id, path)
+        return layer
 
     # -- lifecycle -----------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -333,10 +384,13 @@ class Environment:
         if self._closed:
             return
         self._closed = True
-        for running in list(self._procs):
+        for running in list(self._procs | self._lingering):
             running.kill()
+        for running in list(self._lingering):
+            running.close()
+        self._lingering.clear()
         _mount.umount_tree(self.dir)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        discard_tree(self.dir)
         if self._cgroup is not None:
             self._cgroup.remove()
         self.store.release(self._layers)

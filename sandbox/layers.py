@@ -5,6 +5,11 @@ devices, opaque directories carry ``trusted.overlay.opaque``). A `Snapshot` is a
 stack of layers (top first). Environments and snapshots retain the layers they use; a layer is
 deleted when its last holder lets go. The store owns one private directory under the configured
 root (so several processes can share the root) and removes it, with every mount in it, on close.
+
+Layer files keep the sandbox uid as owner (so the workspace stays editable inside), but the
+layers directory is root's with mode 0700: no host process of the sandbox uid (an outer bwrap,
+anything that escaped a namespace) can reach a layer to change what later forks see. Only
+overlayfs, mounted by root, reads them.
 """
 
 from __future__ import annotations
@@ -13,8 +18,6 @@ import hashlib
 import os
 import re
 import secrets
-import shutil
-import stat
 import threading
 from collections.abc import Mapping
 
@@ -23,24 +26,24 @@ import structlog
 from sandbox import _cgroup, _mount
 from sandbox._host import check_host, prepare_static_dir
 from sandbox._safepath import split_relpath, write_atomic
+from sandbox._tree import TreeUsage, discard_tree
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxStateError, SandboxUnavailable
 
-__all__ = ["Layer", "LayerStore", "Snapshot", "copy_tree"]
+__all__ = ["Layer", "LayerStore", "Snapshot"]
 
 log = structlog.get_logger(__name__)
 
-_OPAQUE_XATTR = "trusted.overlay.opaque"
-
-
 class Layer:
-    """One immutable layer directory; identity is its path."""
+    """One immutable layer directory; identity is its path. ``usage`` is what it holds on the
+    host (data bytes, inodes, directory depth), the budget of a later squash or export."""
 
-    __slots__ = ("id", "path")
+    __slots__ = ("id", "path", "usage")
 
-    def __init__(self, layer_id: str, path: str) -> None:
+    def __init__(self, layer_id: str, path: str, usage: TreeUsage) -> None:
         self.id = layer_id
         self.path = path
+        self.usage = usage
 
     def __repr__(self) -> str:
         return f"Layer({self.id})"
@@ -82,56 +85,6 @@ class Snapshot:
         return f"Snapshot({self.id}, depth={self.depth})"
 
 
-def _is_whiteout(st: os.stat_result) -> bool:
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
-def copy_tree(src: str, dst: str, *, keep_whiteouts: bool) -> int:
-    """Copy an overlayfs layer (or a merged view) into the empty directory ``dst``.
-
-    Preserves regular files, directories, symlinks, owners, permission bits (setuid/setgid
-    stripped), mtimes, whiteouts and opaque markers (when ``keep_whiteouts``); drops FIFOs,
-    sockets and devices. Never follows symlinks. Returns the number of bytes copied.
-    """
-    num_bytes = 0
-    st = os.lstat(src)
-    os.chmod(dst, stat.S_IMODE(st.st_mode) & 0o1777)
-    os.chown(dst, st.st_uid, st.st_gid)
-    if keep_whiteouts:
-        _copy_opaque(src, dst)
-    with os.scandir(src) as it:
-        entries = list(it)
-    for entry in entries:
-        s, d = entry.path, os.path.join(dst, entry.name)
-        est = entry.stat(follow_symlinks=False)
-        if stat.S_ISDIR(est.st_mode):
-            os.mkdir(d)
-            num_bytes += copy_tree(s, d, keep_whiteouts=keep_whiteouts)
-        elif stat.S_ISREG(est.st_mode):
-            shutil.copyfile(s, d, follow_symlinks=False)
-            os.chmod(d, stat.S_IMODE(est.st_mode) & 0o1777)
-            num_bytes += est.st_size
-        elif stat.S_ISLNK(est.st_mode):
-            os.symlink(os.readlink(s), d)
-        elif _is_whiteout(est) and keep_whiteouts:
-            os.mknod(d, stat.S_IFCHR | 0o000, os.makedev(0, 0))
-        else:
-            continue
-        os.chown(d, est.st_uid, est.st_gid, follow_symlinks=False)
-        if not stat.S_ISDIR(est.st_mode):
-            os.utime(d, ns=(est.st_atime_ns, est.st_mtime_ns), follow_symlinks=False)
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-    return num_bytes
-
-
-def _copy_opaque(src: str, dst: str) -> None:
-    try:
-        value = os.getxattr(src, _OPAQUE_XATTR, follow_symlinks=False)
-    except OSError:
-        return
-    os.setxattr(dst, _OPAQUE_XATTR, value, follow_symlinks=False)
-
-
 class LayerStore:
     """Owns layer directories and environment mount points under ``config.root_dir``.
 
@@ -148,8 +101,8 @@ class LayerStore:
         self.dir = os.path.join(self.config.root_dir, f"{os.getpid()}-{secrets.token_hex(4)}")
         self.layers_dir = os.path.join(self.dir, "L")
         self.envs_dir = os.path.join(self.dir, "E")
-        for d in (self.dir, self.layers_dir, self.envs_dir):
-            os.mkdir(d, 0o711)
+        for d, mode in ((self.dir, 0o711), (self.layers_dir, 0o700), (self.envs_dir, 0o711)):
+            os.mkdir(d, mode)
         self.static_dir = prepare_static_dir(self.dir, self.config)
         _probe_mounts(self.dir)
         self.name = os.path.basename(self.dir)
@@ -174,9 +127,9 @@ class LayerStore:
         os.mkdir(path, 0o755)
         return layer_id, path
 
-    def adopt(self, layer_id: str, path: str) -> Layer:
+    def adopt(self, layer_id: str, path: str, usage: TreeUsage) -> Layer:
         """Register a fully built layer directory (unreferenced until retained)."""
-        layer = Layer(layer_id, path)
+        layer = Layer(layer_id, path, usage)
         with self._lock:
             self._layers[layer_id] = layer
             self._refs[layer_id] = 0
@@ -197,11 +150,21 @@ class LayerStore:
         layer_id, path = self.new_layer_dir()
         uid, gid = self.config.sandbox_uid, self.config.sandbox_gid
         os.chown(path, uid, gid)
-        for rel, content in files.items():
-            data = content.encode() if isinstance(content, str) else bytes(content)
-            parts = split_relpath(rel, self.config.workspace_dir)
-            write_atomic(path, parts, data, uid=uid, gid=gid, mode=0o644)
-        layer = self.adopt(layer_id, path)
+        usage, dirs = TreeUsage(), set()
+        try:
+            for rel, content in files.items():
+                data = content.encode() if isinstance(content, str) else bytes(content)
+                parts = split_relpath(rel, self.config.workspace_dir)
+                write_atomic(path, parts, data, uid=uid, gid=gid, mode=0o644)
+                new_dirs = {parts[:i] for i in range(1, len(parts))} - dirs
+                dirs |= new_dirs
+                usage.num_bytes += len(data)
+                usage.num_inodes += 1 + len(new_dirs)
+                usage.depth = max(usage.depth, len(parts) - 1)
+        except BaseException:
+            discard_tree(path)
+            raise
+        layer = self.adopt(layer_id, path, usage)
         with self._lock:
             self._by_content[key] = layer_id
         return layer
@@ -223,7 +186,7 @@ class LayerStore:
             for key in [k for k, v in self._by_content.items() if v not in self._layers]:
                 del self._by_content[key]
         for layer in doomed:
-            shutil.rmtree(layer.path, ignore_errors=True)
+            discard_tree(layer.path)
 
     def num_layers(self) -> int:
         with self._lock:
@@ -249,7 +212,7 @@ class LayerStore:
             return
         self._closed = True
         _mount.umount_tree(self.dir)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        discard_tree(self.dir)
         log.info("sandbox_store_closed", dir=self.dir)
 
     def __enter__(self) -> LayerStore:
@@ -271,13 +234,13 @@ def _probe_mounts(store_dir: str) -> None:
         _mount.mount("asyncrl-probe", os.path.join(probe, "merged"), "overlay", _mount.MS_NOSUID, options)
     except OSError as e:
         _mount.umount_tree(probe)
-        shutil.rmtree(store_dir, ignore_errors=True)
+        discard_tree(store_dir)
         raise SandboxUnavailable(
             f"cannot mount the sandbox's tmpfs/overlayfs workspaces ({e}); in a container, run it with "
             "CAP_SYS_ADMIN (e.g. docker --privileged) or run on the host as root"
         ) from e
     _mount.umount_tree(probe)
-    shutil.rmtree(probe)
+    discard_tree(probe)
 
 
 _STORE_DIR_RE = re.compile(r"^(.*/(\d+)-[0-9a-f]{8})/[EL]/")
@@ -298,5 +261,5 @@ def _reap_stale(root: str) -> None:
     for path in sorted(stale):
         _mount.umount_tree(path)
         if not _mount.mounts_under(path):
-            shutil.rmtree(path, ignore_errors=True)
+            discard_tree(path)
         log.warning("sandbox_stale_store_reaped", dir=path)
