@@ -78,8 +78,18 @@ def check_host(config: SandboxConfig) -> str:
     # unmounting ("Can't bind mount ... No such file or directory").
     try:
         probe = subprocess.run(
-            [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-             "--seccomp", str(seccomp_fd), *_system_dir_binds(), "--", "/bin/true"],
+            [
+                bwrap,
+                "--unshare-all",
+                "--unshare-user",
+                "--disable-userns",
+                "--die-with-parent",
+                "--seccomp",
+                str(seccomp_fd),
+                *_system_dir_binds(),
+                "--",
+                "/bin/true",
+            ],
             capture_output=True,
             env={"PATH": "/usr/bin:/bin"},
             user=config.sandbox_uid,

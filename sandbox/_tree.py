@@ -208,14 +208,13 @@ def _data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
         pos = end
 
 
-def _copy_file(
-    entry: Entry, dst_dir_fd: int, usage: TreeUsage, budget: TreeBudget, what: str
-) -> None:
+def _copy_file(entry: Entry, dst_dir_fd: int, usage: TreeUsage, budget: TreeBudget, what: str) -> None:
     src = open_regular_at(entry)
     try:
         usage.charge(budget, num_inodes=1, what=what)
-        dst = os.open(entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                      dir_fd=dst_dir_fd)
+        dst = os.open(
+            entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dst_dir_fd
+        )
         try:
             size = os.fstat(src).st_size
             for offset, length in _data_extents(src, size):
@@ -301,8 +300,7 @@ def copy_tree(src: str, dst: str, *, keep_whiteouts: bool, budget: TreeBudget, w
             else:
                 continue  # FIFOs, sockets, devices
             os.chown(entry.name, entry.st.st_uid, entry.st.st_gid, dir_fd=parent, follow_symlinks=False)
-            os.utime(entry.name, ns=(entry.st.st_atime_ns, entry.st.st_mtime_ns), dir_fd=parent,
-                     follow_symlinks=False)
+            os.utime(entry.name, ns=(entry.st.st_atime_ns, entry.st.st_mtime_ns), dir_fd=parent, follow_symlinks=False)
     finally:
         for fd in dst_fds:
             os.close(fd)

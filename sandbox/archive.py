@@ -37,6 +37,7 @@ _DEFAULT_MAX_DEPTH = SandboxLimits().max_dir_depth
 _CHUNK = 1 << 20
 # what a hostile archive's layout (not the host) makes the OS refuse: a file where a directory
 # must go, a directory where a file goes, a name too long, a symlink loop
+_FORMAT_ERRORS = (NotADirectoryError, IsADirectoryError, FileExistsError)
 _FORMAT_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTEMPTY}
 
 
@@ -206,7 +207,7 @@ def import_snapshot(
                 except SandboxViolation as e:
                     raise SnapshotFormatError(f"archive member {member.name!r} is unsafe: {e}") from e
                 except OSError as e:
-                    if e.errno not in _FORMAT_ERRNOS:
+                    if not isinstance(e, _FORMAT_ERRORS) and e.errno not in _FORMAT_ERRNOS:
                         raise
                     raise SnapshotFormatError(f"archive member {member.name!r} conflicts with another: {e}") from e
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as e:

@@ -240,9 +240,7 @@ class Environment:
                 running.close()
         busy = len(self._procs) + len(self._lingering)
         if busy:
-            raise SandboxStateError(
-                f"Environment {self.id} has {busy} running command(s); expected idle to {action}"
-            )
+            raise SandboxStateError(f"Environment {self.id} has {busy} running command(s); expected idle to {action}")
 
     async def _spawn(
         self, cmd: str, extra_ro_binds: tuple[tuple[str, str], ...], *, with_stdin: bool

@@ -34,6 +34,7 @@ __all__ = ["Layer", "LayerStore", "Snapshot"]
 
 log = structlog.get_logger(__name__)
 
+
 class Layer:
     """One immutable layer directory; identity is its path. ``usage`` is what it holds on the
     host (data bytes, inodes, directory depth), the budget of a later squash or export."""

@@ -1,0 +1,225 @@
+"""Budgets that hold on the host: what a sandbox can make the host write, create, walk or hold
+in memory through snapshot, score, close, export and import (sparse files, hard links, deep
+trees, inode-dense and memory-heavy archives), and every host walk iterative."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import tracemalloc
+
+import pytest
+import zstandard
+
+from sandbox import (
+    Environment,
+    LayerStore,
+    SandboxLimits,
+    SandboxViolation,
+    SnapshotFormatError,
+    Task,
+    export_snapshot_bytes,
+    import_snapshot_bytes,
+    score,
+)
+from sandbox._safepath import write_atomic
+from sandbox._tree import TreeBudget, copy_tree, remove_tree
+
+pytestmark = pytest.mark.usefixtures("host_unchanged")
+
+_MIB = 1024 * 1024
+
+
+def _allocated(path: str) -> int:
+    """Bytes allocated under ``path``, each inode once (as the disk pays for them)."""
+    seen, total = set(), 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+@pytest.fixture
+def quota16() -> SandboxLimits:
+    return SandboxLimits(
+        disk_bytes=16 * _MIB, file_size_bytes=1024 * _MIB, wall_time_s=20.0, num_inodes=4000, max_dir_depth=64
+    )
+
+
+async def test_snapshot_keeps_sparse_files_sparse(store: LayerStore, quota16: SandboxLimits) -> None:
+    with Environment.create(store, {}, quota16) as env:
+        made = await env.run(
+            "truncate -s 240M sparse && printf marker | dd of=sparse bs=1 seek=100000000 conv=notrunc 2>/dev/null"
+            " && du -k sparse | cut -f1"
+        )
+        assert made.exit_code == 0, made.stderr
+        assert int(made.stdout) < 1024  # tiny inside ...
+        snap = env.snapshot()
+    with snap:
+        assert _allocated(snap.layers[0].path) < 1 * _MIB  # ... and on the host (was 240 MiB)
+        with Environment.fork(snap, quota16) as fork:
+            seen = await fork.run("stat -c %s sparse; dd if=sparse bs=1 skip=100000000 count=6 2>/dev/null")
+    assert seen.stdout.split() == [str(240 * _MIB), "marker"]
+
+
+async def test_snapshot_keeps_hard_links_as_links(store: LayerStore, quota16: SandboxLimits) -> None:
+    with Environment.create(store, {}, quota16) as env:
+        made = await env.run("head -c 8M /dev/urandom > big && for i in $(seq 30); do ln big l$i; done; echo ok")
+        assert "ok" in made.stdout, made.stderr
+        snap = env.snapshot()
+    with snap:
+        assert _allocated(snap.layers[0].path) < 9 * _MIB  # one copy (was 31: 248 MiB)
+        with Environment.fork(snap, quota16) as fork:
+            seen = await fork.run("stat -c %h l7; cmp big l30 && echo same")
+    assert seen.stdout.split() == ["31", "same"]  # still one file with 31 names
+
+
+async def test_deep_tree_fails_the_snapshot_cleanly(store: LayerStore, quota16: SandboxLimits) -> None:
+    deep = "/".join(["d"] * 1100)
+    with Environment.create(store, {"keep.txt": "k\n"}, quota16) as env:
+        made = await env.run(f"mkdir -p {deep} && echo x > {deep}/leaf && echo made")
+        assert "made" in made.stdout, made.stderr
+        layers_before = sorted(os.listdir(store.layers_dir))
+        with pytest.raises(SandboxViolation, match="deeper than the 64 levels"):
+            env.snapshot()
+        assert sorted(os.listdir(store.layers_dir)) == layers_before  # no orphan layer
+        again = await env.run("cat keep.txt; ls d >/dev/null && echo still-there")  # the environment goes on
+        assert again.stdout.split() == ["k", "still-there"]
+        task = Task(id="t", prompt="p", files={}, hidden_tests={"test_a.py": "def test_a():\n    pass\n"})
+        with pytest.raises(SandboxViolation):
+            await score(env, task)  # the reward path sees a violation, not a RecursionError
+        await env.run(f"rm -rf d; mkdir -p {'/'.join(['e'] * 60)}")
+        env.snapshot().release()  # within the budget again
+    assert sorted(os.listdir(store.layers_dir)) == []
+
+
+async def test_deep_tree_in_the_writable_layer_is_removed_on_close(store: LayerStore, tight: SandboxLimits) -> None:
+    with Environment.create(store, {}, tight.replace(num_inodes=5000)) as env:
+        made = await env.run("python3 -c \"import os\nfor _ in range(1500): os.mkdir('d'); os.chdir('d')\"; echo ok")
+        assert "ok" in made.stdout, made.stderr
+    assert not os.path.exists(env.dir)
+
+
+def _deep_host_tree(root: str, depth: int) -> str:
+    os.mkdir(root, 0o700)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            if i % 100 == 0:
+                with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+                    f.write("x")
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    return root
+
+
+def test_host_walks_are_iterative(store: LayerStore) -> None:
+    deep = _deep_host_tree(os.path.join(store.dir, "deep"), 3000)  # path longer than PATH_MAX too
+    with pytest.raises(SandboxViolation, match="deeper"):
+        copy_tree(deep, store.new_layer_dir()[1], keep_whiteouts=True, budget=TreeBudget(1 << 30, 1 << 20, 128))
+    # hidden tests installed over a deep tree an agent left where a test file goes
+    write_atomic(deep, ("d", "test_x.py"), b"def test_x(): pass\n", uid=0, gid=0, force=True)
+    with open(os.path.join(deep, "d", "test_x.py"), "rb") as f:
+        assert f.read() == b"def test_x(): pass\n"
+    _deep_host_tree(os.path.join(store.dir, "deep2"), 3000)  # left for the store's close to remove
+    remove_tree(deep)
+    assert not os.path.exists(deep)
+
+
+def test_copy_budget_counts_data_not_holes_and_stops_past_it(store: LayerStore) -> None:
+    src = os.path.join(store.dir, "src")
+    os.mkdir(src)
+    with open(os.path.join(src, "data"), "wb") as f:
+        f.write(os.urandom(3 * _MIB))
+    with open(os.path.join(src, "sparse"), "wb") as f:
+        f.truncate(1 << 40)  # a terabyte of holes
+    dst = store.new_layer_dir()[1]
+    usage = copy_tree(src, dst, keep_whiteouts=True, budget=TreeBudget(4 * _MIB, 10, 4))
+    assert usage.num_bytes == 3 * _MIB and usage.num_inodes == 2
+    assert os.stat(os.path.join(dst, "sparse")).st_size == 1 << 40
+    with pytest.raises(SandboxViolation, match="bytes allowed"):
+        copy_tree(src, store.new_layer_dir()[1], keep_whiteouts=True, budget=TreeBudget(2 * _MIB, 10, 4))
+    with pytest.raises(SandboxViolation, match="files and directories allowed"):
+        copy_tree(src, store.new_layer_dir()[1], keep_whiteouts=True, budget=TreeBudget(4 * _MIB, 1, 4))
+
+
+def _zstd_tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return zstandard.ZstdCompressor().compress(raw.getvalue())
+
+
+def _info(name: str, kind: bytes = tarfile.REGTYPE, size: int = 0) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.size = size
+    info.mode = 0o644
+    return info
+
+
+def test_import_budgets_inodes_not_only_bytes(store: LayerStore) -> None:
+    many = _zstd_tar([(_info(f"f{i}"), b"") for i in range(10_010)])
+    assert len(many) < 64 * 1024
+    with pytest.raises(SnapshotFormatError, match="max_inodes=1000"):
+        import_snapshot_bytes(store, many, max_bytes=4096, max_inodes=1000)
+    implied = _zstd_tar([(_info("/".join(f"d{i}" for i in range(100)) + "/f"), b"")])  # 100 directories, 1 member
+    with pytest.raises(SnapshotFormatError, match="max_inodes=50"):
+        import_snapshot_bytes(store, implied, max_inodes=50, max_depth=200)
+    with pytest.raises(SnapshotFormatError, match="max_depth=64"):
+        import_snapshot_bytes(store, implied, max_depth=64)
+    assert os.listdir(store.layers_dir) == []
+
+
+def test_import_streams_members_instead_of_holding_them(store: LayerStore) -> None:
+    size = 64 * _MIB
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        tar.addfile(_info("zeros", size=size), io.BytesIO(bytes(size)))
+    data = zstandard.ZstdCompressor().compress(raw.getvalue())
+    del raw
+    assert len(data) < 64 * 1024
+    tracemalloc.start()
+    try:
+        with import_snapshot_bytes(store, data) as snap:
+            _, peak = tracemalloc.get_traced_memory()
+            assert os.stat(os.path.join(snap.layers[0].path, "zeros")).st_size == size
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * _MIB, peak  # was the whole member: 64 MiB
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        [(_info("a"), b""), (_info("a/b"), b"")],  # a file where a directory must go
+        [(_info("a", tarfile.DIRTYPE), None), (_info("a"), b"")],  # a file over a directory
+        [(_info("x"), b""), (_info("x", tarfile.DIRTYPE), None)],  # a directory over a file
+        [(_info("s", tarfile.SYMTYPE), None), (_info("s/f"), b"")],  # through a symlink
+    ],
+)
+def test_import_conflicts_are_format_errors(store: LayerStore, members: list) -> None:
+    for info, _ in members:
+        if info.issym():
+            info.linkname = "elsewhere"
+    with pytest.raises(SnapshotFormatError):
+        import_snapshot_bytes(store, _zstd_tar(members))
+    assert os.listdir(store.layers_dir) == []
+
+
+async def test_export_refuses_more_than_an_import_accepts(store: LayerStore, quota16: SandboxLimits) -> None:
+    with Environment.create(store, {}, quota16) as env:
+        await env.run("for i in 1 2 3; do truncate -s 40M s$i; done")
+        with env.snapshot() as snap:
+            with pytest.raises(SandboxViolation, match="max_bytes"):
+                export_snapshot_bytes(snap, max_bytes=100 * _MIB)  # zeros for the reward actor to unpack
+            assert len(export_snapshot_bytes(snap, max_bytes=128 * _MIB)) < 1 * _MIB

@@ -1,0 +1,234 @@
+"""The escape battery, second part: attacks on the kernel's shared state (keyrings, namespaces,
+sysctls, the init, the layers on the host, pid reuse), each run twice: in an `Environment`, where
+it must fail, and in a bare bwrap (`_bare.run_bare`), where it must work, so every assertion is
+about the hardening and not about an attack that never worked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandbox import Environment, LayerStore, SandboxLimits
+from sandbox._seccomp import DENIED_SYSCALLS, syscall_number
+
+from ._bare import run_bare
+from .conftest import SANDBOX_UID, TEST_ROOT, sandbox_pids
+
+pytestmark = pytest.mark.usefixtures("host_unchanged")
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A probe each sandbox runs with python3: the system calls an attacker would make, each reported
+# as ok or with its errno (by name), never raising.
+_SYSCALL_PROBE = r"""
+import ctypes, errno, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+nr = json.loads(sys.argv[1])
+def call(name, *args):
+    r = libc.syscall(nr[name], *args)
+    return "ok" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+out = {}
+pid = libc.syscall(nr["clone"], 0x10000000 | 17, None, None, None, None)  # CLONE_NEWUSER | SIGCHLD
+if pid == 0:
+    os._exit(0)
+out["clone_newuser"] = "ok" if pid > 0 else errno.errorcode.get(ctypes.get_errno())
+if pid > 0:
+    os.waitpid(pid, 0)
+out["unshare_user"] = call("unshare", 0x10000000)
+out["unshare_net"] = call("unshare", 0x40000000)
+out["keyctl_get_session"] = call("keyctl", 0, -3, 0)
+out["add_key"] = call("add_key", b"user", b"planted", b"x", 1, -3)
+out["bpf"] = call("bpf", 0, None, 0)
+out["perf_event_open"] = call("perf_event_open", None, 0, -1, -1, 0)
+out["userfaultfd"] = call("userfaultfd", 0)
+out["io_uring_setup"] = call("io_uring_setup", 1, None)
+out["mount"] = call("mount", b"none", b"/tmp", b"tmpfs", 0, None)
+out["ptrace_traceme"] = call("ptrace", 0, 0, None, None)
+print(json.dumps(out))
+"""
+_PROBED = (
+    "unshare", "keyctl", "add_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "mount", "ptrace",
+    "clone",
+)  # fmt: skip
+
+
+def _probe_cmd() -> str:
+    numbers = json.dumps({name: syscall_number(name) for name in _PROBED})
+    return f"python3 -c {_quote(_SYSCALL_PROBE)} {_quote(numbers)}"
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+async def test_seccomp_refuses_what_the_bare_sandbox_allows(store: LayerStore, tight: SandboxLimits) -> None:
+    rc, out, err = await run_bare(store, _probe_cmd())
+    assert rc == 0, err
+    control = json.loads(out)
+    with Environment.create(store, {}, tight) as env:
+        result = await env.run(_probe_cmd())
+    assert result.exit_code == 0, result.stderr
+    hardened = json.loads(result.stdout)
+    # without the filter, a sandbox makes user and network namespaces and reaches the keyrings
+    for name in ("unshare_user", "unshare_net", "clone_newuser", "keyctl_get_session", "add_key"):
+        assert control[name] == "ok", (name, control)
+    for name, outcome in hardened.items():
+        assert outcome == "EPERM", (name, hardened)
+
+
+async def test_no_nested_user_namespace_mount_or_sysctl(store: LayerStore, tight: SandboxLimits) -> None:
+    attack = (
+        "unshare -Urm sh -c 'mount -t tmpfs x /tmp && echo MOUNTED' 2>&1; "
+        "unshare -Urn sh -c 'echo 1 > /proc/sys/net/ipv4/ip_forward && echo SYSCTL' 2>&1; "
+        "unshare -Urm sh -c 'mount -t proc proc /proc && echo PROC' 2>&1; "
+        "echo 1 > /proc/sys/kernel/hostname 2>/dev/null && echo HOSTNAME; "
+        'awk \'$5 == "/proc/sys" {print "procsys", $6}\' /proc/self/mountinfo'
+    )
+    _, control, _ = await run_bare(store, attack)
+    assert "MOUNTED" in control and "SYSCTL" in control  # the attack works ...
+    with Environment.create(store, {}, tight) as env:
+        result = await env.run(attack)
+    for marker in ("MOUNTED", "SYSCTL", "PROC", "HOSTNAME"):  # ... and is stopped here
+        assert marker not in result.stdout, result.stdout
+    assert "procsys ro," in result.stdout  # /proc/sys is a read-only mount inside
+    assert "procsys" not in control  # (bwrap alone leaves it as it is)
+
+
+async def test_init_is_not_dumpable(store: LayerStore, tight: SandboxLimits) -> None:
+    attack = "readlink /proc/1/exe && echo EXE; head -c 64 /proc/1/environ >/dev/null && echo ENVIRON; ps -o comm= -p 1"
+    _, control, _ = await run_bare(store, attack)
+    assert "EXE" in control and "ENVIRON" in control  # bwrap's own pid 1 can be read ...
+    with Environment.create(store, {}, tight) as env:
+        result = await env.run(attack)
+    assert "EXE" not in result.stdout and "ENVIRON" not in result.stdout, result.stdout  # ... ours cannot
+    assert "Permission denied" in result.stderr
+    assert result.stdout.split()[-1] == "init"
+
+
+_KEYRING_HOST = r"""
+import asyncio, ctypes, json, subprocess, sys
+from sandbox import Environment, LayerStore, SandboxConfig, SandboxLimits
+from sandbox._child import child_setup
+from sandbox._seccomp import syscall_number
+from tests.sandbox._bare import run_bare
+root, uid, probe = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+# the host process has a (named) session keyring holding a secret, as after a login or any keyctl use
+assert libc.syscall(syscall_number("keyctl"), 1, b"asyncrl-test-host-session") > 0
+assert libc.syscall(syscall_number("add_key"), b"user", b"asyncrl-test-secret", b"hunter2", 7, -3) > 0
+async def main():
+    with LayerStore(SandboxConfig(root_dir=root, sandbox_uid=uid, sandbox_gid=uid)) as store:
+        control = await run_bare(store, probe)
+        with Environment.create(store, {}, SandboxLimits(wall_time_s=20.0)) as env:
+            result = await env.run(probe)
+    # the keyring layer alone (no seccomp, no namespaces): the sandbox uid's process on the host
+    alone = subprocess.run(["/bin/sh", "-c", probe], preexec_fn=child_setup(uid, uid, None), capture_output=True,
+                           text=True, env={"PATH": "/usr/bin:/bin"})
+    print(json.dumps({"control": control[1], "hardened": result.stdout, "keyring_only": alone.stdout}))
+asyncio.run(main())
+"""
+
+_KEYRING_PROBE = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+keyctl = int(sys.argv[1])
+key = libc.syscall(keyctl, 10, -3, b"user", b"asyncrl-test-secret", 0)  # KEYCTL_SEARCH the session keyring
+if key > 0:
+    buf = ctypes.create_string_buffer(64)
+    n = libc.syscall(keyctl, 11, key, buf, 64)  # KEYCTL_READ
+    print("READ", buf.raw[:n].decode())
+else:
+    print("search refused", ctypes.get_errno())
+"""
+
+
+def test_host_keyrings_are_out_of_reach() -> None:
+    probe = f"python3 -c {_quote(_KEYRING_PROBE)} {syscall_number('keyctl')}"
+    # in a child process: joining a session keyring here would change this test process's own
+    done = subprocess.run(
+        [sys.executable, "-c", _KEYRING_HOST, TEST_ROOT, str(SANDBOX_UID), probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "READ hunter2" in seen["control"]  # the attack works bare ...
+    assert "hunter2" not in seen["hardened"] and "search refused 1" in seen["hardened"]  # ... not here: EPERM,
+    assert "search refused 126" in seen["keyring_only"]  # and without the filter, ENOKEY: a fresh keyring
+
+
+async def test_layers_are_out_of_reach_of_the_sandbox_uid_on_the_host(store: LayerStore, tight: SandboxLimits) -> None:
+    with Environment.create(store, {"lib.py": "SAFE = True\n"}, tight) as env:
+        await env.run("echo 'x = 1' > extra.py")
+        snap = env.snapshot()
+    with snap:
+        target = os.path.join(snap.layers[-1].path, "lib.py")
+        st = os.stat(target)
+        # the file itself is the sandbox uid's and writable by its owner: only the directory guards it
+        assert st.st_uid == store.config.sandbox_uid and st.st_mode & 0o200
+        tamper = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", 'echo "SAFE = False" > "$0"', target,
+            user=store.config.sandbox_uid,
+            group=store.config.sandbox_gid,
+            extra_groups=[],
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(tamper.communicate(), 30)
+        assert tamper.returncode != 0 and b"Permission denied" in err, err
+        with Environment.fork(snap, tight) as fork:
+            assert (await fork.run("cat lib.py")).stdout == "SAFE = True\n"
+
+
+async def test_kills_go_through_pidfds_never_numeric_pids(
+    store: LayerStore, tight: SandboxLimits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    numeric: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: numeric.append((pid, sig)))
+    monkeypatch.setattr(os, "killpg", lambda pid, sig: numeric.append((pid, sig)))
+    with Environment.create(store, {}, tight.replace(wall_time_s=30.0)) as env:
+        timed_out = await env.run("sleep 20 & sleep 30", timeout_s=0.5)
+        task = asyncio.create_task(env.run("sleep 30"))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        finished = await env.run("true")
+        running = asyncio.create_task(env.run("sleep 30"))
+        await asyncio.sleep(0.3)
+    result = await asyncio.wait_for(running, 10)  # closed while running: killed
+    assert timed_out.timed_out and finished.exit_code == 0 and result.exit_code != 0
+    assert numeric == []
+    await asyncio.sleep(0.2)
+    assert sandbox_pids() == []
+
+
+def test_the_filter_covers_docker_s_denied_families() -> None:
+    for name in (
+        "keyctl",
+        "add_key",
+        "request_key",
+        "unshare",
+        "setns",
+        "mount",
+        "ptrace",
+        "bpf",
+        "perf_event_open",
+        "userfaultfd",
+        "kexec_load",
+        "init_module",
+        "finit_module",
+        "io_uring_setup",
+    ):
+        assert name in DENIED_SYSCALLS, name
