@@ -59,6 +59,8 @@ class EnvCgroup:
     def __init__(self, parent: str, version: int, name: str, memory_bytes: int) -> None:
         self.path = os.path.join(parent, _PREFIX + name)
         self.procs_path = os.path.join(self.path, "cgroup.procs")
+        # v1 places single threads (the environment's spawner thread, `sandbox._spawner`)
+        self.tasks_path = os.path.join(self.path, "tasks") if version == 1 else None
         os.mkdir(self.path)
         try:
             if version == 1:

@@ -12,6 +12,7 @@ import signal
 
 import structlog
 
+from sandbox._spawner import SpawnedProcess
 from sandbox.config import SandboxLimits
 
 __all__ = ["CappedReader", "RunningCommand", "ulimit_prelude"]
@@ -94,7 +95,7 @@ class RunningCommand:
     namespace; before the init is known, killing bwrap does it (``--die-with-parent``).
     """
 
-    def __init__(self, proc: asyncio.subprocess.Process, info_fd: int) -> None:
+    def __init__(self, proc: SpawnedProcess, info_fd: int) -> None:
         self.proc = proc
         self._bwrap_pidfd = _pidfd(proc.pid)  # our unreaped child: its pid is still its own
         self._init_pidfd: int | None = None

@@ -39,6 +39,7 @@ from sandbox._cgroup import EnvCgroup
 from sandbox._child import child_setup
 from sandbox._host import GRADER_NAME, INIT_NAME, system_binds
 from sandbox._process import CappedReader, RunningCommand, ulimit_prelude
+from sandbox._spawner import SpawnedProcess, Spawner
 from sandbox._tree import TreeBudget, copy_tree, discard_tree, remove_entry
 from sandbox.config import SandboxLimits
 from sandbox.errors import SandboxStateError, SandboxViolation
@@ -92,6 +93,7 @@ class Environment:
         self._lingering: set[RunningCommand] = set()  # killed, but their init did not exit in time
         self._closed = False
         self._cgroup: EnvCgroup | None = None
+        self._spawner: Spawner | None = None
         store.retain(layers)
         try:
             self._setup()
@@ -136,6 +138,7 @@ class Environment:
         if self.store.cgroup is not None:
             parent, version = self.store.cgroup
             self._cgroup = EnvCgroup(parent, version, f"{self.store.name}-{self.id}", lim.total_memory_bytes)
+        self._spawner = Spawner(self._cgroup.tasks_path if self._cgroup is not None else None)
 
     def _mount_overlay(self) -> None:
         lower = ":".join(layer.path for layer in self._layers)
@@ -248,20 +251,17 @@ class Environment:
         cfg = self.store.config
         info_r, info_w = os.pipe()  # bwrap reports its sandbox init's pid here
         os.set_blocking(info_r, False)
+        assert self._spawner is not None
+        cgroup_procs = None  # born in the cgroup when forked by the spawner thread placed in it
+        if self._cgroup is not None and not await self._spawner.in_cgroup():
+            cgroup_procs = self._cgroup.procs_path
         seccomp_r = _seccomp.filter_fd()
-        cgroup_procs = self._cgroup.procs_path if self._cgroup is not None else None
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(cmd, extra_ro_binds, info_fd=info_w, seccomp_fd=seccomp_r),
-                stdin=asyncio.subprocess.PIPE if with_stdin else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+            proc = await self._spawner.spawn(
+                self._argv(cmd, extra_ro_binds, info_fd=info_w, seccomp_fd=seccomp_r),
+                with_stdin=with_stdin,
                 env=_BWRAP_ENV,
-                cwd="/",
-                # cgroup, credentials and keyring in preexec_fn, not with user=/group= (which
-                # uvloop, the actors' event loop, does not accept)
                 preexec_fn=child_setup(cfg.sandbox_uid, cfg.sandbox_gid, cgroup_procs),
-                start_new_session=True,
                 pass_fds=(info_w, seccomp_r),
             )
         except BaseException:
@@ -275,7 +275,7 @@ class Environment:
         return running
 
     @staticmethod
-    async def _feed(proc: asyncio.subprocess.Process, data: bytes | None) -> None:
+    async def _feed(proc: SpawnedProcess, data: bytes | None) -> None:
         if data is None or proc.stdin is None:
             return
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -389,6 +389,8 @@ class Environment:
         self._lingering.clear()
         _mount.umount_tree(self.dir)
         discard_tree(self.dir)
+        if self._spawner is not None:
+            self._spawner.close()
         if self._cgroup is not None:
             self._cgroup.remove()
         self.store.release(self._layers)
