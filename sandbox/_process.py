@@ -177,7 +177,10 @@ class RunningCommand:
                 await asyncio.wait_for(self.proc.wait(), _REAP_TIMEOUT_S)
             except TimeoutError:
                 _send(self._bwrap_pidfd, signal.SIGKILL)
-                await self.proc.wait()
+                try:
+                    await asyncio.wait_for(self.proc.wait(), _REAP_TIMEOUT_S)
+                except TimeoutError:
+                    return False  # (reaped whenever it exits: its pidfd stays watched)
             return await self._wait_init_exit()
         finally:
             self._close_info()

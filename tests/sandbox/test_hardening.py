@@ -6,6 +6,7 @@ about the hardening and not about an attack that never worked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import Environment, LayerStore, SandboxLimits
+from sandbox import Environment, LayerStore, SandboxLimits, SandboxStateError
 from sandbox._seccomp import DENIED_SYSCALLS, syscall_number
 
 from ._bare import run_bare
@@ -232,3 +233,53 @@ def test_the_filter_covers_docker_s_denied_families() -> None:
         "io_uring_setup",
     ):
         assert name in DENIED_SYSCALLS, name
+
+
+def _freezer(name: str) -> str | None:
+    root = "/sys/fs/cgroup/freezer"
+    if not os.path.isfile(os.path.join(root, "cgroup.procs")):
+        return None
+    path = os.path.join(root, name)
+    os.mkdir(path)
+    return path
+
+
+async def test_a_command_that_outlives_its_kill_blocks_snapshots_until_it_is_gone(
+    store: LayerStore, tight: SandboxLimits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox whose processes do not die on SIGKILL (frozen here; in the wild, stuck in the
+    kernel) must leave the environment busy, not let a snapshot copy a tree they still write."""
+    freezer = _freezer(f"asyncrl-test-{os.getpid()}")
+    if freezer is None:
+        pytest.skip("no cgroup v1 freezer on this host")
+    monkeypatch.setattr("sandbox._process._REAP_TIMEOUT_S", 0.5)
+    try:
+        with Environment.create(store, {}, tight.replace(wall_time_s=30.0)) as env:
+            task = asyncio.create_task(env.run("while :; do echo x >> log; sleep 0.01; done", timeout_s=1.0))
+            await asyncio.sleep(0.5)
+            for pid in sorted(sandbox_pids()):  # bwrap, tini, bash: everything of the sandbox uid
+                with contextlib.suppress(ProcessLookupError), open(os.path.join(freezer, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))  # (a short-lived sleep may be gone already)
+            with open(os.path.join(freezer, "freezer.state"), "w") as f:
+                f.write("FROZEN")
+            result = await asyncio.wait_for(task, 10)  # bounded, although nothing it killed has died
+            assert result.timed_out
+            with pytest.raises(SandboxStateError, match="running"):
+                env.snapshot()
+            with open(os.path.join(freezer, "freezer.state"), "w") as f:
+                f.write("THAWED")
+            for _ in range(100):
+                if not sandbox_pids():
+                    break
+                await asyncio.sleep(0.05)
+            assert sandbox_pids() == []
+            env.snapshot().release()  # gone: the environment is usable again
+    finally:
+        with open(os.path.join(freezer, "freezer.state"), "w") as f:
+            f.write("THAWED")
+        for _ in range(100):
+            try:
+                os.rmdir(freezer)
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
