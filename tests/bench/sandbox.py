@@ -125,7 +125,7 @@ async def main(rounds: int) -> dict[str, object]:
                 assert result.exit_code == 0
             fork.close()
             # alternate the order of the floor and the no-cgroup run, so drift in load hits both
-            for step in (("bare", "hardened", "plain") if i % 2 else ("plain", "hardened", "bare")):
+            for step in ("bare", "hardened", "plain") if i % 2 else ("plain", "hardened", "bare"):
                 if step == "bare":
                     samples["bare_bwrap_true"].append(await _bare_bwrap(store))
                 elif step == "hardened":

@@ -283,3 +283,30 @@ async def test_a_command_that_outlives_its_kill_blocks_snapshots_until_it_is_gon
                 break
             except OSError:
                 await asyncio.sleep(0.05)
+
+
+# i386's getpid through ``int 0x80`` from x86-64 code, and x32's getpid: a filter that checked only
+# syscall numbers would let keyctl & co. through these ABIs under other numbers.
+_FOREIGN_ABI_PROBE = r"""
+import ctypes, mmap, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+if sys.argv[1] == "x32":
+    print("x32 returned", libc.syscall(0x40000000 | 39))
+else:
+    code = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    code.write(b"\xb8\x14\x00\x00\x00\xcd\x80\xc3")  # mov eax, 20; int 0x80; ret
+    print("int80 returned", ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(code)))())
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="foreign ABIs of x86-64")
+async def test_foreign_syscall_abis_kill_the_process(store: LayerStore, tight: SandboxLimits) -> None:
+    probe = f"python3 -c {_quote(_FOREIGN_ABI_PROBE)}"
+    cmd = f"{probe} int80; echo rc=$?; {probe} x32; echo rc=$?"
+    _, control, _ = await run_bare(store, cmd)
+    assert "int80 returned" in control  # the 32-bit ABI is open on this kernel ...
+    with Environment.create(store, {}, tight) as env:
+        result = await env.run(cmd)
+    assert "returned" not in result.stdout  # ... and closed in the sandbox:
+    assert result.stdout.split() == ["rc=159", "rc=159"]  # 128 + SIGSYS
