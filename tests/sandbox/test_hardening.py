@@ -310,3 +310,21 @@ async def test_foreign_syscall_abis_kill_the_process(store: LayerStore, tight: S
         result = await env.run(cmd)
     assert "returned" not in result.stdout  # ... and closed in the sandbox:
     assert result.stdout.split() == ["rc=159", "rc=159"]  # 128 + SIGSYS
+
+
+async def test_memory_cgroup_oom_kills_the_sandbox_not_the_host_process(
+    store: LayerStore, tight: SandboxLimits
+) -> None:
+    """Commands are forked by a thread of this process that sits in the environment's memory
+    cgroup; the cgroup's OOM killer must still choose among the sandbox's processes only, even when
+    this process is by far the biggest (as an actor holding a model is)."""
+    if store.cgroup is None:
+        pytest.skip("no delegable memory cgroup on this host")
+    ballast = bytearray(400 * 1024 * 1024)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # resident, so it would be the OOM killer's pick
+    hog = "a = bytearray(250 * 1024**2); a[::4096] = b'x' * len(a[::4096]); print('kept')"
+    limits = tight.replace(memory_bytes=512 * 1024 * 1024, total_memory_bytes=128 * 1024 * 1024, wall_time_s=20.0)
+    with Environment.create(store, {"hog.py": hog}, limits) as env:
+        result = await env.run("python3 hog.py; echo rc=$?")
+    assert "kept" not in result.stdout and "rc=137" in result.stdout  # the hog was killed, and we are alive
+    assert len(ballast) == 400 * 1024 * 1024
