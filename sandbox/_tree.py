@@ -241,7 +241,9 @@ def _link_earlier_copy(first: tuple[str, ...], entry: Entry, dst_root_fd: int, d
     return True
 
 
-def _copy_dir_metadata(src_fd: int, dst_fd: int, st: os.stat_result, keep_whiteouts: bool) -> None:
+def _copy_dir_metadata(
+    src_fd: int, dst_fd: int, st: os.stat_result, keep_whiteouts: bool, owner: tuple[int, int] | None
+) -> None:
     if keep_whiteouts:
         try:
             value = os.getxattr(src_fd, _OPAQUE_XATTR)
@@ -249,17 +251,26 @@ def _copy_dir_metadata(src_fd: int, dst_fd: int, st: os.stat_result, keep_whiteo
             value = None
         if value is not None:
             os.setxattr(dst_fd, _OPAQUE_XATTR, value)
-    os.fchown(dst_fd, st.st_uid, st.st_gid)
+    os.fchown(dst_fd, *(owner or (st.st_uid, st.st_gid)))
     os.fchmod(dst_fd, stat.S_IMODE(st.st_mode) & 0o1777)
     os.utime(dst_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def copy_tree(src: str, dst: str, *, keep_whiteouts: bool, budget: TreeBudget, what: str = "snapshot") -> TreeUsage:
+def copy_tree(
+    src: str,
+    dst: str,
+    *,
+    keep_whiteouts: bool,
+    budget: TreeBudget,
+    owner: tuple[int, int] | None = None,
+    what: str = "snapshot",
+) -> TreeUsage:
     """Copy an overlayfs layer (or a merged view) into the empty directory ``dst``.
 
-    Preserves regular files (holes kept), hard links (as links), directories, symlinks, owners,
-    permission bits (setuid/setgid stripped), mtimes, whiteouts and opaque markers (when
-    ``keep_whiteouts``); drops FIFOs, sockets and devices. Never follows symlinks.
+    Preserves regular files (holes kept), hard links (as links), directories, symlinks, owners
+    (or gives every entry ``owner``), permission bits (setuid/setgid stripped), mtimes, whiteouts
+    and opaque markers (when ``keep_whiteouts``); drops FIFOs, sockets and devices. Never
+    follows symlinks.
 
     Raises:
         SandboxViolation: the copy would exceed ``budget`` or the source changed under it;
@@ -272,7 +283,7 @@ def copy_tree(src: str, dst: str, *, keep_whiteouts: bool, budget: TreeBudget, w
         for entry in walk(src, budget.max_depth):
             if entry.leaving:
                 dst_fd = dst_fds.pop()
-                _copy_dir_metadata(entry.fd, dst_fd, entry.st, keep_whiteouts)
+                _copy_dir_metadata(entry.fd, dst_fd, entry.st, keep_whiteouts, owner)
                 os.close(dst_fd)
                 continue
             parent = dst_fds[-1]
@@ -299,7 +310,8 @@ def copy_tree(src: str, dst: str, *, keep_whiteouts: bool, budget: TreeBudget, w
                 os.mknod(entry.name, stat.S_IFCHR | 0o000, os.makedev(0, 0), dir_fd=parent)
             else:
                 continue  # FIFOs, sockets, devices
-            os.chown(entry.name, entry.st.st_uid, entry.st.st_gid, dir_fd=parent, follow_symlinks=False)
+            uid, gid = owner or (entry.st.st_uid, entry.st.st_gid)
+            os.chown(entry.name, uid, gid, dir_fd=parent, follow_symlinks=False)
             os.utime(entry.name, ns=(entry.st.st_atime_ns, entry.st.st_mtime_ns), dir_fd=parent, follow_symlinks=False)
     finally:
         for fd in dst_fds:

@@ -94,7 +94,7 @@ def export_snapshot(
                 return
             point = os.path.join(store.envs_dir, "x-" + secrets.token_hex(6))
             os.mkdir(point, 0o700)
-            lower = ":".join(layer.path for layer in snapshot.layers)
+            lower = ":".join(layer.view for layer in snapshot.layers)
             _mount.mount("asyncrl-export", point, "overlay", _mount.MS_RDONLY, f"lowerdir={lower}")
             try:
                 _tar_tree(tar, point, max_bytes, max_depth)
@@ -148,7 +148,7 @@ class _Importer:
 
     def extract(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         cfg = self.store.config
-        uid, gid = cfg.sandbox_uid, cfg.sandbox_gid
+        uid, gid = self.store.layer_owner
         if not (member.isreg() or member.isdir() or member.issym()):
             raise SnapshotFormatError(
                 f"archive member {member.name!r} has type {member.type!r}; only files, directories and "
@@ -196,7 +196,7 @@ def import_snapshot(
             nothing of it is left on the host.
     """
     layer_id, path = store.new_layer_dir()
-    os.chown(path, store.config.sandbox_uid, store.config.sandbox_gid)
+    os.chown(path, *store.layer_owner)
     importer = _Importer(store, path, TreeBudget(max_bytes, max_inodes, max_depth))
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(stream, closefd=False)

@@ -91,6 +91,7 @@ class Environment:
         self._layers = layers
         self._procs: set[RunningCommand] = set()
         self._lingering: set[RunningCommand] = set()  # killed, but their init did not exit in time
+        self._num_starting = 0
         self._closed = False
         self._cgroup: EnvCgroup | None = None
         self._spawner: Spawner | None = None
@@ -141,7 +142,7 @@ class Environment:
         self._spawner = Spawner(self._cgroup.tasks_path if self._cgroup is not None else None)
 
     def _mount_overlay(self) -> None:
-        lower = ":".join(layer.path for layer in self._layers)
+        lower = ":".join(layer.view for layer in self._layers)
         _mount.mount(
             "asyncrl-ws",
             self.workspace_path,
@@ -199,7 +200,13 @@ class Environment:
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         start = time.monotonic()
-        running = await self._spawn(cmd, extra_ro_binds, with_stdin=stdin is not None)
+        self._num_starting += 1  # busy from the call on, not only once bwrap exists
+        try:
+            running = await self._spawn(cmd, extra_ro_binds, with_stdin=stdin is not None)
+        finally:
+            self._num_starting -= 1
+        if self._closed:  # closed while it started: it must not outlive the environment
+            running.kill()
         proc = running.proc
         assert proc.stdout is not None and proc.stderr is not None
         out = CappedReader(proc.stdout, self.limits.output_bytes)
@@ -241,7 +248,7 @@ class Environment:
             if running.init_exited():
                 self._lingering.discard(running)
                 running.close()
-        busy = len(self._procs) + len(self._lingering)
+        busy = self._num_starting + len(self._procs) + len(self._lingering)
         if busy:
             raise SandboxStateError(f"Environment {self.id} has {busy} running command(s); expected idle to {action}")
 
@@ -324,7 +331,9 @@ class Environment:
     def _build_layer(self, src: str, budget: TreeBudget, *, keep_whiteouts: bool, what: str) -> Layer:
         layer_id, path = self.store.new_layer_dir()
         try:
-            usage = copy_tree(src, path, keep_whiteouts=keep_whiteouts, budget=budget, what=what)
+            usage = copy_tree(
+                src, path, keep_whiteouts=keep_whiteouts, budget=budget, owner=self.store.layer_owner, what=what
+            )
         except SandboxViolation as e:
             discard_tree(path)
             log.warning("sandbox_budget_exceeded", env=self.id, what=what, reason=str(e))
@@ -348,7 +357,7 @@ class Environment:
     def _squash(self) -> Layer:
         point = os.path.join(self.dir, "squash")
         os.mkdir(point, 0o700)
-        lower = ":".join(layer.path for layer in self._layers)
+        lower = ":".join(layer.view for layer in self._layers)
         # the merged view holds no more than its layers together
         budget = TreeBudget(
             max_bytes=sum(layer.usage.num_bytes for layer in self._layers),

@@ -6,10 +6,12 @@ stack of layers (top first). Environments and snapshots retain the layers they u
 deleted when its last holder lets go. The store owns one private directory under the configured
 root (so several processes can share the root) and removes it, with every mount in it, on close.
 
-Layer files keep the sandbox uid as owner (so the workspace stays editable inside), but the
-layers directory is root's with mode 0700: no host process of the sandbox uid (an outer bwrap,
-anything that escaped a namespace) can reach a layer to change what later forks see. Only
-overlayfs, mounted by root, reads them.
+Layers cannot be changed by the sandbox uid on the host: every entry of a layer is root's on disk,
+and overlayfs reads it through a read-only idmapped view that shows it as the sandbox uid's
+(`sandbox._idmap`), so the workspace stays editable inside. Both the layers and the views live in
+root-only (0700) directories, so no host process of the sandbox uid (an outer bwrap, anything
+that escaped a namespace) can reach them. On a host without idmapped mounts, layer entries keep
+the sandbox uid as owner and the root-only directory is the only guard (logged at start).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import structlog
 
 from sandbox import _cgroup, _mount
 from sandbox._host import check_host, prepare_static_dir
+from sandbox._idmap import IdmappedViews
 from sandbox._safepath import split_relpath, write_atomic
 from sandbox._tree import TreeUsage, discard_tree
 from sandbox.config import SandboxConfig
@@ -36,15 +39,17 @@ log = structlog.get_logger(__name__)
 
 
 class Layer:
-    """One immutable layer directory; identity is its path. ``usage`` is what it holds on the
+    """One immutable layer directory; identity is its path. ``view`` is what overlayfs mounts (its
+    read-only idmapped view, or ``path`` itself without one). ``usage`` is what it holds on the
     host (data bytes, inodes, directory depth), the budget of a later squash or export."""
 
-    __slots__ = ("id", "path", "usage")
+    __slots__ = ("id", "path", "usage", "view")
 
-    def __init__(self, layer_id: str, path: str, usage: TreeUsage) -> None:
+    def __init__(self, layer_id: str, path: str, usage: TreeUsage, view: str | None = None) -> None:
         self.id = layer_id
         self.path = path
         self.usage = usage
+        self.view = view or path
 
     def __repr__(self) -> str:
         return f"Layer({self.id})"
@@ -101,11 +106,17 @@ class LayerStore:
         _reap_stale(self.config.root_dir)
         self.dir = os.path.join(self.config.root_dir, f"{os.getpid()}-{secrets.token_hex(4)}")
         self.layers_dir = os.path.join(self.dir, "L")
+        self.views_dir = os.path.join(self.dir, "V")
         self.envs_dir = os.path.join(self.dir, "E")
-        for d, mode in ((self.dir, 0o711), (self.layers_dir, 0o700), (self.envs_dir, 0o711)):
+        for d, mode in ((self.dir, 0o711), (self.layers_dir, 0o700), (self.views_dir, 0o700), (self.envs_dir, 0o711)):
             os.mkdir(d, mode)
         self.static_dir = prepare_static_dir(self.dir, self.config)
         _probe_mounts(self.dir)
+        probe = os.path.join(self.layers_dir, "probe")
+        os.mkdir(probe, 0o700)
+        self._views = IdmappedViews.create(self.config.sandbox_uid, self.config.sandbox_gid, probe)
+        os.rmdir(probe)
+        self.layer_owner = (0, 0) if self._views is not None else (self.config.sandbox_uid, self.config.sandbox_gid)
         self.name = os.path.basename(self.dir)
         self.cgroup: tuple[str, int] | None = None
         if self.config.memory_cgroup:
@@ -117,7 +128,12 @@ class LayerStore:
         self._by_content: dict[str, str] = {}
         self._lock = threading.Lock()
         self._closed = False
-        log.info("sandbox_store_opened", dir=self.dir, memory_cgroup=self.cgroup is not None)
+        log.info(
+            "sandbox_store_opened",
+            dir=self.dir,
+            memory_cgroup=self.cgroup is not None,
+            idmapped_layers=self._views is not None,
+        )
 
     # -- layers --------------------------------------------------------------------------
     def new_layer_dir(self) -> tuple[str, str]:
@@ -129,8 +145,19 @@ class LayerStore:
         return layer_id, path
 
     def adopt(self, layer_id: str, path: str, usage: TreeUsage) -> Layer:
-        """Register a fully built layer directory (unreferenced until retained)."""
-        layer = Layer(layer_id, path, usage)
+        """Register a fully built layer directory (unreferenced until retained): its entries
+        owned by ``layer_owner``; from now on it is only read, through its view."""
+        view = None
+        if self._views is not None:
+            view = os.path.join(self.views_dir, layer_id)
+            os.mkdir(view, 0o700)
+            try:
+                self._views.mount(path, view)
+            except BaseException:
+                os.rmdir(view)
+                discard_tree(path)
+                raise
+        layer = Layer(layer_id, path, usage, view)
         with self._lock:
             self._layers[layer_id] = layer
             self._refs[layer_id] = 0
@@ -149,7 +176,7 @@ class LayerStore:
             if existing is not None and existing in self._layers:
                 return self._layers[existing]
         layer_id, path = self.new_layer_dir()
-        uid, gid = self.config.sandbox_uid, self.config.sandbox_gid
+        uid, gid = self.layer_owner
         os.chown(path, uid, gid)
         usage, dirs = TreeUsage(), set()
         try:
@@ -187,6 +214,9 @@ class LayerStore:
             for key in [k for k, v in self._by_content.items() if v not in self._layers]:
                 del self._by_content[key]
         for layer in doomed:
+            if layer.view != layer.path:
+                _mount.umount(layer.view, detach=True)
+                discard_tree(layer.view)
             discard_tree(layer.path)
 
     def num_layers(self) -> int:
@@ -214,6 +244,8 @@ class LayerStore:
         self._closed = True
         _mount.umount_tree(self.dir)
         discard_tree(self.dir)
+        if self._views is not None:
+            self._views.close()
         log.info("sandbox_store_closed", dir=self.dir)
 
     def __enter__(self) -> LayerStore:
@@ -245,6 +277,7 @@ def _probe_mounts(store_dir: str) -> None:
 
 
 _STORE_DIR_RE = re.compile(r"^(.*/(\d+)-[0-9a-f]{8})/[EL]/")
+_VIEW_RE = re.compile(r"^(.*/(\d+)-[0-9a-f]{8})/V/[0-9a-f]{12}$")
 
 
 def _reap_stale(root: str) -> None:
@@ -255,8 +288,11 @@ def _reap_stale(root: str) -> None:
         pid_text = name.split("-", 1)[0]
         if pid_text.isdigit() and not os.path.exists(f"/proc/{pid_text}"):
             stale.add(os.path.join(root, name))
-    for point in _mount.mounts_with_source_prefix("asyncrl-"):
-        match = _STORE_DIR_RE.match(point)
+    # environments' mounts (source asyncrl-*) and layers' idmapped views (source: the disk)
+    sandbox_mounts = [(_STORE_DIR_RE, p) for p in _mount.mounts_with_source_prefix("asyncrl-")]
+    views = [(_VIEW_RE, p) for p in _mount.mounts_with_source_prefix("")]
+    for pattern, point in sandbox_mounts + views:
+        match = pattern.match(point)
         if match and not os.path.exists(f"/proc/{match.group(2)}"):
             stale.add(match.group(1))
     for path in sorted(stale):

@@ -235,13 +235,14 @@ async def test_setuid_binaries_grant_nothing(store: LayerStore, tight: SandboxLi
         made = await env.run("cp /usr/bin/id myid && chmod u+s myid && stat -c %a myid")
         snapshot = env.snapshot()
     with snapshot:
-        layer_file = os.path.join(snapshot.layers[0].path, "myid")
-        st = os.stat(layer_file)
+        st = os.stat(os.path.join(snapshot.layers[0].path, "myid"))
+        seen = os.stat(os.path.join(snapshot.layers[0].view, "myid"))
     assert result.stdout.split()[0] == str(store.config.sandbox_uid)
     assert "su=0" not in result.stdout
     assert made.stdout.strip() == "4755"  # allowed inside, but ...
-    assert st.st_uid == store.config.sandbox_uid  # ... owned by the unprivileged uid on the host
-    assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID)  # ... and stripped from snapshots
+    assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID)  # ... stripped from snapshots
+    assert seen.st_uid == store.config.sandbox_uid  # ... and the sandbox's only through its view
+    assert not seen.st_mode & (stat.S_ISUID | stat.S_ISGID)
 
 
 async def test_concurrent_commands_each_contained(store: LayerStore, tight: SandboxLimits) -> None:

@@ -175,21 +175,25 @@ async def test_layers_are_out_of_reach_of_the_sandbox_uid_on_the_host(store: Lay
         await env.run("echo 'x = 1' > extra.py")
         snap = env.snapshot()
     with snap:
-        target = os.path.join(snap.layers[-1].path, "lib.py")
-        st = os.stat(target)
-        # the file itself is the sandbox uid's and writable by its owner: only the directory guards it
-        assert st.st_uid == store.config.sandbox_uid and st.st_mode & 0o200
-        tamper = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", 'echo "SAFE = False" > "$0"', target,
-            user=store.config.sandbox_uid,
-            group=store.config.sandbox_gid,
-            extra_groups=[],
-            stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, err = await asyncio.wait_for(tamper.communicate(), 30)
-        assert tamper.returncode != 0 and b"Permission denied" in err, err
+        layer = snap.layers[-1]
+        on_disk, in_view = os.path.join(layer.path, "lib.py"), os.path.join(layer.view, "lib.py")
+        if layer.view != layer.path:  # idmapped: root's on disk, the sandbox uid's through a read-only view
+            assert os.stat(on_disk).st_uid == 0 and os.stat(in_view).st_uid == store.config.sandbox_uid
+            with pytest.raises(OSError, match="Read-only file system"):
+                open(in_view, "w").close()  # not even root writes through the view
+        for target in (on_disk, in_view):  # and a host process of the sandbox uid reaches neither
+            tamper = await asyncio.create_subprocess_exec(
+                "/bin/sh", "-c", 'echo "SAFE = False" > "$0"', target,
+                user=store.config.sandbox_uid,
+                group=store.config.sandbox_gid,
+                extra_groups=[],
+                stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            _, err = await asyncio.wait_for(tamper.communicate(), 30)
+            assert tamper.returncode != 0 and b"Permission denied" in err, err
         with Environment.fork(snap, tight) as fork:
-            assert (await fork.run("cat lib.py")).stdout == "SAFE = True\n"
+            edited = await fork.run("cat lib.py; echo 'SAFE = 2' > lib.py && cat lib.py && stat -c %u lib.py")
+    assert edited.stdout.split() == ["SAFE", "=", "True", "SAFE", "=", "2", str(store.config.sandbox_uid)]
 
 
 async def test_kills_go_through_pidfds_never_numeric_pids(
