@@ -256,13 +256,13 @@ class Environment:
         self, cmd: str, extra_ro_binds: tuple[tuple[str, str], ...], *, with_stdin: bool
     ) -> RunningCommand:
         cfg = self.store.config
-        info_r, info_w = os.pipe()  # bwrap reports its sandbox init's pid here
-        os.set_blocking(info_r, False)
         assert self._spawner is not None
         cgroup_procs = None  # born in the cgroup when forked by the spawner thread placed in it
         if self._cgroup is not None and not await self._spawner.in_cgroup():
             cgroup_procs = self._cgroup.procs_path
         seccomp_r = _seccomp.filter_fd()
+        info_r, info_w = os.pipe()  # bwrap reports its sandbox init's pid here
+        os.set_blocking(info_r, False)
         try:
             proc = await self._spawner.spawn(
                 self._argv(cmd, extra_ro_binds, info_fd=info_w, seccomp_fd=seccomp_r),
