@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import tarfile
 import tracemalloc
 
@@ -24,7 +25,7 @@ from sandbox import (
     score,
 )
 from sandbox._safepath import write_atomic
-from sandbox._tree import TreeBudget, copy_tree, remove_tree
+from sandbox._tree import TreeBudget, copy_tree, open_regular_at, remove_tree, walk
 
 pytestmark = pytest.mark.usefixtures("host_unchanged")
 
@@ -223,3 +224,30 @@ async def test_export_refuses_more_than_an_import_accepts(store: LayerStore, quo
             with pytest.raises(SandboxViolation, match="max_bytes"):
                 export_snapshot_bytes(snap, max_bytes=100 * _MIB)  # zeros for the reward actor to unpack
             assert len(export_snapshot_bytes(snap, max_bytes=128 * _MIB)) < 1 * _MIB
+
+
+def test_walks_never_follow_entries_swapped_under_them(store: LayerStore) -> None:
+    """What a process still running in a workspace could do mid-copy: swap a listed file or a
+    directory not yet entered for a symlink to the host. The walk never follows it."""
+    src = os.path.join(store.dir, "swap")
+    os.makedirs(os.path.join(src, "d"))
+    for name in ("a", "f"):
+        with open(os.path.join(src, name), "w") as f:
+            f.write("x")
+    steps = walk(src, 8)
+    first = next(steps)  # the root is listed and "a" examined; "d" and "f" are still to come
+    assert first.name == "a"
+    os.rename(os.path.join(src, "d"), os.path.join(src, "d.old"))
+    os.symlink("/etc", os.path.join(src, "d"))
+    seen = {}
+    for entry in steps:
+        if entry.leaving:
+            continue
+        seen["/".join(entry.rel)] = entry
+        if entry.name == "f":  # listed as a file, then swapped before it is opened
+            os.rename(os.path.join(src, "f"), os.path.join(src, "f.old"))
+            os.symlink("/etc/passwd", os.path.join(src, "f"))
+            with pytest.raises(SandboxViolation, match="changed while the host walked it"):
+                os.close(open_regular_at(entry))
+    assert stat.S_ISLNK(seen["d"].st.st_mode)  # reported as the symlink it now is ...
+    assert not [rel for rel in seen if rel.startswith("d/")]  # ... and never entered
