@@ -41,11 +41,17 @@ _FORMAT_ERRORS = (NotADirectoryError, IsADirectoryError, FileExistsError)
 _FORMAT_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTEMPTY}
 
 
-def _tar_tree(tar: tarfile.TarFile, root: str, max_bytes: int, max_depth: int) -> None:
-    num_bytes = 0
+def _tar_tree(tar: tarfile.TarFile, root: str, max_bytes: int, max_inodes: int, max_depth: int) -> None:
+    num_bytes = num_members = 0
     for entry in walk(root, max_depth):
         if entry.leaving:
             continue
+        num_members += 1
+        if num_members > max_inodes:
+            raise SandboxViolation(
+                f"the snapshot holds more than max_inodes={max_inodes} files and directories (an import "
+                "would refuse it); delete files from the workspace"
+            )
         mode = entry.st.st_mode
         info = tarfile.TarInfo("/".join(entry.rel))
         info.mode = stat.S_IMODE(mode) & 0o777
@@ -77,36 +83,40 @@ def export_snapshot(
     *,
     level: int = 3,
     max_bytes: int = _DEFAULT_MAX_BYTES,
+    max_inodes: int = _DEFAULT_MAX_INODES,
     max_depth: int = _DEFAULT_MAX_DEPTH,
 ) -> None:
     """Write ``snapshot`` as a zstd tar to a binary stream (the stream is left open).
 
     Raises:
         SandboxViolation: the files hold more than ``max_bytes`` (as the archive stores them,
-            holes included) or nest deeper than ``max_depth``; an importer would refuse it.
+            holes included), more than ``max_inodes`` entries, or nest deeper than ``max_depth``:
+            an import with the same budgets would refuse it.
     """
     store = snapshot.store
     max_depth = max(max_depth, *(layer.usage.depth for layer in snapshot.layers))
     with zstandard.ZstdCompressor(level=level).stream_writer(stream, closefd=False) as zw:  # noqa: SIM117
         with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
             if snapshot.depth == 1:
-                _tar_tree(tar, snapshot.layers[0].path, max_bytes, max_depth)
+                _tar_tree(tar, snapshot.layers[0].path, max_bytes, max_inodes, max_depth)
                 return
             point = os.path.join(store.envs_dir, "x-" + secrets.token_hex(6))
             os.mkdir(point, 0o700)
             lower = ":".join(layer.view for layer in snapshot.layers)
             _mount.mount("asyncrl-export", point, "overlay", _mount.MS_RDONLY, f"lowerdir={lower}")
             try:
-                _tar_tree(tar, point, max_bytes, max_depth)
+                _tar_tree(tar, point, max_bytes, max_inodes, max_depth)
             finally:
                 _mount.umount(point)
                 os.rmdir(point)
 
 
-def export_snapshot_bytes(snapshot: Snapshot, *, level: int = 3, max_bytes: int = _DEFAULT_MAX_BYTES) -> bytes:
+def export_snapshot_bytes(
+    snapshot: Snapshot, *, level: int = 3, max_bytes: int = _DEFAULT_MAX_BYTES, max_inodes: int = _DEFAULT_MAX_INODES
+) -> bytes:
     """`export_snapshot` into memory."""
     buf = io.BytesIO()
-    export_snapshot(snapshot, buf, level=level, max_bytes=max_bytes)
+    export_snapshot(snapshot, buf, level=level, max_bytes=max_bytes, max_inodes=max_inodes)
     return buf.getvalue()
 
 

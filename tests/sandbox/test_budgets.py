@@ -224,6 +224,8 @@ async def test_export_refuses_more_than_an_import_accepts(store: LayerStore, quo
             with pytest.raises(SandboxViolation, match="max_bytes"):
                 export_snapshot_bytes(snap, max_bytes=100 * _MIB)  # zeros for the reward actor to unpack
             assert len(export_snapshot_bytes(snap, max_bytes=128 * _MIB)) < 1 * _MIB
+            with pytest.raises(SandboxViolation, match="max_inodes=2"):
+                export_snapshot_bytes(snap, max_bytes=128 * _MIB, max_inodes=2)
 
 
 def test_walks_never_follow_entries_swapped_under_them(store: LayerStore) -> None:
