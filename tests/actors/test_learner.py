@@ -17,6 +17,7 @@ from actors.config import TrainerSection
 from actors.learner import Learner
 from actors.lr_schedule import LRSchedule
 from actors.step_guard import NonFiniteWeights
+from kernels import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
 from model.loss import advantages_dr_grpo
 from model.packing import pack_sequences
@@ -293,3 +294,18 @@ def test_non_finite_weights_are_never_saved(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteWeights, match="refusing to save"):
         learner.save(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_an_infinite_expert_weight_is_not_hidden_by_the_quantized_experts() -> None:
+    # NVFP4 forward / MXFP8 backward, as the trainer runs with policy.experts_precision = "emulated".
+    # Before the NVFP4 rule an inf weight became a finite 2688 and the step was applied.
+    model = seeded_model(small_config(), seed=1)
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    learner.model.set_experts_fn(make_experts_fn(ExpertsPrecision.EMULATED))
+    with torch.no_grad():
+        learner.model.model.layers[0].mlp.w_up_EFD[1, 3, 7] = float("inf")
+    poisoned = copy.deepcopy(learner.model)
+    m = learner.step(groups, "b0")
+    assert m.skipped == "loss" and len(m.non_finite_sample_ids) >= 1
+    assert all(torch.equal(p, q) for p, q in zip(poisoned.parameters(), learner.model.parameters(), strict=True))

@@ -185,3 +185,19 @@ def test_config_keys_that_may_change_the_model_are_refused_by_name() -> None:
     assert ModelConfig.from_hf_dict(inert) == small_config()
     renamed = {k: v for k, v in base.items() if k != "num_experts"} | {"num_local_experts": 6}
     assert ModelConfig.from_hf_dict(renamed).num_experts == 6
+
+
+def test_a_transformers_4x_qwen3_moe_config_is_read_whole() -> None:
+    # The key set of Qwen/Qwen3-30B-A3B's config.json (transformers 4.51), with its values.
+    raw = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+           "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+           "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+           "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+           "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+           "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+           "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    config = ModelConfig.from_hf_dict(raw)
+    assert (config.num_experts, config.num_experts_per_tok, config.head_dim, config.rope_theta) == (128, 8, 128, 1e6)
+    assert (config.num_hidden_layers, config.norm_topk_prob, config.eos_token_id) == (48, True, 151645)
