@@ -65,6 +65,25 @@ def test_on_policy_the_importance_ratio_is_exactly_one_at_any_temperature(temper
         assert m.clip_fraction == 0.0 and m.skipped == "" and m.num_trained_tokens > 0
 
 
+def test_groups_sampled_at_different_temperatures_train_on_policy_together() -> None:
+    # A live rollout.temperature change: one batch holds groups sampled at 0.8 and at 1.3, each token
+    # scored at its own temperature. (Each group's log-probs come from its own packed forward, so each
+    # group is checked on its own first: a joint packed forward would round differently in the last bit.)
+    model = seeded_model(small_config(), seed=1)
+    for temperature in (0.05, 0.8, 1.3, 4.0):
+        m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(
+            [_group(model, [1.0, 0.0, 0.25], seed=9, temperature=temperature)], "b")
+        assert (m.ratio_min, m.ratio_max) == (1.0, 1.0), temperature
+    cold, hot = _group(model, [1.0, 0.0], seed=9, temperature=0.8), _group(model, [0.0, 1.0], seed=10, temperature=1.3)
+    m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([cold, hot], "b")
+    assert abs(m.ratio_min - 1.0) < 1e-5 and abs(m.ratio_max - 1.0) < 1e-5
+    for s in hot["samples"]:  # the same batch scored at one temperature for all is visibly off-policy
+        t = s["trajectory"]
+        t["logprob_temperatures"] = [0.8 if x == 1.3 else x for x in t["logprob_temperatures"]]
+    m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([cold, hot], "b")
+    assert m.ratio_max - m.ratio_min > 0.1
+
+
 def test_the_ratio_statistics_report_an_off_policy_batch() -> None:
     # Tokens recorded at T = 0.5 but labelled T = 1 (the old trainer's view of every batch): the ratio
     # moves away from 1 and the metrics show it.
@@ -188,6 +207,20 @@ def _poison_behaviour(group: dict[str, Any], index: int, value: float) -> str:
     t = group["samples"][index]["trajectory"]
     t["behaviour_logprobs"][t["loss_mask"].index(1) + 2] = value
     return group["samples"][index]["sample_id"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("logprob_temperatures", 0.0), ("logprob_temperatures", -1.0), ("logprob_temperatures", float("nan")),
+    ("logprob_temperatures", float("inf")), ("behaviour_logprobs", 0.5),  # a log-prob above 0
+])
+def test_an_unusable_temperature_or_log_prob_is_refused(field: str, value: float) -> None:
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    t = groups[0]["samples"][1]["trajectory"]
+    t[field][-1] = value
+    m = learner.step(groups, "b0")
+    assert (m.skipped, m.non_finite_sample_ids) == ("input", ("s2-1",)) and _unchanged(model, learner.model)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("-inf"), float("inf")])
