@@ -75,12 +75,9 @@ class MXTensor:
     mode: ScaleMode
 
 
-def mx_scale_multiplier(scale_u8: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
-    """The float32 factor 2^(127 - e) each element is multiplied by before E4M3 rounding (NaN for e = 255).
-
-    The same in both modes (``mode`` is kept for the call sites that name it).
-    """
-    del mode
+def mx_scale_multiplier(scale_u8: torch.Tensor) -> torch.Tensor:
+    """The float32 factor 2^(127 - e) each element is multiplied by before E4M3 rounding (NaN for e = 255),
+    the same in both scale modes."""
     e = scale_u8.to(torch.int32)
     return torch.where(e == 255, torch.nan, exp2_int(127 - torch.clamp(e, 0, 254)))
 
@@ -102,7 +99,7 @@ def _quantize_rows(x_f32: torch.Tensor, mode: ScaleMode) -> tuple[torch.Tensor, 
     amax = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.new_zeros(*blocks.shape[:2], 1)
     scale = e8m0_floor(amax) if mode is ScaleMode.FLOOR else e8m0_rceil(amax)
     limit = mx_element_limit(scale)
-    scaled = torch.maximum(torch.minimum(blocks * mx_scale_multiplier(scale, mode), limit), -limit)
+    scaled = torch.maximum(torch.minimum(blocks * mx_scale_multiplier(scale), limit), -limit)
     codes = torch.where(scale == 255, _E4M3_NAN, encode_e4m3(scaled).to(torch.int32))
     return codes.to(torch.uint8).reshape(rows, cols), scale.squeeze(-1)
 
