@@ -42,8 +42,10 @@ from actors.step_guard import (
     NonFiniteStep,
     NonFiniteWeights,
     Rollback,
+    check_trajectories,
     non_finite_inputs,
     non_finite_parameters,
+    sample_ids,
     samples_at_positions,
 )
 from model.checkpoint import load_checkpoint, save_checkpoint
@@ -140,6 +142,7 @@ class Learner:
         samples = [s for g in groups for s in g["samples"]]
         if not samples:
             raise ValueError(f"batch {batch_id} has no samples")
+        check_trajectories(samples)
         # Without a KL term a sample whose advantage is exactly 0 (its group's rewards all equal) adds
         # nothing to the gradient: leaving it out of the forward gives the same update for less compute.
         computed = samples if self.config.kl_coef > 0 else [s for s in samples if s["advantage"] != 0.0]
@@ -207,7 +210,8 @@ class Learner:
         loss, m, scored, batch, replaced = self._forward_loss(samples)
         if not bool(torch.isfinite(loss)):
             culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens, samples)
-            refused = NonFiniteStep(NonFiniteStage.LOSS, culprits or _ids(samples), f"loss={float(loss.detach())}")
+            refused = NonFiniteStep(NonFiniteStage.LOSS, culprits or sample_ids(samples),
+                                    f"loss={float(loss.detach())}")
             return loss, m, float("nan"), replaced, batch.num_tokens, refused
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
@@ -221,7 +225,8 @@ class Learner:
         bad = non_finite_parameters(self.model, self.optimizer)
         if bad:
             rollback.restore()
-            refused = NonFiniteStep(NonFiniteStage.UPDATE, _ids(samples), f"non-finite after the update: {bad[:8]}")
+            refused = NonFiniteStep(NonFiniteStage.UPDATE, sample_ids(samples),
+                                    f"non-finite after the update: {bad[:8]}")
         return loss, m, grad_norm, replaced, batch.num_tokens, refused
 
     def _samples_with_non_finite_gradient(self, samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
@@ -233,9 +238,9 @@ class Learner:
             loss.backward()
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             if not all(bool(torch.isfinite(g).all()) for g in grads):
-                culprits.append(_ids(samples)[i])
+                culprits.append(sample_ids(samples)[i])
         self.optimizer.zero_grad(set_to_none=True)
-        return tuple(culprits) or _ids(samples)
+        return tuple(culprits) or sample_ids(samples)
 
     # --- state ----------------------------------------------------------------------------------
     def save(self, directory: Path) -> Path:
@@ -276,10 +281,6 @@ class Learner:
         return learner
 
 
-def _ids(samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
-    return tuple(str(s.get("sample_id", f"#{i}")) for i, s in enumerate(samples))
-
-
 def _aligned(samples: Sequence[dict[str, Any]], num_tokens: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per packed position p: behaviour log-prob, its temperature, loss mask and advantage of token p+1;
@@ -290,12 +291,9 @@ def _aligned(samples: Sequence[dict[str, Any]], num_tokens: int
     advantages = torch.zeros(num_tokens)
     replay_rows = []
     offset = 0
-    for i, s in enumerate(samples):
+    for s in samples:
         t = s["trajectory"]
         n = len(t["token_ids"])
-        lengths = {k: len(t[k]) for k in ("loss_mask", "behaviour_logprobs", "logprob_temperatures", "versions")}
-        if set(lengths.values()) != {n}:
-            raise ValueError(f"sample {_ids(samples)[i]}: {n} tokens but per-token fields of lengths {lengths}")
         behaviour[offset:offset + n - 1] = torch.tensor(t["behaviour_logprobs"][1:])
         # float32 from the same Python floats as the sampler's temperatures: the same division, bit for bit
         temperatures[offset:offset + n - 1] = torch.tensor(t["logprob_temperatures"][1:], dtype=torch.float32)

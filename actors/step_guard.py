@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["NonFiniteStage", "NonFiniteStep", "NonFiniteWeights", "Rollback", "non_finite_inputs",
-           "non_finite_parameters", "samples_at_positions"]
+__all__ = ["NonFiniteStage", "NonFiniteStep", "NonFiniteWeights", "Rollback", "check_trajectories",
+           "non_finite_inputs", "non_finite_parameters", "sample_ids", "samples_at_positions"]
+
+PER_TOKEN_FIELDS = ("loss_mask", "behaviour_logprobs", "logprob_temperatures", "versions")
 
 
 class NonFiniteStage(enum.StrEnum):
@@ -50,6 +52,28 @@ class NonFiniteWeights(ArithmeticError):
 
 def sample_id(sample: dict[str, Any], index: int) -> str:
     return str(sample.get("sample_id", f"#{index}"))
+
+
+def sample_ids(samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    return tuple(sample_id(s, i) for i, s in enumerate(samples))
+
+
+def check_trajectories(samples: Sequence[dict[str, Any]]) -> None:
+    """Every per-token field present and as long as ``token_ids``.
+
+    Raises:
+        ValueError: naming the sample and the field (a record from a rollout older than the
+            per-token temperatures lacks ``logprob_temperatures``).
+    """
+    for i, s in enumerate(samples):
+        t = s["trajectory"]
+        missing = [k for k in ("token_ids", *PER_TOKEN_FIELDS) if k not in t]
+        if missing:
+            raise ValueError(f"sample {sample_id(s, i)}: trajectory lacks {missing}")
+        lengths = {k: len(t[k]) for k in PER_TOKEN_FIELDS}
+        if set(lengths.values()) != {len(t["token_ids"])}:
+            raise ValueError(f"sample {sample_id(s, i)}: {len(t['token_ids'])} tokens but per-token fields of "
+                             f"lengths {lengths}")
 
 
 def non_finite_inputs(samples: Sequence[dict[str, Any]]) -> NonFiniteStep | None:

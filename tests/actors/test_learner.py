@@ -342,3 +342,15 @@ def test_an_infinite_expert_weight_is_not_hidden_by_the_quantized_experts() -> N
     m = learner.step(groups, "b0")
     assert m.skipped == "loss" and len(m.non_finite_sample_ids) >= 1
     assert all(torch.equal(p, q) for p, q in zip(poisoned.parameters(), learner.model.parameters(), strict=True))
+
+
+def test_a_trajectory_without_per_token_temperatures_is_refused_by_name() -> None:
+    model = seeded_model(small_config(), seed=1)
+    groups = [_group(model, [1.0, 0.0], seed=2)]
+    del groups[0]["samples"][1]["trajectory"]["logprob_temperatures"]
+    with pytest.raises(ValueError, match=r"s2-1.*logprob_temperatures"):
+        Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(groups, "b0")
+    groups = [_group(model, [1.0, 0.0], seed=2)]
+    groups[0]["samples"][0]["trajectory"]["logprob_temperatures"].pop()
+    with pytest.raises(ValueError, match=r"s2-0: \d+ tokens"):
+        Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(groups, "b0")
