@@ -47,7 +47,7 @@ class NonFiniteStep:
 
 
 class NonFiniteWeights(ArithmeticError):
-    """Weights with a NaN or inf were about to be saved or published."""
+    """Weights with a NaN or inf were about to be saved as a checkpoint."""
 
 
 def sample_id(sample: dict[str, Any], index: int) -> str:
