@@ -108,15 +108,31 @@ def samples_at_positions(positions_T: torch.Tensor, seq_lens: Sequence[int],
 
 
 def non_finite_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
-    """Names of the parameters (and Adam moments) holding a NaN or inf."""
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    """Names of the parameters (and Adam moments) holding a NaN or inf.
+
+    One fused max-norm over all tensors and one device sync when everything is finite (the common case);
+    the names are looked up only when something is not.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
     if optimizer is not None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        for p, state in optimizer.state.items():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                    bad.append(f"{names.get(id(p), '?')}.{key}")
-    return bad
+        named += [(f"{names.get(id(p), '?')}.{key}", value) for p, state in optimizer.state.items()
+                  for key, value in state.items()
+                  if torch.is_tensor(value) and value.is_floating_point() and value.numel()]
+    if not named:
+        return []
+    by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault((t.device, t.dtype), []).append(i)
+    finite = [True] * len(named)
+    for indices in by_device.values():
+        # the max-norm of a tensor is NaN or inf exactly when one of its elements is
+        norms = torch._foreach_norm([named[i][1] for i in indices], float("inf"))
+        flags = torch.stack(norms).isfinite()
+        if not bool(flags.all()):
+            for i, ok in zip(indices, flags.tolist(), strict=True):
+                finite[i] = ok
+    return [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
 
 
 class Rollback:
