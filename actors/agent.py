@@ -8,8 +8,10 @@ held-out evaluation and the supervised starting policy all use it, so they can n
 A turn is generated until ``</tool>`` or the end token. A turn with a tool call gets the tool's
 result (never an exception: malformed calls get the parse error as their result) and another turn;
 a turn without one is the final answer. The episode also ends on the turn budget, the token budget
-or the wall-clock timeout. Tokens the policy sampled carry loss mask 1, their behaviour log-prob,
-their policy version and their router choices; template and tool-output tokens carry mask 0.
+or the wall-clock timeout. Tokens the policy sampled carry loss mask 1, their behaviour log-prob and the
+temperature it is taken at (model.sampling: the tempered distribution before top-p, which the trainer
+scores at that temperature), their policy version and their router choices; template and tool-output
+tokens carry mask 0 (and temperature 1).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class Trajectory:
     token_ids: list[int]
     loss_mask: list[int]
     behaviour_logprobs: list[float]
+    logprob_temperatures: list[float]  # T of softmax(logits / T) each behaviour log-prob is taken under
     versions: list[int]  # -1 where the policy did not sample the token
     topk_ids_TLK: torch.Tensor | None  # router choices used to compute each position (int16)
     prompt_len: int
@@ -157,8 +160,8 @@ async def run_episode(task: Task, generate: Generate, call_tool: CallTool, token
     """Runs one episode; the budget and timeout ends are normal outcomes, not errors."""
     started = time.monotonic()
     prompt = tokenizer.encode(task_prompt_text(task))
-    traj = Trajectory(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt), None,
-                      len(prompt), EpisodeEnd.TURN_BUDGET)
+    traj = Trajectory(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [1.0] * len(prompt), [-1] * len(prompt),
+                      None, len(prompt), EpisodeEnd.TURN_BUDGET)
     end_id = tokenizer.end_token_id
     try:
         async with asyncio.timeout(config.episode_timeout_s):
@@ -218,6 +221,7 @@ def _append_generation(traj: Trajectory, gen: Generation) -> None:
     traj.token_ids += gen.token_ids
     traj.loss_mask += [1] * n
     traj.behaviour_logprobs += gen.logprobs
+    traj.logprob_temperatures += [gen.logprob_temperature] * n
     traj.versions += gen.versions
     rows = gen.topk_ids_TLK.to(torch.int16)
     if traj.topk_ids_TLK is None:
@@ -234,6 +238,7 @@ def _append_context(traj: Trajectory, ids: list[int]) -> None:
     traj.token_ids += ids
     traj.loss_mask += [0] * len(ids)
     traj.behaviour_logprobs += [0.0] * len(ids)
+    traj.logprob_temperatures += [1.0] * len(ids)
     traj.versions += [-1] * len(ids)
     if traj.topk_ids_TLK is not None:
         pad = torch.full((len(ids), *traj.topk_ids_TLK.shape[1:]), -1, dtype=torch.int16)

@@ -8,6 +8,13 @@ replay feeds the rollout's recorded experts into the forward. Each step's learni
 actors.lr_schedule as a function of the version, set on the optimizer just before the step. The
 state that makes a restart exact — weights, Adam moments, version, the batch ids already trained —
 is saved together, atomically.
+
+Each token is scored at the temperature its behaviour log-prob was recorded at (the trajectory's
+``logprob_temperatures``; model.sampling states the rule, top-p included), so on-policy the importance
+ratio is exactly 1; every step reports the ratio's mean, median, min and max. A step whose inputs, loss,
+gradient or update holds a NaN or inf is not applied (actors.step_guard): the version still advances,
+as for a batch without signal, the weights stay those of the last good step, and the step's metrics and
+a ``step_skipped_non_finite`` event name the offending samples.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -29,9 +37,20 @@ from safetensors.torch import load_file, save_file
 
 from actors.config import TrainerSection
 from actors.lr_schedule import LRSchedule
+from actors.step_guard import (
+    NonFiniteStage,
+    NonFiniteStep,
+    NonFiniteWeights,
+    Rollback,
+    check_trajectories,
+    non_finite_inputs,
+    non_finite_parameters,
+    sample_ids,
+    samples_at_positions,
+)
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.loss import PolicyLossConfig, PolicyLossMetrics, packed_logprobs, policy_loss, token_entropy
-from model.packing import pack_sequences
+from model.packing import PackedBatch, pack_sequences
 from model.router import RouterReplayConfig
 from model.transformer import MoETransformer
 
@@ -41,7 +60,7 @@ __all__ = ["Learner", "StepMetrics"]
 
 STATE_FILE = "trainer_state.json"
 _NO_TOKENS = PolicyLossMetrics(num_tokens=0, pg_loss=0.0, kl=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0,
-                               ratio_max=1.0, entropy=float("nan"))
+                               ratio_max=1.0, ratio_median=1.0, entropy=float("nan"))
 
 
 @dataclass(frozen=True)
@@ -57,7 +76,9 @@ class StepMetrics:
     kl: float
     entropy: float
     clip_fraction: float
-    ratio_mean: float
+    ratio_mean: float  # importance ratio over the trained tokens: exactly 1 on-policy at any temperature
+    ratio_median: float
+    ratio_min: float
     ratio_max: float
     grad_norm: float
     lr: float  # the learning rate of this step (the schedule's value at the version it started from)
@@ -70,6 +91,8 @@ class StepMetrics:
     replay_replaced_fraction: float
     step_s: float
     tokens_per_s: float
+    skipped: str = ""  # the NonFiniteStage that refused the step ("" when it was applied)
+    non_finite_sample_ids: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -119,15 +142,21 @@ class Learner:
         samples = [s for g in groups for s in g["samples"]]
         if not samples:
             raise ValueError(f"batch {batch_id} has no samples")
+        check_trajectories(samples)
         # Without a KL term a sample whose advantage is exactly 0 (its group's rewards all equal) adds
         # nothing to the gradient: leaving it out of the forward gives the same update for less compute.
         computed = samples if self.config.kl_coef > 0 else [s for s in samples if s["advantage"] != 0.0]
         lr = self._apply_lr()
+        refused: NonFiniteStep | None = None
         if computed:
-            loss, m, grad_norm, replaced, num_tokens = self._optimize(computed)
+            loss, m, grad_norm, replaced, num_tokens, refused = self._optimize(computed)
         else:
             loss, m, grad_norm, replaced, num_tokens = torch.zeros(()), _NO_TOKENS, 0.0, 0.0, 0
             log.info("batch_without_signal", batch_id=batch_id, num_samples=len(samples))
+        if refused is not None:
+            log.error("step_skipped_non_finite", batch_id=batch_id, version=self.version, stage=refused.stage.value,
+                      sample_ids=list(refused.sample_ids), detail=refused.detail, loss=float(loss.detach()),
+                      grad_norm=grad_norm)
         self.version += 1
         self.trained_batches.append(batch_id)
         elapsed = time.perf_counter() - started
@@ -141,39 +170,84 @@ class Learner:
             version=self.version, num_groups=len(groups), num_samples=len(samples), num_computed=len(computed),
             num_tokens=num_tokens,
             num_trained_tokens=m.num_tokens, loss=float(loss.detach()), pg_loss=m.pg_loss, kl=m.kl,
-            entropy=m.entropy, clip_fraction=m.clip_fraction, ratio_mean=m.ratio_mean, ratio_max=m.ratio_max,
+            entropy=m.entropy, clip_fraction=m.clip_fraction, ratio_mean=m.ratio_mean, ratio_median=m.ratio_median,
+            ratio_min=m.ratio_min, ratio_max=m.ratio_max,
             grad_norm=grad_norm, lr=lr, reward_mean=sum(rewards) / len(rewards),
             pass_rate=sum(s["components"]["pass_fraction"] == 1.0 for s in samples) / len(samples),
             lag_min=min(lags, default=0), lag_max=max(lags, default=0), lag_histogram=histogram,
             num_versions_in_batch=len({v for s in samples for v in s["trajectory"]["versions"] if v >= 0}),
             replay_replaced_fraction=replaced, step_s=elapsed,
-            tokens_per_s=num_tokens / elapsed if elapsed > 0 else 0.0)
+            tokens_per_s=num_tokens / elapsed if elapsed > 0 else 0.0,
+            skipped=refused.stage.value if refused else "",
+            non_finite_sample_ids=refused.sample_ids if refused else ())
 
-    def _optimize(
-        self, samples: Sequence[dict[str, Any]]
-    ) -> tuple[torch.Tensor, PolicyLossMetrics, float, float, int]:
-        """Forward, loss, backward and one Adam step over ``samples``: loss, metrics, grad norm, replay
-        fraction and the number of tokens packed."""
+    def _forward_loss(self, samples: Sequence[dict[str, Any]]
+                      ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, float]:
+        """The loss of ``samples``, its metrics, the per-position log-probs, the batch and the replay fraction."""
         batch = pack_sequences([s["trajectory"]["token_ids"] for s in samples])
-        behaviour, mask, advantages, replay = _aligned(samples, batch.num_tokens)
+        behaviour, temperatures, mask, advantages, replay = _aligned(samples, batch.num_tokens)
         loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay)
+        logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay,
+                                    temperatures)
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref, _ = packed_logprobs(self.reference, batch, replay, self.router_replay)
-        entropy = token_entropy(out.logits.detach())
+                ref, _ = packed_logprobs(self.reference, batch, replay, self.router_replay, temperatures)
+        entropy = token_entropy(out.logits.detach(), temperatures)
         loss, m = policy_loss(logp, behaviour, advantages, mask, loss_cfg, ref, entropy)
+        return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, out.routing_stats.replaced_fraction
+
+    def _optimize(
+        self, samples: Sequence[dict[str, Any]]
+    ) -> tuple[torch.Tensor, PolicyLossMetrics, float, float, int, NonFiniteStep | None]:
+        """Forward, loss, backward and one Adam step over ``samples``: loss, metrics, grad norm, replay
+        fraction, the number of tokens packed, and why the step was refused (None when applied)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        refused = non_finite_inputs(samples)
+        if refused is not None:
+            return torch.tensor(float("nan")), _NO_TOKENS, float("nan"), 0.0, 0, refused
+        loss, m, scored, batch, replaced = self._forward_loss(samples)
+        if not bool(torch.isfinite(loss)):
+            culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens, samples)
+            refused = NonFiniteStep(NonFiniteStage.LOSS, culprits or sample_ids(samples),
+                                    f"loss={float(loss.detach())}")
+            return loss, m, float("nan"), replaced, batch.num_tokens, refused
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            refused = NonFiniteStep(NonFiniteStage.GRADIENT, self._samples_with_non_finite_gradient(samples),
+                                    f"grad_norm={grad_norm}")
+            return loss, m, grad_norm, replaced, batch.num_tokens, refused
+        rollback = Rollback(self.model, self.optimizer)
         self.optimizer.step()
-        return loss, m, grad_norm, out.routing_stats.replaced_fraction, batch.num_tokens
+        bad = non_finite_parameters(self.model, self.optimizer)
+        if bad:
+            rollback.restore()
+            refused = NonFiniteStep(NonFiniteStage.UPDATE, sample_ids(samples),
+                                    f"non-finite after the update: {bad[:8]}")
+        return loss, m, grad_norm, replaced, batch.num_tokens, refused
+
+    def _samples_with_non_finite_gradient(self, samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+        """Each sample's own backward, to name those whose gradient is not finite (only on a failed step)."""
+        culprits = []
+        for i, s in enumerate(samples):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, *_ = self._forward_loss([s])
+            loss.backward()
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if not all(bool(torch.isfinite(g).all()) for g in grads):
+                culprits.append(sample_ids(samples)[i])
+        self.optimizer.zero_grad(set_to_none=True)
+        return tuple(culprits) or sample_ids(samples)
 
     # --- state ----------------------------------------------------------------------------------
     def save(self, directory: Path) -> Path:
         """Writes weights (HF safetensors), optimizer moments and trainer state; visible atomically."""
+        bad = non_finite_parameters(self.model, self.optimizer)
+        if bad:  # unreachable through step(); a checkpoint must never carry them
+            raise NonFiniteWeights(f"refusing to save version {self.version}: non-finite values in {bad[:8]}")
         final = directory / f"step-{self.version:07d}"
         tmp = directory / f".tmp-step-{self.version:07d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -208,9 +282,11 @@ class Learner:
 
 
 def _aligned(samples: Sequence[dict[str, Any]], num_tokens: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per packed position p: behaviour log-prob, loss mask and advantage of token p+1; router rows of p."""
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed position p: behaviour log-prob, its temperature, loss mask and advantage of token p+1;
+    router rows of p."""
     behaviour = torch.zeros(num_tokens)
+    temperatures = torch.ones(num_tokens)
     mask = torch.zeros(num_tokens, dtype=torch.bool)
     advantages = torch.zeros(num_tokens)
     replay_rows = []
@@ -219,13 +295,15 @@ def _aligned(samples: Sequence[dict[str, Any]], num_tokens: int
         t = s["trajectory"]
         n = len(t["token_ids"])
         behaviour[offset:offset + n - 1] = torch.tensor(t["behaviour_logprobs"][1:])
+        # float32 from the same Python floats as the sampler's temperatures: the same division, bit for bit
+        temperatures[offset:offset + n - 1] = torch.tensor(t["logprob_temperatures"][1:], dtype=torch.float32)
         mask[offset:offset + n - 1] = torch.tensor(t["loss_mask"][1:], dtype=torch.bool)
         advantages[offset:offset + n] = s["advantage"]
         topk = t["topk_ids_TLK"]
         rows = torch.frombuffer(bytearray(topk["data"]), dtype=torch.int16).reshape(topk["shape"])
         replay_rows.append(rows[:n].long())
         offset += n
-    return behaviour, mask, advantages, torch.cat(replay_rows, dim=0)
+    return behaviour, temperatures, mask, advantages, torch.cat(replay_rows, dim=0)
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:

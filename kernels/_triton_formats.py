@@ -115,7 +115,7 @@ def exp2_int(p):
 
 @triton.jit
 def e8m0_scale(amax, IS_RCEIL: tl.constexpr):
-    """E8M0 exponent (int32) of a block amax (float32, NaN if the block holds a NaN)."""
+    """E8M0 exponent (int32) of a block amax (float32, NaN if the block holds a NaN): 255 for NaN or inf."""
     if IS_RCEIL:
         d = tl.div_rn(amax, tl.zeros_like(amax) + 448.0)
         bits = d.to(tl.int32, bitcast=True)
@@ -126,40 +126,25 @@ def e8m0_scale(amax, IS_RCEIL: tl.constexpr):
         e = tl.minimum(tl.maximum(tl.where(exp > 0, normal, sub), 0), 254)
     else:
         exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        e = tl.minimum(tl.maximum(exp - 8, 0), 255)
-    return tl.where(amax != amax, 255, e)
+        e = tl.minimum(tl.maximum(exp - 8, 0), 254)
+    return tl.where((amax != amax) | (amax == INF), 255, e)
 
 
 @triton.jit
-def mx_quant_multiplier(e, IS_RCEIL: tl.constexpr):
-    """Factor applied to elements before E4M3 rounding (mirrors mxfp8.mx_scale_multiplier)."""
-    if IS_RCEIL:
-        mult = exp2_int(127 - tl.minimum(e, 254))
-        mult = tl.where(e == 0, 1.0, mult)
-        mult = tl.where(e == 255, quiet_nan(mult), mult)
-    else:
-        mult = exp2_int(127 - tl.minimum(tl.maximum(e, 1), 254))
-        mult = tl.where(e == 255, 0.0, mult)
-    return mult
-
-
-@triton.jit
-def mx_encode(x, e, IS_RCEIL: tl.constexpr):
-    """E4M3 codes of x in a block with exponent e, with the reference's explicit NaN rules."""
-    codes = encode_e4m3(x * mx_quant_multiplier(e, IS_RCEIL))
-    if IS_RCEIL:
-        codes = tl.where(e == 255, 0x7F, codes)
-    else:
-        is_inf = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) == 0x7F800000
-        codes = tl.where((e == 255) & is_inf, 0xFF, codes)
-    return codes
+def mx_encode(x, e):
+    """E4M3 codes of x in a block with exponent e (mirrors mxfp8._quantize_rows): x * 2^(127 - e)
+    saturated at 448 (240 where e >= 247), and 0x7F for every element of a NaN block (e = 255)."""
+    mult = exp2_int(127 - tl.minimum(e, 254))
+    limit = tl.where(e >= 247, 240.0, 448.0)
+    codes = encode_e4m3(tl.minimum(tl.maximum(x * mult, -limit), limit))
+    return tl.where(e == 255, 0x7F, codes)
 
 
 @triton.jit
 def mx_dequant_multiplier(e):
-    """2^(max(e, 1) - 127) as float32; NaN for the NaN scale 255."""
+    """2^(e - 127) as float32 (2^-127 for e = 0, a subnormal); NaN for the NaN scale 255."""
     e = e.to(tl.int32) & 0xFF
-    mult = exp2_int(tl.minimum(tl.maximum(e, 1), 254) - 127)
+    mult = exp2_int(tl.minimum(e, 254) - 127)
     return tl.where(e == 255, quiet_nan(mult), mult)
 
 

@@ -14,6 +14,9 @@ expert, see :mod:`kernels.routing`).
   gradient. EMULATED runs the torch reference of the formats and GEMMs; TRITON the Triton kernels
   (CUDA, or CPU under TRITON_INTERPRET=1). Master weights stay bf16/fp32; gradients come back in the
   dtype of each input.
+
+Every path combines the K expert results of a token with :func:`kernels.routing.combine_rows`: a sorted
+segment sum, bit-identical run to run, when ``torch.use_deterministic_algorithms(True)`` is on.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from kernels._backends import QuantBackend, take_rows
 from kernels._checks import check_dtype, check_multiple, check_rank, check_size
 from kernels.formats import ScaleMode
 from kernels.mxfp8 import padded_group_layout
-from kernels.routing import Routing, route
+from kernels.routing import Routing, combine_rows, route
 
 __all__ = [
     "ExpertsFn",
@@ -103,7 +106,7 @@ def experts_forward_reference(
         pieces.append(h_e @ w_down_EDF[e].to(dtype).t())
     y_MD = torch.cat(pieces) if pieces else x_MD
     w_M = topk_weights_TK.reshape(-1)[routing.pair_M].to(dtype)
-    return torch.zeros_like(x_TD).index_add(0, routing.token_M, y_MD * w_M[:, None])
+    return combine_rows(routing, y_MD * w_M[:, None], x_TD.shape[0])
 
 
 class QuantizedExperts(torch.autograd.Function):
@@ -119,8 +122,7 @@ class QuantizedExperts(torch.autograd.Function):
         hq_M = backend.nvfp4_rows(h_MF)
         y_MD = backend.nvfp4_mm(hq_M, backend.nvfp4_experts(w_down_EDF.contiguous()), off)
         w_M = topk_weights_TK.reshape(-1)[routing.pair_M].float()
-        y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-        y_TD.index_add_(0, token, y_MD * w_M[:, None])
+        y_TD = combine_rows(routing, y_MD * w_M[:, None], x_TD.shape[0])
         ctx.save_for_backward(x_TD, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, g_MF, u_MF, h_MF, y_MD)
         ctx.routing, ctx.backend, ctx.mx_mode = routing, backend, mx_mode
         return y_TD.to(x_TD.dtype)
@@ -168,8 +170,7 @@ def _input_grad(b, mode, x_TD, routing, dg_MF, du_MF, w_gate, w_up) -> torch.Ten
     w_up_T = b.mx_experts(w_up.transpose(1, 2).contiguous(), mode)
     dx_MD = b.mx_mm(b.mx_rows(dg_MF, mode), w_gate_T, off)
     dx_MD += b.mx_mm(b.mx_rows(du_MF, mode), w_up_T, off)
-    dx_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-    return dx_TD.index_add_(0, routing.token_M, dx_MD).to(x_TD.dtype)
+    return combine_rows(routing, dx_MD, x_TD.shape[0]).to(x_TD.dtype)
 
 
 def _quantized_forward(

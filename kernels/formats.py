@@ -129,20 +129,21 @@ def unpack_e2m1(packed_u8: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_floor(amax_f32: torch.Tensor) -> torch.Tensor:
-    """FLOOR E8M0 exponent for E4M3 elements: clamp(exponent_bits(amax) - 8, 0, 255); NaN amax -> 255.
+    """FLOOR E8M0 exponent for E4M3 elements: clamp(exponent_bits(amax) - 8, 0, 254); 255 (NaN) when amax
+    is NaN or +-inf (OCP MX v1.0: a block holding a NaN or an infinity has a NaN scale).
 
-    This equals torchao ``to_mx`` FLOOR, including an infinite amax giving 247 (exponent 255 - 8).
+    Equals torchao ``to_mx`` FLOOR for every finite amax; torchao gives an infinite amax 247.
     """
     exp = torch.bitwise_right_shift(_bits(amax_f32), 23) & 0xFF
-    e = torch.clamp(exp - 8, 0, 255)
-    return torch.where(torch.isnan(amax_f32), 255, e).to(torch.uint8)
+    e = torch.clamp(exp - 8, 0, 254)
+    return torch.where(torch.isfinite(amax_f32), e, 255).to(torch.uint8)
 
 
 def e8m0_rceil(amax_f32: torch.Tensor) -> torch.Tensor:
     """RCEIL E8M0 exponent: ceil(log2(amax / 448)) + 127, computed exactly on the bits of the quotient.
 
     amax / 448 is an IEEE float32 division. Clamped to [0, 254]; a subnormal quotient gives 1 when it
-    exceeds 2^-127 and 0 otherwise; an infinite amax gives 254 and a NaN amax 255 (torchao's rules).
+    exceeds 2^-127 and 0 otherwise; a NaN or infinite amax gives 255 (OCP; torchao gives inf 254).
     """
     d = amax_f32 / torch.tensor(E4M3_MAX, dtype=torch.float32, device=amax_f32.device)
     bits = _bits(d)
@@ -151,7 +152,7 @@ def e8m0_rceil(amax_f32: torch.Tensor) -> torch.Tensor:
     normal = exp + (mant != 0).to(torch.int32)
     sub = (mant > (1 << 22)).to(torch.int32)
     e = torch.clamp(torch.where(exp > 0, normal, sub), 0, 254)
-    return torch.where(torch.isnan(amax_f32), 255, e).to(torch.uint8)
+    return torch.where(torch.isfinite(amax_f32), e, 255).to(torch.uint8)
 
 
 def exp2_int(p: torch.Tensor) -> torch.Tensor:

@@ -219,8 +219,10 @@ def _mxfp8_grouped_mm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, num_blocks):  # one MX scale block (32 along K) per dot
         part = tl.dot(_mx_values(tl.load(a_ptrs), ON_GPU), _mx_values(tl.load(b_ptrs), ON_GPU))
-        scale = mx_dequant_multiplier(tl.load(sa_ptrs))[:, None] * mx_dequant_multiplier(tl.load(sb_ptrs))[None, :]
-        acc += part * scale
+        # one operand's scale at a time: the product of two scales can pass float32's range (2^100 * 2^40)
+        # where the scaled products do not, and 0 * inf is NaN
+        scale_a, scale_b = mx_dequant_multiplier(tl.load(sa_ptrs)), mx_dequant_multiplier(tl.load(sb_ptrs))
+        acc += (part * scale_a[:, None]) * scale_b[None, :]
         a_ptrs += 32
         b_ptrs += 32
         sa_ptrs += 1
@@ -269,7 +271,7 @@ def _mxfp8_grouped_wgrad_kernel(
         pb = (p0 + tl.zeros((1,), dtype=tl.int64)) // 32  # the scale row, in int64
         sg = mx_dequant_multiplier(tl.load(g_scale_ptr + pb * N + n, mask=n_ok, other=0))
         sx = mx_dequant_multiplier(tl.load(x_scale_ptr + pb * Q + q, mask=q_ok, other=0))
-        acc += tl.dot(tl.trans(g), x) * (sg[:, None] * sx[None, :])
+        acc += (tl.dot(tl.trans(g), x) * sg[:, None]) * sx[None, :]  # one scale at a time, as above
     out_offs = e.to(tl.int64) * N * Q + n.to(tl.int64)[:, None] * Q + q[None, :]
     tl.store(out_ptr + out_offs, acc, mask=n_ok[:, None] & q_ok[None, :])
 

@@ -1,12 +1,24 @@
 """MXFP8 reference quantizer (OCP MX v1.0): E4M3 elements, one E8M0 scale per block of 32.
 
-Byte-compatible with torchao ``to_mx`` (FLOOR and RCEIL) including its edge rules:
-- FLOOR divides by the scale clamped to the smallest normal float32 (2^-126), so a block with scale
-  byte 0 holds x * 2^126; a NaN block holds +-0 for finite elements and NaN otherwise.
-- RCEIL multiplies by 2^(127 - e), by 1.0 when e == 0, and by NaN when the block holds a NaN.
-- NaN results are written explicitly (0x7F for RCEIL NaN blocks, 0xFF for +-inf in FLOOR NaN blocks)
-  so the bytes do not depend on how the hardware propagates NaN payloads.
-Dequantization uses the same effective scale, so quantize/dequantize round-trips are consistent.
+One rule per case, the OCP MX v1.0 specification's (section 5.3-6.3), for both scale modes:
+- scale byte e in [0, 254] means 2^(e - 127); the elements are x * 2^(127 - e) rounded to E4M3 (RNE,
+  saturating) and dequantize to code * 2^(e - 127). Byte 0 is 2^-127 as OCP decodes it: its block holds
+  x * 2^127 (exact; 2^127 is a normal float32) and dequantizes through the subnormal 2^-127.
+- a block holding a NaN or +-inf gets the NaN scale 255 and every element the E4M3 NaN 0x7F: it
+  dequantizes to 32 NaNs (OCP: a NaN scale makes the whole block NaN; an infinity has no E4M3 code).
+- subnormal float32/bf16 inputs are ordinary finite values (FLOOR takes their exponent bits, 0, and
+  scale 0 holds them exactly scaled by 2^127).
+- a finite input always dequantizes to a finite value: where a block's scale is 2^120 (RCEIL scale 247,
+  reached only when amax > 448 * 2^119 ~ 2.98e38) the elements saturate at 240, since 256 * 2^120 is
+  past float32's maximum (FLOOR's scales stop at 246, where 448 is finite).
+
+Against torchao ``to_mx`` (0.18): byte for byte equal for every block whose scale is in [1, 246] (every
+block of finite values with amax between ~2^-117 and ~2.98e38), the blocks ordinary data lives in. It
+differs, on purpose, where torchao departs from the specification: an infinite amax gets a finite scale
+there (FLOOR 247, RCEIL 254; the inf decodes to 448 * 2^120 and the other values to 0); FLOOR's byte 0
+stores x * 2^126 (a reader following OCP is off by 2x) and RCEIL's byte 0 stores x unscaled; RCEIL's
+scale-247 blocks dequantize to inf for finite inputs above ~3.3e38. Tests check the agreement and each
+departure.
 
 Quantization runs along rows (the last dim, blocks of 32 consecutive elements) or along columns
 (dim 0). For grouped GEMMs that reduce over tokens, :func:`padded_group_layout` places each expert's
@@ -35,6 +47,7 @@ __all__ = [
     "MX_BLOCK",
     "MXTensor",
     "PaddedGroups",
+    "mx_element_limit",
     "mx_scale_multiplier",
     "mxfp8_dequantize",
     "mxfp8_quantize",
@@ -44,6 +57,9 @@ __all__ = [
 ]
 
 MX_BLOCK = 32
+_E4M3_NAN = 0x7F
+_SATURATED_SCALE = 247  # 2^120: 256 * 2^120 = 2^128 overflows float32, 240 * 2^120 does not
+_SATURATED_LIMIT = 240.0
 
 
 @dataclass(frozen=True)
@@ -59,23 +75,21 @@ class MXTensor:
     mode: ScaleMode
 
 
-def mx_scale_multiplier(scale_u8: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
-    """The float32 factor each element is multiplied by before E4M3 rounding (NaN for NaN blocks).
-
-    FLOOR: 2^(127 - max(e, 1)), or 0 for e == 255 (x / inf). RCEIL: 2^(127 - e), 1 for e == 0.
-    """
+def mx_scale_multiplier(scale_u8: torch.Tensor) -> torch.Tensor:
+    """The float32 factor 2^(127 - e) each element is multiplied by before E4M3 rounding (NaN for e = 255),
+    the same in both scale modes."""
     e = scale_u8.to(torch.int32)
-    if mode is ScaleMode.FLOOR:
-        mult = exp2_int(127 - torch.clamp(e, 1, 254))
-        return torch.where(e == 255, 0.0, mult)
-    mult = exp2_int(127 - torch.clamp(e, 0, 254))
-    mult = torch.where(e == 0, 1.0, mult)
-    return torch.where(e == 255, torch.nan, mult)
+    return torch.where(e == 255, torch.nan, exp2_int(127 - torch.clamp(e, 0, 254)))
+
+
+def mx_element_limit(scale_u8: torch.Tensor) -> torch.Tensor:
+    """The largest E4M3 magnitude a block with scale e may hold so that code * 2^(e - 127) stays finite."""
+    return torch.where(scale_u8.to(torch.int32) >= _SATURATED_SCALE, _SATURATED_LIMIT, E4M3_MAX)
 
 
 def _dequant_multiplier(scale_u8: torch.Tensor) -> torch.Tensor:
     e = scale_u8.to(torch.int32)
-    mult = exp2_int(torch.clamp(e, 1, 254) - 127)
+    mult = exp2_int(torch.clamp(e, 0, 254) - 127)
     return torch.where(e == 255, torch.nan, mult)
 
 
@@ -84,13 +98,9 @@ def _quantize_rows(x_f32: torch.Tensor, mode: ScaleMode) -> tuple[torch.Tensor, 
     blocks = x_f32.reshape(rows, cols // MX_BLOCK, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True) if blocks.numel() else blocks.new_zeros(*blocks.shape[:2], 1)
     scale = e8m0_floor(amax) if mode is ScaleMode.FLOOR else e8m0_rceil(amax)
-    scaled = blocks * mx_scale_multiplier(scale, mode)
-    scaled = torch.clamp(scaled, -E4M3_MAX, E4M3_MAX)
-    codes = encode_e4m3(scaled)
-    if mode is ScaleMode.RCEIL:  # x * NaN: every element of a NaN block is the positive NaN 0x7F
-        codes = torch.where(scale == 255, 0x7F, codes)
-    else:  # x / inf: +-inf becomes the x86 default NaN (negative), finite x a signed zero
-        codes = torch.where((scale == 255) & torch.isinf(blocks), 0xFF, codes)
+    limit = mx_element_limit(scale)
+    scaled = torch.maximum(torch.minimum(blocks * mx_scale_multiplier(scale), limit), -limit)
+    codes = torch.where(scale == 255, _E4M3_NAN, encode_e4m3(scaled).to(torch.int32))
     return codes.to(torch.uint8).reshape(rows, cols), scale.squeeze(-1)
 
 

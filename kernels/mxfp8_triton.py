@@ -32,7 +32,7 @@ def _mxfp8_rows_kernel(
     offs = rows.to(tl.int64)[:, None, None] * num_cols + cols
     x = load_f32(x_ptr, offs, mask, IS_BF16)
     e = e8m0_scale(nan_aware_amax(x, 2), IS_RCEIL)
-    tl.store(codes_ptr + offs, mx_encode(x, e, IS_RCEIL).to(tl.uint8), mask=mask)
+    tl.store(codes_ptr + offs, mx_encode(x, e).to(tl.uint8), mask=mask)
     scale_offs = rows.to(tl.int64)[:, None, None] * num_blocks + blks[None, :, None]
     tl.store(scales_ptr + scale_offs, e.to(tl.uint8), mask=mask)
 
@@ -91,7 +91,7 @@ def _mxfp8_grouped_cols_kernel(
     x = load_f32(x_ptr, tl.maximum(src, 0).to(tl.int64) * num_cols + cols[None, None, :], (src >= 0) & col_ok, IS_BF16)
     e = e8m0_scale(nan_aware_amax(x, 1), IS_RCEIL)
     dst = prow.to(tl.int64)[:, :, None] * num_cols + cols[None, None, :]
-    tl.store(codes_ptr + dst, mx_encode(x, e, IS_RCEIL).to(tl.uint8), mask=row_ok[:, :, None] & col_ok)
+    tl.store(codes_ptr + dst, mx_encode(x, e).to(tl.uint8), mask=row_ok[:, :, None] & col_ok)
     scale_offs = blks.to(tl.int64)[:, None, None] * num_cols + cols[None, None, :]
     tl.store(scales_ptr + scale_offs, e.to(tl.uint8), mask=(blks * 32 < num_padded)[:, None, None] & col_ok)
 

@@ -14,6 +14,14 @@ S_enc was replaced by 1), so the dequantization inverts the encode scale in ever
 Rows never see each other: quant(x)[i] equals quant(x[i:i+1]) byte for byte (batch invariance).
 Weights use one scale per expert (``nvfp4_quantize_experts``): the "row" is the whole expert matrix.
 
+Non-finite values (this project's rule; E2M1 has no NaN or inf and TransformerEngine leaves the case
+undefined): a row (token, or expert) holding a NaN or +-inf anywhere quantizes to NaN as a whole, like
+an MX block holding one (OCP MX v1.0, kernels.mxfp8): every block scale is the E4M3 NaN 0x7F, every
+code 0, and ``global_amax`` is NaN. It dequantizes to all NaN, and a GEMM's output for that token (or
+for every token routed to that expert) is NaN, where the unquantized product is inf or NaN too. Without
+the rule an inf became the finite 2688 (S_enc = 2688 / inf = 0, replaced by 1) and the row's other
+values 0: a finite output where the model in full precision has none.
+
 Divisions are written tensor / tensor: torch computes ``python_float / tensor`` as a reciprocal
 multiply, which is not IEEE and flips some codes.
 """
@@ -40,6 +48,7 @@ __all__ = [
 NVFP4_BLOCK = 16
 NVFP4_GLOBAL = 2688.0  # 448 (E4M3 max) * 6 (E2M1 max)
 _AMAX_FLOOR = 1e-12
+_E4M3_NAN = 0x7F
 
 
 @dataclass(frozen=True)
@@ -60,17 +69,21 @@ def _const(value: float, like: torch.Tensor) -> torch.Tensor:
 
 
 def encode_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """S_enc = 2688 / max(amax, 1e-12) (IEEE), 1 where 0 or inf; returns (S_enc, global_amax)."""
+    """S_enc = 2688 / max(amax, 1e-12) (IEEE), 1 where 0 or inf; returns (S_enc, global_amax).
+
+    global_amax is NaN where amax is not finite (the row holds a NaN or inf: the module's rule).
+    """
     clamped = torch.clamp(amax.float(), min=_AMAX_FLOOR)
     s_enc = _const(NVFP4_GLOBAL, amax) / clamped
     bad = (s_enc == 0) | torch.isinf(s_enc)
     s_enc = torch.where(bad, 1.0, s_enc)
     global_amax = torch.where(bad, NVFP4_GLOBAL, clamped)
-    return s_enc, global_amax
+    return s_enc, torch.where(torch.isfinite(amax), global_amax, torch.nan)
 
 
-def _quantize_blocks(x_f32: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x_f32 (R, K), s_enc (R,) -> packed (R, K/2), block scales (R, K/16)."""
+def _quantize_blocks(x_f32: torch.Tensor, s_enc: torch.Tensor, row_finite: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_f32 (R, K), s_enc (R,), row_finite (R,) -> packed (R, K/2), block scales (R, K/16)."""
     rows, cols = x_f32.shape
     blocks = x_f32.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
     amax_b = blocks.abs().amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:2])
@@ -80,6 +93,9 @@ def _quantize_blocks(x_f32: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Te
     enc = torch.where(dec == 0, 0.0, s_enc[:, None] / torch.where(dec == 0, 1.0, dec))
     scaled = torch.clamp(blocks * enc[..., None], -6.0, 6.0)
     codes = encode_e2m1(scaled).reshape(rows, cols)
+    # a row holding a NaN or inf: all blocks NaN, all codes 0 (the module's rule)
+    scale_codes = torch.where(row_finite[:, None], scale_codes, _E4M3_NAN)
+    codes = torch.where(row_finite[:, None], codes, 0)
     return pack_e2m1(codes), scale_codes
 
 
@@ -98,8 +114,9 @@ def nvfp4_quantize(x_RK: torch.Tensor) -> NVFP4Tensor:
     """
     _check_input("x_RK", x_RK, 2, "rows x reduction dim")
     x = x_RK.float()
-    s_enc, global_amax = encode_scale(x.abs().amax(dim=-1) if x.shape[1] else x.new_zeros(x.shape[0]))
-    packed, scales = _quantize_blocks(x, s_enc)
+    amax = x.abs().amax(dim=-1) if x.shape[1] else x.new_zeros(x.shape[0])  # NaN when the row holds one
+    s_enc, global_amax = encode_scale(amax)
+    packed, scales = _quantize_blocks(x, s_enc, torch.isfinite(amax))
     return NVFP4Tensor(packed=packed, block_scales=scales, global_amax=global_amax)
 
 
@@ -108,8 +125,10 @@ def nvfp4_quantize_experts(w_ENK: torch.Tensor) -> NVFP4Tensor:
     _check_input("w_ENK", w_ENK, 3, "experts x out x reduction dim")
     num_experts, rows, cols = w_ENK.shape
     w = w_ENK.float()
-    s_enc, global_amax = encode_scale(w.abs().amax(dim=(1, 2)))
-    packed, scales = _quantize_blocks(w.reshape(num_experts * rows, cols), s_enc.repeat_interleave(rows))
+    amax = w.abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(num_experts)
+    s_enc, global_amax = encode_scale(amax)
+    packed, scales = _quantize_blocks(w.reshape(num_experts * rows, cols), s_enc.repeat_interleave(rows),
+                                      torch.isfinite(amax).repeat_interleave(rows))
     return NVFP4Tensor(
         packed=packed.reshape(num_experts, rows, cols // 2),
         block_scales=scales.reshape(num_experts, rows, cols // NVFP4_BLOCK),

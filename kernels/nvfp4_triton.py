@@ -1,7 +1,9 @@
 """Triton NVFP4 quantizers (per-token rows, per-expert weights), each kernel beside its launcher.
 
-Byte-identical to :mod:`kernels.nvfp4`. Every quotient is ``tl.div_rn`` (IEEE round-to-nearest); the
-source of these kernels holds no division operator and no approximate math, which a test enforces.
+Byte-identical to :mod:`kernels.nvfp4`, its rule for non-finite rows included (a NaN or inf anywhere in
+a row or expert makes it all NaN: scales 0x7F, codes 0, global amax NaN). Hardware max drops NaN, so the
+amax kernels carry a NaN flag of their own. Every quotient is ``tl.div_rn`` (IEEE round-to-nearest);
+the source of these kernels holds no division operator and no approximate math, which a test enforces.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import check_contiguous, check_dtype, check_multiple, check_rank
-from kernels._triton_formats import INF, as_loadable, decode_e4m3, encode_e2m1, encode_e4m3, load_f32
+from kernels._triton_formats import INF, as_loadable, decode_e4m3, encode_e2m1, encode_e4m3, load_f32, quiet_nan
 from kernels.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
 
 __all__ = ["triton_nvfp4_quantize", "triton_nvfp4_quantize_experts"]
@@ -21,26 +23,31 @@ __all__ = ["triton_nvfp4_quantize", "triton_nvfp4_quantize_experts"]
 def _row_amax_kernel(
     x_ptr, amax_ptr, num_rows, num_cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, IS_BF16: tl.constexpr
 ):
-    """amax_ptr[r] = max |x[r, :]| over a contiguous (num_rows, num_cols) matrix."""
+    """amax_ptr[r] = max |x[r, :]| over a contiguous (num_rows, num_cols) matrix; NaN if the row holds one."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    num_nan = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for k0 in range(0, num_cols, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         offs = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
         mask = row_ok[:, None] & (cols < num_cols)[None, :]
         x = load_f32(x_ptr, offs, mask, IS_BF16)
         acc = tl.maximum(acc, tl.max(tl.abs(x), axis=1))
-    tl.store(amax_ptr + rows, acc, mask=row_ok)
+        num_nan += tl.sum((x != x).to(tl.int32), axis=1)
+    tl.store(amax_ptr + rows, tl.where(num_nan > 0, quiet_nan(acc), acc), mask=row_ok)
 
 
 @triton.jit
 def _nvfp4_encode_scale(amax):
-    """(S_enc, global_amax) from an amax: S_enc = 2688 / max(amax, 1e-12), 1 where 0 or inf."""
+    """(S_enc, global_amax) from an amax: S_enc = 2688 / max(amax, 1e-12), 1 where 0 or inf; global_amax
+    NaN where amax is NaN or inf."""
     clamped = tl.maximum(amax, 1e-12)
     s_enc = tl.div_rn(tl.zeros_like(clamped) + 2688.0, clamped)
     bad = (s_enc == 0.0) | (s_enc == INF)
-    return tl.where(bad, 1.0, s_enc), tl.where(bad, 2688.0, clamped)
+    global_amax = tl.where(bad, 2688.0, clamped)
+    non_finite = (amax != amax) | (amax == INF)
+    return tl.where(bad, 1.0, s_enc), tl.where(non_finite, quiet_nan(global_amax), global_amax)
 
 
 @triton.jit
@@ -69,6 +76,10 @@ def _nvfp4_quant_kernel(
     )
     lo = encode_e2m1(tl.minimum(tl.maximum(x_even * enc[:, :, None], -6.0), 6.0))
     hi = encode_e2m1(tl.minimum(tl.maximum(x_odd * enc[:, :, None], -6.0), 6.0))
+    row_finite = (amax == amax) & (amax != INF)  # else the whole row is NaN: scales 0x7F, codes 0
+    scale_code = tl.where(row_finite[:, None], scale_code, 0x7F)
+    lo = tl.where(row_finite[:, None, None], lo, 0)
+    hi = tl.where(row_finite[:, None, None], hi, 0)
     packed_offs = rows.to(tl.int64)[:, None, None] * (num_cols // 2) + pairs
     tl.store(packed_ptr + packed_offs, (lo | (hi << 4)).to(tl.uint8), mask=mask3)
     scale_offs = rows.to(tl.int64)[:, None] * num_blocks + blks[None, :]

@@ -24,7 +24,7 @@ from model.checkpoint import load_state_into
 from model.errors import EngineError
 from model.generation import EngineConfig, FinishReason, Generation, KVPolicy, WeightSwap
 from model.kv_cache import KVCache
-from model.sampling import SamplingParams, sample_tokens
+from model.sampling import SamplingParams, logprob_temperature, sample_tokens
 from model.transformer import MoETransformer
 
 __all__ = ["EngineCore", "Request"]
@@ -243,6 +243,7 @@ class EngineCore:
             topk_ids_TLK=req.topk_ids_TLK[: len(req.tokens)].clone(),
             finish_reason=reason,
             swaps=tuple(req.swaps),
+            logprob_temperature=logprob_temperature(req.params),
         )
 
     def run_until_done(self) -> list[tuple[int, Generation]]:

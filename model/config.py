@@ -1,8 +1,12 @@
 """Model configuration with Hugging Face `Qwen3MoeConfig` field names, and presets.
 
-`ModelConfig` round-trips through a checkpoint's config.json (`from_hf_dict` / `to_hf_dict`). Features of
-Qwen3-MoE this implementation does not support (sliding window, RoPE scaling, dense MLP layers) are
-rejected when reading config.json rather than silently ignored.
+`ModelConfig` round-trips through a checkpoint's config.json (`from_hf_dict` / `to_hf_dict`). Reading is
+closed-world: every key of config.json is either read into a field (under its transformers 4.x or 5.x
+name: `num_experts` or `num_local_experts`, `rope_theta` or `rope_parameters`), checked against the one
+value this implementation supports (sliding window off, default RoPE, every layer MoE, SiLU, no
+attention dropout), or known not to change the model's function (bookkeeping such as `use_cache` or
+`transformers_version`). Any other key is refused with an error naming it, so a checkpoint never loads
+as a different model than the one that was saved.
 """
 
 from __future__ import annotations
@@ -16,12 +20,26 @@ __all__ = ["ModelConfig", "medium_100m", "tiny"]
 
 BYTE_VOCAB_SIZE = 264  # 256 bytes + 8 special tokens, see model.tokenizer.ByteTokenizer
 
+# Keys whose value must be the one this implementation computes (None counts as the default).
 _UNSUPPORTED_IF_SET: dict[str, Any] = {
+    "model_type": "qwen3_moe",
     "use_sliding_window": False,
     "mlp_only_layers": [],
     "decoder_sparse_step": 1,
     "hidden_act": "silu",
+    "attention_dropout": 0.0,
+    "is_encoder_decoder": False,
+    "pruned_heads": {},
 }
+# Keys that do not change the function the model computes: bookkeeping, output options, the auxiliary
+# router loss (not part of this trainer's loss), and the sliding window's size (the window is off).
+_INERT = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "output_router_logits", "router_aux_loss_coef", "sliding_window", "max_window_layers", "return_dict",
+    "output_hidden_states", "output_attentions", "torchscript", "use_bfloat16", "id2label", "label2id",
+    "tokenizer_class", "chunk_size_feed_forward", "tie_encoder_decoder", "is_decoder", "add_cross_attention",
+})
+_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta"})
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -103,19 +121,29 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from a config.json dict; unknown HF-only keys are ignored, unsupported features rejected."""
+        """Build from a config.json dict (transformers 4.x or 5.x names).
+
+        Raises:
+            ConfigError: a key this implementation does not read, an unsupported value, or two names
+                of one field (``num_experts`` / ``num_local_experts``, ``rope_theta`` at the top level
+                and in ``rope_parameters``) that disagree; the message names the key.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - fields - set(_UNSUPPORTED_IF_SET) - _INERT
+                         - {"num_local_experts", "rope_scaling", "rope_parameters", "layer_types"})
+        if unknown:
+            raise ConfigError(f"config.json keys {unknown} are not read by this Qwen3-MoE implementation and may "
+                              "change the model; remove them if they do not, or load the checkpoint elsewhere")
         for key, default in _UNSUPPORTED_IF_SET.items():
             value = raw.get(key, default)
-            if value not in (default, None) and not (key == "mlp_only_layers" and not value):
+            if value not in (default, None) and not (key in ("mlp_only_layers", "pruned_heads") and not value):
                 raise ConfigError(f"config.json {key}={value!r} is not supported; expected {default!r}")
-        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"config.json rope type {rope_type!r} is not supported; only 'default' RoPE")
-        fields = {f.name for f in dataclasses.fields(cls)}
+        layer_types = raw.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ConfigError(f"config.json layer_types={layer_types!r} is not supported; only 'full_attention'")
         kwargs = {k: v for k, v in raw.items() if k in fields}
-        if "rope_theta" not in kwargs and "rope_theta" in rope:
-            kwargs["rope_theta"] = rope["rope_theta"]
+        kwargs.update(_hf_experts(raw))
+        kwargs.update(_hf_rope(raw))
         if "head_dim" not in kwargs or kwargs["head_dim"] is None:
             kwargs["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
         if isinstance(kwargs.get("eos_token_id"), list):
@@ -139,6 +167,38 @@ class ModelConfig:
             torch_dtype="float32",
         )
         return out
+
+
+def _hf_experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """The expert count under either name (transformers 5.x writes ``num_local_experts``)."""
+    names = {k: raw[k] for k in ("num_experts", "num_local_experts") if raw.get(k) is not None}
+    if len(set(names.values())) > 1:
+        raise ConfigError(f"config.json gives two expert counts {names}; they must agree")
+    return {"num_experts": next(iter(names.values()))} if names else {}
+
+
+def _hf_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta from the top level or from rope_parameters / rope_scaling; only default RoPE."""
+    out: dict[str, Any] = {}
+    thetas = {"rope_theta": raw["rope_theta"]} if raw.get("rope_theta") is not None else {}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = raw.get(key) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config.json {key}={rope!r} must be a mapping or null")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"config.json {key} rope type {rope_type!r} is not supported; only 'default' RoPE")
+        extra = sorted(set(rope) - _ROPE_KEYS)
+        if extra:
+            raise ConfigError(f"config.json {key} keys {extra} are not supported (default RoPE reads only "
+                              f"rope_type and rope_theta)")
+        if rope.get("rope_theta") is not None:
+            thetas[f"{key}.rope_theta"] = rope["rope_theta"]
+    if len({float(v) for v in thetas.values()}) > 1:
+        raise ConfigError(f"config.json gives different RoPE bases {thetas}; they must agree")
+    if thetas:
+        out["rope_theta"] = next(iter(thetas.values()))
+    return out
 
 
 def tiny() -> ModelConfig:

@@ -76,13 +76,16 @@ class Generation:
     Attributes:
         prompt_ids: the prompt (P,).
         token_ids: completion tokens (N,), including a stop token when one ended it.
-        logprobs: log-prob of each completion token under the distribution it was sampled from.
+        logprobs: behaviour log-prob of each completion token: under the tempered distribution it was sampled
+            from, before top-p truncation (model.sampling states the rule).
         versions: weight version that produced each completion token.
         topk_ids_TLK: experts of every position of prompt + completion, (P + N, L, K) int16; rows record the
             latest computation of that position (a RECOMPUTE swap overwrites), the final position is never
             fed to the model and holds -1.
         finish_reason: why generation stopped.
         swaps: weight updates during this generation and the KV policy applied for each.
+        logprob_temperature: the temperature T of softmax(logits / T) that `logprobs` are taken under (the
+            sampling temperature; 1 for greedy decoding): the trainer scores the tokens at the same T.
     """
 
     prompt_ids: tuple[int, ...]
@@ -92,6 +95,7 @@ class Generation:
     topk_ids_TLK: torch.Tensor
     finish_reason: FinishReason
     swaps: tuple[WeightSwap, ...] = ()
+    logprob_temperature: float = 1.0
 
     @property
     def min_version(self) -> int:

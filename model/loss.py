@@ -4,9 +4,10 @@ Legend: T packed tokens, V vocabulary, G samples in a group.
 
 Policy gradient (Dr. GRPO with truncated importance sampling), per token t of a sampled completion:
 
-    r_t   = exp(logp_t - logp_behaviour_t)                  importance ratio vs the policy that sampled
-    w_t   = min(r_t, ratio_cap)                             truncated importance weight
-    pg_t  = -sg(w_t / r_t) * r_t * A_t                      value -w_t * A_t, gradient -w_t * A_t * grad logp_t
+    d_t   = logp_t - logp_behaviour_t                       log importance ratio vs the policy that sampled
+    r_t   = exp(d_t)                                        importance ratio
+    w_t   = exp(min(d_t, log ratio_cap)) = min(r_t, cap)    truncated importance weight
+    pg_t  = -sg(w_t) * exp(d_t - sg(d_t)) * A_t             value -w_t * A_t, gradient -w_t * A_t * grad logp_t
     kl_t  = logp_t - logp_ref_t                             k1 estimator of KL(pi || pi_ref)
     loss  = sum_t mask_t * (pg_t + kl_coef * kl_t) / loss_normalizer
 
@@ -15,17 +16,28 @@ sequence or of the batch, so every token has the same weight no matter how long 
 (sg = stop-gradient: the truncated weight scales the score function but is not differentiated, as in
 truncated importance sampling; where r_t < ratio_cap the loss is exactly -r_t * A_t.)
 A_t is the sequence's Dr. GRPO advantage: reward minus the group's mean reward (no std division).
+
+Everything is computed from the log-ratio d_t, never from r_t: exp(d - sg(d)) is exactly 1 with the
+gradient of d, and w_t is at most ratio_cap, so any finite log-probs (a behaviour log-prob of -101
+against a current -1, or -120 that underflows r_t to 0) give a finite loss and gradient. (The textbook
+form sg(w/r)·r is 0·inf or 0/0 there, and one such token turns the whole step into NaN.)
+
+logp_t is scored under the distribution the token was sampled from: log softmax(logits / T_t) with the
+temperature T_t the rollout recorded (model.sampling states the rule, top-p included), so that on-policy
+r_t is exactly 1 at any temperature and top-p.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from model.errors import ConfigError
 from model.packing import PackedBatch
 from model.router import RouterReplayConfig
+from model.sampling import tempered_logprobs
 from model.transformer import ModelOutput, MoETransformer
 
 __all__ = [
@@ -63,7 +75,8 @@ class PolicyLossConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossMetrics:
-    """Means over masked tokens (floats, detached)."""
+    """Means over masked tokens (floats, detached); the ratio's mean, median and extremes are over the same
+    tokens (inf where a log-ratio exceeds float range: reported, never clamped away)."""
 
     num_tokens: int
     pg_loss: float
@@ -72,24 +85,33 @@ class PolicyLossMetrics:
     ratio_mean: float
     ratio_min: float
     ratio_max: float
+    ratio_median: float
     entropy: float
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
 
-def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float64 else x.float()
+def _temperatures(logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None) -> torch.Tensor:
+    if temperatures_T is None:
+        return torch.ones(logits_TV.shape[0], dtype=torch.float32, device=logits_TV.device)
+    return temperatures_T
 
 
-def token_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per token, in fp32 (fp64 stays fp64)."""
-    return torch.log_softmax(_at_least_fp32(logits_TV), dim=-1).gather(1, targets_T[:, None].long())[:, 0]
+def token_logprobs(
+    logits_TV: torch.Tensor, targets_T: torch.Tensor, temperatures_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log softmax(logits / T)[target] per token, in fp32 (fp64 stays fp64); T = 1 where not given.
+
+    The same function of the logits as the behaviour log-probs the sampler records (model.sampling).
+    """
+    logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T))
+    return logp.gather(1, targets_T[:, None].long())[:, 0]
 
 
-def token_entropy(logits_TV: torch.Tensor) -> torch.Tensor:
-    """Entropy of each token's next-token distribution, in fp32 (fp64 stays fp64)."""
-    logp = torch.log_softmax(_at_least_fp32(logits_TV), dim=-1)
+def token_entropy(logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy of each token's (tempered) next-token distribution, in fp32 (fp64 stays fp64)."""
+    logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T))
     return -(logp.exp() * logp).sum(dim=-1)
 
 
@@ -110,10 +132,14 @@ def packed_logprobs(
     batch: PackedBatch,
     replay_topk_ids_TLK: torch.Tensor | None = None,
     replay: RouterReplayConfig | None = None,
+    temperatures_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ModelOutput]:
-    """Log-prob of each packed token's next token (0 where `target_mask_T` is False) and the output."""
+    """Log-prob of each packed token's next token (0 where `target_mask_T` is False) and the output.
+
+    ``temperatures_T[p]`` is the temperature the next token of position p was sampled at (default 1).
+    """
     out = model(batch.input_ids_T, seq_lens=batch.seq_lens, replay_topk_ids_TLK=replay_topk_ids_TLK, replay=replay)
-    logp = token_logprobs(out.logits, batch.targets_T) * batch.target_mask_T
+    logp = token_logprobs(out.logits, batch.targets_T, temperatures_T).masked_fill(~batch.target_mask_T, 0.0)
     return logp, out
 
 
@@ -126,31 +152,40 @@ def policy_loss(
     ref_logprobs_T: torch.Tensor | None = None,
     entropy_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """The Dr. GRPO / truncated-IS loss of the module docstring, and its metrics."""
-    mask = mask_T.to(logprobs_T.dtype)
-    ratio_grad = torch.exp(logprobs_T - behaviour_logprobs_T.detach())
-    ratio = ratio_grad.detach()
-    weight = ratio.clamp(max=config.ratio_cap)
-    pg = -(weight / ratio) * ratio_grad * advantages_T.to(logprobs_T.dtype)
+    """The Dr. GRPO / truncated-IS loss of the module docstring, and its metrics.
+
+    Finite for any finite log-probs (computed from the log-ratio); a non-finite log-prob gives a
+    non-finite loss, which the caller must detect (it is never hidden here).
+    """
+    sel = mask_T.bool()
+    dtype = logprobs_T.dtype
+    # masked-out positions (prompt, tool output, padding) may hold anything: they are replaced before any
+    # arithmetic, so that neither their value nor their gradient can be 0 * inf
+    log_ratio = torch.where(sel, logprobs_T - behaviour_logprobs_T.detach().to(dtype), 0.0)
+    log_ratio_sg = log_ratio.detach()
+    weight = torch.exp(log_ratio_sg.clamp(max=math.log(config.ratio_cap)))
+    pg = -weight * torch.exp(log_ratio - log_ratio_sg) * advantages_T.to(dtype)
     per_token = pg
     kl = torch.zeros_like(logprobs_T)
     if ref_logprobs_T is not None:
-        kl = logprobs_T - ref_logprobs_T.detach()
+        kl = torch.where(sel, logprobs_T - ref_logprobs_T.detach().to(dtype), 0.0)
         if config.kl_coef:
             per_token = per_token + config.kl_coef * kl
-    loss = (per_token * mask).sum() / config.loss_normalizer
+    # where, not a product with the mask: a masked-out position must not reach the sum even as 0 * inf
+    loss = torch.where(sel, per_token, 0.0).sum() / config.loss_normalizer
     with torch.no_grad():
-        n = max(int(mask.sum()), 1)
-        sel = mask_T.bool()
+        ratio = torch.exp(log_ratio_sg[sel])
+        n = max(int(sel.sum()), 1)
         metrics = PolicyLossMetrics(
-            num_tokens=int(mask.sum()),
-            pg_loss=float((pg * mask).sum() / config.loss_normalizer),
-            kl=float((kl * mask).sum() / n),
-            clip_fraction=float(((ratio > config.ratio_cap) & sel).sum() / n),
-            ratio_mean=float((ratio * mask).sum() / n),
-            ratio_min=float(ratio[sel].min()) if sel.any() else 1.0,
-            ratio_max=float(ratio[sel].max()) if sel.any() else 1.0,
-            entropy=float((entropy_T * mask).sum() / n) if entropy_T is not None else float("nan"),
+            num_tokens=int(sel.sum()),
+            pg_loss=float(torch.where(sel, pg, 0.0).sum() / config.loss_normalizer),
+            kl=float(kl[sel].sum() / n),
+            clip_fraction=float((ratio > config.ratio_cap).sum() / n),
+            ratio_mean=float(ratio.mean()) if ratio.numel() else 1.0,
+            ratio_min=float(ratio.min()) if ratio.numel() else 1.0,
+            ratio_max=float(ratio.max()) if ratio.numel() else 1.0,
+            ratio_median=float(ratio.median()) if ratio.numel() else 1.0,
+            entropy=float(entropy_T[sel].sum() / n) if entropy_T is not None else float("nan"),
         )
     return loss, metrics
 

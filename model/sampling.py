@@ -4,9 +4,18 @@ Legend: B sequences in a step, V vocabulary.
 
 Every row is processed on its own (no cross-row reduction), and each request draws from its own seeded
 `torch.Generator` with one uniform per token, so a sequence's samples do not depend on its batch
-companions. The log-prob recorded for a token is that of the distribution it was drawn from: softmax of
-logits / temperature, restricted to the top-p nucleus and renormalised. With temperature 0 (greedy) the
-token is the argmax and the recorded log-prob is the plain softmax (temperature 1) log-prob.
+companions.
+
+A token is drawn from the tempered distribution softmax(logits / T) restricted to the top-p nucleus and
+renormalised. The log-prob recorded for it (the behaviour log-prob the trainer's importance ratio is
+taken against) is that of the *untruncated* tempered distribution, `tempered_logprobs`: the trainer
+scores the token with the same function of its own logits and the same T, so on-policy the ratio is
+exactly 1 for any temperature and top-p. The top-p rule: the nucleus is a sampling-time filter that the
+trainer does not model; the ratio corrects for the policy changing between sampling and training, not
+for the truncation (the support of a nucleus is not a differentiable function of the weights, and a
+token outside the trainer's nucleus would get an infinite log-ratio). With temperature 0 (greedy) the
+token is the argmax and the recorded log-prob is the temperature-1 one; `logprob_temperature` says which
+temperature a request's log-probs are taken at.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import torch
 
 from model.errors import ConfigError
 
-__all__ = ["SamplingParams", "sample_tokens", "sampling_logprobs"]
+__all__ = ["SamplingParams", "logprob_temperature", "sample_tokens", "sampling_logprobs", "tempered_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,39 +61,56 @@ class SamplingParams:
             raise ConfigError("SamplingParams.stop_strings must not contain an empty string")
 
 
+def logprob_temperature(params: SamplingParams) -> float:
+    """The temperature a request's recorded log-probs are taken at (1 for greedy decoding)."""
+    return params.temperature if params.temperature > 0 else 1.0
+
+
+def tempered_logprobs(logits_BV: torch.Tensor, temperatures_B: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits / T) per row, in fp32 (fp64 stays fp64): the recorded behaviour log-probs.
+
+    The one definition the sampler records with and the trainer scores with, so that the two agree bit
+    for bit on equal logits. ``temperatures_B`` holds each row's temperature (> 0).
+    """
+    logits = logits_BV if logits_BV.dtype == torch.float64 else logits_BV.float()
+    return torch.log_softmax(logits / temperatures_B.to(logits.dtype)[:, None], dim=-1)
+
+
 def sampling_logprobs(logits_BV: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float]) -> torch.Tensor:
     """Log-probs (B, V) of the distributions tokens are drawn from (-inf outside each row's nucleus)."""
-    logits = logits_BV.float()
     temps = torch.tensor([t if t > 0 else 1.0 for t in temperature], dtype=torch.float32)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    return _nucleus(tempered_logprobs(logits_BV, temps), temperature, top_p)
+
+
+def _nucleus(logp_BV: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float]) -> torch.Tensor:
+    """``logp_BV`` restricted to each sampled row's top-p nucleus and renormalised."""
     nucleus = [tp < 1.0 and t > 0 for t, tp in zip(temperature, top_p, strict=True)]
     if not any(nucleus):
-        return logp
+        return logp_BV
     tps = torch.tensor([tp if n else 2.0 for tp, n in zip(top_p, nucleus, strict=False)], dtype=torch.float32)
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    sorted_logp, order = logp_BV.sort(dim=-1, descending=True)
     sorted_p = sorted_logp.exp()
     keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < tps[:, None]  # the token crossing top_p stays
     keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
-    return torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.log_softmax(logp_BV.masked_fill(~keep, float("-inf")), dim=-1)
 
 
 def sample_tokens(
     logits_BV: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
 ) -> tuple[list[int], list[float]]:
-    """Draw one token per row with its own params and generator; returns tokens and their log-probs."""
+    """Draw one token per row with its own params and generator; returns tokens and their behaviour
+    log-probs (under the untruncated tempered distribution, see the module docstring)."""
     temps = [p.temperature for p in params]
-    logp_BV = sampling_logprobs(logits_BV, temps, [p.top_p for p in params])
+    tempered_BV = tempered_logprobs(logits_BV, torch.tensor([logprob_temperature(p) for p in params]))
+    logp_BV = _nucleus(tempered_BV, temps, [p.top_p for p in params])
     u_B = torch.tensor([float(torch.rand((), generator=g)) for g in generators], dtype=torch.float32)
     cdf_BV = logp_BV.exp().cumsum(-1)
     drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
     drawn_B = drawn_B.clamp(max=logits_BV.shape[1] - 1)
     greedy_B = torch.tensor([t == 0 for t in temps])
-    tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), drawn_B)
-    logprob_B = logp_BV.gather(1, tokens_B[:, None])[:, 0]
-    tokens, logprobs = tokens_B.tolist(), logprob_B.tolist()
-    for b, lp in enumerate(logprobs):
-        while lp == float("-inf"):  # rounding at the top end of the cdf landed past the nucleus
-            tokens[b] -= 1
-            lp = float(logp_BV[b, tokens[b]])
-        logprobs[b] = lp
-    return tokens, logprobs
+    tokens = torch.where(greedy_B, logits_BV.argmax(dim=-1), drawn_B).tolist()
+    for b, token in enumerate(tokens):
+        while logp_BV[b, token] == float("-inf"):  # rounding at the top end of the cdf landed past the nucleus
+            token -= 1
+        tokens[b] = token
+    return tokens, tempered_BV.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()

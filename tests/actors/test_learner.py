@@ -1,4 +1,6 @@
-"""The learner's RL step: samples without signal are left out of the compute, the update is unchanged."""
+"""The learner's RL step: samples without signal are left out of the compute, the update is unchanged;
+on-policy the importance ratio is exactly 1 at any temperature and top-p; a step with a non-finite value
+is not applied and names its samples."""
 
 from __future__ import annotations
 
@@ -14,28 +16,84 @@ from actors.agent import _tensor_to_wire
 from actors.config import TrainerSection
 from actors.learner import Learner
 from actors.lr_schedule import LRSchedule
+from actors.step_guard import NonFiniteWeights
+from kernels import ExpertsPrecision, make_experts_fn
+from model.checkpoint import load_checkpoint
 from model.loss import advantages_dr_grpo
+from model.packing import pack_sequences
+from model.sampling import tempered_logprobs
 from model.transformer import MoETransformer
 from tests.model.helpers import random_prompts, seeded_model, small_config
 
 
-def _group(model: MoETransformer, rewards: list[float], seed: int) -> dict[str, Any]:
-    """A group of trajectories sampled (here: random tokens) by `model`, with its own log-probs and experts."""
-    samples = []
-    for ids, reward in zip(random_prompts(len(rewards), model.config.vocab_size, 12, 20, seed=seed), rewards,
-                           strict=True):
-        with torch.no_grad():
-            out = model(torch.tensor(ids), seq_lens=[len(ids)])
-        logp = torch.log_softmax(out.logits.float(), -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        prompt = 4
-        samples.append({"reward": reward, "components": {"pass_fraction": reward},
-                        "trajectory": {"token_ids": ids, "loss_mask": [0] * prompt + [1] * (len(ids) - prompt),
-                                       "behaviour_logprobs": [0.0, *logp.tolist()],
-                                       "versions": [-1] * prompt + [0] * (len(ids) - prompt),
-                                       "topk_ids_TLK": _tensor_to_wire(out.topk_ids_TLK.to(torch.int16))}})
+def _group(model: MoETransformer, rewards: list[float], seed: int, temperature: float = 1.0) -> dict[str, Any]:
+    """A group of trajectories by `model` (random tokens) with the behaviour log-probs a sampler at
+    `temperature` records for them (model.sampling.tempered_logprobs), and their experts.
+
+    The log-probs come from one packed forward of the whole group, the forward the learner runs when
+    every sample has a signal: on-policy to the bit.
+    """
+    prompts = random_prompts(len(rewards), model.config.vocab_size, 12, 20, seed=seed)
+    batch = pack_sequences(prompts)
+    with torch.no_grad():
+        out = model(batch.input_ids_T, seq_lens=batch.seq_lens)
+    temps_T = torch.full((batch.num_tokens,), temperature)
+    logp_T = tempered_logprobs(out.logits, temps_T).gather(1, batch.targets_T[:, None])[:, 0]
+    samples, offset = [], 0
+    for i, (ids, reward) in enumerate(zip(prompts, rewards, strict=True)):
+        n, prompt = len(ids), 4
+        samples.append({"sample_id": f"s{seed}-{i}", "reward": reward, "components": {"pass_fraction": reward},
+                        "trajectory": {"token_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt),
+                                       "behaviour_logprobs": [0.0, *logp_T[offset:offset + n - 1].tolist()],
+                                       "logprob_temperatures": [1.0] * prompt + [temperature] * (n - prompt),
+                                       "versions": [-1] * prompt + [0] * (n - prompt),
+                                       "topk_ids_TLK": _tensor_to_wire(out.topk_ids_TLK[offset:offset + n])}})
+        offset += n
     for s, adv in zip(samples, advantages_dr_grpo(torch.tensor(rewards, dtype=torch.float64)).tolist(), strict=True):
         s["advantage"] = adv
     return {"samples": samples}
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_on_policy_the_importance_ratio_is_exactly_one_at_any_temperature(temperature: float) -> None:
+    # Router replay on and off: the trainer's fp32 forward reproduces the logits the log-probs came from.
+    model = seeded_model(small_config(), seed=1)
+    for replay in (True, False):
+        learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3, router_replay=replay))
+        m = learner.step([_group(model, [1.0, 0.0, 0.5, 0.0], seed=2, temperature=temperature)], "b0")
+        assert (m.ratio_mean, m.ratio_median, m.ratio_min, m.ratio_max) == (1.0, 1.0, 1.0, 1.0)
+        assert m.clip_fraction == 0.0 and m.skipped == "" and m.num_trained_tokens > 0
+
+
+def test_groups_sampled_at_different_temperatures_train_on_policy_together() -> None:
+    # A live rollout.temperature change: one batch holds groups sampled at 0.8 and at 1.3, each token
+    # scored at its own temperature. (Each group's log-probs come from its own packed forward, so each
+    # group is checked on its own first: a joint packed forward would round differently in the last bit.)
+    model = seeded_model(small_config(), seed=1)
+    for temperature in (0.05, 0.8, 1.3, 4.0):
+        m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(
+            [_group(model, [1.0, 0.0, 0.25], seed=9, temperature=temperature)], "b")
+        assert (m.ratio_min, m.ratio_max) == (1.0, 1.0), temperature
+    cold, hot = _group(model, [1.0, 0.0], seed=9, temperature=0.8), _group(model, [0.0, 1.0], seed=10, temperature=1.3)
+    m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([cold, hot], "b")
+    assert abs(m.ratio_min - 1.0) < 1e-5 and abs(m.ratio_max - 1.0) < 1e-5
+    for s in hot["samples"]:  # the same batch scored at one temperature for all is visibly off-policy
+        t = s["trajectory"]
+        t["logprob_temperatures"] = [0.8 if x == 1.3 else x for x in t["logprob_temperatures"]]
+    m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([cold, hot], "b")
+    assert m.ratio_max - m.ratio_min > 0.1
+
+
+def test_the_ratio_statistics_report_an_off_policy_batch() -> None:
+    # Tokens recorded at T = 0.5 but labelled T = 1 (the old trainer's view of every batch): the ratio
+    # moves away from 1 and the metrics show it.
+    model = seeded_model(small_config(), seed=1)
+    group = _group(model, [1.0, 0.0, 0.5, 0.0], seed=2, temperature=0.5)
+    for s in group["samples"]:
+        t = s["trajectory"]
+        t["logprob_temperatures"] = [1.0] * len(t["token_ids"])
+    m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([group], "b0")
+    assert m.ratio_min < 1.0 < m.ratio_max and m.ratio_median != 1.0
 
 
 def test_advantages_of_equal_rewards_are_exactly_zero() -> None:
@@ -139,3 +197,160 @@ def test_a_constant_schedule_with_a_live_change_uses_the_new_lr() -> None:
     assert learner.step(groups, "b0").lr == 2e-4
     learner.set_lr(3e-4)
     assert learner.step(groups, "b1").lr == 3e-4
+
+
+def _unchanged(a: MoETransformer, b: MoETransformer) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _poison_behaviour(group: dict[str, Any], index: int, value: float) -> str:
+    t = group["samples"][index]["trajectory"]
+    t["behaviour_logprobs"][t["loss_mask"].index(1) + 2] = value
+    return group["samples"][index]["sample_id"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("logprob_temperatures", 0.0), ("logprob_temperatures", -1.0), ("logprob_temperatures", float("nan")),
+    ("logprob_temperatures", float("inf")), ("behaviour_logprobs", 0.5),  # a log-prob above 0
+])
+def test_an_unusable_temperature_or_log_prob_is_refused(field: str, value: float) -> None:
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    t = groups[0]["samples"][1]["trajectory"]
+    t[field][-1] = value
+    m = learner.step(groups, "b0")
+    assert (m.skipped, m.non_finite_sample_ids) == ("input", ("s2-1",)) and _unchanged(model, learner.model)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf"), float("inf")])
+def test_a_step_with_one_non_finite_behaviour_logprob_is_not_applied_and_names_the_sample(
+        value: float, tmp_path: Path) -> None:
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2), _group(model, [1.0, 0.0], seed=3)]
+    bad = _poison_behaviour(groups[1], 1, value)
+    m = learner.step(groups, "b0")
+    assert (m.skipped, m.non_finite_sample_ids, m.version) == ("input", (bad,), 1)
+    assert _unchanged(model, learner.model) and learner.trained_batches == ["b0"]
+    assert not learner.optimizer.state  # no Adam moment was touched either
+    # the checkpoint the trainer saves next holds the last good weights
+    _, saved = load_checkpoint(learner.save(tmp_path))
+    assert _unchanged(model, saved)
+    # and the next good batch trains normally
+    assert learner.step([_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)], "b1").skipped == ""
+    assert not _unchanged(model, learner.model)
+
+
+def test_a_nan_reward_is_named_and_never_reaches_the_weights() -> None:
+    # A NaN reward (once set through a live key) makes its group's advantages NaN.
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    good, poisoned = _group(model, [1.0, 0.0], seed=2), _group(model, [1.0, float("nan"), 0.0], seed=3)
+    m = learner.step([good, poisoned], "b0")
+    assert m.skipped == "input" and set(m.non_finite_sample_ids) == {"s3-0", "s3-1", "s3-2"}
+    assert _unchanged(model, learner.model)
+
+
+def test_a_non_finite_loss_from_the_forward_names_the_sample() -> None:
+    # A temperature that is positive but divides the logits into inf: the forward's log-probs are NaN.
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    t = groups[0]["samples"][2]["trajectory"]
+    t["logprob_temperatures"][-1] = 1e-40
+    m = learner.step(groups, "b0")
+    assert (m.skipped, m.non_finite_sample_ids) == ("loss", ("s2-2",))
+    assert _unchanged(model, learner.model)
+
+
+def test_a_loss_with_extreme_log_ratios_stays_finite_and_is_applied() -> None:
+    # Behaviour log-probs of -101 and -120 against the current ~-4: ratios of e^97 and e^116 are capped.
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    _poison_behaviour(groups[0], 0, -101.0)
+    _poison_behaviour(groups[0], 1, -120.0)
+    m = learner.step(groups, "b0")
+    assert m.skipped == "" and math.isfinite(m.loss) and math.isfinite(m.grad_norm)
+    assert m.ratio_max == math.inf and m.clip_fraction > 0
+    assert all(bool(torch.isfinite(p).all()) for p in learner.model.parameters())
+
+
+def test_a_non_finite_gradient_is_not_applied_and_the_samples_are_named() -> None:
+    # A gradient that overflows for one sample only (the embedding row of a token only it contains).
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    ids = groups[0]["samples"][3]["trajectory"]["token_ids"]
+    others = {t for s in groups[0]["samples"][:3] for t in s["trajectory"]["token_ids"]}
+    only_here = next(t for t in ids if t not in others)
+    embedding = next(p for name, p in learner.model.named_parameters() if "embed" in name)
+
+    def overflow(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()  # the row is nonzero only when the sample holding the token is in the batch
+        grad[only_here] = torch.where(grad[only_here] != 0, float("inf"), 0.0)
+        return grad
+
+    embedding.register_hook(overflow)
+    m = learner.step(groups, "b0")
+    assert (m.skipped, m.non_finite_sample_ids) == ("gradient", ("s2-3",))
+    assert not math.isfinite(m.grad_norm) and _unchanged(model, learner.model) and not learner.optimizer.state
+
+
+def test_a_non_finite_update_is_rolled_back() -> None:
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    learner.step(groups, "b0")
+    after_first = copy.deepcopy(learner.model)
+    moments = {k: v.clone() for k, v in learner.optimizer.state[next(learner.model.parameters())].items()}
+
+    def overflow(optimizer: torch.optim.Optimizer, *_: Any) -> None:  # an update that overflows one weight
+        with torch.no_grad():
+            next(learner.model.parameters())[0, 0] = float("inf")
+
+    handle = learner.optimizer.register_step_post_hook(overflow)
+    m = learner.step(groups, "b1")
+    handle.remove()
+    assert m.skipped == "update" and set(m.non_finite_sample_ids) == {f"s2-{i}" for i in range(4)}
+    assert _unchanged(after_first, learner.model)
+    restored = learner.optimizer.state[next(learner.model.parameters())]
+    assert all(torch.equal(restored[k], v) for k, v in moments.items())
+    assert learner.step(groups, "b2").skipped == ""
+
+
+def test_non_finite_weights_are_never_saved(tmp_path: Path) -> None:
+    learner = Learner(seeded_model(small_config(), seed=1), TrainerSection(lr=1e-3))
+    with torch.no_grad():
+        next(learner.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeights, match="refusing to save"):
+        learner.save(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_infinite_expert_weight_is_not_hidden_by_the_quantized_experts() -> None:
+    # NVFP4 forward / MXFP8 backward, as the trainer runs with policy.experts_precision = "emulated".
+    # Before the NVFP4 rule an inf weight became a finite 2688 and the step was applied.
+    model = seeded_model(small_config(), seed=1)
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    learner.model.set_experts_fn(make_experts_fn(ExpertsPrecision.EMULATED))
+    with torch.no_grad():
+        learner.model.model.layers[0].mlp.w_up_EFD[1, 3, 7] = float("inf")
+    poisoned = copy.deepcopy(learner.model)
+    m = learner.step(groups, "b0")
+    assert m.skipped == "loss" and len(m.non_finite_sample_ids) >= 1
+    assert all(torch.equal(p, q) for p, q in zip(poisoned.parameters(), learner.model.parameters(), strict=True))
+
+
+def test_a_trajectory_without_per_token_temperatures_is_refused_by_name() -> None:
+    model = seeded_model(small_config(), seed=1)
+    groups = [_group(model, [1.0, 0.0], seed=2)]
+    del groups[0]["samples"][1]["trajectory"]["logprob_temperatures"]
+    with pytest.raises(ValueError, match=r"s2-1.*logprob_temperatures"):
+        Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(groups, "b0")
+    groups = [_group(model, [1.0, 0.0], seed=2)]
+    groups[0]["samples"][0]["trajectory"]["logprob_temperatures"].pop()
+    with pytest.raises(ValueError, match=r"s2-0: \d+ tokens"):
+        Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(groups, "b0")

@@ -44,6 +44,9 @@ def _same(reference, ours) -> None:
     for field in ("codes", "scales", "packed", "block_scales", "global_amax"):
         if hasattr(reference, field):
             ref, got = getattr(reference, field), getattr(ours, field).cpu()
+            if ref.is_floating_point():  # global_amax: NaN for a row holding a NaN or an inf (kernels.nvfp4)
+                assert torch.equal(ref.isnan(), got.isnan()), f"{field}: NaN patterns differ"
+                ref, got = ref[~ref.isnan()], got[~got.isnan()]
             assert torch.equal(ref, got), f"{field}: {int((ref != got).sum())} of {ref.numel()} differ"
 
 
@@ -82,6 +85,19 @@ def test_nvfp4_rows_byte_exact(dtype: torch.dtype) -> None:
     x[0], x[1, :16], x[2] = 0.0, 0.0, 1e-14
     x = x.to(dtype)
     _same(nvfp4.nvfp4_quantize(x), _backend().nvfp4_rows(x.to(GPU)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_rows_with_nan_and_inf_byte_exact(dtype: torch.dtype) -> None:
+    # Hardware max drops NaN: the kernels' own NaN flag must make these rows NaN like the reference's.
+    x = torch.ones(64, 256)
+    x[torch.arange(0, 64, 4), torch.arange(0, 256, 16)] = float("nan")
+    x[torch.arange(1, 64, 4), torch.arange(3, 256, 16)] = float("inf")
+    x[torch.arange(2, 64, 4), torch.arange(5, 256, 16)] = float("-inf")
+    x = _positive_nans(torch.cat([x, mixed_values(64, 256, 9)]).to(dtype))
+    ours = _backend().nvfp4_rows(x.to(GPU))
+    _same(nvfp4.nvfp4_quantize(x), ours)
+    assert int(ours.global_amax.isnan().sum()) == 48
 
 
 def test_nvfp4_expert_weights_byte_exact() -> None:

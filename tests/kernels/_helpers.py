@@ -37,6 +37,8 @@ def edge_values(dtype: torch.dtype) -> torch.Tensor:
         [448.0 * 2.0**k for k in range(-16, 16)],
         [1.0 + 2.0**-7 * k for k in range(32)],
         [464.0, 480.0, 447.9, -465.0] + [0.5] * 28,
+        [3.4e38, -3.39e38, 3.3e38, 2.99e38] + [1.0] * 28,  # RCEIL scale 247: saturate at 240 * 2^120
+        [1e-40, -(2.0**-127), 2.0**-149, 1.5 * 2.0**-124] + [2.0**-126] * 28,  # scale byte 0 = 2^-127
     ]
     return torch.tensor(rows, dtype=torch.float32).to(dtype)
 

@@ -170,3 +170,24 @@ def test_frozen_weights_get_no_gradient_and_x_still_does() -> None:
     y = make_experts_fn(ExpertsPrecision.EMULATED)(c.x, c.ids, c.weights, c.w_gate, c.w_up, w_down)
     y.backward(c.dy)
     assert w_down.grad is not None and sqnr_db(_float64_run(c)[5], w_down.grad) > 12
+
+
+@pytest.mark.parametrize("mode", [ExpertsPrecision.EMULATED, ExpertsPrecision.TRITON], ids=["emulated", "triton"])
+def test_non_finite_values_propagate_through_the_quantized_forward(mode: ExpertsPrecision) -> None:
+    """A token holding an inf gives a non-finite output row, as in full precision (before the NVFP4
+    rule the quantized op turned +inf into 2688 and returned a finite row); an expert weight holding a
+    NaN makes every token routed to that expert non-finite; every other token stays finite and close."""
+    c = SMALL
+    x, w_up = c.x.clone(), c.w_up.clone()
+    x[3, 10] = float("inf")
+    w_up[2, 7, 5] = float("nan")
+    fn = make_experts_fn(mode)
+    with torch.no_grad():
+        got = fn(x, c.ids, c.weights, c.w_gate, w_up, c.w_down)
+        full = experts_forward_reference(x.double(), c.ids, c.weights.double(), c.w_gate.double(),
+                                         w_up.double(), c.w_down.double())
+    bad_full = ~torch.isfinite(full).all(dim=1)
+    assert bool(bad_full[3]) and int(bad_full.sum()) > 1  # the token, and expert 2's tokens
+    assert torch.equal(~torch.isfinite(got).all(dim=1), bad_full)
+    assert bool(got[bad_full].isnan().all())  # the documented rule: NaN rows
+    assert sqnr_db(full[~bad_full], got[~bad_full]) > 11

@@ -11,7 +11,7 @@ from kernels import _backends
 from kernels.errors import KernelDTypeError, KernelShapeError, KernelStrideError
 from kernels.grouped_gemm import mxfp8_grouped_mm, mxfp8_grouped_wgrad, nvfp4_grouped_mm
 from kernels.grouped_gemm_triton import triton_mxfp8_grouped_mm, triton_mxfp8_grouped_wgrad, triton_nvfp4_grouped_mm
-from kernels.mxfp8 import MXTensor, mxfp8_quantize, mxfp8_quantize_experts, padded_group_layout
+from kernels.mxfp8 import MXTensor, mxfp8_dequantize, mxfp8_quantize, mxfp8_quantize_experts, padded_group_layout
 from kernels.nvfp4 import nvfp4_quantize, nvfp4_quantize_experts
 from tests.kernels._helpers import grouped_reference, sqnr_db
 
@@ -121,3 +121,34 @@ def test_bad_operands_are_rejected_with_clear_errors() -> None:
         triton_mxfp8_grouped_wgrad(xm, xm, off)
     with pytest.raises(KernelShapeError, match="reduction dims differ"):
         triton_nvfp4_grouped_mm(nvfp4_quantize(x), nvfp4_quantize_experts(torch.randn(2, 16, 32)), off)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_mxfp8_gemms_do_not_overflow_where_the_products_do_not(backend: str) -> None:
+    """Blocks whose two scales multiply past float32 (2^100 * 2^40) while their products are 0 or
+    finite: applying the scales one operand at a time keeps the result that of the dequantized operands
+    (their product first gave inf, and 0 * inf = NaN, in the weight gradient while dX stayed finite)."""
+    b, mode = BACKENDS[backend], _backends.ScaleMode.RCEIL
+    m, k, n = 32, 64, 32
+    a, w = torch.zeros(m, k), torch.zeros(1, n, k)
+    a[:, 0] = 2.0**108  # A's first K-block: scale 2^100, nonzero only in column 0
+    w[0, :, 1] = 2.0**48  # B's first K-block: scale 2^40, zero in column 0
+    a[:, 33:40], w[0, :, 33:40] = 1.5, -2.0  # an ordinary second block
+    offsets = torch.tensor([0, m])
+    aq, wq = b.mx_rows(a, mode), b.mx_experts(w, mode)
+    out = b.mx_mm(aq, wq, offsets)
+    deq = mxfp8_dequantize
+    expected = deq(_cpu(aq)).double() @ deq(_cpu(wq)).double()[0].t()  # -21 everywhere
+    assert torch.equal(out.double(), expected)
+    layout = padded_group_layout(offsets, m)
+    g, x = torch.zeros(m, 32), torch.zeros(m, 32)  # the weight gradient reduces over tokens: dim 0
+    g[0], x[1] = 2.0**108, 2.0**48
+    g[5:9], x[5:9] = 3.0, 0.25
+    gq, xq = b.mx_grouped_cols(g, layout, mode), b.mx_grouped_cols(x, layout, mode)
+    dw = b.mx_wgrad(gq, xq, layout.padded_offsets_E1)
+    expected_dw = deq(_cpu(gq)).double().t() @ deq(_cpu(xq)).double()  # 3 everywhere
+    assert torch.equal(dw[0].double(), expected_dw)
+
+
+def _cpu(q: MXTensor) -> MXTensor:
+    return MXTensor(codes=q.codes.cpu(), scales=q.scales.cpu(), dim=q.dim, mode=q.mode)

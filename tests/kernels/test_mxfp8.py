@@ -1,4 +1,6 @@
-"""The torch MXFP8 reference against torchao ``to_mx`` (byte for byte) and its own invariants."""
+"""The torch MXFP8 reference against torchao ``to_mx`` (byte for byte on ordinary blocks), its OCP rules
+where torchao departs from the specification (non-finite blocks, scale byte 0, RCEIL's top scale), and
+its own invariants."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import torch
 from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
 
 from kernels.errors import KernelDTypeError, KernelShapeError
-from kernels.formats import ScaleMode
+from kernels.formats import ScaleMode, decode_e4m3, encode_e4m3
 from kernels.mxfp8 import (
+    MXTensor,
     mxfp8_dequantize,
     mxfp8_quantize,
     mxfp8_quantize_grouped_cols,
@@ -34,10 +37,18 @@ def _inputs(kind: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _assert_equal_to_torchao(x: torch.Tensor, mode: ScaleMode) -> None:
+    """Byte for byte equal where torchao follows OCP (scales 1..246 of finite blocks); NaN blocks where
+    the block holds a NaN or an infinity; the documented departures elsewhere (checked below)."""
     scale, data = to_mx(x.contiguous(), torch.float8_e4m3fn, 32, TORCHAO_MODE[mode])
+    theirs_scales, theirs_codes = scale.view(torch.uint8).reshape(-1), data.view(torch.uint8).reshape(-1, 32)
     ours = mxfp8_quantize(x, dim=-1, mode=mode)
-    assert torch.equal(ours.scales, scale.view(torch.uint8))
-    assert torch.equal(ours.codes, data.view(torch.uint8))
+    scales, codes = ours.scales.reshape(-1), ours.codes.reshape(-1, 32)
+    finite = torch.isfinite(x.float().reshape(-1, 32)).all(dim=1)
+    ordinary = finite & (theirs_scales >= 1) & (theirs_scales <= 246)
+    assert torch.equal(scales[ordinary], theirs_scales[ordinary])
+    assert torch.equal(codes[ordinary], theirs_codes[ordinary])
+    assert bool((scales[~finite] == 255).all()) and bool((codes[~finite] == 0x7F).all())
+    assert bool(torch.isfinite(mxfp8_dequantize(ours).reshape(-1, 32)[finite]).all())
 
 
 @pytest.mark.parametrize("mode", list(ScaleMode))
@@ -117,3 +128,66 @@ def test_bad_inputs_are_rejected() -> None:
         mxfp8_quantize(torch.randn(4, 32).half())
     with pytest.raises(KernelShapeError, match="dim"):
         mxfp8_quantize(torch.randn(32, 32), dim=2)
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+@pytest.mark.parametrize("poison", [float("inf"), float("-inf"), float("nan")])
+def test_a_block_with_a_nan_or_an_infinity_is_all_nan(mode: ScaleMode, poison: float) -> None:
+    # OCP MX v1.0: the block's scale is NaN, so is every element (torchao gives +-inf a finite scale:
+    # FLOOR 247, RCEIL 254, and the other 31 values decode to 0).
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    x[1, 40] = poison
+    for mx in (mxfp8_quantize(x, mode=mode), mxfp8_quantize(x.t().contiguous(), dim=0, mode=mode)):
+        deq = mxfp8_dequantize(mx)
+        deq = deq if mx.dim == -1 else deq.t()
+        assert bool(deq[1, 32:].isnan().all()) and bool(torch.isfinite(deq[1, :32]).all())
+        assert bool(torch.isfinite(deq[[0, 2]]).all())
+    scale, _ = to_mx(x, torch.float8_e4m3fn, 32, TORCHAO_MODE[mode])
+    expected_torchao = 255 if poison != poison else {ScaleMode.FLOOR: 247, ScaleMode.RCEIL: 254}[mode]
+    assert int(scale.view(torch.uint8)[1, 1]) == expected_torchao  # the departure, stated
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_scale_byte_zero_means_two_to_the_minus_127(mode: ScaleMode) -> None:
+    # Tiny blocks (float32 subnormals included) get scale 0 = 2^-127 as OCP decodes it: the elements are
+    # x * 2^127 rounded to E4M3 and an outside reader multiplying by 2^-127 gets the right values.
+    values = torch.tensor([2.0**-130, -(2.0**-128), 1e-40, -3e-39, 2.0**-149, 0.0, 2.0**-125, 1.5 * 2.0**-124])
+    x = values.repeat(4)[None, :]
+    mx = mxfp8_quantize(x, mode=mode)
+    assert mx.scales.tolist() == [[0]]
+    expected = encode_e4m3(torch.clamp(x * 2.0**127, -448, 448))
+    assert torch.equal(mx.codes, expected)
+    outside_reader = decode_e4m3(mx.codes).double() * 2.0**-127  # OCP decode, in float64
+    assert torch.equal(mxfp8_dequantize(mx).double(), outside_reader)
+    # E4M3's rounding error: half a unit in the last of 3 mantissa bits, or half a subnormal step
+    assert bool(((outside_reader - x.double()).abs() <= x.double().abs() * 2.0**-4 + 2.0**-137).all())
+    # torchao stores x * 2^126 (FLOOR) or x unscaled (RCEIL) under the same byte
+    _, data = to_mx(x, torch.float8_e4m3fn, 32, TORCHAO_MODE[mode])
+    assert not torch.equal(data.view(torch.uint8), mx.codes)
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_finite_extremes_dequantize_to_finite_values(mode: ScaleMode) -> None:
+    # RCEIL puts amax > 448 * 2^119 at scale 247 (2^120), where E4M3's 256 would be 2^128 = inf in
+    # float32: the elements saturate at 240 there (torchao dequantizes 3.39e38 to inf).
+    top = torch.finfo(torch.float32).max
+    x = torch.tensor([[top, -top, 3.39e38, 3.0e38, 2.99e38, 1.0] + [0.5] * 26])
+    mx = mxfp8_quantize(x, mode=mode)
+    deq = mxfp8_dequantize(mx)
+    assert bool(torch.isfinite(deq).all())
+    assert int(mx.scales) == (247 if mode is ScaleMode.RCEIL else 246)
+    assert float(deq[0, 0]) == (240 * 2.0**120 if mode is ScaleMode.RCEIL else 448 * 2.0**119)
+    if mode is ScaleMode.RCEIL:
+        scale, data = to_mx(x, torch.float8_e4m3fn, 32, TORCHAO_MODE[mode])
+        theirs = data.float()[0, 0].double() * 2.0 ** (int(scale.view(torch.uint8)) - 127)
+        assert theirs > top  # torchao's value does not fit a float32
+    bf16 = mxfp8_dequantize(mxfp8_quantize(torch.full((1, 32), 3.38e38).bfloat16(), mode=mode))
+    assert bool(torch.isfinite(bf16).all())
+
+
+def test_dequantize_follows_the_scale_byte_for_every_byte() -> None:
+    codes = torch.full((256, 32), 0x38, dtype=torch.uint8)  # E4M3 1.0
+    mx = MXTensor(codes=codes, scales=torch.arange(256, dtype=torch.uint8)[:, None], dim=-1, mode=ScaleMode.RCEIL)
+    deq = mxfp8_dequantize(mx)[:, 0]
+    expected = torch.pow(torch.tensor(2.0, dtype=torch.float64), torch.arange(256).double() - 127).float()
+    assert torch.equal(deq[:255], expected[:255]) and bool(deq[255].isnan())

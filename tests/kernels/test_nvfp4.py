@@ -140,3 +140,43 @@ def test_bad_inputs_are_rejected() -> None:
     with pytest.raises(KernelShapeError, match="3-D"):
         nvfp4_quantize_experts(torch.randn(4, 32))
     assert isinstance(nvfp4_quantize(torch.randn(0, 32)), NVFP4Tensor)
+
+
+def _same_nan_pattern(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_with_a_nan_or_an_infinity_quantizes_to_nan(poison: float, dtype: torch.dtype) -> None:
+    # The rule (kernels.nvfp4): the whole row NaN. Before it, +inf became the finite 2688 and the rest
+    # of the row 0.
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(12))
+    x[2, 17] = poison
+    x = x.to(dtype)
+    q = nvfp4_quantize(x)
+    deq = nvfp4_dequantize(q)
+    assert bool(deq[2].isnan().all()) and bool(q.global_amax[2].isnan())
+    assert q.block_scales[2].tolist() == [0x7F] * 4 and q.packed[2].tolist() == [0] * 32
+    assert bool(torch.isfinite(deq[[0, 1, 3]]).all())
+    for i in range(4):  # batch invariance holds for the poisoned row too
+        alone = nvfp4_quantize(x[i : i + 1])
+        assert torch.equal(alone.packed, q.packed[i : i + 1])
+        assert torch.equal(alone.block_scales, q.block_scales[i : i + 1])
+        assert _same_nan_pattern(alone.global_amax, q.global_amax[i : i + 1])
+
+
+def test_an_expert_with_a_non_finite_weight_quantizes_to_nan() -> None:
+    w = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(13))
+    w[1, 5, 3] = float("inf")
+    q = nvfp4_quantize_experts(w)
+    deq = nvfp4_dequantize(q)
+    assert bool(deq[1].isnan().all()) and bool(torch.isfinite(deq[[0, 2]]).all())
+    assert bool(q.global_amax[1].isnan()) and bool((q.block_scales[1] == 0x7F).all())
+
+
+def test_finite_extremes_stay_finite() -> None:
+    top = torch.finfo(torch.float32).max
+    x = torch.tensor([[top, -top] + [1.0] * 14, [1e-45] * 16, [0.0] * 16])
+    deq = nvfp4_dequantize(nvfp4_quantize(x))
+    assert bool(torch.isfinite(deq).all()) and float(deq[0, 0]) == pytest.approx(top, rel=1e-6)

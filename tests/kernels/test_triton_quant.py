@@ -53,7 +53,9 @@ def test_mxfp8_expert_weights_match_reference() -> None:
 def _assert_nv_equal(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> None:
     assert torch.equal(a.packed, b.packed)
     assert torch.equal(a.block_scales, b.block_scales)
-    assert torch.equal(a.global_amax, b.global_amax)
+    nan = a.global_amax.isnan()
+    assert torch.equal(nan, b.global_amax.isnan())  # NaN where the row holds a NaN or an inf
+    assert torch.equal(a.global_amax[~nan], b.global_amax[~nan])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,3 +98,48 @@ def test_launchers_reject_bad_inputs() -> None:
     layout = mxfp8.padded_group_layout(torch.tensor([0, 4]), 4)
     with pytest.raises(KernelShapeError, match="2-D"):
         mxfp8_triton.triton_mxfp8_quantize_grouped_cols(torch.randn(4), layout)
+
+
+def _non_finite_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Rows of ones with one NaN / +inf / -inf at various places, an all-NaN row, and ordinary rows."""
+    x = torch.cat([torch.ones(6, 64), mixed_values(4, 64, 7)])
+    x[0, 5] = float("nan")  # the issue's case: Triton gave amax 1.0 and the NaN element -1.0
+    x[1, 63] = float("inf")
+    x[2, 0] = float("-inf")
+    x[3, 31] = float("nan")
+    x[3, 32] = float("inf")
+    x[4] = float("nan")
+    x[5, 16:32] = float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_rows_propagate_nan_and_inf_like_the_reference(dtype: torch.dtype) -> None:
+    x = _non_finite_rows(dtype)
+    ref, ours = nvfp4.nvfp4_quantize(x), nvfp4_triton.triton_nvfp4_quantize(x)
+    _assert_nv_equal(ref, ours)
+    deq = nvfp4.nvfp4_dequantize(ours)
+    assert bool(deq[:6].isnan().all()) and bool(torch.isfinite(deq[6:]).all())
+
+
+def test_nvfp4_expert_weights_propagate_nan_like_the_reference() -> None:
+    w = mixed_values(4 * 20, 64, 8).reshape(4, 20, 64)
+    w[1, 19, 63] = float("nan")
+    w[3, 0, 0] = float("-inf")
+    ref, ours = nvfp4.nvfp4_quantize_experts(w), nvfp4_triton.triton_nvfp4_quantize_experts(w)
+    _assert_nv_equal(ref, ours)
+    deq = nvfp4.nvfp4_dequantize(ours)
+    assert bool(deq[[1, 3]].isnan().all()) and bool(torch.isfinite(deq[[0, 2]]).all())
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_mxfp8_propagates_nan_and_inf_like_the_reference(mode: ScaleMode) -> None:
+    x = _non_finite_rows(torch.float32)
+    _assert_mx_equal(mxfp8.mxfp8_quantize(x, mode=mode), mxfp8_triton.triton_mxfp8_quantize_rows(x, mode))
+    layout = mxfp8.padded_group_layout(torch.tensor([0, 3, 10]), 10)
+    xt = x[:, :48].contiguous()
+    _assert_mx_equal(mxfp8.mxfp8_quantize_grouped_cols(xt, layout, mode),
+                     mxfp8_triton.triton_mxfp8_quantize_grouped_cols(xt, layout, mode))
+    deq = mxfp8.mxfp8_dequantize(mxfp8_triton.triton_mxfp8_quantize_rows(x, mode))
+    assert bool(deq[0, :32].isnan().all()) and bool(torch.isfinite(deq[0, 32:]).all())
+    assert bool(deq[1, 32:].isnan().all()) and bool(deq[2, :32].isnan().all())  # OCP: a block with +-inf is NaN

@@ -18,7 +18,11 @@ CONFIG = small_config(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2)
 
 
 def reference_logprobs(model, prompt, completion, temperature=1.0, top_p=1.0):
-    """Hand-written: one full forward over prompt + completion, softmax(logits / T), nucleus by hand."""
+    """Hand-written: one full forward over prompt + completion, softmax(logits / T), nucleus by hand.
+
+    Each token must lie in its nucleus; its recorded log-prob is that of softmax(logits / T) before the
+    nucleus truncation (model.sampling's rule: the trainer scores it at the same T).
+    """
     full = torch.tensor(list(prompt) + list(completion))
     with torch.no_grad():
         out = model(full[:-1])
@@ -34,7 +38,7 @@ def reference_logprobs(model, prompt, completion, temperature=1.0, top_p=1.0):
             if mass >= top_p:
                 break
         assert token in kept
-        rows.append(float(torch.log(probs[token] / probs[kept].sum())))
+        rows.append(float(torch.log(probs[token])))
     return torch.tensor(rows, dtype=torch.float64), out.topk_ids_TLK
 
 

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+from model._engine_core import EngineCore
 from model.errors import ConfigError
+from model.generation import EngineConfig
 from model.loss import (
     PolicyLossConfig,
     advantages_dr_grpo,
@@ -18,6 +20,7 @@ from model.loss import (
     token_logprobs,
 )
 from model.packing import pack_sequences
+from model.sampling import SamplingParams, logprob_temperature, sample_tokens, sampling_logprobs
 from tests.model.helpers import random_prompts, seeded_model, small_config
 
 
@@ -144,3 +147,93 @@ def test_sft_forward_backward_trains_tiny_model() -> None:
         losses.append(sft_forward_backward(model, batch, loss_normalizer=float(batch.num_tokens)))
         opt.step()
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("current", "behaviour"), [(-1.0, -101.0), (-120.0, -1.0), (-1.0, -1000.0),
+                                                    (-1000.0, -1.0), (-800.0, -0.5)])
+def test_extreme_log_ratios_give_a_finite_loss_and_the_truncated_gradient(
+        dtype: torch.dtype, current: float, behaviour: float) -> None:
+    # One token far off-policy among ordinary ones: the textbook sg(w/r)*r is 0*inf or 0/0 there.
+    cfg = PolicyLossConfig(ratio_cap=2.0, loss_normalizer=10.0)
+    logp = torch.tensor([current, -2.0, -0.5], dtype=dtype, requires_grad=True)
+    old = torch.tensor([behaviour, -2.1, -0.5], dtype=dtype)
+    adv = torch.tensor([0.5, -1.0, 2.0], dtype=dtype)
+    loss, metrics = policy_loss(logp, old, adv, torch.ones(3, dtype=torch.bool), cfg)
+    loss.backward()
+    weight = torch.exp(torch.tensor([current - behaviour, 0.1, 0.0], dtype=torch.float64)).clamp(max=2.0)
+    assert bool(torch.isfinite(loss)) and bool(torch.isfinite(logp.grad).all())
+    expected_grad = -weight * adv.double() / 10.0
+    assert torch.allclose(logp.grad.double(), expected_grad, rtol=1e-6, atol=1e-30)  # e^-119 is 0 in fp32
+    assert float(loss.detach()) == pytest.approx(float(expected_grad.sum()), rel=1e-6)
+    assert metrics.clip_fraction == pytest.approx(1 / 3 if current > behaviour else 0.0)
+    assert metrics.ratio_min >= 0.0 and not math.isnan(metrics.ratio_max)
+
+
+def test_a_masked_out_non_finite_token_never_reaches_the_loss() -> None:
+    logp = torch.tensor([-1.0, float("-inf"), -0.5], requires_grad=True)
+    old = torch.tensor([-1.0, -3.0, float("nan")])
+    loss, metrics = policy_loss(logp, old, torch.ones(3), torch.tensor([True, False, False]), PolicyLossConfig())
+    loss.backward()
+    assert bool(torch.isfinite(loss)) and bool(torch.isfinite(logp.grad).all())
+    assert metrics.num_tokens == 1 and metrics.ratio_max == 1.0
+
+
+def test_a_non_finite_trained_log_prob_is_not_hidden() -> None:
+    # policy_loss reports it (the learner refuses the step); it never turns it into a finite number.
+    logp = torch.tensor([-1.0, float("nan")])
+    loss, _ = policy_loss(logp, torch.tensor([-1.0, -1.0]), torch.ones(2), torch.ones(2, dtype=torch.bool),
+                          PolicyLossConfig())
+    assert math.isnan(float(loss))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.3])
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3, 0.05, 4.0])
+def test_on_policy_the_ratio_is_exactly_one_in_fp32(temperature: float, top_p: float) -> None:
+    """Tokens drawn by the sampler from a model's fp32 logits, scored by the trainer's log-prob function
+    on the same logits at the recorded temperature: every importance ratio is exactly 1."""
+    model = seeded_model(small_config(), seed=6)
+    batch = pack_sequences(random_prompts(6, 96, 5, 25, seed=6))
+    with torch.no_grad():
+        logits = packed_logprobs(model, batch)[1].logits
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=i) for i in range(batch.num_tokens)]
+    gens = [torch.Generator().manual_seed(i) for i in range(batch.num_tokens)]
+    tokens, recorded = sample_tokens(logits, params, gens)
+    temps = torch.full((batch.num_tokens,), logprob_temperature(params[0]))
+    logp = token_logprobs(logits, torch.tensor(tokens), temps)
+    _, m = policy_loss(logp, torch.tensor(recorded), torch.ones(len(tokens)), torch.ones(len(tokens), dtype=torch.bool),
+                       PolicyLossConfig())
+    assert (m.ratio_min, m.ratio_max, m.ratio_mean, m.clip_fraction) == (1.0, 1.0, 1.0, 0.0)
+    assert torch.equal(logp, torch.tensor(recorded))
+    if top_p < 1.0:  # the nucleus did cut: the draws stayed in it, and the recorded log-prob is untruncated
+        nucleus = sampling_logprobs(logits, [temperature] * len(tokens), [top_p] * len(tokens))
+        drawn = nucleus.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert bool(torch.isfinite(drawn).all()) and bool((nucleus == float("-inf")).any())
+        assert bool((drawn >= logp).all()) and bool((drawn > logp).any())
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.3, 1.0), (1.3, 0.9)])
+def test_engine_generations_are_on_policy_for_the_trainer(temperature: float, top_p: float) -> None:
+    """The engine's recorded log-probs against the trainer's packed forward at the recorded temperature:
+    the ratio is 1 up to the KV-cache/packed forward's fp32 rounding (the old trainer, at temperature 1
+    and against nucleus-renormalised log-probs, was off by tens of percent)."""
+    model = seeded_model(small_config(), seed=7)
+    prompts = random_prompts(4, 96, 3, 12, seed=7)
+    engine = EngineCore(model, EngineConfig(max_batch_size=4), version=0, detokenize=None)
+    for i, p in enumerate(prompts):
+        engine.add(engine.make_request(p, SamplingParams(max_new_tokens=16, temperature=temperature, top_p=top_p,
+                                                         seed=i)))
+    gens = [g for _, g in sorted(engine.run_until_done())]
+    batch = pack_sequences([list(g.prompt_ids) + list(g.token_ids) for g in gens])
+    temps, behaviour, mask = [], [], []
+    for g in gens:
+        n_prompt, n = len(g.prompt_ids), len(g.prompt_ids) + len(g.token_ids)
+        temps += [1.0] * (n_prompt - 1) + [g.logprob_temperature] * len(g.token_ids) + [1.0]
+        behaviour += [0.0] * (n_prompt - 1) + list(g.logprobs) + [0.0]
+        mask += [False] * (n_prompt - 1) + [True] * len(g.token_ids) + [False]
+        assert len(temps) == len(behaviour) == len(mask) and n > n_prompt
+    with torch.no_grad():
+        logp, _ = packed_logprobs(model, batch, temperatures_T=torch.tensor(temps))
+    _, m = policy_loss(logp, torch.tensor(behaviour), torch.ones(len(mask)), torch.tensor(mask), PolicyLossConfig())
+    assert all(g.logprob_temperature == temperature for g in gens)
+    assert 1 - 1e-4 < m.ratio_min <= m.ratio_max < 1 + 1e-4, m

@@ -1,0 +1,156 @@
+"""Non-finite numbers never reach the weights: the learner's checks on a step's inputs, loss, gradient
+and update, and the rollback that makes a refused update leave no trace.
+
+A step is checked at four points, each before the next one can do harm:
+
+1. inputs: every trained token's behaviour log-prob and temperature, every sample's advantage;
+2. loss: the loss of the forward (a non-finite per-token log-prob names its sample);
+3. gradient: the total gradient norm (each sample's own backward then says which samples overflow);
+4. update: every parameter and Adam moment after the optimizer step; a non-finite one restores the
+   pre-step copy (`Rollback`), so the weights and moments are those of the last good step.
+
+A failed check makes the step a `NonFiniteStep`: the learner applies nothing, names the offending samples
+in a `step_skipped_non_finite` event and in the step's metrics, and the checkpoint it saves next holds
+the last good weights (a save of non-finite weights is refused outright).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["NonFiniteStage", "NonFiniteStep", "NonFiniteWeights", "Rollback", "check_trajectories",
+           "non_finite_inputs", "non_finite_parameters", "sample_ids", "samples_at_positions"]
+
+PER_TOKEN_FIELDS = ("loss_mask", "behaviour_logprobs", "logprob_temperatures", "versions")
+
+
+class NonFiniteStage(enum.StrEnum):
+    INPUT = "input"
+    LOSS = "loss"
+    GRADIENT = "gradient"
+    UPDATE = "update"
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteStep:
+    """Why a step was not applied: where the non-finite value appeared and which samples carry it."""
+
+    stage: NonFiniteStage
+    sample_ids: tuple[str, ...]
+    detail: str
+
+
+class NonFiniteWeights(ArithmeticError):
+    """Weights with a NaN or inf were about to be saved as a checkpoint."""
+
+
+def sample_id(sample: dict[str, Any], index: int) -> str:
+    return str(sample.get("sample_id", f"#{index}"))
+
+
+def sample_ids(samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    return tuple(sample_id(s, i) for i, s in enumerate(samples))
+
+
+def check_trajectories(samples: Sequence[dict[str, Any]]) -> None:
+    """Every per-token field present and as long as ``token_ids``.
+
+    Raises:
+        ValueError: naming the sample and the field (a record from a rollout older than the
+            per-token temperatures lacks ``logprob_temperatures``).
+    """
+    for i, s in enumerate(samples):
+        t = s["trajectory"]
+        missing = [k for k in ("token_ids", *PER_TOKEN_FIELDS) if k not in t]
+        if missing:
+            raise ValueError(f"sample {sample_id(s, i)}: trajectory lacks {missing}")
+        lengths = {k: len(t[k]) for k in PER_TOKEN_FIELDS}
+        if set(lengths.values()) != {len(t["token_ids"])}:
+            raise ValueError(f"sample {sample_id(s, i)}: {len(t['token_ids'])} tokens but per-token fields of "
+                             f"lengths {lengths}")
+
+
+def non_finite_inputs(samples: Sequence[dict[str, Any]]) -> NonFiniteStep | None:
+    """The samples whose advantage, or a trained token's behaviour log-prob or temperature, is unusable."""
+    bad: list[str] = []
+    reasons: list[str] = []
+    for i, s in enumerate(samples):
+        t = s["trajectory"]
+        trained = [j for j, keep in enumerate(t["loss_mask"]) if keep]
+        behaviour = [t["behaviour_logprobs"][j] for j in trained]
+        temps = [t["logprob_temperatures"][j] for j in trained]
+        why = []
+        if not math.isfinite(s["advantage"]):
+            why.append(f"advantage={s['advantage']}")
+        if not all(math.isfinite(lp) and lp <= 0.0 for lp in behaviour):
+            why.append("behaviour log-prob not finite or > 0")
+        if not all(math.isfinite(x) and x > 0.0 for x in temps):
+            why.append("temperature not finite or <= 0")
+        if why:
+            bad.append(sample_id(s, i))
+            reasons.append(f"{bad[-1]}: {', '.join(why)}")
+    if not bad:
+        return None
+    return NonFiniteStep(NonFiniteStage.INPUT, tuple(bad), "; ".join(reasons))
+
+
+def samples_at_positions(positions_T: torch.Tensor, seq_lens: Sequence[int],
+                         samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    """Ids of the packed samples that own the True positions of ``positions_T`` (in packing order)."""
+    owner = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
+    return tuple(sample_id(samples[i], i) for i in owner[positions_T.cpu()].unique().tolist())
+
+
+def non_finite_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+    """Names of the parameters (and Adam moments) holding a NaN or inf.
+
+    One fused max-norm over all tensors and one device sync when everything is finite (the common case);
+    the names are looked up only when something is not.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    if optimizer is not None:
+        named += [(f"{names.get(id(p), '?')}.{key}", value) for p, state in optimizer.state.items()
+                  for key, value in state.items()
+                  if torch.is_tensor(value) and value.is_floating_point() and value.numel()]
+    if not named:
+        return []
+    by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault((t.device, t.dtype), []).append(i)
+    finite = [True] * len(named)
+    for indices in by_device.values():
+        # the max-norm of a tensor is NaN or inf exactly when one of its elements is
+        norms = torch._foreach_norm([named[i][1] for i in indices], float("inf"))
+        flags = torch.stack(norms).isfinite()
+        if not bool(flags.all()):
+            for i, ok in zip(indices, flags.tolist(), strict=True):
+                finite[i] = ok
+    return [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
+
+
+class Rollback:
+    """A copy of the parameters and optimizer state taken just before a step, to restore if the step's
+    update is refused. Costs one copy of the weights and the Adam moments while the step runs."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        with torch.no_grad():
+            self.params = [p.detach().clone() for p in model.parameters()]
+        self.state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                      for p, s in optimizer.state.items()}
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.model.parameters(), self.params, strict=True):
+                p.copy_(saved)
+        self.optimizer.state.clear()
+        for p, s in self.state.items():
+            self.optimizer.state[p] = s
