@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from runtime import config as config_mod
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
@@ -153,35 +155,17 @@ def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -
 
 
 def dump_toml(tree: dict[str, Any]) -> str:
-    """A small TOML writer for resolved configs (plain values, nested tables)."""
-    lines: list[str] = []
-    _dump_table(tree, [], lines)
-    return "\n".join(lines) + "\n"
+    """The TOML text of a resolved config (tomli-w: strings with newlines, quotes or control characters,
+    keys that need quoting and arrays of tables are written as TOML reads them back). TOML has no null:
+    keys whose value is None are left out, so reading the file back gives their defaults."""
+    return tomli_w.dumps(_without_none(tree))
 
 
-def _dump_table(tree: dict[str, Any], path: list[str], lines: list[str]) -> None:
-    scalars = {k: v for k, v in tree.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in tree.items() if isinstance(v, dict)}
-    if path and (scalars or not tables):
-        lines.append(f"[{'.'.join(path)}]")
-    for k, v in scalars.items():
-        if v is None:
-            continue
-        lines.append(f"{k} = {_toml_scalar(v)}")
-    if scalars:
-        lines.append("")
-    for k, v in tables.items():
-        _dump_table(v, [*path, k], lines)
-
-
-def _toml_scalar(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_scalar(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        if any(v is None for v in value):
+            raise TypeError(f"cannot write {value!r} as TOML: arrays may not hold None")
+        return [_without_none(v) for v in value]
+    return value
