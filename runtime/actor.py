@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
 
 from runtime import config as config_mod
-from runtime.bus import Bus, Queue
+from runtime.bus import Bus, BusLimits, Queue
 from runtime.codec import Codec, Message
 from runtime.errors import ConfigError, LifecycleError, MessageError
 
@@ -64,8 +65,12 @@ class ActorSettings:
     nak_base_delay_s: float = 0.5
     nak_max_delay_s: float = 30.0
     drain_timeout_s: float = 60.0
+    max_deliveries: int = 5  # handlings of one message before it is dead-lettered with its last error
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_deliveries < BusLimits().max_deliver:
+            raise ValueError(f"max_deliveries={self.max_deliveries} must be in 1..{BusLimits().max_deliver - 1}: "
+                             "below the consumer's max_deliver, where the server stops delivering silently")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency={self.max_concurrency} must be >= 1")
         if self.heartbeat_s <= 0 or self.fetch_timeout_s <= 0:
@@ -251,13 +256,25 @@ class Actor:
                 await sub.unsubscribe()
 
     async def _process(self, q: Queue, raw: Msg) -> None:
+        """Decode, handle, settle. A message never loops: one that cannot decode is a dead letter at
+        once; one whose handling failed ``max_deliveries`` times (or that came back that often
+        unacknowledged: its handling crashed or hung the process) is a dead letter with its last error."""
         try:
+            meta = raw.metadata
+            limit = self.settings.max_deliveries
+            if meta.num_delivered > limit:
+                await self._dead_letter(q, raw, "max_deliveries", (
+                    f"delivered {meta.num_delivered} times (limit {limit}) without an acknowledgement: "
+                    "its handling crashed or hung the actor's process each time (see the actor logs)"))
+                return
             try:
                 msg = await self.codec.decode(raw.data)
             except MessageError as e:
-                await self._dead_letter(q, raw, e)
+                await self._dead_letter(q, raw, e.reason, e.detail)
                 return
-            meta = raw.metadata
+            except Exception as e:  # the blob store is down: not the message's fault, retry it
+                await self._failed(q, raw, "(undecoded)", e)
+                return
             try:
                 async with asyncio.TaskGroup() as tg:
                     beat = tg.create_task(self._heartbeat(raw))
@@ -268,31 +285,57 @@ class Actor:
                     finally:
                         beat.cancel()
             except Exception as e:  # a failing handler never kills the actor: nak and retry later
-                self.num_failed += 1
-                delay = self.settings.nak_delay(meta.num_delivered)
-                self._log.warning("handler_failed", queue=q.name, msg_type=type(msg).__name__, error=repr(_leaf(e)),
-                                  num_delivered=meta.num_delivered, retry_in_s=delay)
-                await raw.nak(delay=delay)
+                await self._failed(q, raw, type(msg).__name__, e)
                 return
-            await raw.ack()
-            self.num_handled += 1
+            if await self._settle(raw, "ack"):
+                self.num_handled += 1
         finally:
             async with self._capacity:
                 self._inflight -= 1
                 self._capacity.notify_all()
+
+    async def _failed(self, q: Queue, raw: Msg, msg_type: str, error: BaseException) -> None:
+        """A handling failed: nak it with backoff, or dead-letter it once it used its deliveries."""
+        self.num_failed += 1
+        num_delivered = raw.metadata.num_delivered
+        error = _leaf(error)
+        if num_delivered >= self.settings.max_deliveries:
+            await self._dead_letter(q, raw, "max_deliveries", (
+                f"{msg_type} failed {num_delivered} deliveries (limit {self.settings.max_deliveries}); "
+                f"last error: {error!r}"))
+            return
+        delay = self.settings.nak_delay(num_delivered)
+        self._log.warning("handler_failed", queue=q.name, msg_type=msg_type, error=repr(error),
+                          num_delivered=num_delivered, retry_in_s=delay)
+        await self._settle(raw, "nak", delay=delay)
+
+    async def _settle(self, raw: Msg, verb: str, **kwargs: Any) -> bool:
+        """Ack or nak; with the bus down the server redelivers after ``ack_wait`` (at-least-once), so a
+        failed settlement is said and the actor goes on instead of crashing on an outage."""
+        try:
+            await getattr(raw, verb)(**kwargs)
+        except (nats.errors.Error, OSError) as e:
+            self._log.warning("settle_failed", verb=verb, subject=raw.subject, error=repr(e))
+            return False
+        return True
 
     async def _heartbeat(self, raw: Msg) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             await raw.in_progress()
 
-    async def _dead_letter(self, q: Queue, raw: Msg, err: MessageError) -> None:
+    async def _dead_letter(self, q: Queue, raw: Msg, reason: str, detail: str) -> None:
+        try:
+            await self.bus.dead_letter(q.name, reason, detail, raw.data, subject=raw.subject,
+                                       actor=self.identity.actor_id,
+                                       num_delivered=raw.metadata.num_delivered)
+        except (nats.errors.Error, OSError) as e:  # not stored: leave it for redelivery, never lose it
+            self._log.warning("dead_letter_failed", queue=q.name, reason=reason, error=repr(e))
+            return
         self.num_dead_lettered += 1
-        self._log.error("message_dead_lettered", queue=q.name, reason=err.reason, detail=err.detail,
+        self._log.error("message_dead_lettered", queue=q.name, reason=reason, detail=detail,
                         subject=raw.subject, size=len(raw.data))
-        await self.bus.dead_letter(q.name, err.reason, err.detail, raw.data, subject=raw.subject,
-                                   actor=self.identity.actor_id)
-        await raw.ack()  # never redeliver what can never be decoded
+        await self._settle(raw, "ack")  # never redeliver what can never be handled
 
     # --- control -------------------------------------------------------------------------------
     async def _on_ctl(self, raw: Msg) -> None:

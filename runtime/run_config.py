@@ -76,6 +76,7 @@ class ActorSpec:
     drain_timeout_s: float = 60.0
     threads: int = 0  # torch intra-op threads in the process; 0 leaves the default
     nice: int = 0  # CPU priority below the others' (0 to 19): a side job gives way to the pipeline
+    max_deliveries: int = 5  # handlings of one message before it is dead-lettered with its last error
 
     def __post_init__(self) -> None:
         if ":" not in self.entry:
