@@ -18,6 +18,7 @@ import enum
 import os
 import socket
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ import msgpack
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits, Queue
@@ -65,6 +67,7 @@ class ActorSettings:
     nak_base_delay_s: float = 0.5
     nak_max_delay_s: float = 30.0
     drain_timeout_s: float = 60.0
+    stop_step_timeout_s: float = 5.0  # each bus step of stopping (deregister, handover, flush)
     max_deliveries: int = 5  # handlings of one message before it is dead-lettered with its last error
 
     def __post_init__(self) -> None:
@@ -193,13 +196,12 @@ class Actor:
                     await self._drain_requested.wait()
                     self.state = ActorState.DRAINING
                     self._log.info("actor_draining", num_inflight=self._inflight)
-                    await self._register()
+                    await self._stop_step("register_draining", self._register())
                     loops.cancel()
                 # Leaving work_tg: consumers stopped fetching; every handler and its tasks finished.
             finally:
                 config_watch.cancel()
-                with contextlib.suppress(Exception):
-                    await ctl.unsubscribe()
+                await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
         await self._stop()
 
     async def _run_background(self) -> None:
@@ -212,24 +214,44 @@ class Actor:
     async def _stop(self) -> None:
         state = await self.handover()
         if state is not None:
-            kv = await self.bus.kv("actors")
-            await kv.put(f"handover.{self.identity.kind}", msgpack.packb(state, use_bin_type=True))
+            await self._stop_step("save_handover", self._put_actors_key(
+                f"handover.{self.identity.kind}", msgpack.packb(state, use_bin_type=True)))
         await self.exit_stack.aclose()
         self.state = ActorState.STOPPED
         self._log.info("actor_stopped", num_handled=self.num_handled, num_failed=self.num_failed,
                        num_dead_lettered=self.num_dead_lettered)
-        kv = await self.bus.kv("actors")
-        with contextlib.suppress(Exception):
-            await kv.delete(self.identity.actor_id)
-        await self.bus.nc.flush()
+        await self._stop_step("deregister", self._delete_actors_key(self.identity.actor_id))
+        await self._stop_step("flush", self.bus.nc.flush(timeout=max(1, int(self.settings.stop_step_timeout_s))))
+
+    async def _stop_step(self, step: str, call: Awaitable[Any]) -> bool:
+        """One bus step of stopping, bounded: with the bus unreachable it is said (what was not done and
+        why) and skipped, so that stopping is clean in every state; unacked work is redelivered anyway."""
+        try:
+            async with asyncio.timeout(self.settings.stop_step_timeout_s):
+                await call
+        except (nats.errors.Error, OSError) as e:  # TimeoutError is an OSError
+            self._log.error("stop_step_skipped", step=step, error=repr(e),
+                            reason=f"the bus did not answer within {self.settings.stop_step_timeout_s}s")
+            return False
+        return True
+
+    async def _put_actors_key(self, key: str, value: bytes) -> None:
+        await (await self.bus.kv("actors")).put(key, value)
+
+    async def _delete_actors_key(self, key: str) -> None:
+        await (await self.bus.kv("actors")).delete(key)
 
     async def take_handover(self) -> dict[str, Any] | None:
-        """The state a previous process of this kind handed over, consumed once."""
+        """The state a previous process of this kind handed over, consumed once (None: none was left).
+
+        Raises:
+            nats.errors.Error, OSError: the bus could not be read; not the same as "nothing handed over".
+        """
         kv = await self.bus.kv("actors")
         key = f"handover.{self.identity.kind}"
         try:
             entry = await kv.get(key)
-        except Exception:
+        except (KeyNotFoundError, KeyDeletedError):
             return None
         await kv.delete(key)
         return msgpack.unpackb(entry.value, raw=False) if entry.value else None
@@ -252,8 +274,7 @@ class Actor:
                     self._inflight += 1
                     work_tg.create_task(self._process(q, raw))
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await self._stop_step(f"unsubscribe_{q.name}", sub.unsubscribe())
 
     async def _process(self, q: Queue, raw: Msg) -> None:
         """Decode, handle, settle. A message never loops: one that cannot decode is a dead letter at
@@ -376,8 +397,7 @@ class Actor:
                     continue
                 await self._apply_config(entry.key, entry.value)
         finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+            await self._stop_step("stop_config_watch", watcher.stop())
 
     async def _apply_config(self, key: str, raw: bytes) -> None:
         full_key = key

@@ -24,6 +24,7 @@ from typing import IO, Any
 import msgpack
 import structlog
 import uvloop
+from nats.js.errors import KeyWrongLastSequenceError
 
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits
@@ -121,7 +122,7 @@ async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> Non
     kv = await bus.kv("config")
     for key, value in config_mod.live_items(cfg.app):
         if resumed:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(KeyWrongLastSequenceError):  # set before: keep the operator's value
                 await kv.create(key, msgpack.packb(value, use_bin_type=True))
         else:
             await kv.put(key, msgpack.packb(value, use_bin_type=True))
