@@ -216,25 +216,19 @@ class ReconcilerActor(Actor):
     async def _watch_rollout_actors(self) -> None:
         """Follows the registry's entries (no requests per event: each would be a round trip and a
         place where Python 3.11's ``wait_for`` can swallow the drain's cancellation)."""
-        kv = await self.bus.kv("actors")
-        watcher = await kv.watch(">")
         running: set[str] = set()
-        try:
-            async for entry in watcher:
-                if entry is None:  # end of the initial values
-                    continue
-                running.discard(entry.key)
-                if entry.operation is None and entry.value and _is_running_rollout(entry.value):
-                    running.add(entry.key)
-                count = len(running)
-                if count != self.num_rollout_actors:
-                    self.num_rollout_actors = count
-                    log.info("rollout_actors_changed", num_rollout_actors=count)
-                    await self._call("set_rollout_actors", count)
-                    raise_if_cancelled()
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+        async for entry in self.bus.watch_kv("actors"):  # renewed (current values replayed) after an outage
+            if entry is None:  # end of the initial values
+                continue
+            running.discard(entry.key)
+            if entry.operation is None and entry.value and _is_running_rollout(entry.value):
+                running.add(entry.key)
+            count = len(running)
+            if count != self.num_rollout_actors:
+                self.num_rollout_actors = count
+                log.info("rollout_actors_changed", num_rollout_actors=count)
+                await self._call("set_rollout_actors", count)
+                raise_if_cancelled()
 
     async def handover(self) -> dict[str, Any] | None:
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""

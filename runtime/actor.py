@@ -388,16 +388,11 @@ class Actor:
     async def _watch_config(self) -> None:
         if self.Config is None or self.config is None:
             return
-        kv = await self.bus.kv("config")
-        watcher = await kv.watch(">")
-        try:
-            async for entry in watcher:
-                raise_if_cancelled()
-                if entry is None or entry.value is None or entry.operation is not None:
-                    continue
-                await self._apply_config(entry.key, entry.value)
-        finally:
-            await self._stop_step("stop_config_watch", watcher.stop())
+        async for entry in self.bus.watch_kv("config"):  # renewed across bus outages
+            raise_if_cancelled()
+            if entry is None or entry.value is None or entry.operation is not None:
+                continue
+            await self._apply_config(entry.key, entry.value)
 
     async def _apply_config(self, key: str, raw: bytes) -> None:
         full_key = key

@@ -39,6 +39,16 @@ class BusSection:
     url: str = ""  # empty: start an embedded nats-server in the run directory
     max_payload_bytes: int = 8 * 1024 * 1024
     ack_wait_s: float = 30.0
+    max_outage_s: float = 60.0  # the bus unreachable for longer than this fails the run, saying so
+    server_max_restarts: int = 5  # the embedded server, died on its own, is restarted at most this often ...
+    server_restart_window_s: float = 60.0  # ... within this window (on its port and JetStream store)
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.max_outage_s <= 24 * 3600:
+            raise ValueError(f"bus.max_outage_s={self.max_outage_s} must be within 1..86400 seconds")
+        if self.server_max_restarts < 0 or self.server_restart_window_s <= 0:
+            raise ValueError(f"bus.server_max_restarts={self.server_max_restarts} must be >= 0 and "
+                             f"bus.server_restart_window_s={self.server_restart_window_s} > 0")
 
 
 @dataclass(frozen=True)
