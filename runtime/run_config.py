@@ -66,10 +66,13 @@ class SupervisorSection:
     drain_timeout_s: float = 60.0
     term_timeout_s: float = 10.0
     ready_timeout_s: float = 120.0  # a replacement must be consuming within this during a hot swap
+    stall_s: float = 300.0  # nothing acknowledged on any queue for this long: say so, naming the stage (0: off)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.restart_window_s <= 0:
             raise ValueError("supervisor.max_restarts must be >= 0 and restart_window_s > 0")
+        if self.stall_s != 0 and not 1.0 <= self.stall_s <= 7 * 24 * 3600:
+            raise ValueError(f"supervisor.stall_s={self.stall_s} must be 0 (off) or within 1..604800 seconds")
 
     def backoff(self, num_recent_restarts: int) -> float:
         return min(self.backoff_max_s, self.backoff_base_s * 2 ** max(0, num_recent_restarts - 1))

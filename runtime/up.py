@@ -35,6 +35,7 @@ from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_config import RunConfig, dump_toml, load_run_config
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
 from runtime.supervisor import Outcome, Supervisor
+from runtime.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 
@@ -106,11 +107,15 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
         async with asyncio.TaskGroup() as tg:
             forwarder = tg.create_task(event_log.forward(bus.nc))
             guard = tg.create_task(_guard_bus(supervisor, bus, server, url, rt.bus.max_outage_s, terminal))
+            watchdog = tg.create_task(Watchdog(bus, rt.supervisor.stall_s, sys.stderr).run()) \
+                if rt.supervisor.stall_s else None
             try:
                 outcome = await supervisor.run()
             finally:
                 forwarder.cancel()
                 guard.cancel()
+                if watchdog is not None:
+                    watchdog.cancel()
         if supervisor.failure:
             print(f"run failed: {supervisor.failure}", file=sys.stderr, flush=True)
         elif terminal is not None:
