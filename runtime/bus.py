@@ -149,8 +149,11 @@ class ConnectionHealth:
         self.up.set()
         self.down_since: float | None = None
         self.num_outages = 0
+        self.closing = False  # the client closes on purpose: its disconnect is no outage
 
     async def on_disconnected(self) -> None:
+        if self.closing:
+            return
         if self.down_since is None:
             self.down_since = time.monotonic()
             self.num_outages += 1
@@ -214,6 +217,7 @@ class Bus:
         """Drains and closes the connection; bounded, and quiet on a bus that is already gone."""
         if self.nc.is_closed:
             return
+        self.health.closing = True
         try:
             async with asyncio.timeout(timeout_s):
                 await self.nc.drain()
