@@ -288,13 +288,14 @@ class Actor:
                     f"delivered {meta.num_delivered} times (limit {limit}) without an acknowledgement: "
                     "its handling crashed or hung the actor's process each time (see the actor logs)"))
                 return
+            outages_before = self.bus.health.num_outages
             try:
                 msg = await self.codec.decode(raw.data)
             except MessageError as e:
                 await self._dead_letter(q, raw, e.reason, e.detail)
                 return
             except Exception as e:  # the blob store is down: not the message's fault, retry it
-                await self._failed(q, raw, "(undecoded)", e)
+                await self._failed(q, raw, "(undecoded)", e, outages_before)
                 return
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -306,7 +307,7 @@ class Actor:
                     finally:
                         beat.cancel()
             except Exception as e:  # a failing handler never kills the actor: nak and retry later
-                await self._failed(q, raw, type(msg).__name__, e)
+                await self._failed(q, raw, type(msg).__name__, e, outages_before)
                 return
             if await self._settle(raw, "ack"):
                 self.num_handled += 1
@@ -315,19 +316,23 @@ class Actor:
                 self._inflight -= 1
                 self._capacity.notify_all()
 
-    async def _failed(self, q: Queue, raw: Msg, msg_type: str, error: BaseException) -> None:
-        """A handling failed: nak it with backoff, or dead-letter it once it used its deliveries."""
+    async def _failed(self, q: Queue, raw: Msg, msg_type: str, error: BaseException, outages_before: int) -> None:
+        """A handling failed: nak it with backoff, or dead-letter it once it used its deliveries. A failure
+        while the bus dropped is the outage's, not the message's: it is nak'ed (up to the consumer's own
+        max_deliver), so that an outage longer than the backoff does not dead-letter good work."""
         self.num_failed += 1
         num_delivered = raw.metadata.num_delivered
         error = _leaf(error)
-        if num_delivered >= self.settings.max_deliveries:
+        health = self.bus.health
+        during_outage = health.num_outages != outages_before or health.down.is_set()
+        limit = self.settings.max_deliveries if not during_outage else self.bus.limits.max_deliver - 1
+        if num_delivered >= limit:
             await self._dead_letter(q, raw, "max_deliveries", (
-                f"{msg_type} failed {num_delivered} deliveries (limit {self.settings.max_deliveries}); "
-                f"last error: {error!r}"))
+                f"{msg_type} failed {num_delivered} deliveries (limit {limit}); last error: {error!r}"))
             return
         delay = self.settings.nak_delay(num_delivered)
         self._log.warning("handler_failed", queue=q.name, msg_type=msg_type, error=repr(error),
-                          num_delivered=num_delivered, retry_in_s=delay)
+                          num_delivered=num_delivered, retry_in_s=delay, during_bus_outage=during_outage)
         await self._settle(raw, "nak", delay=delay)
 
     async def _settle(self, raw: Msg, verb: str, **kwargs: Any) -> bool:

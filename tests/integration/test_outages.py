@@ -117,3 +117,27 @@ async def test_status_reports_a_malformed_registry_entry_beside_the_others(tmp_p
         assert sorted(m["key"] for m in status["malformed_entries"]) == ["a-list", "garbage", "half"]
         text = ops_status.render(status)
         assert "malformed registry entry 'garbage': not msgpack" in text and "counter-1" in text
+
+
+async def test_a_handling_failed_by_a_bus_outage_is_not_the_messages_fault(tmp_path: Path) -> None:
+    """With max_deliveries=1 a failed handling is a dead letter at once, unless the bus dropped while it
+    ran (then it is nak'ed: an outage must not dead-letter good work)."""
+    from runtime.bus import work_queue
+
+    async with nats_bus(tmp_path) as bus:
+        queue = work_queue("outage")
+        await bus.ensure_queue(queue)
+        actor = Actor(ActorContext(ActorIdentity.here("x", "x-1", "h"), bus, ActorSettings(max_deliveries=1), None))
+        sub = await bus.js.pull_subscribe_bind(durable=queue.durable, stream=queue.stream)
+        await bus.publish_durable("work.outage", b"m1")
+        (raw,) = await sub.fetch(1, timeout=5)
+        outages_before = bus.health.num_outages - 1  # the bus dropped (and came back) while it was handled
+        await actor._failed(queue, raw, "T", ConnectionError("publish timed out"), outages_before)
+        assert actor.num_dead_lettered == 0
+        (again,) = await sub.fetch(1, timeout=10)  # nak'ed: redelivered
+        assert again.data == b"m1" and again.metadata.num_delivered == 2
+        await actor._failed(queue, again, "T", ValueError("bad"), bus.health.num_outages)
+        assert actor.num_dead_lettered == 1
+        dlq = await bus.js.subscribe("dlq.>", ordered_consumer=True, deliver_policy=None)
+        letter = await dlq.next_msg(timeout=5)
+        assert letter.headers["Reason"] == "max_deliveries" and "ValueError('bad')" in letter.headers["Detail"]
