@@ -72,16 +72,17 @@ async def test_a_killed_server_is_restarted_and_clients_carry_on(tmp_path: Path)
         await bus.ensure_queue(queue)
         kv = await bus.kv("config")
         watched: list[str | None] = []
-        saw_after = asyncio.Event()
+        saw = {"before": asyncio.Event(), "after": asyncio.Event()}
 
         async def follow() -> None:
             async for entry in bus.watch_kv("config"):
                 watched.append(entry.key if entry is not None else None)
-                if watched[-1] == "after":
-                    saw_after.set()
+                if watched[-1] in saw:
+                    saw[watched[-1]].set()
 
         follower = asyncio.ensure_future(follow())
         await kv.put("before", b"1")
+        await asyncio.wait_for(saw["before"].wait(), 10)  # the watch exists before the kill
         await bus.js.publish("work.restart", b"a")
         port, old_pid = server.port, server.pid
         assert old_pid is not None
@@ -95,7 +96,7 @@ async def test_a_killed_server_is_restarted_and_clients_carry_on(tmp_path: Path)
         sub = await bus.js.pull_subscribe_bind(durable=queue.durable, stream=queue.stream)
         got = [m.data for m in await sub.fetch(batch=2, timeout=10)]
         assert got == [b"a", b"b"], "the stream kept its message across the kill and took the next"
-        await asyncio.wait_for(saw_after.wait(), 30)
+        await asyncio.wait_for(saw["after"].wait(), 30)
         assert watched.count("before") == 2, watched  # replayed by the renewed watch
         follower.cancel()
         assert server.pid is not None
