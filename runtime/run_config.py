@@ -66,7 +66,7 @@ class SupervisorSection:
     drain_timeout_s: float = 60.0
     term_timeout_s: float = 10.0
     ready_timeout_s: float = 120.0  # a replacement must be consuming within this during a hot swap
-    stall_s: float = 300.0  # nothing acknowledged on any queue for this long: say so, naming the stage (0: off)
+    stall_s: float = 600.0  # nothing acknowledged on any queue for this long: say so, naming the stage (0: off)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.restart_window_s <= 0:
