@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import msgpack
 import structlog
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
 from actors.config import RLConfig
 from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore
@@ -112,7 +113,7 @@ class ReconcilerActor(Actor):
         )
         await self._issue(resumed.orders)
 
-    async def _call(self, method: str, *args: Any) -> None:
+    async def _call(self, method: str, *args: Any) -> bool:
         """Calls one core event method and publishes the orders it returns; a broken core is rebuilt.
 
         Group commit: with a pipelined store the core's writes go out without waiting for their
@@ -121,7 +122,8 @@ class ReconcilerActor(Actor):
         completion) the message acknowledged by the base. Meanwhile the next events already run
         through the core, so one round trip covers many transitions. If a write failed, the core
         no longer matches the store: it is dropped and a new one resumed from the store, and the
-        call raises (a completion is then nak'ed, redelivered and judged by the new core).
+        call raises (a completion is then nak'ed, redelivered and judged by the new core). Returns
+        False if the core was broken and rebuilt: the event was not recorded.
         """
         async with self.core_lock:
             core, store = self.core, self.store
@@ -130,13 +132,14 @@ class ReconcilerActor(Actor):
             except CoreBroken as e:
                 log.error("reconciler_core_broken", error=str(e))
                 await self._resume()
-                return
+                return False
         try:
             await store.sync()
         except Exception as e:
             await self._discard(core, e)
             raise
         await self._issue(orders)
+        return True
 
     async def _discard(self, core: Lifecycle, error: Exception) -> None:
         async with self.core_lock:
@@ -159,7 +162,10 @@ class ReconcilerActor(Actor):
 
     # --- inputs -------------------------------------------------------------------------------
     async def handle(self, msg: Any, delivery: Delivery) -> None:
-        await self._call("on_completion", msg)  # acked by the base only after the core recorded it
+        # Acked by the base only after the core recorded it; a broken core did not: nak, redeliver.
+        if not await self._call("on_completion", msg):
+            raise RuntimeError("the reconciler's core broke while recording this completion (rebuilt from the "
+                               "store); it is nak'ed and the rebuilt core judges its redelivery")
 
     async def _on_heartbeat(self, raw: Any) -> None:
         try:
@@ -199,36 +205,30 @@ class ReconcilerActor(Actor):
         kv = await self.bus.kv("actors")
         try:
             keys = await kv.keys()
-        except Exception:
+        except NoKeysError:
             return 0
         count = 0
         for key in keys:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(KeyNotFoundError, KeyDeletedError):  # deregistered since the listing
                 count += _is_running_rollout((await kv.get(key)).value)
         return count
 
     async def _watch_rollout_actors(self) -> None:
         """Follows the registry's entries (no requests per event: each would be a round trip and a
         place where Python 3.11's ``wait_for`` can swallow the drain's cancellation)."""
-        kv = await self.bus.kv("actors")
-        watcher = await kv.watch(">")
         running: set[str] = set()
-        try:
-            async for entry in watcher:
-                if entry is None:  # end of the initial values
-                    continue
-                running.discard(entry.key)
-                if entry.operation is None and entry.value and _is_running_rollout(entry.value):
-                    running.add(entry.key)
-                count = len(running)
-                if count != self.num_rollout_actors:
-                    self.num_rollout_actors = count
-                    log.info("rollout_actors_changed", num_rollout_actors=count)
-                    await self._call("set_rollout_actors", count)
-                    raise_if_cancelled()
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+        async for entry in self.bus.watch_kv("actors"):  # renewed (current values replayed) after an outage
+            if entry is None:  # end of the initial values
+                continue
+            running.discard(entry.key)
+            if entry.operation is None and entry.value and _is_running_rollout(entry.value):
+                running.add(entry.key)
+            count = len(running)
+            if count != self.num_rollout_actors:
+                self.num_rollout_actors = count
+                log.info("rollout_actors_changed", num_rollout_actors=count)
+                await self._call("set_rollout_actors", count)
+                raise_if_cancelled()
 
     async def handover(self) -> dict[str, Any] | None:
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
 from ops._client import connect, fail, request, resolve_run_dir
 from runtime.errors import BusError, ConfigError
@@ -23,12 +24,14 @@ from runtime.errors import BusError, ConfigError
 async def collect(run_dir: Path) -> dict[str, Any]:
     bus = await connect(run_dir, "ops-status")
     try:
-        actors = await _registry(bus)
+        actors, malformed = await _registry(bus)
         live = await _live_ids(bus)
         for actor in actors:
             # A process killed with SIGKILL never deregisters: trust the supervisor's process list.
             actor["live"] = live is None or actor["id"] in live
         status: dict[str, Any] = {"actors": sorted(actors, key=lambda a: (a["kind"], a["id"]))}
+        if malformed:
+            status["malformed_entries"] = malformed
         for actor in actors:
             if actor["kind"] in ("reconciler", "trainer") and actor["live"] and actor.get("state") == "running":
                 try:
@@ -40,19 +43,45 @@ async def collect(run_dir: Path) -> dict[str, Any]:
         await bus.close()
 
 
-async def _registry(bus: Any) -> list[dict[str, Any]]:
+_ACTOR_FIELDS = {"kind": str, "id": str, "pid": int, "code_hash": str, "state": str,
+                 "num_handled": int, "num_failed": int, "num_inflight": int}
+
+
+async def _registry(bus: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """The registered actors, and the entries that are not actor records (each with what is wrong):
+    one malformed entry is reported beside the others, never a traceback instead of all of them."""
     kv = await bus.kv("actors")
     try:
         keys = await kv.keys()
-    except Exception:  # NoKeysError: nothing registered
-        return []
-    actors = []
+    except NoKeysError:  # nothing registered
+        return [], []
+    actors, malformed = [], []
     for key in keys:
-        entry = await kv.get(key)
-        info = msgpack.unpackb(entry.value, raw=False) if entry.value else {}
-        if "kind" in info:
-            actors.append(info)
-    return actors
+        if key.startswith("handover."):  # state a stopped process left for its replacement
+            continue
+        try:
+            entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):  # deregistered since the listing
+            continue
+        problem = _actor_record_problem(entry.value)
+        if isinstance(problem, str):
+            malformed.append({"key": key, "error": problem})
+        else:
+            actors.append(problem)
+    return actors, malformed
+
+
+def _actor_record_problem(raw: bytes | None) -> dict[str, Any] | str:
+    """The actor record in ``raw``, or what is wrong with it."""
+    try:
+        info = msgpack.unpackb(raw or b"", raw=False)
+    except (ValueError, TypeError) as e:  # msgpack's errors are ValueErrors; unhashable keys TypeErrors
+        return f"not msgpack: {e}"
+    if not isinstance(info, dict):
+        return f"not a map but a {type(info).__name__}"
+    wrong = [f"{name} ({type(info.get(name)).__name__}, want {t.__name__})"
+             for name, t in _ACTOR_FIELDS.items() if not isinstance(info.get(name), t)]
+    return f"bad or missing fields: {', '.join(wrong)}" if wrong else info
 
 
 async def _live_ids(bus: Any) -> set[str] | None:
@@ -74,6 +103,8 @@ def render(status: dict[str, Any]) -> str:
         )
     for missing in status.get("unanswered", []):
         lines.append(f"  no status from {missing['id']}: {missing['error']}")
+    for bad in status.get("malformed_entries", []):
+        lines.append(f"  malformed registry entry {bad['key']!r}: {bad['error']}")
     rec = status.get("reconciler")
     if rec:
         lines.extend(_render_lifecycle(rec))

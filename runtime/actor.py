@@ -18,15 +18,18 @@ import enum
 import os
 import socket
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime import config as config_mod
-from runtime.bus import Bus, Queue
+from runtime.bus import Bus, BusLimits, Queue
 from runtime.codec import Codec, Message
 from runtime.errors import ConfigError, LifecycleError, MessageError
 
@@ -64,8 +67,13 @@ class ActorSettings:
     nak_base_delay_s: float = 0.5
     nak_max_delay_s: float = 30.0
     drain_timeout_s: float = 60.0
+    stop_step_timeout_s: float = 5.0  # each bus step of stopping (deregister, handover, flush)
+    max_deliveries: int = 5  # handlings of one message before it is dead-lettered with its last error
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_deliveries < BusLimits().max_deliver:
+            raise ValueError(f"max_deliveries={self.max_deliveries} must be in 1..{BusLimits().max_deliver - 1}: "
+                             "below the consumer's max_deliver, where the server stops delivering silently")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency={self.max_concurrency} must be >= 1")
         if self.heartbeat_s <= 0 or self.fetch_timeout_s <= 0:
@@ -188,13 +196,12 @@ class Actor:
                     await self._drain_requested.wait()
                     self.state = ActorState.DRAINING
                     self._log.info("actor_draining", num_inflight=self._inflight)
-                    await self._register()
+                    await self._stop_step("register_draining", self._register())
                     loops.cancel()
                 # Leaving work_tg: consumers stopped fetching; every handler and its tasks finished.
             finally:
                 config_watch.cancel()
-                with contextlib.suppress(Exception):
-                    await ctl.unsubscribe()
+                await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
         await self._stop()
 
     async def _run_background(self) -> None:
@@ -207,24 +214,44 @@ class Actor:
     async def _stop(self) -> None:
         state = await self.handover()
         if state is not None:
-            kv = await self.bus.kv("actors")
-            await kv.put(f"handover.{self.identity.kind}", msgpack.packb(state, use_bin_type=True))
+            await self._stop_step("save_handover", self._put_actors_key(
+                f"handover.{self.identity.kind}", msgpack.packb(state, use_bin_type=True)))
         await self.exit_stack.aclose()
         self.state = ActorState.STOPPED
         self._log.info("actor_stopped", num_handled=self.num_handled, num_failed=self.num_failed,
                        num_dead_lettered=self.num_dead_lettered)
-        kv = await self.bus.kv("actors")
-        with contextlib.suppress(Exception):
-            await kv.delete(self.identity.actor_id)
-        await self.bus.nc.flush()
+        await self._stop_step("deregister", self._delete_actors_key(self.identity.actor_id))
+        await self._stop_step("flush", self.bus.nc.flush(timeout=max(1, int(self.settings.stop_step_timeout_s))))
+
+    async def _stop_step(self, step: str, call: Awaitable[Any]) -> bool:
+        """One bus step of stopping, bounded: with the bus unreachable it is said (what was not done and
+        why) and skipped, so that stopping is clean in every state; unacked work is redelivered anyway."""
+        try:
+            async with asyncio.timeout(self.settings.stop_step_timeout_s):
+                await call
+        except (nats.errors.Error, OSError) as e:  # TimeoutError is an OSError
+            self._log.error("stop_step_skipped", step=step, error=repr(e),
+                            reason=f"the bus did not answer within {self.settings.stop_step_timeout_s}s")
+            return False
+        return True
+
+    async def _put_actors_key(self, key: str, value: bytes) -> None:
+        await (await self.bus.kv("actors")).put(key, value)
+
+    async def _delete_actors_key(self, key: str) -> None:
+        await (await self.bus.kv("actors")).delete(key)
 
     async def take_handover(self) -> dict[str, Any] | None:
-        """The state a previous process of this kind handed over, consumed once."""
+        """The state a previous process of this kind handed over, consumed once (None: none was left).
+
+        Raises:
+            nats.errors.Error, OSError: the bus could not be read; not the same as "nothing handed over".
+        """
         kv = await self.bus.kv("actors")
         key = f"handover.{self.identity.kind}"
         try:
             entry = await kv.get(key)
-        except Exception:
+        except (KeyNotFoundError, KeyDeletedError):
             return None
         await kv.delete(key)
         return msgpack.unpackb(entry.value, raw=False) if entry.value else None
@@ -247,17 +274,29 @@ class Actor:
                     self._inflight += 1
                     work_tg.create_task(self._process(q, raw))
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await self._stop_step(f"unsubscribe_{q.name}", sub.unsubscribe())
 
     async def _process(self, q: Queue, raw: Msg) -> None:
+        """Decode, handle, settle. A message never loops: one that cannot decode is a dead letter at
+        once; one whose handling failed ``max_deliveries`` times (or that came back that often
+        unacknowledged: its handling crashed or hung the process) is a dead letter with its last error."""
         try:
+            meta = raw.metadata
+            limit = self.settings.max_deliveries
+            if meta.num_delivered > limit:
+                await self._dead_letter(q, raw, "max_deliveries", (
+                    f"delivered {meta.num_delivered} times (limit {limit}) without an acknowledgement: "
+                    "its handling crashed or hung the actor's process each time (see the actor logs)"))
+                return
+            outages_before = self.bus.health.num_outages
             try:
                 msg = await self.codec.decode(raw.data)
             except MessageError as e:
-                await self._dead_letter(q, raw, e)
+                await self._dead_letter(q, raw, e.reason, e.detail)
                 return
-            meta = raw.metadata
+            except Exception as e:  # the blob store is down: not the message's fault, retry it
+                await self._failed(q, raw, "(undecoded)", e, outages_before)
+                return
             try:
                 async with asyncio.TaskGroup() as tg:
                     beat = tg.create_task(self._heartbeat(raw))
@@ -268,31 +307,61 @@ class Actor:
                     finally:
                         beat.cancel()
             except Exception as e:  # a failing handler never kills the actor: nak and retry later
-                self.num_failed += 1
-                delay = self.settings.nak_delay(meta.num_delivered)
-                self._log.warning("handler_failed", queue=q.name, msg_type=type(msg).__name__, error=repr(_leaf(e)),
-                                  num_delivered=meta.num_delivered, retry_in_s=delay)
-                await raw.nak(delay=delay)
+                await self._failed(q, raw, type(msg).__name__, e, outages_before)
                 return
-            await raw.ack()
-            self.num_handled += 1
+            if await self._settle(raw, "ack"):
+                self.num_handled += 1
         finally:
             async with self._capacity:
                 self._inflight -= 1
                 self._capacity.notify_all()
+
+    async def _failed(self, q: Queue, raw: Msg, msg_type: str, error: BaseException, outages_before: int) -> None:
+        """A handling failed: nak it with backoff, or dead-letter it once it used its deliveries. A failure
+        while the bus dropped is the outage's, not the message's: it is nak'ed (up to the consumer's own
+        max_deliver), so that an outage longer than the backoff does not dead-letter good work."""
+        self.num_failed += 1
+        num_delivered = raw.metadata.num_delivered
+        error = _leaf(error)
+        health = self.bus.health
+        during_outage = health.num_outages != outages_before or health.down.is_set()
+        limit = self.settings.max_deliveries if not during_outage else self.bus.limits.max_deliver - 1
+        if num_delivered >= limit:
+            await self._dead_letter(q, raw, "max_deliveries", (
+                f"{msg_type} failed {num_delivered} deliveries (limit {limit}); last error: {error!r}"))
+            return
+        delay = self.settings.nak_delay(num_delivered)
+        self._log.warning("handler_failed", queue=q.name, msg_type=msg_type, error=repr(error),
+                          num_delivered=num_delivered, retry_in_s=delay, during_bus_outage=during_outage)
+        await self._settle(raw, "nak", delay=delay)
+
+    async def _settle(self, raw: Msg, verb: str, **kwargs: Any) -> bool:
+        """Ack or nak; with the bus down the server redelivers after ``ack_wait`` (at-least-once), so a
+        failed settlement is said and the actor goes on instead of crashing on an outage."""
+        try:
+            await getattr(raw, verb)(**kwargs)
+        except (nats.errors.Error, OSError) as e:
+            self._log.warning("settle_failed", verb=verb, subject=raw.subject, error=repr(e))
+            return False
+        return True
 
     async def _heartbeat(self, raw: Msg) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             await raw.in_progress()
 
-    async def _dead_letter(self, q: Queue, raw: Msg, err: MessageError) -> None:
+    async def _dead_letter(self, q: Queue, raw: Msg, reason: str, detail: str) -> None:
+        try:
+            await self.bus.dead_letter(q.name, reason, detail, raw.data, subject=raw.subject,
+                                       actor=self.identity.actor_id,
+                                       num_delivered=raw.metadata.num_delivered)
+        except (nats.errors.Error, OSError) as e:  # not stored: leave it for redelivery, never lose it
+            self._log.warning("dead_letter_failed", queue=q.name, reason=reason, error=repr(e))
+            return
         self.num_dead_lettered += 1
-        self._log.error("message_dead_lettered", queue=q.name, reason=err.reason, detail=err.detail,
+        self._log.error("message_dead_lettered", queue=q.name, reason=reason, detail=detail,
                         subject=raw.subject, size=len(raw.data))
-        await self.bus.dead_letter(q.name, err.reason, err.detail, raw.data, subject=raw.subject,
-                                   actor=self.identity.actor_id)
-        await raw.ack()  # never redeliver what can never be decoded
+        await self._settle(raw, "ack")  # never redeliver what can never be handled
 
     # --- control -------------------------------------------------------------------------------
     async def _on_ctl(self, raw: Msg) -> None:
@@ -324,17 +393,11 @@ class Actor:
     async def _watch_config(self) -> None:
         if self.Config is None or self.config is None:
             return
-        kv = await self.bus.kv("config")
-        watcher = await kv.watch(">")
-        try:
-            async for entry in watcher:
-                raise_if_cancelled()
-                if entry is None or entry.value is None or entry.operation is not None:
-                    continue
-                await self._apply_config(entry.key, entry.value)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+        async for entry in self.bus.watch_kv("config"):  # renewed across bus outages
+            raise_if_cancelled()
+            if entry is None or entry.value is None or entry.operation is not None:
+                continue
+            await self._apply_config(entry.key, entry.value)
 
     async def _apply_config(self, key: str, raw: bytes) -> None:
         full_key = key

@@ -11,12 +11,14 @@ Subjects (see DESIGN.md):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import nats
+import nats.errors
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -77,6 +79,9 @@ class BusLimits:
     dlq_max_age_s: float = 30 * 24 * 3600.0
     dlq_max_bytes: int = 256 * 1024**2
     kv_history: int = 1
+    reconnect_wait_s: float = 0.5  # between reconnect attempts (forever: an outage is bounded above)
+    ping_interval_s: int = 10  # a silent dead peer is found after ping_interval_s * max_outstanding_pings
+    max_outstanding_pings: int = 3
 
     def __post_init__(self) -> None:
         if self.ack_wait_s < 1.0:
@@ -133,13 +138,56 @@ class Bucket(KeyValue):
         return True
 
 
+class ConnectionHealth:
+    """Whether a client is connected now, fed by nats-py's disconnect/reconnect callbacks, so that an
+    outage is a state one can wait on (event-driven) instead of a flood of reconnect warnings."""
+
+    def __init__(self, client: str) -> None:
+        self.client = client
+        self.up = asyncio.Event()
+        self.down = asyncio.Event()
+        self.up.set()
+        self.down_since: float | None = None
+        self.num_outages = 0
+        self.closing = False  # the client closes on purpose: its disconnect is no outage
+
+    async def on_disconnected(self) -> None:
+        if self.closing:
+            return
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            self.num_outages += 1
+            log.warning("bus_disconnected", client=self.client)
+        self.up.clear()
+        self.down.set()
+
+    async def on_reconnected(self) -> None:
+        outage_s = time.monotonic() - self.down_since if self.down_since is not None else 0.0
+        self.down_since = None
+        self.down.clear()
+        self.up.set()
+        log.info("bus_reconnected", client=self.client, outage_s=round(outage_s, 3))
+
+    async def fail_after_outage(self, url: str, max_outage_s: float) -> None:
+        """Returns never: raises BusError once one outage lasts longer than ``max_outage_s``."""
+        while True:
+            await self.down.wait()
+            try:
+                async with asyncio.timeout(max_outage_s):
+                    await self.up.wait()
+            except TimeoutError:
+                raise BusError(f"the bus at {url} has been unreachable for more than {max_outage_s:g}s "
+                               "(bus.max_outage_s): is its nats-server up and reachable?") from None
+
+
 class Bus:
     """One NATS connection with JetStream; the only object in the project that talks to NATS."""
 
-    def __init__(self, nc: NatsClient, limits: BusLimits) -> None:
+    def __init__(self, nc: NatsClient, limits: BusLimits, health: ConnectionHealth | None = None) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.limits = limits
+        self.health = health or ConnectionHealth("?")
         self._kv: dict[str, Bucket] = {}
 
     @classmethod
@@ -148,24 +196,42 @@ class Bus:
         async def on_error(e: Exception) -> None:
             log.warning("nats_client_error", error=str(e), client=name)
 
-        # Reconnect forever once connected (a restarted server comes back), but bound the first
-        # connect: nats-py would otherwise retry it forever and a command on a stopped run would hang.
+        # Reconnect forever once connected (a restarted server comes back on its port; whoever owns
+        # the run bounds an outage: ConnectionHealth.fail_after_outage), with pings that find a dead
+        # peer within ping_interval * max_outstanding_pings; but bound the first connect: nats-py would
+        # otherwise retry it forever and a command on a stopped run would hang.
+        health = ConnectionHealth(name)
         try:
             nc = await asyncio.wait_for(
                 nats.connect(url, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
-                             max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True),
+                             max_reconnect_attempts=-1, reconnect_time_wait=limits.reconnect_wait_s,
+                             allow_reconnect=True, ping_interval=limits.ping_interval_s,
+                             max_outstanding_pings=limits.max_outstanding_pings,
+                             disconnected_cb=health.on_disconnected, reconnected_cb=health.on_reconnected),
                 connect_timeout_s)
         except Exception as e:
             raise BusError(f"cannot connect to NATS at {url}: {e!r}; is the run up?") from e
-        return cls(nc, limits)
+        return cls(nc, limits, health)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Drains and closes the connection; bounded, and quiet on a bus that is already gone."""
         if self.nc.is_closed:
             return
-        with contextlib.suppress(Exception):
-            await self.nc.drain()
-        if not self.nc.is_closed:
+        self.health.closing = True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.nc.drain()
+        except (nats.errors.Error, OSError, RuntimeError) as e:  # RuntimeError: uvloop's closed transport
+            log.info("bus_close_without_drain", client=self.health.client, error=repr(e))
+        if self.nc.is_closed:
+            return
+        try:
             await self.nc.close()
+        except (nats.errors.Error, OSError, RuntimeError) as e:
+            # nats-py writes what it buffered during an outage into the dead transport (uvloop raises
+            # RuntimeError) after it has cancelled its tasks and marked itself closed: nothing is left
+            # running, only those unsent bytes are lost (the server redelivers unacked work).
+            log.info("bus_closed_with_unsent_data", client=self.health.client, error=repr(e))
 
     # --- topology ----------------------------------------------------------------------------
     async def ensure_queue(self, q: Queue) -> None:
@@ -216,6 +282,52 @@ class Bus:
             self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
         return self._kv[bucket]
 
+    async def watch_kv(self, bucket: str, keys: str = ">") -> AsyncIterator[Any]:
+        """Entries of ``bucket``: the current values, then None, then every change; across outages.
+
+        A restarted server loses the ephemeral consumer behind a KV watch, and nats-py's ordered
+        consumer does not recover it (measured: a watch stayed silent after a kill -9 and restart of
+        the server, while pull consumers carried on). So once the connection drops, the watch is made
+        again when it is back: the current values come again (then None), which is what a follower
+        of a bucket must see anyway to catch up with the changes it missed.
+        """
+        kv = await self.kv(bucket)
+        while True:
+            await self.health.up.wait()
+            generation = self.health.num_outages  # a drop at any point after this renews the watch
+            try:
+                watcher = await kv.watch(keys)
+            except (nats.errors.Error, OSError):
+                if self.health.num_outages != generation or self.health.down.is_set():
+                    continue  # it failed because the connection dropped meanwhile: watch again once back
+                raise
+            try:
+                while self.health.num_outages == generation:
+                    entry = await self._next_or_outage(watcher)
+                    if entry is _OUTAGE:
+                        break
+                    if entry is _END:
+                        return
+                    yield entry
+            finally:
+                try:
+                    async with asyncio.timeout(5.0):
+                        await watcher.stop()
+                except (nats.errors.Error, OSError):
+                    pass  # the connection is gone: so is the subscription
+            log.info("kv_watch_renewed", bucket=bucket, keys=keys, client=self.health.client)
+
+    async def _next_or_outage(self, watcher: Any) -> Any:
+        """The watcher's next entry, ``_END`` when it stopped, or ``_OUTAGE`` if the connection dropped first."""
+        entry = asyncio.ensure_future(anext(watcher, _END))
+        lost = asyncio.ensure_future(self.health.down.wait())
+        try:
+            await asyncio.wait({entry, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (entry, lost):
+                task.cancel()
+        return entry.result() if entry.done() and not entry.cancelled() else _OUTAGE
+
     # --- publishing -------------------------------------------------------------------------
     async def publish_durable(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window."""
@@ -233,6 +345,10 @@ class Bus:
         headers.update({k: str(v) for k, v in context.items()})
         # An oversized message would be refused again: keep a bounded prefix for inspection.
         await self.js.publish(f"dlq.{queue}", data[:64 * 1024], headers=headers)
+
+
+_END = object()  # a watcher that stopped
+_OUTAGE = object()  # the connection dropped while waiting for a watcher's next entry
 
 
 def _msg_id_headers(msg_id: str | None) -> dict[str, str] | None:

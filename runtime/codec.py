@@ -106,6 +106,22 @@ class Codec:
         return msgpack.packb({**head, "body": body}, use_bin_type=True)
 
     async def decode(self, data: bytes) -> Any:
+        """The message ``data`` carries.
+
+        Raises:
+            MessageError: whatever is wrong with the message itself, whichever exception found it (a
+                ``type`` that is a list, a blob key that escapes the store, a body whose dataclass
+                refuses it): such a message can never decode, and its receiver dead-letters it.
+            OSError: the blob store could not be read (an outage, not the message's fault: retry).
+        """
+        try:
+            return await self._decode(data)
+        except (MessageError, OSError):
+            raise
+        except Exception as e:  # any other failure here is the message's: say which
+            raise MessageError("malformed", f"{type(e).__name__}: {e}") from e
+
+    async def _decode(self, data: bytes) -> Any:
         if len(data) > self.limits.max_message_bytes:
             raise MessageError("oversized", f"{len(data)} bytes > limit {self.limits.max_message_bytes}; "
                                "large payloads must travel through blob storage")
@@ -116,7 +132,7 @@ class Codec:
         if not isinstance(env, dict) or env.get("schema") != SCHEMA_VERSION:
             raise MessageError("malformed", f"not an envelope of schema {SCHEMA_VERSION}")
         name = env.get("type")
-        cls = self._types.get(name)  # type: ignore[arg-type]
+        cls = self._types.get(name) if isinstance(name, str) else None
         if cls is None:
             raise MessageError("unknown_type", f"type {name!r} not in {self.type_names}")
         if env.get("v") != _version(cls):
@@ -138,6 +154,8 @@ class Codec:
                 return await self._blob.get(env["blob"])
             except KeyError:
                 raise MessageError("blob_missing", f"message body {env['blob']!r} not in storage") from None
+            except ValueError as e:  # the store refused the key itself (absolute, '..', reserved)
+                raise MessageError("invalid_blob_key", str(e)) from None
         raise MessageError("malformed", "envelope has neither body nor blob")
 
 

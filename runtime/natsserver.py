@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import re
 import shutil
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +36,14 @@ class NatsServerConfig:
     max_memory_store_bytes: int = 1024**3
     start_timeout_s: float = 15.0
     stop_timeout_s: float = 10.0
+    max_restarts: int = 5  # restarts of a server that died on its own, within ...
+    restart_window_s: float = 60.0  # ... this window; one more and supervise() gives up
+    restart_delay_s: float = 0.2  # before a restart: lets the kernel release the port
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.restart_window_s <= 0 or self.restart_delay_s < 0:
+            raise ValueError(f"max_restarts={self.max_restarts}, restart_window_s={self.restart_window_s}, "
+                             f"restart_delay_s={self.restart_delay_s}: need >= 0, > 0 and >= 0")
         if self.max_payload_bytes < 1024 or self.max_payload_bytes > 64 * 1024 * 1024:
             raise ValueError(
                 f"max_payload_bytes={self.max_payload_bytes} must be within 1 KiB..64 MiB "
@@ -61,6 +69,7 @@ class NatsServer:
         self._proc: asyncio.subprocess.Process | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self.port: int | None = None
+        self.num_restarts = 0
 
     @property
     def url(self) -> str:
@@ -74,8 +83,9 @@ class NatsServer:
 
     def _conf_text(self) -> str:
         c = self.config
+        port = self.port if self.port is not None else c.port  # a restart keeps the port clients know
         return "\n".join([
-            f'listen: "{c.host}:{c.port}"',
+            f'listen: "{c.host}:{port}"',
             f"max_payload: {c.max_payload_bytes}",
             "jetstream {",
             f'  store_dir: "{c.store_dir}"',
@@ -118,6 +128,46 @@ class NatsServer:
             if _READY in line and port is not None:
                 self._drain_task = asyncio.ensure_future(_discard(self._proc.stderr))
                 return port
+
+    async def supervise(self) -> None:
+        """Restarts the server whenever it exits without being asked to, on the same port and JetStream
+        store, so that clients reconnect and carry on. Returns when the server is stopped with stop().
+
+        Raises:
+            BusError: more than ``max_restarts`` restarts within ``restart_window_s``, or one that
+                failed: something beyond a restart's reach (the store, the port, the binary).
+        """
+        c = self.config
+        recent: collections.deque[float] = collections.deque()
+        while (proc := self._proc) is not None:
+            returncode = await proc.wait()
+            if self._proc is not proc:  # stop() took it: asked to
+                return
+            now = time.monotonic()
+            recent.append(now)
+            while now - recent[0] > c.restart_window_s:
+                recent.popleft()
+            log.error("nats_server_died", pid=proc.pid, returncode=returncode, url=self.url,
+                      num_recent_restarts=len(recent) - 1)
+            await self._forget(proc)
+            if len(recent) > c.max_restarts:
+                raise BusError(f"nats-server at {self.url} died {len(recent)} times within {c.restart_window_s:g}s "
+                               f"(limit {c.max_restarts} restarts); see {c.store_dir}")
+            await asyncio.sleep(c.restart_delay_s)
+            try:
+                await self.start()
+            except (BusError, TimeoutError) as e:
+                raise BusError(f"nats-server at {self.url} died (code {returncode}) and could not be "
+                               f"restarted on its port and store: {e}") from e
+            self.num_restarts += 1
+            log.warning("nats_server_restarted", url=self.url, pid=self.pid, num_restarts=self.num_restarts)
+
+    async def _forget(self, proc: asyncio.subprocess.Process) -> None:
+        """Drops a process that exited on its own (its stderr reader ends at its EOF)."""
+        self._proc = None
+        if self._drain_task is not None:
+            await self._drain_task
+            self._drain_task = None
 
     async def stop(self) -> None:
         """Stops the server: SIGTERM (lame-duck free shutdown, flushes JetStream), then SIGKILL."""

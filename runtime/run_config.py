@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from runtime import config as config_mod
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
@@ -37,6 +39,16 @@ class BusSection:
     url: str = ""  # empty: start an embedded nats-server in the run directory
     max_payload_bytes: int = 8 * 1024 * 1024
     ack_wait_s: float = 30.0
+    max_outage_s: float = 60.0  # the bus unreachable for longer than this fails the run, saying so
+    server_max_restarts: int = 5  # the embedded server, died on its own, is restarted at most this often ...
+    server_restart_window_s: float = 60.0  # ... within this window (on its port and JetStream store)
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.max_outage_s <= 24 * 3600:
+            raise ValueError(f"bus.max_outage_s={self.max_outage_s} must be within 1..86400 seconds")
+        if self.server_max_restarts < 0 or self.server_restart_window_s <= 0:
+            raise ValueError(f"bus.server_max_restarts={self.server_max_restarts} must be >= 0 and "
+                             f"bus.server_restart_window_s={self.server_restart_window_s} > 0")
 
 
 @dataclass(frozen=True)
@@ -54,10 +66,13 @@ class SupervisorSection:
     drain_timeout_s: float = 60.0
     term_timeout_s: float = 10.0
     ready_timeout_s: float = 120.0  # a replacement must be consuming within this during a hot swap
+    stall_s: float = 600.0  # nothing acknowledged on any queue for this long: say so, naming the stage (0: off)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.restart_window_s <= 0:
             raise ValueError("supervisor.max_restarts must be >= 0 and restart_window_s > 0")
+        if self.stall_s != 0 and not 1.0 <= self.stall_s <= 7 * 24 * 3600:
+            raise ValueError(f"supervisor.stall_s={self.stall_s} must be 0 (off) or within 1..604800 seconds")
 
     def backoff(self, num_recent_restarts: int) -> float:
         return min(self.backoff_max_s, self.backoff_base_s * 2 ** max(0, num_recent_restarts - 1))
@@ -74,6 +89,7 @@ class ActorSpec:
     drain_timeout_s: float = 60.0
     threads: int = 0  # torch intra-op threads in the process; 0 leaves the default
     nice: int = 0  # CPU priority below the others' (0 to 19): a side job gives way to the pipeline
+    max_deliveries: int = 5  # handlings of one message before it is dead-lettered with its last error
 
     def __post_init__(self) -> None:
         if ":" not in self.entry:
@@ -153,35 +169,17 @@ def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -
 
 
 def dump_toml(tree: dict[str, Any]) -> str:
-    """A small TOML writer for resolved configs (plain values, nested tables)."""
-    lines: list[str] = []
-    _dump_table(tree, [], lines)
-    return "\n".join(lines) + "\n"
+    """The TOML text of a resolved config (tomli-w: strings with newlines, quotes or control characters,
+    keys that need quoting and arrays of tables are written as TOML reads them back). TOML has no null:
+    keys whose value is None are left out, so reading the file back gives their defaults."""
+    return tomli_w.dumps(_without_none(tree))
 
 
-def _dump_table(tree: dict[str, Any], path: list[str], lines: list[str]) -> None:
-    scalars = {k: v for k, v in tree.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in tree.items() if isinstance(v, dict)}
-    if path and (scalars or not tables):
-        lines.append(f"[{'.'.join(path)}]")
-    for k, v in scalars.items():
-        if v is None:
-            continue
-        lines.append(f"{k} = {_toml_scalar(v)}")
-    if scalars:
-        lines.append("")
-    for k, v in tables.items():
-        _dump_table(v, [*path, k], lines)
-
-
-def _toml_scalar(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_scalar(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        if any(v is None for v in value):
+            raise TypeError(f"cannot write {value!r} as TOML: arrays may not hold None")
+        return [_without_none(v) for v in value]
+    return value

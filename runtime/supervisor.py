@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime.bus import Bus
 from runtime.procutil import die_with_parent
@@ -34,6 +36,7 @@ from runtime.run_config import RuntimeConfig
 log = structlog.get_logger(__name__)
 
 SUPERVISOR_SUBJECT = "ctl.supervisor"
+BUS_STEP_TIMEOUT_S = 5.0  # one registry write of the supervisor's; past it the bus is taken as down
 
 
 class Outcome(enum.Enum):
@@ -83,7 +86,7 @@ class Supervisor:
                 await self._stop.wait()
                 await self._shutdown()
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(nats.errors.Error):  # closed or reconnecting: nothing to undo
                 await ctl.unsubscribe()
         log.info("supervisor_stopped", outcome=self.outcome.value, failure=self.failure)
         return self.outcome
@@ -128,8 +131,11 @@ class Supervisor:
         rc = await ap.proc.wait()
         self.procs.pop(ap.actor_id, None)
         if rc != 0:  # a killed process cannot unregister itself: drop its registry entry for it
-            with contextlib.suppress(Exception):
-                await (await self.bus.kv("actors")).delete(ap.actor_id)
+            try:
+                async with asyncio.timeout(BUS_STEP_TIMEOUT_S):
+                    await (await self.bus.kv("actors")).delete(ap.actor_id)
+            except (nats.errors.Error, OSError) as e:  # the bus is down: its entry stays, said
+                log.warning("registry_entry_left", actor_id=ap.actor_id, error=repr(e))
         if ap.retiring or self._stop.is_set():
             log.info("actor_exited", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc)
             return
@@ -163,7 +169,7 @@ class Supervisor:
         drain_timeout = self.config.actors[ap.kind].drain_timeout_s
         try:
             await self.bus.nc.request(f"ctl.{ap.actor_id}.drain", b"", timeout=2.0)
-        except Exception:  # not listening yet (still starting) or wedged: SIGTERM also means drain
+        except (nats.errors.Error, OSError):  # not listening (starting, wedged, bus down): SIGTERM drains too
             with contextlib.suppress(ProcessLookupError):
                 ap.proc.send_signal(signal.SIGTERM)
         if await _wait_exit(ap.proc, drain_timeout):
@@ -260,7 +266,7 @@ async def _wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
 async def _registry_entry(registry: Any, actor_id: str) -> dict[str, Any]:
     try:
         entry = await registry.get(actor_id)
-    except Exception:
+    except (KeyNotFoundError, KeyDeletedError):  # not registered (yet): no code hash to report
         return {}
     return msgpack.unpackb(entry.value, raw=False) if entry and entry.value else {}
 

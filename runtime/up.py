@@ -22,17 +22,20 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgpack
+import nats.errors
 import structlog
 import uvloop
+from nats.js.errors import KeyWrongLastSequenceError
 
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits
-from runtime.errors import ConfigError
+from runtime.errors import BusError, ConfigError
 from runtime.events import EventLog
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_config import RunConfig, dump_toml, load_run_config
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
 from runtime.supervisor import Outcome, Supervisor
+from runtime.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 
@@ -83,8 +86,9 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
         if rt.bus.url:
             url = rt.bus.url
         else:
-            server = NatsServer(NatsServerConfig(store_dir=run_dir / "nats",
-                                                 max_payload_bytes=rt.bus.max_payload_bytes))
+            server = NatsServer(NatsServerConfig(store_dir=run_dir / "nats", max_payload_bytes=rt.bus.max_payload_bytes,
+                                                 max_restarts=rt.bus.server_max_restarts,
+                                                 restart_window_s=rt.bus.server_restart_window_s))
             url = await server.start()
             stack.push_async_callback(server.stop)
         bus = await Bus.connect(url, name="supervisor", limits=BusLimits(ack_wait_s=rt.bus.ack_wait_s))
@@ -99,19 +103,50 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
             loop.add_signal_handler(sig, supervisor.request_stop)
         _announce(terminal, run_dir, url, storage_url, resumed)
         progress = await bus.nc.subscribe(f"{PROGRESS_SUBJECT}.>", cb=_progress_printer(terminal))
-        stack.push_async_callback(progress.unsubscribe)
+        stack.push_async_callback(_quietly, progress.unsubscribe)
         async with asyncio.TaskGroup() as tg:
             forwarder = tg.create_task(event_log.forward(bus.nc))
+            guard = tg.create_task(_guard_bus(supervisor, bus, server, url, rt.bus.max_outage_s, terminal))
+            watchdog = tg.create_task(Watchdog(bus, rt.supervisor.stall_s, sys.stderr).run()) \
+                if rt.supervisor.stall_s else None
             try:
                 outcome = await supervisor.run()
             finally:
                 forwarder.cancel()
+                guard.cancel()
+                if watchdog is not None:
+                    watchdog.cancel()
         if supervisor.failure:
             print(f"run failed: {supervisor.failure}", file=sys.stderr, flush=True)
         elif terminal is not None:
             print(f"\nrun {outcome.value}", file=terminal, flush=True)
         return outcome
     raise AssertionError("unreachable")
+
+
+async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | None, url: str,
+                     max_outage_s: float, terminal: IO[str] | None) -> None:
+    """Keeps the bus up for the run: restarts the embedded server when it dies (on its port and store:
+    clients reconnect and carry on), and fails the run, saying why, when the bus stays unreachable
+    for longer than ``bus.max_outage_s`` or the server cannot be restarted."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            if server is not None:
+                tg.create_task(server.supervise())
+            tg.create_task(bus.health.fail_after_outage(url, max_outage_s))
+    except* BusError as group:
+        reason = str(group.exceptions[0])
+        log.error("bus_lost", url=url, reason=reason)
+        if terminal is not None:
+            print(f"\nbus lost: {reason}", file=terminal, flush=True)
+        supervisor.request_stop(Outcome.FAILED, reason)
+
+
+async def _quietly(step: Any) -> None:
+    """An exit step that has nothing to undo on a connection that is closed or down."""
+    with contextlib.suppress(nats.errors.Error, OSError):
+        async with asyncio.timeout(5.0):
+            await step()
 
 
 async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> None:
@@ -121,7 +156,7 @@ async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> Non
     kv = await bus.kv("config")
     for key, value in config_mod.live_items(cfg.app):
         if resumed:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(KeyWrongLastSequenceError):  # set before: keep the operator's value
                 await kv.create(key, msgpack.packb(value, use_bin_type=True))
         else:
             await kv.put(key, msgpack.packb(value, use_bin_type=True))

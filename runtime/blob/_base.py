@@ -11,6 +11,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import errno
+import random
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import BinaryIO, Literal, Self
 
@@ -22,6 +24,8 @@ __all__ = [
     "BlobStoreConfig",
     "BlobUnavailable",
     "StreamSource",
+    "backoff_s",
+    "is_transient_os_error",
     "iter_source",
     "validate_key",
 ]
@@ -51,6 +55,24 @@ class BlobNotFound(BlobError, KeyError):
 
 class BlobUnavailable(BlobError, ConnectionError):
     """The store kept failing with transient errors after every allowed attempt."""
+
+    retried = True  # the store's own retry policy is spent: a caller above must not retry it again
+
+
+TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT,
+                              errno.ECONNRESET, errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
+"""Errors of a file system (a network one, mostly) that a retry may get past; anything else (a full
+disk or quota, a permission, a missing or read-only path, an I/O error of the disk) is raised at once."""
+
+
+def is_transient_os_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
+
+
+def backoff_s(config: BlobStoreConfig, attempt: int, rng: random.Random) -> float:
+    """The delay before retry number ``attempt``: capped exponential with full jitter over its top half."""
+    cap = min(config.backoff_max_s, config.backoff_base_s * 2 ** (attempt - 1))
+    return cap / 2 + rng.uniform(0, cap / 2)
 
 
 @dataclasses.dataclass(frozen=True)

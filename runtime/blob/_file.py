@@ -4,6 +4,11 @@ Atomic visibility: bytes go to a private temporary file under ``<root>/.tmp`` (s
 are fsynced, and are then renamed over the final path with ``os.replace``; the parent folder is
 fsynced too, so a crash leaves either the old object, the new one, or nothing, never a torn file.
 A reader that opened the old file keeps reading the old bytes.
+
+Retries: a whole-object call that fails with an error a retry may get past (a stale NFS handle, a
+timeout, EAGAIN: ``is_transient_os_error``) is tried up to ``max_attempts`` times, then raises
+:class:`BlobUnavailable`; any other error (a full disk, a permission, a missing or read-only path) is
+raised at once, as it is: retrying it only delays the failure.
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import structlog
 
@@ -24,7 +30,10 @@ from runtime.blob._base import (
     BlobNotFound,
     BlobStore,
     BlobStoreConfig,
+    BlobUnavailable,
     StreamSource,
+    backoff_s,
+    is_transient_os_error,
     iter_source,
     validate_key,
 )
@@ -32,6 +41,7 @@ from runtime.blob._base import (
 __all__ = ["FileBlobStore"]
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 def root_from_url(url: str) -> Path:
@@ -50,6 +60,7 @@ class FileBlobStore(BlobStore):
         self.root = root_from_url(config.url)
         self._tmp_dir = self.root / RESERVED_PREFIX
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._rng = random.Random()
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*validate_key(key).split("/"))
@@ -58,25 +69,42 @@ class FileBlobStore(BlobStore):
 
     async def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         path = self._path(key)
-        await asyncio.to_thread(self._put_sync, key, path, [memoryview(data)])
+        await self._io("put", key, self._put_sync, key, path, [memoryview(data)])
 
     async def get(self, key: str) -> bytes:
         path = self._path(key)
         try:
-            return await asyncio.to_thread(path.read_bytes)
+            return await self._io("get", key, path.read_bytes)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise BlobNotFound(key, self.url) from None
 
     async def exists(self, key: str) -> bool:
         path = self._path(key)
-        return await asyncio.to_thread(path.is_file)
+        return await self._io("exists", key, path.is_file)
 
     async def list(self, prefix: str = "") -> list[str]:
-        return await asyncio.to_thread(self._list_sync, prefix)
+        return await self._io("list", prefix, self._list_sync, prefix)
 
     async def delete(self, key: str) -> None:
         path = self._path(key)
-        await asyncio.to_thread(self._delete_sync, path)
+        await self._io("delete", key, self._delete_sync, path)
+
+    async def _io(self, op: str, key: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run one blocking file operation in a thread; transient errors retried (module docstring)."""
+        attempts = self.config.max_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except OSError as exc:
+                if not is_transient_os_error(exc):
+                    raise
+                if attempt == attempts:
+                    raise BlobUnavailable(f"file {op} of {key!r} in {self.url} failed {attempts} times with "
+                                          f"transient errors, last: {exc}; check the file system") from exc
+                delay_s = backoff_s(self.config, attempt, self._rng)
+                log.warning("blob_retry", op=op, key=key, attempt=attempt, delay_s=round(delay_s, 3), error=str(exc))
+                await asyncio.sleep(delay_s)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- streams ---------------------------------------------------------------------------------
 

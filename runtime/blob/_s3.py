@@ -1,10 +1,14 @@
 """s3:// backend on boto3, run in worker threads so the event loop never blocks.
 
-Every request goes through :meth:`S3BlobStore._call`, which retries transient failures (throttling,
-HTTP 5xx and 429, connection errors, timeouts, truncated bodies) with exponential backoff and jitter
-up to ``max_attempts`` attempts, then raises :class:`BlobUnavailable`. botocore's own retries are
-switched off so the attempt count is exactly the configured one. S3 makes single PUTs and completed
-multipart uploads visible atomically; an aborted or unfinished multipart upload is never visible.
+One retry policy, bounded by ``max_attempts`` attempts in all: botocore's standard retry mode retries
+each request (throttling, HTTP 500/502/503/504, connection errors, with its own jittered backoff),
+and :meth:`S3BlobStore._call` is the one bounded layer above it, for what botocore does not retry
+(a 429 under a code botocore does not know, a response body cut short while it is read): it counts
+the attempts botocore made (``RetryAttempts``) against the same budget, so no request is tried more
+than ``max_attempts`` times, and then raises :class:`BlobUnavailable` (marked ``retried``: callers
+above must not retry again). Non-transient errors (access denied, missing bucket) are never retried.
+S3 makes single PUTs and completed multipart uploads visible atomically; an aborted or unfinished
+multipart upload is never visible.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 import structlog
+import urllib3.exceptions
 
 from runtime.blob._base import (
     BlobError,
@@ -27,6 +32,7 @@ from runtime.blob._base import (
     BlobStoreConfig,
     BlobUnavailable,
     StreamSource,
+    backoff_s,
     iter_source,
     validate_key,
 )
@@ -62,15 +68,42 @@ _TRANSIENT_BOTOCORE = (
 )
 
 
+class BodyCutShort(Exception):
+    """A response body failed while it was read: after botocore's retries, so only the layer above
+    can retry it (the request is made again)."""
+
+
+def read_body(response: dict[str, Any]) -> bytes:
+    """The response's body, or BodyCutShort if reading it failed (truncated, reset, timed out)."""
+    try:
+        return response["Body"].read()
+    except (botocore.exceptions.BotoCoreError, OSError, urllib3.exceptions.HTTPError) as exc:
+        raise BodyCutShort(f"response body cut short: {exc!r}") from exc
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the same S3 request may succeed."""
-    if isinstance(exc, _TRANSIENT_BOTOCORE):
+    if isinstance(exc, (BodyCutShort, *_TRANSIENT_BOTOCORE)):
         return True
     if isinstance(exc, botocore.exceptions.ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = exc.response.get("Error", {}).get("Code", "")
         return status >= 500 or status == 429 or code in _TRANSIENT_CODES
     return False
+
+
+def _attempts_made(exc: BaseException, budget: int) -> int:
+    """How many attempts of the budget one call spent: botocore counts its retries of a request it
+    answered (``RetryAttempts``); a connection error it raises has used every attempt it had."""
+    if isinstance(exc, BodyCutShort):
+        return 1
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return 1 + int(exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0))
+    return budget
+
+
+def _cause(exc: BaseException) -> BaseException:
+    return exc.__cause__ if isinstance(exc, BodyCutShort) and exc.__cause__ is not None else exc
 
 
 def _error_code(exc: botocore.exceptions.ClientError) -> str:
@@ -97,7 +130,7 @@ class S3BlobStore(BlobStore):
             style = "path"
         client_config = botocore.config.Config(
             region_name=config.s3_region,
-            retries={"total_max_attempts": 1, "mode": "standard"},
+            retries={"total_max_attempts": config.max_attempts, "mode": "standard"},
             connect_timeout=config.connect_timeout_s,
             read_timeout=config.read_timeout_s,
             max_pool_connections=config.max_pool_connections,
@@ -110,28 +143,25 @@ class S3BlobStore(BlobStore):
     def _full_key(self, key: str) -> str:
         return self.prefix + validate_key(key)
 
-    def _backoff_s(self, attempt: int) -> float:
-        cap = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (attempt - 1))
-        return cap / 2 + self._rng.uniform(0, cap / 2)
-
     async def _call(self, op: str, key: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        """Run one blocking S3 request in a thread, retrying transient failures."""
-        attempts = self.config.max_attempts
-        for attempt in range(1, attempts + 1):
+        """Run one blocking S3 request in a thread; see the module docstring for the retry policy."""
+        budget = self.config.max_attempts
+        used = 0
+        while True:
             try:
                 return await asyncio.to_thread(fn, **kwargs)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
-                if attempt == attempts:
+                used += _attempts_made(exc, budget)
+                if used >= budget:
                     raise BlobUnavailable(
-                        f"s3 {op} of {key!r} in {self.url} failed {attempts} times with transient "
-                        f"errors, last: {exc}; check the endpoint or raise max_attempts"
+                        f"s3 {op} of {key!r} in {self.url} failed {used} times with transient errors, "
+                        f"last: {_cause(exc)}; check the endpoint or raise max_attempts"
                     ) from exc
-                delay_s = self._backoff_s(attempt)
-                log.warning("blob_retry", op=op, key=key, attempt=attempt, delay_s=round(delay_s, 3), error=str(exc))
+                delay_s = backoff_s(self.config, used, self._rng)
+                log.warning("blob_retry", op=op, key=key, attempt=used, delay_s=round(delay_s, 3), error=str(exc))
                 await asyncio.sleep(delay_s)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- whole objects ---------------------------------------------------------------------------
 
@@ -154,7 +184,7 @@ class S3BlobStore(BlobStore):
         full = self._full_key(key)
 
         def fetch() -> bytes:
-            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+            return read_body(self._client.get_object(Bucket=self.bucket, Key=full))
 
         try:
             return await self._call("get", key, fetch)
@@ -236,10 +266,9 @@ class S3BlobStore(BlobStore):
             end = min(start + size, total) - 1
 
             def fetch(start: int = start, end: int = end) -> bytes:
-                response = self._client.get_object(
+                return read_body(self._client.get_object(
                     Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end}", IfMatch=etag
-                )
-                return response["Body"].read()
+                ))
 
             try:
                 chunk = await self._call("get_range", key, fetch)

@@ -258,3 +258,62 @@ async def test_live_config_reaches_every_actor_within_a_second(tmp_path: Path, c
         assert bad.returncode == 2 and "not live" in bad.stderr
     finally:
         assert await run.stop() == 0
+
+
+FAULTY_RUN = """
+[supervisor]
+max_restarts = 10
+backoff_base_s = 0.2
+
+[actors.faulty]
+entry = "tests.integration.workers:FaultyActor"
+max_deliveries = 3
+heartbeat_s = 0.5
+"""
+
+
+async def test_poison_messages_are_dead_lettered_after_bounded_deliveries(tmp_path: Path) -> None:
+    """Envelopes that cannot decode go to the DLQ at once (a list as type, a key escaping the blob store);
+    a message whose handler always raises, or always kills its process, after max_deliveries with its
+    last error; the actor keeps serving and the run stops cleanly."""
+    from tests.integration.workers import FaultRequest
+
+    run = await LiveRun(tmp_path / "run", write_config(tmp_path / "run.toml", FAULTY_RUN),
+                        "--set", "bus.ack_wait_s=2.0").start()
+    try:
+        await run.wait_actors("faulty", 1)
+        assert run.bus is not None
+        handled: list[dict] = []
+        await _collect(run, "test.handled", handled)
+        js, codec = run.bus.js, Codec([FaultRequest])
+        body = msgpack.packb({"key": "x"})
+        await js.publish("work.fault", msgpack.packb({"schema": 1, "type": ["test.fault"], "v": 1, "body": body}))
+        await js.publish("work.fault", msgpack.packb({"schema": 1, "type": "test.fault", "v": 1, "blob": "../../x"}))
+        await js.publish("work.fault", await codec.encode(FaultRequest("always-raises", "raise")))
+        sub = await js.subscribe("dlq.>", ordered_consumer=True, deliver_policy=None)
+        letters: dict[str, list[dict]] = {}
+
+        async def next_letter() -> None:
+            m = await sub.next_msg(timeout=60)
+            letters.setdefault(m.headers["Reason"], []).append(m.headers)
+
+        for _ in range(3):
+            await next_letter()
+        # Then, alone (a crash would also interrupt the other's handling): the process killer, 3
+        # deliveries of ack_wait 2 s each, with restarts.
+        await js.publish("work.fault", await codec.encode(FaultRequest("kills-its-process", "exit")))
+        await next_letter()
+        assert sorted(letters) == ["invalid_blob_key", "max_deliveries", "unknown_type"], letters
+        raised, crashed = (h["Detail"] for h in letters["max_deliveries"])
+        assert "LookupError" in raised and "failed 3 deliveries" in raised, raised
+        assert "delivered 4 times" in crashed and "crashed or hung" in crashed, crashed
+        await js.publish("work.fault", await codec.encode(FaultRequest("after")))
+
+        async def served() -> bool:
+            return any(h["key"] == "after" for h in handled)
+
+        await _wait_for(served, 30, "the actor to keep serving after the poison")
+        stream = await js.stream_info("Q_WORK_FAULT")
+        assert stream.state.messages == 0, "every poison message left the work queue"
+    finally:
+        assert await run.stop() == 0

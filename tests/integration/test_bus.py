@@ -1,13 +1,18 @@
-"""The bus's KV buckets on a real nats-server: listing keys while other clients write."""
+"""The bus on a real nats-server: listing keys while other clients write; a killed server restarted."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
 from nats.js.errors import NoKeysError
 
+from runtime.bus import Bus, work_queue
+from runtime.errors import BusError
+from runtime.natsserver import NatsServer, NatsServerConfig
 from tests.integration.harness import nats_bus
 
 
@@ -52,3 +57,53 @@ async def test_a_second_client_sees_the_same_bucket(tmp_path: Path) -> None:
             assert await (await other.kv("config")).keys() == ["trainer.lr"]
         finally:
             await other.close()
+
+
+async def test_a_killed_server_is_restarted_and_clients_carry_on(tmp_path: Path) -> None:
+    """kill -9 of the server: supervise() restarts it on its port and store; a pull consumer and a KV
+    watch (renewed: the server lost its consumer) carry on; past max_restarts it gives up, saying so."""
+    server = NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", max_restarts=1, restart_window_s=60.0))
+    url = await server.start()
+    supervision = asyncio.ensure_future(server.supervise())
+    bus = await Bus.connect(url, name="test")
+    try:
+        await bus.ensure_base()
+        queue = work_queue("restart")
+        await bus.ensure_queue(queue)
+        kv = await bus.kv("config")
+        watched: list[str | None] = []
+        saw = {"before": asyncio.Event(), "after": asyncio.Event()}
+
+        async def follow() -> None:
+            async for entry in bus.watch_kv("config"):
+                watched.append(entry.key if entry is not None else None)
+                if watched[-1] in saw:
+                    saw[watched[-1]].set()
+
+        follower = asyncio.ensure_future(follow())
+        await kv.put("before", b"1")
+        await asyncio.wait_for(saw["before"].wait(), 10)  # the watch exists before the kill
+        await bus.js.publish("work.restart", b"a")
+        port, old_pid = server.port, server.pid
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGKILL)
+        async with asyncio.timeout(30):
+            await bus.health.down.wait()
+            await bus.health.up.wait()
+        assert server.port == port and server.pid != old_pid and server.num_restarts == 1
+        await kv.put("after", b"1")
+        await bus.js.publish("work.restart", b"b")
+        sub = await bus.js.pull_subscribe_bind(durable=queue.durable, stream=queue.stream)
+        got = [m.data for m in await sub.fetch(batch=2, timeout=10)]
+        assert got == [b"a", b"b"], "the stream kept its message across the kill and took the next"
+        await asyncio.wait_for(saw["after"].wait(), 30)
+        assert watched.count("before") == 2, watched  # replayed by the renewed watch
+        follower.cancel()
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)  # the second death within the window: past the limit
+        with pytest.raises(BusError, match=r"died 2 times within 60s \(limit 1 restarts\)"):
+            await asyncio.wait_for(supervision, 30)
+    finally:
+        supervision.cancel()
+        await bus.close()
+        await server.stop()

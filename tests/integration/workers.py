@@ -69,3 +69,24 @@ class CrashingActor(Actor):
 
     async def setup(self) -> None:
         os._exit(3)
+
+
+@message("test.fault")
+class FaultRequest:
+    key: str
+    fault: str = ""  # "": handled; "raise": the handler always raises; "exit": the handler kills its process
+
+
+class FaultyActor(Actor):
+    """Handles ``work.fault``: a poison message raises, or takes its process down, every delivery."""
+
+    kind = "faulty"
+    queues = (work_queue("fault"),)
+    messages = (FaultRequest,)
+
+    async def handle(self, msg: FaultRequest, delivery: Delivery) -> None:  # type: ignore[override]
+        if msg.fault == "raise":
+            raise LookupError(f"no handler for {msg.key!r}")
+        if msg.fault == "exit":
+            os._exit(7)
+        await self.bus.nc.publish("test.handled", msgpack.packb({"key": msg.key, "n": delivery.num_delivered}))

@@ -1,0 +1,199 @@
+"""No wait on the bus or on storage is unbounded: a structural check of every ``await`` in runtime/ and
+ops/ that talks to NATS or to a blob store.
+
+Each such await is bounded in one of these ways, checked here from the source (AST):
+  - its own timeout argument (``request``, ``fetch``, ``next_msg``: present and not None);
+  - lexically inside ``async with asyncio.timeout(...)`` or the first argument of ``asyncio.wait_for``;
+  - its kind's client bound, stated in ``KIND_BOUNDS`` (a JetStream API request times out after the
+    context's 5 s, checked below; a core publish, ack or subscribe only writes to the client's
+    bounded buffer; a blob call is bounded by the store's timeouts and attempts);
+  - the project's own bounded helpers (``HELPERS``), whose insides this same check covers.
+What fits none of these fails the test, naming file, line and call, as does an unbounded wait
+listed in ``UNBOUNDED_BY_DESIGN`` that no longer exists (so the list stays true). Run this module
+as a script to print every await with its bound.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from nats.js.client import JetStreamContext
+
+REPO = Path(__file__).resolve().parents[2]
+SCANNED = ("runtime", "ops")
+
+TIMEOUT_ARG = {"request": 2, "fetch": None, "next_msg": 0, "flush": 0}  # verb -> positional index of its timeout
+REQUIRES_CONTEXT = {"drain"}  # nats-py's drain has no bound of its own: only asyncio.timeout around it
+JS_API = "JetStream API request: the context's timeout (5 s)"
+NO_WAIT = "core protocol write into the client's bounded pending buffer: no round trip"
+BLOB = "blob store call: the store's connect/read timeouts x max_attempts (runtime.blob)"
+KIND_BOUNDS = {
+    # JetStream API and KV requests (nats-py sends a request and waits the context's timeout)
+    **dict.fromkeys(("stream_info", "streams_info", "add_stream", "update_stream", "add_consumer",
+                     "consumer_info", "create_key_value", "keys", "create", "update"), JS_API),
+    # core NATS writes: no reply awaited
+    **dict.fromkeys(("ack", "nak", "in_progress", "respond", "unsubscribe", "pull_subscribe_bind"), NO_WAIT),
+    # blob stores
+    **dict.fromkeys(("put_stream", "get_stream", "exists", "list"), BLOB),
+}
+RECEIVER_BOUNDS = {  # verbs whose bound depends on what they are called on
+    "publish": {"nc": NO_WAIT, "js": JS_API},
+    "subscribe": {"nc": NO_WAIT, "js": JS_API},  # a JetStream subscribe creates its consumer first
+    "put": {"kv": JS_API, "blob": BLOB},
+    "get": {"kv": JS_API, "blob": BLOB},
+    "delete": {"kv": JS_API, "blob": BLOB},
+}
+HELPERS = {
+    "connect": "Bus.connect: asyncio.wait_for(connect_timeout_s)",
+    "close": "Bus.close: drain under asyncio.timeout; a store's close releases its client",
+    "kv": "Bus.kv: JetStream API requests (5 s each)",
+    "ensure_queue": "Bus.ensure_queue: JetStream API requests (5 s each)",
+    "ensure_base": "Bus.ensure_base: JetStream API requests (5 s each)",
+    "publish_durable": "Bus.publish_durable: js.publish, 5 s",
+    "publish_unconfirmed": "Bus.publish_unconfirmed: a core publish",
+    "dead_letter": "Bus.dead_letter: js.publish, 5 s",
+    "watch": "a KV watch: its consumer is a JetStream API request (5 s); then events as they come",
+    "watch_kv": "Bus.watch_kv: as watch, renewed after an outage",
+    "start": "NatsServer.start: asyncio.wait_for(start_timeout_s); Actor.start: ensure_queue and a registry "
+             "put (JetStream requests), then the kind's setup, whose own awaits this check covers",
+    "stop": "NatsServer.stop: wait_for(stop_timeout_s), then SIGKILL; a KV watcher's stop: an unsubscribe",
+    "create_multipart": "one S3 request through S3BlobStore._call",
+    "request_bus": "ops._client.request: nc.request(timeout=timeout_s)",
+}
+UNBOUNDED_BY_DESIGN = {
+    ("ops/tail.py", "next_msg"): "ops.tail --follow waits for the next event until the operator stops it",
+}
+VERBS = {*TIMEOUT_ARG, *REQUIRES_CONTEXT, *KIND_BOUNDS, *RECEIVER_BOUNDS, *HELPERS, "create", "sync"}
+
+
+@dataclass(frozen=True)
+class Await:
+    path: str
+    line: int
+    verb: str
+    call: str
+    bound: str | None
+
+
+def _verb(call: ast.Call) -> str | None:
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name == "create" and "_MultipartUpload" in ast.unparse(func):
+        return "create_multipart"
+    if name == "request" and isinstance(func, ast.Name):  # ops._client.request(bus, subject, ..., timeout_s)
+        return "request_bus"
+    return name
+
+
+def _receiver_kind(call: ast.Call) -> str:
+    text = ast.unparse(call.func).lower()
+    if ".js." in f".{text}" or text.startswith("js."):
+        return "js"
+    if "blob" in text or "store" in text:
+        return "blob"
+    if "kv" in text or "registry" in text or "effects" in text or text.startswith("(await"):
+        return "kv"
+    return "nc"
+
+
+def _in_kv_subclass(call: ast.Call, node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """``self.get(...)`` inside a class derived from nats-py's KeyValue (runtime.bus.Bucket)."""
+    if not ast.unparse(call.func).startswith("self."):
+        return False
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.ClassDef):
+            return any("KeyValue" in ast.unparse(base) for base in node.bases)
+    return False
+
+
+def _has_timeout(call: ast.Call, position: int | None) -> bool:
+    for kw in call.keywords:
+        if kw.arg in ("timeout", "timeout_s"):  # a None anywhere in it (x if y else None) may be unbounded
+            return not any(isinstance(n, ast.Constant) and n.value is None for n in ast.walk(kw.value))
+    return position is not None and len(call.args) > position
+
+
+def _bounded_by_context(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.AsyncWith) and any(
+                "timeout" in ast.unparse(item.context_expr) for item in node.items):
+            return True
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("asyncio.wait_for", "wait_for"):
+            return True
+    return False
+
+
+def awaits() -> Iterator[Await]:
+    for root in SCANNED:
+        for path in sorted((REPO / root).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+            rel = str(path.relative_to(REPO))
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Await) and isinstance(node.value, ast.Call)):
+                    continue
+                call = node.value
+                verb = _verb(call)
+                if verb not in VERBS:
+                    continue
+                yield Await(rel, node.lineno, verb, ast.unparse(call)[:100], _bound(rel, verb, call, node, parents))
+
+
+def _bound(rel: str, verb: str, call: ast.Call, node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str | None:
+    if _bounded_by_context(node, parents):
+        return "asyncio.timeout / wait_for around it"
+    if verb in TIMEOUT_ARG:
+        if _has_timeout(call, TIMEOUT_ARG[verb]):
+            return "its timeout argument"
+        return UNBOUNDED_BY_DESIGN.get((rel, verb))
+    if verb in RECEIVER_BOUNDS:
+        kind = "kv" if _in_kv_subclass(call, node, parents) else _receiver_kind(call)
+        return RECEIVER_BOUNDS[verb].get(kind)
+    if verb == "create":
+        return JS_API if _receiver_kind(call) == "kv" else None
+    if verb == "sync":
+        return None  # a store's sync must carry its own bound: say which here when one appears
+    return KIND_BOUNDS.get(verb) or HELPERS.get(verb)
+
+
+def test_every_bus_or_storage_await_is_bounded() -> None:
+    found = list(awaits())
+    assert len(found) > 50, "the scan found too few awaits: is it still reading the packages?"
+    unbounded = [f"{a.path}:{a.line}: await {a.call}" for a in found if a.bound is None]
+    assert not unbounded, "awaits on the bus or storage without a bound:\n" + "\n".join(unbounded)
+
+
+def test_the_design_exceptions_still_exist() -> None:
+    seen = {(a.path, a.verb) for a in awaits()}
+    stale = [key for key in UNBOUNDED_BY_DESIGN if key not in seen]
+    assert not stale, f"UNBOUNDED_BY_DESIGN lists waits that are gone: {stale}"
+
+
+def test_the_jetstream_context_bounds_its_requests() -> None:
+    """The JS_API bound is real: nats-py's context defaults to a 5 s request timeout and the bus does
+    not override it with None."""
+    assert inspect.signature(JetStreamContext.__init__).parameters["timeout"].default == 5
+    bus_source = (REPO / "runtime" / "bus.py").read_text()
+    assert "nc.jetstream()" in bus_source and "jetstream(timeout=None" not in bus_source
+
+
+def test_the_check_catches_an_unbounded_wait() -> None:
+    """The check itself can fail: a request without a timeout and a fetch without one are caught."""
+    tree = ast.parse("async def f(nc, sub):\n    await nc.request('s', b'')\n    await sub.fetch(1)\n"
+                     "    async with asyncio.timeout(1):\n        await nc.request('s', b'')\n")
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    bounds = [_bound("x.py", _verb(n.value), n.value, n, parents)  # type: ignore[arg-type]
+              for n in ast.walk(tree) if isinstance(n, ast.Await)]
+    assert sorted(map(str, bounds)) == ["None", "None", "asyncio.timeout / wait_for around it"]
+
+
+if __name__ == "__main__":
+    for a in awaits():
+        print(f"{a.path}:{a.line}  {a.call}\n    bound: {a.bound}", file=sys.stdout)
