@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime import config as config_mod
+from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
 
@@ -24,19 +25,22 @@ RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "log", "actors")
 class RunSection:
     name: str = "run"
     runs_dir: Path = Path("runs")
-    seed: int = 0
-    steps: int = 0  # 0: until stopped; the application decides what a step is and reports finish
+    seed: int = fixed(0, within=Range(0, 2**63 - 1))
+    # 0: until stopped; the application decides what a step is and reports finish
+    steps: int = fixed(0, within=Range(0, 100_000_000))
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"run.steps={self.steps} must be >= 0")
+        check_ranges(self, "run")
 
 
 @dataclass(frozen=True)
 class BusSection:
     url: str = ""  # empty: start an embedded nats-server in the run directory
-    max_payload_bytes: int = 8 * 1024 * 1024
-    ack_wait_s: float = 30.0
+    max_payload_bytes: int = fixed(8 * 1024 * 1024, within=Range(1024, 64 * 1024 * 1024))
+    ack_wait_s: float = fixed(30.0, within=Range(1.0, 3600.0))
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "bus")
 
 
 @dataclass(frozen=True)
@@ -47,17 +51,18 @@ class StorageSection:
 
 @dataclass(frozen=True)
 class SupervisorSection:
-    max_restarts: int = 5  # OTP intensity: more than this many restarts ...
-    restart_window_s: float = 60.0  # ... within this window fails the run
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 10.0
-    drain_timeout_s: float = 60.0
-    term_timeout_s: float = 10.0
-    ready_timeout_s: float = 120.0  # a replacement must be consuming within this during a hot swap
+    # OTP intensity: more than max_restarts restarts within restart_window_s fails the run
+    max_restarts: int = fixed(5, within=Range(0, 10_000))
+    restart_window_s: float = fixed(60.0, within=Range(0.0, 86_400.0, lo_open=True))
+    backoff_base_s: float = fixed(0.5, within=Range(0.0, 3600.0))
+    backoff_max_s: float = fixed(10.0, within=Range(0.0, 3600.0))
+    drain_timeout_s: float = fixed(60.0, within=Range(0.0, 86_400.0))
+    term_timeout_s: float = fixed(10.0, within=Range(0.0, 3600.0))
+    # a replacement must be consuming within this during a hot swap
+    ready_timeout_s: float = fixed(120.0, within=Range(0.0, 86_400.0, lo_open=True))
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.restart_window_s <= 0:
-            raise ValueError("supervisor.max_restarts must be >= 0 and restart_window_s > 0")
+        check_ranges(self, "supervisor")
 
     def backoff(self, num_recent_restarts: int) -> float:
         return min(self.backoff_max_s, self.backoff_base_s * 2 ** max(0, num_recent_restarts - 1))
@@ -68,20 +73,21 @@ class ActorSpec:
     """One actor kind: its class as ``module:Class`` (as gunicorn or uvicorn name apps), how many."""
 
     entry: str
-    count: int = 1
-    max_concurrency: int = 8
-    heartbeat_s: float = 5.0
-    drain_timeout_s: float = 60.0
-    threads: int = 0  # torch intra-op threads in the process; 0 leaves the default
-    nice: int = 0  # CPU priority below the others' (0 to 19): a side job gives way to the pipeline
+    count: int = fixed(1, within=Range(0, 10_000))
+    max_concurrency: int = fixed(8, within=Range(1, 100_000))
+    heartbeat_s: float = fixed(5.0, within=Range(0.0, 3600.0, lo_open=True))
+    drain_timeout_s: float = fixed(60.0, within=Range(0.0, 86_400.0))
+    threads: int = fixed(0, within=Range(0, 1024))  # torch intra-op threads in the process; 0 leaves the default
+    # CPU priority below the others' (0 to 19; 0: the same as every other actor): a side job gives way
+    nice: int = fixed(0, within=Range(0, 19))
+    # How long the actor's registry entry outlives its last renewal (renewed every third of it): a
+    # killed or frozen actor is declared lost, and its work re-issued, this long after its last renewal.
+    lease_s: float = fixed(10.0, within=Range(1.0, 3600.0))
 
     def __post_init__(self) -> None:
+        check_ranges(self, "actors.<kind>")
         if ":" not in self.entry:
             raise ValueError(f"entry {self.entry!r} must look like package.module:ClassName")
-        if self.count < 0:
-            raise ValueError(f"count={self.count} must be >= 0")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice={self.nice} must be in 0..19 (0: the same priority as every other actor)")
 
 
 @dataclass(frozen=True)
