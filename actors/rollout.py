@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -23,8 +24,9 @@ from actors.policy import load_policy, weights_run_name
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from actors.weights_follower import WeightsFollower
-from model.engine import GenerationEngine
-from model.generation import EngineConfig, KVPolicy
+from model.engine import EngineStatus, GenerationEngine
+from model.errors import EngineError, EngineStateError
+from model.generation import EngineConfig, Generation, KVPolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from runtime.actor import Delivery
@@ -86,10 +88,9 @@ class RolloutActor(StageActor):
             task = self.tasks.task(order.prompt_id)
         except KeyError as e:
             raise WorkRefused(str(e)) from None
-        while self.engine.version < order.policy_version_floor:  # admitted under a newer policy than ours
-            self.weights.announce(order.policy_version_floor)
-            if await self.weights.load_latest() < order.policy_version_floor:
-                await asyncio.sleep(0.5)  # announced by the order before the store has it: look again
+        if self.engine.version < order.policy_version_floor:  # admitted under a newer policy than ours
+            # WeightsUnavailable after the bound: the order is nak'ed and comes back later
+            await self.weights.reach(order.policy_version_floor, self.config.rollout.weights_wait_s)
         env = await self.pool.acquire(self._base(task))
         try:
             toolbox = ToolBox(env)
@@ -101,7 +102,7 @@ class RolloutActor(StageActor):
             r = self.config.rollout
             sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p,
                                       seed=_seed(order, self.ctx.run.seed if self.ctx.run else 0))
-            traj = await run_episode(task, self.engine.generate, call_tool, self.tokenizer, r.agent, sampling)
+            traj = await run_episode(task, self._generate, call_tool, self.tokenizer, r.agent, sampling)
             snapshot = env.snapshot()
             try:
                 workspace = export_snapshot_bytes(snapshot)
@@ -117,6 +118,17 @@ class RolloutActor(StageActor):
                  num_tokens=len(traj.token_ids), num_turns=traj.num_turns, min_version=traj.min_version,
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3))
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)
+
+
+    async def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """The engine's generate; an engine that FAILED fails this actor: every later call would raise,
+        so the process exits (in-flight orders nak'ed, redelivered) and its supervisor starts a new one."""
+        try:
+            return await self.engine.generate(prompt_ids, params)
+        except (EngineError, EngineStateError) as e:
+            if self.engine.status is EngineStatus.FAILED:
+                self.fail(f"the generation engine failed: {e}")
+            raise
 
 
 def _seed(order: RolloutOrder, run_seed: int) -> int:

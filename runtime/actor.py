@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 from runtime import config as config_mod
 from runtime.bus import Bus, Queue
 from runtime.codec import Codec, Message
-from runtime.errors import ConfigError, LifecycleError, MessageError
+from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError
 
 log = structlog.get_logger(__name__)
 
@@ -132,6 +132,7 @@ class Actor:
         self.num_handled = 0
         self.num_failed = 0
         self.num_dead_lettered = 0
+        self.failure: str | None = None  # set by fail(): the run() that drains then raises ActorFailed
         self._started_at = time.time()
         self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
 
@@ -196,6 +197,8 @@ class Actor:
                 with contextlib.suppress(Exception):
                     await ctl.unsubscribe()
         await self._stop()
+        if self.failure is not None:
+            raise ActorFailed(self.failure)
 
     async def _run_background(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -203,6 +206,15 @@ class Actor:
 
     def request_drain(self) -> None:
         self._drain_requested.set()
+
+    def fail(self, reason: str) -> None:
+        """A fault this process cannot recover from (a dead engine, storage that keeps failing): stop
+        taking work, let in-flight handlers end (they fail and nak, so the work is redelivered), then
+        ``run`` raises `ActorFailed` and the process exits non-zero, for its supervisor to replace it."""
+        if self.failure is None:
+            self.failure = reason
+            self._log.error("actor_failing", reason=reason)
+        self.request_drain()
 
     async def _stop(self) -> None:
         state = await self.handover()
@@ -312,7 +324,8 @@ class Actor:
     def describe(self) -> dict[str, Any]:
         i = self.identity
         return {"kind": i.kind, "id": i.actor_id, "pid": i.pid, "host": i.host, "code_hash": i.code_hash,
-                "state": self.state.value, "num_inflight": self._inflight, "num_handled": self.num_handled,
+                "state": self.state.value, "failure": self.failure,
+                "num_inflight": self._inflight, "num_handled": self.num_handled,
                 "num_failed": self.num_failed, "num_dead_lettered": self.num_dead_lettered,
                 "uptime_s": round(time.time() - self._started_at, 3), **self.status()}
 
