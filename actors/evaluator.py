@@ -6,12 +6,16 @@ is a ``{"kind": "eval"}`` row in metrics.jsonl and a progress line. The last ver
 budget's (``run.steps``) or, when the dataset's last epoch ends first, the one the reconciler names
 in its ``DataExhausted`` message; the evaluator finishes the run once it has evaluated it, so the
 final figure is always there.
+
+Every due version is evaluated, in order, whatever the evaluator's speed or restarts: a version
+whose row is not in metrics.jsonl (an evaluation interrupted by a kill, or versions announced while
+it was down or busy) is loaded exactly and evaluated before newer ones, as long as the store keeps
+its weights (``weights_gc`` keeps the newest 16 versions and their chains).
 """
 
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,16 +28,17 @@ from actors.evaluation import evaluate, greedy, sampled
 from actors.messages import DataExhausted, data_exhausted_subject
 from actors.metrics_log import read_metrics
 from actors.policy import load_policy, weights_run_name
+from actors.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from actors.trainer import append_metrics
 from actors.weights_follower import WeightsFollower
 from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
+from model.weight_sync import WeightSyncError
 from runtime.actor import Actor
 from runtime.codec import Codec
 from runtime.supervisor import SUPERVISOR_SUBJECT
-from sandbox import LayerStore, SandboxConfig
 
 log = structlog.get_logger(__name__)
 
@@ -57,9 +62,7 @@ class EvaluatorActor(Actor):
                                        detokenize=self.tokenizer.decode)
         await self.engine.start()
         self.exit_stack.push_async_callback(self.engine.stop)
-        root = self.exit_stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-", dir="/var/tmp"))
-        self.store = LayerStore(SandboxConfig(root_dir=root))
-        self.exit_stack.callback(self.store.close)
+        self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
         self.evaluated = {int(r["version"]) for r in read_metrics(self.metrics_path, kind="eval")}
         self.weights = WeightsFollower(self.bus, self.ctx.blob, self.run_name, self.engine)
         await self.weights.start(self.exit_stack)
@@ -91,7 +94,24 @@ class EvaluatorActor(Actor):
             self.weights.recheck()  # the newest version, skipped as not due, may be the last one
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
-        tg.create_task(self.weights.follow(wanted=self._due, on_loaded=self._on_version))
+        tg.create_task(self._evaluate_due_versions())
+
+    async def _evaluate_due_versions(self) -> None:
+        """On each announcement: every due version from the engine's up to the newest, oldest first."""
+        unavailable: set[int] = set()
+        while True:
+            newest = self.weights.latest
+            for version in range(self.engine.version, newest + 1):
+                if not self._due(version) or version in unavailable:
+                    continue
+                try:
+                    await self.weights.load(version)
+                except WeightSyncError as e:  # collected by the store's retention: say so, do not wait for it
+                    log.error("eval_version_unavailable", version=version, error=str(e))
+                    unavailable.add(version)
+                    continue
+                await self._on_version(version)
+            await self.weights.changed()
 
     async def _on_version(self, version: int) -> None:
         """The engine holds ``version``, which is due: evaluate it; finish a run whose budget it ends."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ from actors._stage import StageActor, WorkRefused
 from actors.agent import run_episode
 from actors.lifecycle_events import RolloutDone, RolloutOrder
 from actors.policy import load_policy, weights_run_name
+from actors.scratch import open_sandbox_store
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from actors.weights_follower import WeightsFollower
@@ -30,7 +30,7 @@ from model.generation import EngineConfig, Generation, KVPolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from runtime.actor import Delivery
-from sandbox import Environment, EnvironmentPool, LayerStore, PoolConfig, SandboxConfig, Snapshot, ToolBox
+from sandbox import Environment, EnvironmentPool, PoolConfig, Snapshot, ToolBox
 from sandbox.archive import export_snapshot_bytes
 from sandbox.tasks import Task
 
@@ -52,9 +52,7 @@ class RolloutActor(StageActor):
                                        detokenize=self.tokenizer.decode)
         await self.engine.start()
         self.exit_stack.push_async_callback(self.engine.stop)
-        root = self.exit_stack.enter_context(tempfile.TemporaryDirectory(prefix="rollout-", dir="/var/tmp"))
-        self.store = LayerStore(SandboxConfig(root_dir=root))
-        self.exit_stack.callback(self.store.close)
+        self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
         self.pool = EnvironmentPool(PoolConfig(warm_per_snapshot=cfg.rollout.warm_environments, max_snapshots=8))
         await self.pool.start()
         self.exit_stack.push_async_callback(self.pool.stop)

@@ -107,8 +107,30 @@ class WeightsFollower:
                                          f"at {self.engine.version}") from None
 
     def recheck(self) -> None:
-        """Have `follow` look at the newest version again: its ``wanted`` may say yes now."""
+        """Have `follow` (or a `changed` waiter) look at the newest version again: its ``wanted`` may say yes now."""
         self._changed.set()
+
+    async def changed(self) -> int:
+        """Wait for an announcement or a `recheck` since the last call; the newest announced version.
+
+        For a caller that picks versions itself (`load`) instead of running `follow`."""
+        await self._changed.wait()
+        self._changed.clear()
+        return self.latest
+
+    async def load(self, version: int) -> None:
+        """Load exactly ``version`` into the engine (an engine at or past it is left as it is).
+
+        Raises:
+            WeightSyncError: the version (or its chain) cannot be fetched.
+        """
+        async with self._loading:
+            if version <= self.engine.version:
+                return
+            state = await self.subscriber.fetch(version)
+            await self.engine.update_weights(state, version, self.kv_policy)
+            log.info("weights_swapped", version=version, kv_policy=self.kv_policy.value,
+                     engine=self.engine.stats().__dict__)  # fmt: skip
 
     async def _on_signal(self, raw: Any) -> None:
         try:
