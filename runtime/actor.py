@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
 
@@ -64,6 +65,7 @@ class ActorSettings:
     nak_base_delay_s: float = 0.5
     nak_max_delay_s: float = 30.0
     drain_timeout_s: float = 60.0
+    lease_s: float = 10.0  # the registry entry is renewed every third of this; readers take it for lost after
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -176,6 +178,7 @@ class Actor:
         ctl = await self.bus.nc.subscribe(f"ctl.{self.identity.actor_id}.*", cb=self._on_ctl)
         async with asyncio.TaskGroup() as tg:
             config_watch = tg.create_task(self._watch_config())
+            lease = tg.create_task(self._renew_lease())
             try:
                 async with asyncio.TaskGroup() as work_tg:
                     self.state = ActorState.RUNNING
@@ -194,6 +197,7 @@ class Actor:
                 # Leaving work_tg: consumers stopped fetching; every handler and its tasks finished.
             finally:
                 config_watch.cancel()
+                lease.cancel()
                 with contextlib.suppress(Exception):
                     await ctl.unsubscribe()
         await self._stop()
@@ -227,6 +231,7 @@ class Actor:
                        num_dead_lettered=self.num_dead_lettered)
         kv = await self.bus.kv("actors")
         with contextlib.suppress(Exception):
+            await self._register()  # "stopped" before the entry goes: a reader knows it ended cleanly, not lost
             await kv.delete(self.identity.actor_id)
         await self.bus.nc.flush()
 
@@ -327,7 +332,18 @@ class Actor:
                 "state": self.state.value, "failure": self.failure,
                 "num_inflight": self._inflight, "num_handled": self.num_handled,
                 "num_failed": self.num_failed, "num_dead_lettered": self.num_dead_lettered,
-                "uptime_s": round(time.time() - self._started_at, 3), **self.status()}
+                "uptime_s": round(time.time() - self._started_at, 3), "lease_s": self.settings.lease_s,
+                **self.status()}
+
+    async def _renew_lease(self) -> None:
+        """The registry entry is a lease: renewed (with fresh counters) every third of ``lease_s``."""
+        while True:
+            await asyncio.sleep(self.settings.lease_s / 3)
+            try:
+                await self._register()
+            except (nats.errors.Error, TimeoutError, OSError) as e:  # the bus is away: the lease lapses, as it should
+                self._log.warning("lease_renewal_failed", error=repr(e))
+            raise_if_cancelled()
 
     async def _register(self) -> None:
         kv = await self.bus.kv("actors")
