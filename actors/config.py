@@ -117,6 +117,10 @@ class ReconcilerSection:
     # One rollout actor decodes up to 64 episodes together (rollout.max_batch_size, its max_concurrency):
     # a smaller in-flight cap leaves its engine batches part empty.
     scheduling: SchedulingConfig = field(default_factory=lambda: SchedulingConfig(max_inflight_per_rollout_actor=64))
+    # The blobs of a group (its samples' trajectories, workspaces and rewards, every attempt's, and the
+    # group record) are deleted once the trainer is this many versions past the one at which the group
+    # was trained or dropped: a long run's storage stays bounded, the newest groups stay to be looked at.
+    blob_retention_versions: int = fixed(4, within=Range(0, 1_000_000))
 
     def __post_init__(self) -> None:
         check_ranges(self, "reconciler")

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import msgpack
 import structlog
 
+from actors.blob_collector import BlobCollector
 from actors.config import RLConfig
 from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore
 from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
@@ -69,6 +70,10 @@ class ReconcilerActor(Actor):
         self._warn_if_steps_exceed_data()
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
         self.num_rollout_actors = await self._count_rollout_actors()
+        r = self.config.reconciler
+        self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,
+                                   is_live=lambda group_id: group_id in self._live_group_ids())
+        self.live_groups: set[str] = set()
         await self._resume()
         sub = await self.bus.nc.subscribe("heartbeat.>", cb=self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
@@ -113,6 +118,7 @@ class ReconcilerActor(Actor):
         )
         await self.store.sync()  # the rebuilt table is durable before a re-issued order goes out
         self.core = resumed.lifecycle
+        self.live_groups = self._live_group_ids()
         log.info(
             "reconciler_resumed",
             trainer_version=self.core.trainer_version,
@@ -148,6 +154,17 @@ class ReconcilerActor(Actor):
             await self._discard(core, e)
             raise
         await self._issue(orders)
+        self._retire_finished_groups()
+
+    def _live_group_ids(self) -> set[str]:
+        return {s.group_id for s in self.core.slots if s.is_live}
+
+    def _retire_finished_groups(self) -> None:
+        """Groups that left the table (trained or dropped, durably: the call synced) go to the blob collector."""
+        live = self._live_group_ids()
+        self.blobs.retire(self.live_groups - live, self.core.trainer_version)
+        self.blobs.advance(self.core.trainer_version)
+        self.live_groups = live
 
     async def _discard(self, core: Lifecycle, error: Exception) -> None:
         async with self.core_lock:
@@ -201,6 +218,9 @@ class ReconcilerActor(Actor):
     async def background(self, tg: asyncio.TaskGroup) -> None:
         tg.create_task(self._tick_loop())
         tg.create_task(self._watch_rollout_actors())
+        if self.ctx.blob is not None:
+            tg.create_task(self.blobs.run())
+            tg.create_task(self.blobs.sweep(self.core.trainer_version))
 
     async def _tick_loop(self) -> None:
         while True:

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 
 from actors.kv_slot_store import KVSlotStore
@@ -59,14 +58,14 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
     try:
         assert run.bus is not None
         await run.wait_actors("rollout", 2, timeout_s=120)
-        registry = await run.bus.kv("actors")
 
         async def a_rollout_actor_holds_work() -> bool:
-            for key in await registry.keys():
-                info = msgpack.unpackb((await registry.get(key)).value, raw=False)
-                if info.get("kind") == "rollout" and info.get("state") == "running" and info["num_inflight"] >= 1:
-                    victim.update(info)
-                    return True
+            for actor in await run.actors():
+                if actor["kind"] == "rollout":
+                    info = await run.request(f"ctl.{actor['id']}.status")
+                    if info["state"] == "running" and info["num_inflight"] >= 1:
+                        victim.update(info)
+                        return True
             return False
 
         await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
