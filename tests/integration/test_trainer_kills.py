@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,14 @@ concurrency = 2
 """
 
 
+async def _until_replaced(run: LiveRun, kind: str, old_id: str) -> None:
+    for _ in range(600):
+        if any(a["id"] != old_id for a in await run.wait_actors(kind, 1, timeout_s=120)):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{kind} {old_id} was not replaced")
+
+
 def _events(run_dir: Path, name: str) -> list[dict]:
     rows = []
     for f in (run_dir / "logs").glob("*.jsonl"):
@@ -129,6 +139,13 @@ async def test_the_trainer_killed_at_each_point_of_its_sequence_and_the_run_stil
         await order("work.group", GroupOrder("g0", 1, prompt, samples, tuple(rewarded[s].result_key for s in samples)))
         grouped = await next_done()
         assert isinstance(grouped, GroupDone), grouped
+        # The sandbox actors SIGKILLed too: their replacements must reap the stores and overlay mounts they left.
+        rollout_root = scratch_root("rollout", run.run_dir)
+        assert mounts_under(str(rollout_root)), "the rollout actor's warm sandboxes are mounted"
+        for kind in ("rollout", "reward"):
+            (old,) = [a for a in await run.actors() if a["kind"] == kind]
+            os.kill(old["pid"], signal.SIGKILL)
+            await _until_replaced(run, kind, old["id"])
 
         for version in range(1, NUM_VERSIONS + 1):  # one batch a version, each sent once its predecessor is done
             await order("work.train", TrainOrder(f"b{version}", 1, ("g0",), (grouped.result_key,), samples,
@@ -162,7 +179,7 @@ async def test_the_trainer_killed_at_each_point_of_its_sequence_and_the_run_stil
     killed = {e["actor_kind"]: 0 for e in _events(run_dir, "actor_crashed")}
     for e in _events(run_dir, "actor_crashed"):
         killed[e["actor_kind"]] += 1
-    assert killed == {"trainer": len(TRAINER_KILLS), "evaluator": 1}, killed
+    assert killed == {"trainer": len(TRAINER_KILLS), "evaluator": 1, "rollout": 1, "reward": 1}, killed
     assert sorted(p.name for p in run_dir.glob("fault-*")) == sorted(
         [f"fault-trainer-{point}-v{v}" for v, point in TRAINER_KILLS.items()] + ["fault-evaluator"])
 
