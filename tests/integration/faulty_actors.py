@@ -96,3 +96,27 @@ class KilledEvaluatorActor(EvaluatorActor):
         if version == EVALUATOR_KILLED_AT:
             _kill_self(self.ctx.run_dir, "evaluator")
         await super()._evaluate(version)
+
+
+class _WeightsPutsFail:
+    """A blob store whose writes under ``weights/`` fail (a full disk, a revoked bucket); the rest passes through."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    async def put(self, key: str, data: Any) -> None:
+        if key.startswith("weights/"):
+            raise OSError(28, f"injected fault: no space left on device writing {key!r}")
+        await self._store.put(key, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+class PublishFailingTrainerActor(TrainerActor):
+    """The real trainer whose first process cannot write weights: its publish keeps failing."""
+
+    async def setup(self) -> None:
+        if _first_time(self.ctx.run_dir, "publish"):
+            self.ctx.blob = _WeightsPutsFail(self.ctx.blob)
+        await super().setup()
