@@ -196,6 +196,9 @@ class ReconcilerActor(Actor):
             log.warning("heartbeat_rejected", error=str(e))
             return
         self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time())
+        if raw.reply:  # a stage actor asks before it starts: is this attempt still wanted?
+            current = self.core.is_current(beat.stage, beat.key, beat.attempt)
+            await raw.respond(msgpack.packb({"current": current}, use_bin_type=True))
 
     async def _on_weights(self, raw: Any) -> None:
         try:
