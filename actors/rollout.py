@@ -23,7 +23,7 @@ from actors.policy import load_policy, weights_run_name
 from actors.scratch import open_sandbox_store
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
-from actors.weights_follower import WeightsFollower
+from actors.weights_follower import WeightsFollower, WeightsUnavailable
 from model.engine import EngineStatus, GenerationEngine
 from model.errors import EngineError, EngineStateError
 from model.generation import EngineConfig, Generation, KVPolicy
@@ -87,8 +87,7 @@ class RolloutActor(StageActor):
         except KeyError as e:
             raise WorkRefused(str(e)) from None
         if self.engine.version < order.policy_version_floor:  # admitted under a newer policy than ours
-            # WeightsUnavailable after the bound: the order is nak'ed and comes back later
-            await self.weights.reach(order.policy_version_floor, self.config.rollout.weights_wait_s)
+            await self._reach(order.policy_version_floor)
         env = await self.pool.acquire(self._base(task))
         try:
             toolbox = ToolBox(env)
@@ -117,6 +116,18 @@ class RolloutActor(StageActor):
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3))
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)
 
+
+    async def _reach(self, version: int) -> None:
+        """Wait for ``version`` in the engine; WeightsUnavailable (the order is nak'ed and comes back) after
+        ``rollout.weights_wait_s``, or at once when the actor drains: nothing started, nothing to finish."""
+        async with asyncio.TaskGroup() as tg:  # a reach that times out raises out of here (WeightsUnavailable)
+            reached = tg.create_task(self.weights.reach(version, self.config.rollout.weights_wait_s))
+            drained = tg.create_task(self._drain_requested.wait())
+            await asyncio.wait((reached, drained), return_when=asyncio.FIRST_COMPLETED)
+            in_time = reached.done()
+            (drained if in_time else reached).cancel()
+        if not in_time:
+            raise WeightsUnavailable(f"draining while waiting for weights version {version}; the order goes back")
 
     async def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         """The engine's generate; an engine that FAILED fails this actor: every later call would raise,
