@@ -67,6 +67,7 @@ class EvaluatorActor(Actor):
         self.weights = WeightsFollower(self.bus, self.ctx.blob, self.run_name, self.engine)
         await self.weights.start(self.exit_stack)
         self.exhausted_at: int | None = None  # the last version, once the reconciler says the data ran out
+        self.finish_requested = False
         self.exhausted_codec = Codec([DataExhausted])
         sub = await self.bus.nc.subscribe(data_exhausted_subject(self.run_name), cb=self._on_data_exhausted)
         self.exit_stack.push_async_callback(sub.unsubscribe)
@@ -110,19 +111,21 @@ class EvaluatorActor(Actor):
                     log.error("eval_version_unavailable", version=version, error=str(e))
                     unavailable.add(version)
                     continue
-                await self._on_version(version)
+                await self._evaluate(version)
+            await self._finish_if_last_evaluated()
             await self.weights.changed()
 
-    async def _on_version(self, version: int) -> None:
-        """The engine holds ``version``, which is due: evaluate it; finish a run whose budget it ends."""
-        await self._evaluate(version)
+    async def _finish_if_last_evaluated(self) -> None:
+        """The run's last version is evaluated (just now, or before this process was restarted: its row
+        is in metrics.jsonl): ask the supervisor to finish the run, once per process."""
         last = self.last_version
-        if last is not None and version >= last:
-            reason = "steps" if version >= self.ctx.run_steps > 0 else "data exhausted"
-            log.info("run_last_version_evaluated", version=version, steps=self.ctx.run_steps, reason=reason)
-            await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",
-                                      msgpack.packb({"by": self.identity.actor_id, "reason": reason}),
-                                      timeout=5.0)
+        if last is None or self.finish_requested or not any(v >= last for v in self.evaluated):
+            return
+        reason = "steps" if last >= self.ctx.run_steps > 0 else "data exhausted"
+        log.info("run_last_version_evaluated", version=last, steps=self.ctx.run_steps, reason=reason)
+        await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",
+                                  msgpack.packb({"by": self.identity.actor_id, "reason": reason}), timeout=5.0)
+        self.finish_requested = True
 
     async def _evaluate(self, version: int) -> None:
         e = self.config.eval

@@ -90,12 +90,19 @@ EVALUATOR_KILLED_AT = 2
 
 
 class KilledEvaluatorActor(EvaluatorActor):
-    """The real evaluator, SIGKILLed once in the middle of evaluating version `EVALUATOR_KILLED_AT`."""
+    """The real evaluator, SIGKILLed once in the middle of evaluating version `EVALUATOR_KILLED_AT`, and once
+    between writing the last version's row and asking the supervisor to finish the run."""
 
     async def _evaluate(self, version: int) -> None:
         if version == EVALUATOR_KILLED_AT:
             _kill_self(self.ctx.run_dir, "evaluator")
         await super()._evaluate(version)
+
+    async def _finish_if_last_evaluated(self) -> None:
+        last = self.last_version
+        if last is not None and last in self.evaluated:
+            _kill_self(self.ctx.run_dir, "evaluator-finish")
+        await super()._finish_if_last_evaluated()
 
 
 class _WeightsPutsFail:

@@ -1,6 +1,7 @@
-"""Chaos: the real trainer SIGKILLed at each point of step -> checkpoint -> upload -> announce -> TrainDone, and
-the real evaluator killed in the middle of an evaluation. The run still finishes by itself: every version is
-trained once, published, announced and evaluated once, and no sandbox directory or mount is left behind.
+"""Chaos: the real trainer SIGKILLed at each point of step -> checkpoint -> upload -> announce -> TrainDone, the
+real evaluator killed in the middle of an evaluation and before it ends the run, the rollout and reward actors
+killed with their sandboxes mounted. The run still finishes by itself: every version is trained once,
+published, announced and evaluated once, and no sandbox directory or mount is left behind.
 
 The lightest real harness that has them all: `runtime.up` with the real stage actors and evaluator, this test
 in the reconciler's place (one real group, rolled out, rewarded and grouped by the real actors, then trained
@@ -179,9 +180,10 @@ async def test_the_trainer_killed_at_each_point_of_its_sequence_and_the_run_stil
     killed = {e["actor_kind"]: 0 for e in _events(run_dir, "actor_crashed")}
     for e in _events(run_dir, "actor_crashed"):
         killed[e["actor_kind"]] += 1
-    assert killed == {"trainer": len(TRAINER_KILLS), "evaluator": 1, "rollout": 1, "reward": 1}, killed
+    assert killed == {"trainer": len(TRAINER_KILLS), "evaluator": 2, "rollout": 1, "reward": 1}, killed
     assert sorted(p.name for p in run_dir.glob("fault-*")) == sorted(
-        [f"fault-trainer-{point}-v{v}" for v, point in TRAINER_KILLS.items()] + ["fault-evaluator"])
+        [f"fault-trainer-{point}-v{v}" for v, point in TRAINER_KILLS.items()]
+        + ["fault-evaluator", "fault-evaluator-finish"])
 
     for kind in ("rollout", "reward", "evaluator"):
         root = scratch_root(kind, run_dir)
