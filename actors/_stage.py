@@ -12,6 +12,7 @@ import contextlib
 from typing import Any, ClassVar
 
 import msgpack
+import nats.errors
 import structlog
 import torch
 import zstandard
@@ -38,6 +39,7 @@ class StageActor(Actor):
     stage: ClassVar[Stage]
     Config = RLConfig
     heartbeat_every_s: ClassVar[float] = 5.0
+    still_wanted_timeout_s: ClassVar[float] = 2.0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -58,6 +60,10 @@ class StageActor(Actor):
         raise NotImplementedError
 
     async def handle(self, msg: Any, delivery: Delivery) -> None:
+        if not await self._still_wanted(msg):  # acked by the base: the table waits for a newer attempt
+            log.info("superseded_order_skipped", stage=self.stage.value, key=msg.key, attempt=msg.attempt,
+                     num_delivered=delivery.num_delivered)
+            return
         beat = delivery.task_group.create_task(self._report_alive(msg))
         try:
             done = await self.work(msg, delivery)
@@ -68,6 +74,20 @@ class StageActor(Actor):
             beat.cancel()
         await self.bus.publish_durable(done_subject(self.stage), await self.done_codec.encode(done),
                                        msg_id=f"done.{self.stage.value}.{msg.key}.{msg.attempt}")
+
+    async def _still_wanted(self, order: Any) -> bool:
+        """The first heartbeat, as a question to the reconciler: a lost actor's orders are re-issued as new
+        attempts at once, and the old ones, redelivered after the bus's ack wait, would be done twice.
+        Without an answer in time (no reconciler, a slow one) the order is done."""
+        beat = await self.heartbeat_codec.encode(
+            WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id))
+        try:
+            reply = await self.bus.nc.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
+                                              timeout=self.still_wanted_timeout_s)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return True
+        answer = msgpack.unpackb(reply.data, raw=False)
+        return not (isinstance(answer, dict) and answer.get("current") is False)
 
     async def _report_alive(self, order: Any) -> None:
         beat = await self.heartbeat_codec.encode(

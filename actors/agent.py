@@ -30,6 +30,7 @@ from model.chat import TOOL_CLOSE, ToolCall, ToolCallError, find_tool_call, rend
 from model.generation import Generation
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
+from runtime.config import Range, check_ranges, fixed
 from sandbox.tasks import Task
 
 __all__ = [
@@ -51,16 +52,14 @@ FINAL_ANSWER = "done"
 
 @dataclass(frozen=True)
 class AgentConfig:
-    max_turns: int = 3
-    max_new_tokens_per_turn: int = 160
-    max_total_tokens: int = 640
-    tool_output_max_chars: int = 400
-    episode_timeout_s: float = 300.0
+    max_turns: int = fixed(3, within=Range(1, 1000))
+    max_new_tokens_per_turn: int = fixed(160, within=Range(1, 1_000_000))
+    max_total_tokens: int = fixed(640, within=Range(1, 10_000_000))
+    tool_output_max_chars: int = fixed(400, within=Range(0, 10_000_000))
+    episode_timeout_s: float = fixed(300.0, within=Range(0.0, 86_400.0, lo_open=True))
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_new_tokens_per_turn < 1:
-            raise ValueError(f"max_turns={self.max_turns} and max_new_tokens_per_turn="
-                             f"{self.max_new_tokens_per_turn} must be >= 1")
+        check_ranges(self, "agent")
 
 
 class EpisodeEnd(enum.StrEnum):

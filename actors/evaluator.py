@@ -6,12 +6,16 @@ is a ``{"kind": "eval"}`` row in metrics.jsonl and a progress line. The last ver
 budget's (``run.steps``) or, when the dataset's last epoch ends first, the one the reconciler names
 in its ``DataExhausted`` message; the evaluator finishes the run once it has evaluated it, so the
 final figure is always there.
+
+Every due version is evaluated, in order, whatever the evaluator's speed or restarts: a version
+whose row is not in metrics.jsonl (an evaluation interrupted by a kill, or versions announced while
+it was down or busy) is loaded exactly and evaluated before newer ones, as long as the store keeps
+its weights (``weights_gc`` keeps the newest 16 versions and their chains).
 """
 
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,16 +28,17 @@ from actors.evaluation import evaluate, greedy, sampled
 from actors.messages import DataExhausted, data_exhausted_subject
 from actors.metrics_log import read_metrics
 from actors.policy import load_policy, weights_run_name
+from actors.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from actors.trainer import append_metrics
 from actors.weights_follower import WeightsFollower
 from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
+from model.weight_sync import WeightSyncError
 from runtime.actor import Actor
 from runtime.codec import Codec
 from runtime.supervisor import SUPERVISOR_SUBJECT
-from sandbox import LayerStore, SandboxConfig
 
 log = structlog.get_logger(__name__)
 
@@ -57,13 +62,12 @@ class EvaluatorActor(Actor):
                                        detokenize=self.tokenizer.decode)
         await self.engine.start()
         self.exit_stack.push_async_callback(self.engine.stop)
-        root = self.exit_stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-", dir="/var/tmp"))
-        self.store = LayerStore(SandboxConfig(root_dir=root))
-        self.exit_stack.callback(self.store.close)
+        self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
         self.evaluated = {int(r["version"]) for r in read_metrics(self.metrics_path, kind="eval")}
         self.weights = WeightsFollower(self.bus, self.ctx.blob, self.run_name, self.engine)
         await self.weights.start(self.exit_stack)
         self.exhausted_at: int | None = None  # the last version, once the reconciler says the data ran out
+        self.finish_requested = False
         self.exhausted_codec = Codec([DataExhausted])
         sub = await self.bus.nc.subscribe(data_exhausted_subject(self.run_name), cb=self._on_data_exhausted)
         self.exit_stack.push_async_callback(sub.unsubscribe)
@@ -91,18 +95,37 @@ class EvaluatorActor(Actor):
             self.weights.recheck()  # the newest version, skipped as not due, may be the last one
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
-        tg.create_task(self.weights.follow(wanted=self._due, on_loaded=self._on_version))
+        tg.create_task(self._evaluate_due_versions())
 
-    async def _on_version(self, version: int) -> None:
-        """The engine holds ``version``, which is due: evaluate it; finish a run whose budget it ends."""
-        await self._evaluate(version)
+    async def _evaluate_due_versions(self) -> None:
+        """On each announcement: every due version from the engine's up to the newest, oldest first."""
+        unavailable: set[int] = set()
+        while True:
+            newest = self.weights.latest
+            for version in range(self.engine.version, newest + 1):
+                if not self._due(version) or version in unavailable:
+                    continue
+                try:
+                    await self.weights.load(version)
+                except WeightSyncError as e:  # collected by the store's retention: say so, do not wait for it
+                    log.error("eval_version_unavailable", version=version, error=str(e))
+                    unavailable.add(version)
+                    continue
+                await self._evaluate(version)
+            await self._finish_if_last_evaluated()
+            await self.weights.changed()
+
+    async def _finish_if_last_evaluated(self) -> None:
+        """The run's last version is evaluated (just now, or before this process was restarted: its row
+        is in metrics.jsonl): ask the supervisor to finish the run, once per process."""
         last = self.last_version
-        if last is not None and version >= last:
-            reason = "steps" if version >= self.ctx.run_steps > 0 else "data exhausted"
-            log.info("run_last_version_evaluated", version=version, steps=self.ctx.run_steps, reason=reason)
-            await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",
-                                      msgpack.packb({"by": self.identity.actor_id, "reason": reason}),
-                                      timeout=5.0)
+        if last is None or self.finish_requested or not any(v >= last for v in self.evaluated):
+            return
+        reason = "steps" if last >= self.ctx.run_steps > 0 else "data exhausted"
+        log.info("run_last_version_evaluated", version=last, steps=self.ctx.run_steps, reason=reason)
+        await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",
+                                  msgpack.packb({"by": self.identity.actor_id, "reason": reason}), timeout=5.0)
+        self.finish_requested = True
 
     async def _evaluate(self, version: int) -> None:
         e = self.config.eval

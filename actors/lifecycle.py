@@ -179,6 +179,12 @@ class Lifecycle(LifecycleRecovery):
             issued.last_seen = max(issued.last_seen, now)
             issued.actor_id = actor_id
 
+    def is_current(self, stage: Stage, key: str, attempt: int) -> bool:
+        """Is (stage, key, attempt) the work the table waits for? Not an attempt superseded by a retry
+        (after a loss, a timeout or a resume), nor work already completed."""
+        issued = self._work.get((Stage(stage), key))
+        return issued is not None and issued.attempt == attempt
+
     async def on_actor_lost(self, actor_id: str, now: float) -> list[WorkOrder]:
         """Retry (counted) everything the actor was last seen working on."""
 

@@ -4,8 +4,12 @@ It wraps the transport-free core (actors.lifecycle.Lifecycle) with NATS: complet
 ``done.<stage>`` (a durable stream, acked only after the core has recorded them), work orders go out
 on ``work.<stage>`` with the order's (stage, key, attempt) as the message id, stage actors' liveness
 arrives on ``heartbeat.<stage>``, the live rollout-actor count comes from the actor registry, and a
-tick re-checks timeouts and admission. The table lives in the ``slots`` KV bucket, every write a
-compare-and-set, so a restarted reconciler (or a resumed run) continues where this one stopped.
+tick re-checks timeouts and admission. Registry entries are leases (`actors.registry_view`): an
+actor whose lease runs out, or whose entry is removed while it was not stopped, is lost, and the
+work it was last seen on is re-issued at once (``on_actor_lost``), not after its stage's timeout.
+Each weights announcement moves the core's trainer version (``on_trainer_version``). The table lives
+in the ``slots`` KV bucket, every write a compare-and-set, so a restarted reconciler (or a resumed
+run) continues where this one stopped.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import msgpack
 import structlog
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
+from actors.blob_collector import BlobCollector
 from actors.config import RLConfig
 from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore
 from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
@@ -27,14 +32,17 @@ from actors.messages import (
     COMPLETION_TYPES,
     DONE_QUEUE,
     DataExhausted,
+    WeightsPublished,
     WorkHeartbeat,
     all_order_types,
     data_exhausted_subject,
     work_queue_of,
 )
 from actors.policy import weights_run_name
+from actors.registry_view import LostActor, RegistryView
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
+from actors.weights_follower import weights_subject
 from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
 from runtime.codec import Codec
@@ -63,8 +71,16 @@ class ReconcilerActor(Actor):
         self._warn_if_steps_exceed_data()
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
         self.num_rollout_actors = await self._count_rollout_actors()
+        r = self.config.reconciler
+        self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,
+                                   is_live=lambda group_id: group_id in self._live_group_ids())
+        self.live_groups: set[str] = set()
         await self._resume()
         sub = await self.bus.nc.subscribe("heartbeat.>", cb=self._on_heartbeat)
+        self.exit_stack.push_async_callback(sub.unsubscribe)
+        self.registry = RegistryView()
+        self.weights_codec = Codec([WeightsPublished])
+        sub = await self.bus.nc.subscribe(weights_subject(self.run_name), cb=self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
     def _warn_if_steps_exceed_data(self) -> None:
@@ -103,6 +119,7 @@ class ReconcilerActor(Actor):
         )
         await self.store.sync()  # the rebuilt table is durable before a re-issued order goes out
         self.core = resumed.lifecycle
+        self.live_groups = self._live_group_ids()
         log.info(
             "reconciler_resumed",
             trainer_version=self.core.trainer_version,
@@ -139,7 +156,18 @@ class ReconcilerActor(Actor):
             await self._discard(core, e)
             raise
         await self._issue(orders)
+        self._retire_finished_groups()
         return True
+
+    def _live_group_ids(self) -> set[str]:
+        return {s.group_id for s in self.core.slots if s.is_live}
+
+    def _retire_finished_groups(self) -> None:
+        """Groups that left the table (trained or dropped, durably: the call synced) go to the blob collector."""
+        live = self._live_group_ids()
+        self.blobs.retire(self.live_groups - live, self.core.trainer_version)
+        self.blobs.advance(self.core.trainer_version)
+        self.live_groups = live
 
     async def _discard(self, core: Lifecycle, error: Exception) -> None:
         async with self.core_lock:
@@ -174,6 +202,23 @@ class ReconcilerActor(Actor):
             log.warning("heartbeat_rejected", error=str(e))
             return
         self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time())
+        if raw.reply:  # a stage actor asks before it starts: is this attempt still wanted?
+            current = self.core.is_current(beat.stage, beat.key, beat.attempt)
+            await raw.respond(msgpack.packb({"current": current}, use_bin_type=True))
+
+    async def _on_weights(self, raw: Any) -> None:
+        try:
+            msg = await self.weights_codec.decode(raw.data)
+        except ValueError as e:
+            log.warning("weights_announcement_rejected", error=str(e))
+            return
+        if msg.run != self.run_name:
+            log.warning("weights_announcement_rejected", error=f"run {msg.run!r} is not this run ({self.run_name!r})")
+            return
+        try:
+            await self._call("on_trainer_version", msg.version)
+        except Exception as e:  # the store failed: _call rebuilt the core; the next TrainDone carries the version
+            log.error("trainer_version_not_recorded", version=msg.version, error=repr(e))
 
     async def on_config_change(self, key: str, old: Any, new: Any) -> None:
         if key.startswith("reconciler.scheduling."):
@@ -182,11 +227,17 @@ class ReconcilerActor(Actor):
     async def background(self, tg: asyncio.TaskGroup) -> None:
         tg.create_task(self._tick_loop())
         tg.create_task(self._watch_rollout_actors())
+        if self.ctx.blob is not None:
+            tg.create_task(self.blobs.run())
+            tg.create_task(self.blobs.sweep(self.core.trainer_version))
 
     async def _tick_loop(self) -> None:
         while True:
             await self._call("tick")
             raise_if_cancelled()
+            for lost in self.registry.expire(time.monotonic()):
+                await self._lose(lost)
+            await self._count_rollouts_from_registry()
             if self.core.is_finished:
                 await self._say_data_exhausted()
             await asyncio.sleep(self.config.reconciler.tick_s)
@@ -215,20 +266,29 @@ class ReconcilerActor(Actor):
 
     async def _watch_rollout_actors(self) -> None:
         """Follows the registry's entries (no requests per event: each would be a round trip and a
-        place where Python 3.11's ``wait_for`` can swallow the drain's cancellation)."""
-        running: set[str] = set()
+        place where Python 3.11's ``wait_for`` can swallow the drain's cancellation): live rollout
+        actors, and actors lost (their leases are also checked on every tick)."""
         async for entry in self.bus.watch_kv("actors"):  # renewed (current values replayed) after an outage
             if entry is None:  # end of the initial values
                 continue
-            running.discard(entry.key)
-            if entry.operation is None and entry.value and _is_running_rollout(entry.value):
-                running.add(entry.key)
-            count = len(running)
-            if count != self.num_rollout_actors:
-                self.num_rollout_actors = count
-                log.info("rollout_actors_changed", num_rollout_actors=count)
-                await self._call("set_rollout_actors", count)
-                raise_if_cancelled()
+            value = entry.value if entry.operation is None and entry.value else None
+            lost = self.registry.observe(entry.key, value, time.monotonic())
+            if lost is not None:
+                await self._lose(lost)
+            await self._count_rollouts_from_registry()
+            raise_if_cancelled()
+
+    async def _count_rollouts_from_registry(self) -> None:
+        count = self.registry.num_running("rollout")
+        if count != self.num_rollout_actors:
+            self.num_rollout_actors = count
+            log.info("rollout_actors_changed", num_rollout_actors=count)
+            await self._call("set_rollout_actors", count)
+
+    async def _lose(self, lost: LostActor) -> None:
+        """Re-issue at once what a lost actor was last seen working on (its heartbeats named it)."""
+        log.warning("actor_lost", actor_id=lost.actor_id, actor_kind=lost.kind, reason=lost.reason)
+        await self._call("on_actor_lost", lost.actor_id)
 
     async def handover(self) -> dict[str, Any] | None:
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""

@@ -9,7 +9,6 @@ Every component is recorded beside the reward, so a run's reward can always be t
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +18,11 @@ from actors._stage import StageActor, WorkRefused
 from actors.agent import Trajectory
 from actors.config import RewardSection
 from actors.lifecycle_events import RewardDone, RewardOrder
+from actors.scratch import open_sandbox_store
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from runtime.actor import Delivery
-from sandbox import LayerStore, SandboxConfig, import_snapshot_bytes, score
+from sandbox import import_snapshot_bytes, score
 from sandbox.errors import SnapshotFormatError
 
 log = structlog.get_logger(__name__)
@@ -69,9 +69,7 @@ class RewardActor(StageActor):
 
     async def setup(self) -> None:
         self.tasks = TaskCatalog.build(self.config.tasks)
-        root = self.exit_stack.enter_context(tempfile.TemporaryDirectory(prefix="reward-", dir="/var/tmp"))
-        self.store = LayerStore(SandboxConfig(root_dir=root))
-        self.exit_stack.callback(self.store.close)
+        self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
 
     async def work(self, order: RewardOrder, delivery: Delivery) -> RewardDone:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -20,15 +20,17 @@ from actors._stage import StageActor, WorkRefused
 from actors.agent import run_episode
 from actors.lifecycle_events import RolloutDone, RolloutOrder
 from actors.policy import load_policy, weights_run_name
+from actors.scratch import open_sandbox_store
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
-from actors.weights_follower import WeightsFollower
-from model.engine import GenerationEngine
-from model.generation import EngineConfig, KVPolicy
+from actors.weights_follower import WeightsFollower, WeightsUnavailable
+from model.engine import EngineStatus, GenerationEngine
+from model.errors import EngineError, EngineStateError
+from model.generation import EngineConfig, Generation, KVPolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from runtime.actor import Delivery
-from sandbox import Environment, EnvironmentPool, LayerStore, PoolConfig, SandboxConfig, Snapshot, ToolBox
+from sandbox import Environment, EnvironmentPool, PoolConfig, Snapshot, ToolBox
 from sandbox.archive import export_snapshot_bytes
 from sandbox.tasks import Task
 
@@ -50,9 +52,7 @@ class RolloutActor(StageActor):
                                        detokenize=self.tokenizer.decode)
         await self.engine.start()
         self.exit_stack.push_async_callback(self.engine.stop)
-        root = self.exit_stack.enter_context(tempfile.TemporaryDirectory(prefix="rollout-", dir="/var/tmp"))
-        self.store = LayerStore(SandboxConfig(root_dir=root))
-        self.exit_stack.callback(self.store.close)
+        self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
         self.pool = EnvironmentPool(PoolConfig(warm_per_snapshot=cfg.rollout.warm_environments, max_snapshots=8))
         await self.pool.start()
         self.exit_stack.push_async_callback(self.pool.stop)
@@ -86,10 +86,8 @@ class RolloutActor(StageActor):
             task = self.tasks.task(order.prompt_id)
         except KeyError as e:
             raise WorkRefused(str(e)) from None
-        while self.engine.version < order.policy_version_floor:  # admitted under a newer policy than ours
-            self.weights.announce(order.policy_version_floor)
-            if await self.weights.load_latest() < order.policy_version_floor:
-                await asyncio.sleep(0.5)  # announced by the order before the store has it: look again
+        if self.engine.version < order.policy_version_floor:  # admitted under a newer policy than ours
+            await self._reach(order.policy_version_floor)
         env = await self.pool.acquire(self._base(task))
         try:
             toolbox = ToolBox(env)
@@ -101,7 +99,7 @@ class RolloutActor(StageActor):
             r = self.config.rollout
             sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p,
                                       seed=_seed(order, self.ctx.run.seed if self.ctx.run else 0))
-            traj = await run_episode(task, self.engine.generate, call_tool, self.tokenizer, r.agent, sampling)
+            traj = await run_episode(task, self._generate, call_tool, self.tokenizer, r.agent, sampling)
             snapshot = env.snapshot()
             try:
                 workspace = export_snapshot_bytes(snapshot)
@@ -117,6 +115,29 @@ class RolloutActor(StageActor):
                  num_tokens=len(traj.token_ids), num_turns=traj.num_turns, min_version=traj.min_version,
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3))
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)
+
+
+    async def _reach(self, version: int) -> None:
+        """Wait for ``version`` in the engine; WeightsUnavailable (the order is nak'ed and comes back) after
+        ``rollout.weights_wait_s``, or at once when the actor drains: nothing started, nothing to finish."""
+        async with asyncio.TaskGroup() as tg:  # a reach that times out raises out of here (WeightsUnavailable)
+            reached = tg.create_task(self.weights.reach(version, self.config.rollout.weights_wait_s))
+            drained = tg.create_task(self._drain_requested.wait())
+            await asyncio.wait((reached, drained), return_when=asyncio.FIRST_COMPLETED)
+            in_time = reached.done()
+            (drained if in_time else reached).cancel()
+        if not in_time:
+            raise WeightsUnavailable(f"draining while waiting for weights version {version}; the order goes back")
+
+    async def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """The engine's generate; an engine that FAILED fails this actor: every later call would raise,
+        so the process exits (in-flight orders nak'ed, redelivered) and its supervisor starts a new one."""
+        try:
+            return await self.engine.generate(prompt_ids, params)
+        except (EngineError, EngineStateError) as e:
+            if self.engine.status is EngineStatus.FAILED:
+                self.fail(f"the generation engine failed: {e}")
+            raise
 
 
 def _seed(order: RolloutOrder, run_seed: int) -> int:

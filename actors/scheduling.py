@@ -28,7 +28,7 @@ import enum
 import math
 from collections.abc import Sequence
 
-from runtime.config import live
+from runtime.config import Range, check_ranges, live
 
 __all__ = [
     "AdmissionDecision",
@@ -68,32 +68,21 @@ class SchedulingConfig:
             hand out a batch of fewer than B groups.
     """
 
-    eta: int = live(2)
-    max_ready_groups: int | None = live(None)
-    max_inflight_per_rollout_actor: int = live(8)
-    max_retries: int = live(2)
+    eta: int = live(2, within=Range(0, 1000))
+    max_ready_groups: int | None = live(None, within=Range(1, None))
+    max_inflight_per_rollout_actor: int = live(8, within=Range(1, 100_000))
+    max_retries: int = live(2, within=Range(0, 100))
     failed_group_policy: FailedGroupPolicy = live(FailedGroupPolicy.TRAIN_REST)
-    min_group_survivors: int = live(2)
-    rollout_timeout_s: float = live(120.0)  # without a completion or heartbeat (actors beat every 5 s)
-    reward_timeout_s: float = live(120.0)
-    group_timeout_s: float = live(60.0)
-    train_timeout_s: float = live(600.0)
+    min_group_survivors: int = live(2, within=Range(1, 4096))
+    # without a completion or heartbeat (actors beat every 5 s)
+    rollout_timeout_s: float = live(120.0, within=Range(0.0, 86_400.0, lo_open=True))
+    reward_timeout_s: float = live(120.0, within=Range(0.0, 86_400.0, lo_open=True))
+    group_timeout_s: float = live(60.0, within=Range(0.0, 86_400.0, lo_open=True))
+    train_timeout_s: float = live(600.0, within=Range(0.0, 86_400.0, lo_open=True))
     train_partial_final_batch: bool = live(True)
 
     def __post_init__(self) -> None:
-        if self.eta < 0:
-            raise ValueError(f"SchedulingConfig.eta must be >= 0 (0 is synchronous), got {self.eta}")
-        if self.max_ready_groups is not None and self.max_ready_groups < 1:
-            raise ValueError(f"max_ready_groups must be >= 1 or None, got {self.max_ready_groups}")
-        if self.max_inflight_per_rollout_actor < 1:
-            raise ValueError(f"max_inflight_per_rollout_actor must be >= 1, got {self.max_inflight_per_rollout_actor}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.min_group_survivors < 1:
-            raise ValueError(f"min_group_survivors must be >= 1, got {self.min_group_survivors}")
-        for name in ("rollout_timeout_s", "reward_timeout_s", "group_timeout_s", "train_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SchedulingConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+        check_ranges(self, "scheduling")
         object.__setattr__(self, "failed_group_policy", FailedGroupPolicy(self.failed_group_policy))
 
     def check_against(self, *, batch_size_groups: int, group_size: int) -> None:

@@ -6,6 +6,15 @@ weights + optimizer + trained batch ids (safetensors, HF layout), and hand a bf1
 weights to the publisher, which encodes and uploads the delta in the background and then signals
 ``weights.<run>``. Per-step metrics go to ``metrics.jsonl`` in the run directory and to the live
 progress display.
+
+Weights durability: a version is announced only after its manifest (written last) is in the store,
+and the checkpoint of that version is saved before its upload starts. A trainer killed anywhere in
+step -> checkpoint -> upload -> announce -> TrainDone restarts from its newest checkpoint and, before
+taking an order, verifies that this version is in the store (publishing it again if not) and
+announces it: nobody waits for a version that the dead trainer never announced. A publish of the
+newest version that fails after the publisher's retries fails the trainer (it exits non-zero and is
+restarted, which publishes it again); an older version's failure is only logged, a newer one
+supersedes it.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from actors.messages import WeightsPublished
 from actors.policy import load_policy, use_training_precision, weights_run_name
 from actors.slots import Stage
 from actors.weights_follower import weights_subject
-from model.weight_sync import PublishedVersion, PublisherConfig, WeightPublisher
+from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
+from model.weight_sync.manifest import manifest_key
 from runtime.actor import Delivery
 from runtime.codec import Codec
 
@@ -61,14 +71,34 @@ class TrainerActor(StageActor):
             self.learner = Learner(model, cfg.trainer, num_steps=num_steps)
         self.metrics_path = Path(self.ctx.run_dir) / cfg.trainer.metrics_file
         self.run_name = weights_run_name(self.ctx.run_dir)
-        self.publisher = WeightPublisher(self.ctx.blob, PublisherConfig(run=self.run_name))
+        self.publisher_config = PublisherConfig(run=self.run_name)
+        self.publisher = WeightPublisher(self.ctx.blob, self.publisher_config)
         await self.exit_stack.enter_async_context(self.publisher)
         self.signal_codec = Codec([WeightsPublished])
         self.started_at = time.monotonic()
         self.busy_s = 0.0
         self.num_samples = 0
-        if latest is None:
-            await self._signal_when_uploaded(self._publish())  # version 0: the anchor rollouts start from
+        self.last_submitted = -1
+        await self._announce_current()
+
+    async def _announce_current(self) -> None:
+        """The learner's version is in the store (verified, or published now) and announced, before any order."""
+        version = self.learner.version
+        reader = WeightSubscriber(self.ctx.blob, SubscriberConfig(run=self.run_name))
+        try:
+            published = await reader.versions()
+        finally:
+            reader.close()
+        if published and published[-1] > version:  # steps after the newest checkpoint were lost with the process
+            log.error("weights_ahead_of_checkpoint", version=version, newest_published=published[-1],
+                      fix="trainer.checkpoint_every = 1 keeps every announced version in a checkpoint")
+        if version not in published:  # killed between its checkpoint and the manifest: publish it again
+            log.warning("weights_republishing", version=version, newest_published=published[-1] if published else None)
+            await self._signal_when_uploaded(self._publish())
+            return
+        key = manifest_key(self.publisher_config.key_prefix, self.run_name, version)
+        log.info("weights_verified", version=version, manifest_key=key)
+        await self._announce(WeightsPublished(self.run_name, version, key, 0))
 
     async def on_config_change(self, key: str, old: Any, new: Any) -> None:
         if key == "trainer.lr":  # the schedule's peak: the rest of the schedule keeps its shape at the new height
@@ -100,21 +130,32 @@ class TrainerActor(StageActor):
         await self._report(metrics, order)
         return TrainDone(order.batch_id, order.attempt, learner.version)
 
-    def _publish(self) -> asyncio.Future[PublishedVersion]:
+    def _publish(self) -> tuple[int, asyncio.Future[PublishedVersion]]:
         # The step's whole share of publishing: one copy into recycled bf16 buffers.
-        return self.publisher.submit(self.learner.version, self.publisher.snapshot(self.learner.model.state_dict()))
+        version = self.learner.version
+        self.last_submitted = version
+        return version, self.publisher.submit(version, self.publisher.snapshot(self.learner.model.state_dict()))
 
-    async def _signal_when_uploaded(self, future: asyncio.Future[PublishedVersion]) -> None:
+    async def _signal_when_uploaded(self, submitted: tuple[int, asyncio.Future[PublishedVersion]]) -> None:
+        version, future = submitted
         try:
             published = await future
-        except Exception as e:  # a newer version supersedes it; readers catch up from that one
-            log.warning("weights_publish_failed", error=repr(e))
-            return
-        msg = WeightsPublished(self.run_name, published.version, published.manifest_key, published.num_encoded_bytes)
-        await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
+        except Exception as e:
+            if version < self.last_submitted:  # a newer version supersedes it; readers catch up from that one
+                log.warning("weights_publish_failed", version=version, superseded_by=self.last_submitted, error=repr(e))
+                return
+            # The newest version would never reach anyone: fail loudly; the restarted trainer publishes it again.
+            self.fail(f"publishing weights version {version} failed: {e!r}")
+            raise
+        await self._announce(WeightsPublished(self.run_name, published.version, published.manifest_key,
+                                              published.num_encoded_bytes))
         log.info("weights_announced", version=published.version, base_version=published.base_version,
                  num_encoded_bytes=published.num_encoded_bytes, num_weight_bytes=published.num_weight_bytes,
                  encode_s=round(published.encode_s, 4), upload_s=round(published.upload_s, 4))
+
+    async def _announce(self, msg: WeightsPublished) -> None:
+        await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
+        await self.bus.nc.flush()  # out before the TrainDone that names this version is acked
 
     async def _report(self, m: StepMetrics, order: TrainOrder) -> None:
         wall = time.monotonic() - self.started_at

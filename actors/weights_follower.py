@@ -6,6 +6,7 @@ version announced, and loads it into the engine: the fetch and rebuild run in th
 (``model.weight_sync``), the engine swaps between two decode steps. Loads are serialised, and the
 engine refuses a version it already has, so a version is applied once. A version that cannot be
 fetched (corrupt, missing, incomplete) is logged and skipped; the next announcement recovers.
+Waiting for one version (`reach`) is bounded: it ends in `WeightsUnavailable` naming the version.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["WeightsFollower", "weights_subject"]
+__all__ = ["WeightsFollower", "WeightsUnavailable", "weights_subject"]
+
+
+class WeightsUnavailable(TimeoutError):
+    """A version was not announced (or could not be loaded) within the time allowed for it."""
 
 
 def weights_subject(run: str) -> str:
@@ -50,6 +55,7 @@ class WeightsFollower:
         self.subscriber = WeightSubscriber(blob, SubscriberConfig(run=run, workers=workers))
         self.latest = 0
         self._changed = asyncio.Event()
+        self._announced = asyncio.Event()  # replaced at each announcement: waiters hold the one they saw
         self._loading = asyncio.Lock()  # the loop and a catching-up caller may both ask
         self._codec = Codec([WeightsPublished])
 
@@ -66,10 +72,65 @@ class WeightsFollower:
         if version > self.latest:
             self.latest = version
             self._changed.set()
+            announced, self._announced = self._announced, asyncio.Event()
+            announced.set()
+
+    async def reach(self, version: int, timeout_s: float) -> int:
+        """Load ``version`` (or a newer one) into the engine once the trainer has announced it.
+
+        Event-driven: it looks at the store once (the announcement may have gone out before this
+        process subscribed), then waits for announcements, at most ``timeout_s`` in all.
+
+        Raises:
+            WeightsUnavailable: no announced version >= ``version`` could be loaded in time.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        looked_in_store = False
+        while True:
+            announced = self._announced
+            if self.latest >= version:
+                if await self.load_latest() >= version:
+                    return self.engine.version
+            elif not looked_in_store:
+                looked_in_store = True
+                self.announce(await self.subscriber.latest_version() or 0)
+                continue
+            try:
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await announced.wait()
+            except TimeoutError:
+                log.error("weights_wait_timeout", version=version, timeout_s=timeout_s, latest_announced=self.latest,
+                          engine_version=self.engine.version)
+                raise WeightsUnavailable(f"weights version {version} of run {self.run!r} was not announced (or not "
+                                         f"loadable) within {timeout_s}s; newest announced {self.latest}, engine "
+                                         f"at {self.engine.version}") from None
 
     def recheck(self) -> None:
-        """Have `follow` look at the newest version again: its ``wanted`` may say yes now."""
+        """Have `follow` (or a `changed` waiter) look at the newest version again: its ``wanted`` may say yes now."""
         self._changed.set()
+
+    async def changed(self) -> int:
+        """Wait for an announcement or a `recheck` since the last call; the newest announced version.
+
+        For a caller that picks versions itself (`load`) instead of running `follow`."""
+        await self._changed.wait()
+        self._changed.clear()
+        return self.latest
+
+    async def load(self, version: int) -> None:
+        """Load exactly ``version`` into the engine (an engine at or past it is left as it is).
+
+        Raises:
+            WeightSyncError: the version (or its chain) cannot be fetched.
+        """
+        async with self._loading:
+            if version <= self.engine.version:
+                return
+            state = await self.subscriber.fetch(version)
+            await self.engine.update_weights(state, version, self.kv_policy)
+            log.info("weights_swapped", version=version, kv_policy=self.kv_policy.value,
+                     engine=self.engine.stats().__dict__)  # fmt: skip
 
     async def _on_signal(self, raw: Any) -> None:
         try:

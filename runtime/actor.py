@@ -31,7 +31,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits, Queue
 from runtime.codec import Codec, Message
-from runtime.errors import ConfigError, LifecycleError, MessageError
+from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +69,7 @@ class ActorSettings:
     drain_timeout_s: float = 60.0
     stop_step_timeout_s: float = 5.0  # each bus step of stopping (deregister, handover, flush)
     max_deliveries: int = 5  # handlings of one message before it is dead-lettered with its last error
+    lease_s: float = 10.0  # the registry entry is renewed every third of this; readers take it for lost after
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_deliveries < BusLimits().max_deliver:
@@ -140,6 +141,7 @@ class Actor:
         self.num_handled = 0
         self.num_failed = 0
         self.num_dead_lettered = 0
+        self.failure: str | None = None  # set by fail(): the run() that drains then raises ActorFailed
         self._started_at = time.time()
         self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
 
@@ -183,6 +185,7 @@ class Actor:
         ctl = await self.bus.nc.subscribe(f"ctl.{self.identity.actor_id}.*", cb=self._on_ctl)
         async with asyncio.TaskGroup() as tg:
             config_watch = tg.create_task(self._watch_config())
+            lease = tg.create_task(self._renew_lease())
             try:
                 async with asyncio.TaskGroup() as work_tg:
                     self.state = ActorState.RUNNING
@@ -201,8 +204,11 @@ class Actor:
                 # Leaving work_tg: consumers stopped fetching; every handler and its tasks finished.
             finally:
                 config_watch.cancel()
+                lease.cancel()
                 await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
         await self._stop()
+        if self.failure is not None:
+            raise ActorFailed(self.failure)
 
     async def _run_background(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -210,6 +216,15 @@ class Actor:
 
     def request_drain(self) -> None:
         self._drain_requested.set()
+
+    def fail(self, reason: str) -> None:
+        """A fault this process cannot recover from (a dead engine, storage that keeps failing): stop
+        taking work, let in-flight handlers end (they fail and nak, so the work is redelivered), then
+        ``run`` raises `ActorFailed` and the process exits non-zero, for its supervisor to replace it."""
+        if self.failure is None:
+            self.failure = reason
+            self._log.error("actor_failing", reason=reason)
+        self.request_drain()
 
     async def _stop(self) -> None:
         state = await self.handover()
@@ -220,6 +235,8 @@ class Actor:
         self.state = ActorState.STOPPED
         self._log.info("actor_stopped", num_handled=self.num_handled, num_failed=self.num_failed,
                        num_dead_lettered=self.num_dead_lettered)
+        # "stopped" before the entry goes: a reader knows it ended cleanly, not lost
+        await self._stop_step("register_stopped", self._register())
         await self._stop_step("deregister", self._delete_actors_key(self.identity.actor_id))
         await self._stop_step("flush", self.bus.nc.flush(timeout=max(1, int(self.settings.stop_step_timeout_s))))
 
@@ -381,9 +398,21 @@ class Actor:
     def describe(self) -> dict[str, Any]:
         i = self.identity
         return {"kind": i.kind, "id": i.actor_id, "pid": i.pid, "host": i.host, "code_hash": i.code_hash,
-                "state": self.state.value, "num_inflight": self._inflight, "num_handled": self.num_handled,
+                "state": self.state.value, "failure": self.failure,
+                "num_inflight": self._inflight, "num_handled": self.num_handled,
                 "num_failed": self.num_failed, "num_dead_lettered": self.num_dead_lettered,
-                "uptime_s": round(time.time() - self._started_at, 3), **self.status()}
+                "uptime_s": round(time.time() - self._started_at, 3), "lease_s": self.settings.lease_s,
+                **self.status()}
+
+    async def _renew_lease(self) -> None:
+        """The registry entry is a lease: renewed (with fresh counters) every third of ``lease_s``."""
+        while True:
+            await asyncio.sleep(self.settings.lease_s / 3)
+            try:
+                await self._register()
+            except (nats.errors.Error, TimeoutError, OSError) as e:  # the bus is away: the lease lapses, as it should
+                self._log.warning("lease_renewal_failed", error=repr(e))
+            raise_if_cancelled()
 
     async def _register(self) -> None:
         kv = await self.bus.kv("actors")

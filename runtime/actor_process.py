@@ -36,7 +36,8 @@ async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog) -
     bus = await Bus.connect(info.nats_url, name=actor_id, limits=BusLimits(ack_wait_s=cfg.runtime.bus.ack_wait_s))
     blob = open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None)
     settings = ActorSettings(max_concurrency=spec.max_concurrency, heartbeat_s=spec.heartbeat_s,
-                             drain_timeout_s=spec.drain_timeout_s, max_deliveries=spec.max_deliveries)
+                             drain_timeout_s=spec.drain_timeout_s, max_deliveries=spec.max_deliveries,
+                             lease_s=spec.lease_s)
     actor = cls(ActorContext(identity, bus, settings, cfg.app, blob, run_dir, cfg.runtime.run))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

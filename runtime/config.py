@@ -3,6 +3,13 @@
 A configuration schema is a tree of frozen dataclasses. Leaves marked ``live()`` may change while a run
 is going (they are kept in the ``config`` KV bucket and watched by actors); every other key is fixed at
 start. Errors name the key and the problem, and suggest the nearest valid key.
+
+Every numeric key declares the values it accepts (``live(..., within=Range(...))`` or ``fixed(...)``);
+a value outside, or a float that is not finite, is refused at load and when changed live, with an
+error naming the key, its range and the value. A table given in part (``--set
+reconciler.scheduling.eta=2``) is merged over the default of the field that holds it, not over the
+defaults of its class: the field's default may differ from its class's (a section that needs 64
+rollouts in flight where the class says 8).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import tomllib
 import types
 import typing
@@ -23,9 +31,12 @@ T = TypeVar("T")
 
 __all__ = [
     "ConfigError",
+    "Range",
     "apply_value",
     "build",
+    "check_ranges",
     "field_at",
+    "fixed",
     "is_live",
     "live",
     "live_items",
@@ -38,9 +49,53 @@ __all__ = [
 ]
 
 
-def live(default: Any, **kwargs: Any) -> Any:
-    """A dataclass field that operators may change while the run goes on."""
-    return dataclasses.field(default=default, metadata={"live": True}, **kwargs)
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The numbers a key accepts: from ``lo`` to ``hi`` (None: unbounded), each end included unless open."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return not (self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi))
+
+    def __str__(self) -> str:
+        lo = "-inf" if self.lo is None else f"{self.lo:g}"
+        hi = "inf" if self.hi is None else f"{self.hi:g}"
+        left = "(" if self.lo_open or self.lo is None else "["
+        right = ")" if self.hi_open or self.hi is None else "]"
+        return f"{left}{lo}, {hi}{right}"
+
+    def check(self, key: str, value: Any) -> None:
+        """ConfigError naming ``key`` unless every number in ``value`` (number, list or None) is in range."""
+        values = value if isinstance(value, tuple | list) else (value,)
+        for v in values:
+            if v is not None and not isinstance(v, bool) and v not in self:
+                raise ConfigError(f"config key {key!r} = {value!r} is outside its range {self}")
+
+
+def check_ranges(config: Any, section: str) -> None:
+    """ConfigError unless every field of ``config`` with a declared range holds a value in it.
+
+    For ``__post_init__``: a section built in code is checked as one loaded from TOML is (where
+    `build` has already checked each key under its full dotted name)."""
+    for f in dataclasses.fields(config):
+        if (within := f.metadata.get("range")) is not None:
+            within.check(f"{section}.{f.name}", getattr(config, f.name))
+
+
+def live(default: Any, *, within: Range | None = None, **kwargs: Any) -> Any:
+    """A dataclass field that operators may change while the run goes on (numbers: with their range)."""
+    return dataclasses.field(default=default, metadata={"live": True, "range": within}, **kwargs)
+
+
+def fixed(default: Any, *, within: Range, **kwargs: Any) -> Any:
+    """A numeric dataclass field fixed at start, with the values it accepts."""
+    return dataclasses.field(default=default, metadata={"range": within}, **kwargs)
 
 
 def is_live(schema: type, dotted_key: str) -> bool:
@@ -129,8 +184,12 @@ def load(schema: type[T], files: Iterable[Path] = (), overrides: Iterable[str] =
     return build(schema, tree)
 
 
-def build(schema: type[T], tree: Mapping[str, Any], prefix: str = "") -> T:
-    """Validates a nested mapping against a dataclass schema, converting TOML values to field types."""
+def build(schema: type[T], tree: Mapping[str, Any], prefix: str = "", base: T | None = None) -> T:
+    """Validates a nested mapping against a dataclass schema, converting TOML values to field types.
+
+    Keys the mapping leaves out keep their value in ``base`` (default: the schema's field defaults);
+    a nested table given in part is merged over the default of the field that holds it.
+    """
     if not isinstance(tree, Mapping):
         raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a table")
     fields = {f.name: f for f in dataclasses.fields(schema)}  # type: ignore[arg-type]
@@ -138,13 +197,27 @@ def build(schema: type[T], tree: Mapping[str, Any], prefix: str = "") -> T:
         if key not in fields:
             raise ConfigError(_unknown(prefix + key, fields))
     hints = typing.get_type_hints(schema)
-    kwargs = {name: _convert(tree[name], hints[name], prefix + name) for name in fields if name in tree}
+    kwargs = {}
+    for name, f in fields.items():
+        if name in tree:
+            default = getattr(base, name) if base is not None else _field_default(f)
+            kwargs[name] = _convert(tree[name], hints[name], prefix + name, default)
+            if (within := f.metadata.get("range")) is not None:
+                within.check(prefix + name, kwargs[name])
     try:
-        return schema(**kwargs)
+        return schema(**kwargs) if base is None else dataclasses.replace(base, **kwargs)  # type: ignore[type-var]
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r}: {e}") from None
+
+
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
 
 
 def apply_value(config: T, dotted_key: str, value: Any) -> T:
@@ -188,10 +261,11 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _convert(value: Any, hint: Any, key: str) -> Any:
+def _convert(value: Any, hint: Any, key: str, default: Any = None) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
-        return build(hint, value, key + ".")  # type: ignore[arg-type]
+        base = default if isinstance(default, hint) else None  # type: ignore[arg-type]
+        return build(hint, value, key + ".", base)  # type: ignore[arg-type]
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:
@@ -229,6 +303,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         return Path(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key {key!r} = {value!r}: a finite number is required")
     if hint in (int, float, str, bool):
         if type(value) is not hint:
             raise ConfigError(

@@ -22,5 +22,9 @@ class ConfigError(ValueError):
     """A configuration key is unknown, malformed or out of range; the message names the key."""
 
 
+class ActorFailed(RuntimeError):
+    """An actor met a fault it cannot recover from in-process; its process exits non-zero with this reason."""
+
+
 class LifecycleError(RuntimeError):
     """A lifecycle step was called in the wrong state."""

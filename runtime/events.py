@@ -20,6 +20,8 @@ from typing import IO, Any, Protocol
 
 import structlog
 
+from runtime.config import Range, check_ranges, fixed
+
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -30,14 +32,13 @@ class Publisher(Protocol):
 @dataclass(frozen=True)
 class EventLogConfig:
     level: str = "info"
-    queue_size: int = 10_000
-    drop_report_interval_s: float = 5.0
+    queue_size: int = fixed(10_000, within=Range(1, 10_000_000))
+    drop_report_interval_s: float = fixed(5.0, within=Range(0.0, 3600.0, lo_open=True))
 
     def __post_init__(self) -> None:
+        check_ranges(self, "log")
         if self.level not in LEVELS:
             raise ValueError(f"log level {self.level!r} is not one of {LEVELS}")
-        if self.queue_size < 1:
-            raise ValueError(f"queue_size={self.queue_size} must be >= 1")
 
 
 class _Sink:

@@ -16,6 +16,7 @@ from typing import Any
 import tomli_w
 
 from runtime import config as config_mod
+from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
 
@@ -26,29 +27,28 @@ RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "log", "actors")
 class RunSection:
     name: str = "run"
     runs_dir: Path = Path("runs")
-    seed: int = 0
-    steps: int = 0  # 0: until stopped; the application decides what a step is and reports finish
+    seed: int = fixed(0, within=Range(0, 2**63 - 1))
+    # 0: until stopped; the application decides what a step is and reports finish
+    steps: int = fixed(0, within=Range(0, 100_000_000))
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"run.steps={self.steps} must be >= 0")
+        check_ranges(self, "run")
 
 
 @dataclass(frozen=True)
 class BusSection:
     url: str = ""  # empty: start an embedded nats-server in the run directory
-    max_payload_bytes: int = 8 * 1024 * 1024
-    ack_wait_s: float = 30.0
-    max_outage_s: float = 60.0  # the bus unreachable for longer than this fails the run, saying so
-    server_max_restarts: int = 5  # the embedded server, died on its own, is restarted at most this often ...
-    server_restart_window_s: float = 60.0  # ... within this window (on its port and JetStream store)
+    max_payload_bytes: int = fixed(8 * 1024 * 1024, within=Range(1024, 64 * 1024 * 1024))
+    ack_wait_s: float = fixed(30.0, within=Range(1.0, 3600.0))
+    # the bus unreachable for longer than this fails the run, saying so
+    max_outage_s: float = fixed(60.0, within=Range(1.0, 86_400.0))
+    # the embedded server, died on its own, is restarted at most this often within the window
+    # (on its port and JetStream store)
+    server_max_restarts: int = fixed(5, within=Range(0, 10_000))
+    server_restart_window_s: float = fixed(60.0, within=Range(0.0, 86_400.0, lo_open=True))
 
     def __post_init__(self) -> None:
-        if not 1.0 <= self.max_outage_s <= 24 * 3600:
-            raise ValueError(f"bus.max_outage_s={self.max_outage_s} must be within 1..86400 seconds")
-        if self.server_max_restarts < 0 or self.server_restart_window_s <= 0:
-            raise ValueError(f"bus.server_max_restarts={self.server_max_restarts} must be >= 0 and "
-                             f"bus.server_restart_window_s={self.server_restart_window_s} > 0")
+        check_ranges(self, "bus")
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,21 @@ class StorageSection:
 
 @dataclass(frozen=True)
 class SupervisorSection:
-    max_restarts: int = 5  # OTP intensity: more than this many restarts ...
-    restart_window_s: float = 60.0  # ... within this window fails the run
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 10.0
-    drain_timeout_s: float = 60.0
-    term_timeout_s: float = 10.0
-    ready_timeout_s: float = 120.0  # a replacement must be consuming within this during a hot swap
-    stall_s: float = 600.0  # nothing acknowledged on any queue for this long: say so, naming the stage (0: off)
+    # OTP intensity: more than max_restarts restarts within restart_window_s fails the run
+    max_restarts: int = fixed(5, within=Range(0, 10_000))
+    restart_window_s: float = fixed(60.0, within=Range(0.0, 86_400.0, lo_open=True))
+    backoff_base_s: float = fixed(0.5, within=Range(0.0, 3600.0))
+    backoff_max_s: float = fixed(10.0, within=Range(0.0, 3600.0))
+    drain_timeout_s: float = fixed(60.0, within=Range(0.0, 86_400.0))
+    term_timeout_s: float = fixed(10.0, within=Range(0.0, 3600.0))
+    # a replacement must be consuming within this during a hot swap
+    ready_timeout_s: float = fixed(120.0, within=Range(0.0, 86_400.0, lo_open=True))
+    # nothing acknowledged on any queue for this long: say so, naming the stage (0: off)
+    stall_s: float = fixed(600.0, within=Range(0.0, 7 * 24 * 3600.0))
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.restart_window_s <= 0:
-            raise ValueError("supervisor.max_restarts must be >= 0 and restart_window_s > 0")
-        if self.stall_s != 0 and not 1.0 <= self.stall_s <= 7 * 24 * 3600:
+        check_ranges(self, "supervisor")
+        if 0 < self.stall_s < 1.0:
             raise ValueError(f"supervisor.stall_s={self.stall_s} must be 0 (off) or within 1..604800 seconds")
 
     def backoff(self, num_recent_restarts: int) -> float:
@@ -83,21 +85,23 @@ class ActorSpec:
     """One actor kind: its class as ``module:Class`` (as gunicorn or uvicorn name apps), how many."""
 
     entry: str
-    count: int = 1
-    max_concurrency: int = 8
-    heartbeat_s: float = 5.0
-    drain_timeout_s: float = 60.0
-    threads: int = 0  # torch intra-op threads in the process; 0 leaves the default
-    nice: int = 0  # CPU priority below the others' (0 to 19): a side job gives way to the pipeline
-    max_deliveries: int = 5  # handlings of one message before it is dead-lettered with its last error
+    count: int = fixed(1, within=Range(0, 10_000))
+    max_concurrency: int = fixed(8, within=Range(1, 100_000))
+    heartbeat_s: float = fixed(5.0, within=Range(0.0, 3600.0, lo_open=True))
+    drain_timeout_s: float = fixed(60.0, within=Range(0.0, 86_400.0))
+    threads: int = fixed(0, within=Range(0, 1024))  # torch intra-op threads in the process; 0 leaves the default
+    # CPU priority below the others' (0 to 19; 0: the same as every other actor): a side job gives way
+    nice: int = fixed(0, within=Range(0, 19))
+    # handlings of one message before it is dead-lettered with its last error
+    max_deliveries: int = fixed(5, within=Range(1, 49))  # below the bus consumer's max_deliver (50)
+    # How long the actor's registry entry outlives its last renewal (renewed every third of it): a
+    # killed or frozen actor is declared lost, and its work re-issued, this long after its last renewal.
+    lease_s: float = fixed(10.0, within=Range(1.0, 3600.0))
 
     def __post_init__(self) -> None:
+        check_ranges(self, "actors.<kind>")
         if ":" not in self.entry:
             raise ValueError(f"entry {self.entry!r} must look like package.module:ClassName")
-        if self.count < 0:
-            raise ValueError(f"count={self.count} must be >= 0")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice={self.nice} must be in 0..19 (0: the same priority as every other actor)")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from actors import (
 )
 from actors.lifecycle_events import MetaRecord
 from actors.slot_store import META_KEY, outcome_key
+from actors.slots import Stage
 from actors.testing import InMemorySlotStore
 from tests.actors.lifecycle_world import World
 
@@ -218,3 +219,19 @@ async def test_trainer_rejection_drops_the_batch() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="cannot hold one batch"):
         LifecycleConfig(num_slots=3, group_size=2, batch_size_groups=2)
+
+
+async def test_a_lost_actors_work_is_reissued_at_once_and_its_old_attempts_are_no_longer_current() -> None:
+    _, resumed, world = await start()
+    core = resumed.lifecycle
+    held, other = world.pending[0], world.pending[1]
+    core.on_heartbeat(Stage.ROLLOUT, held.key, held.attempt, "rollout-1", 1.0)
+    core.on_heartbeat(Stage.ROLLOUT, other.key, other.attempt, "rollout-2", 1.0)
+    assert core.is_current(Stage.ROLLOUT, held.key, held.attempt)
+    reissued = await core.on_actor_lost("rollout-1", 2.0)  # long before rollout_timeout_s (10 s)
+    assert [(o.key, o.attempt) for o in reissued] == [(held.key, held.attempt + 1)]
+    assert not core.is_current(Stage.ROLLOUT, held.key, held.attempt), "the old attempt is superseded"
+    assert core.is_current(Stage.ROLLOUT, held.key, held.attempt + 1)
+    assert core.is_current(Stage.ROLLOUT, other.key, other.attempt), "another actor's work is untouched"
+    await deliver(core, world, other)
+    assert not core.is_current(Stage.ROLLOUT, other.key, other.attempt), "completed work is not current"

@@ -78,7 +78,7 @@ def test_short_final_batch_only_when_nothing_runs() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"eta": -1}, "eta must be >= 0"),
+        ({"eta": -1}, "'scheduling.eta' = -1 is outside its range"),
         ({"max_ready_groups": 0}, "max_ready_groups"),
         ({"rollout_timeout_s": 0}, "rollout_timeout_s"),
         ({"max_retries": -1}, "max_retries"),

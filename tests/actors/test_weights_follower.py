@@ -8,12 +8,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from structlog.testing import capture_logs
 
 from actors.messages import WeightsPublished
 from actors.metrics_log import read_metrics
-from actors.weights_follower import WeightsFollower, weights_subject
+from actors.weights_follower import WeightsFollower, WeightsUnavailable, weights_subject
 from model.engine import GenerationEngine
 from model.weight_sync import PublisherConfig, WeightPublisher
 from runtime.blob import BlobStore, open_store
@@ -99,6 +100,41 @@ async def test_follower_loads_announced_versions_once_and_skips_bad_ones(tmp_pat
         assert_engine_holds(engine, states[4])
         follower.announce(2)  # older than what the engine holds: nothing to do
         assert await follower.load_latest() == 4 and follower.latest == 4
+
+
+async def test_reaching_a_version_waits_for_its_announcement_and_no_longer_than_its_bound(tmp_path: Path) -> None:
+    """A rollout admitted under version v waits for v's announcement, event-driven, and gives up after its
+    bound with an error naming the version (it polled every 0.5 s for ever: a trainer killed before the
+    announcement left every rollout waiting)."""
+    states = versions_of_model(3)
+    bus = FakeBus()
+    async with open_store(f"file://{tmp_path}") as store, contextlib.AsyncExitStack() as stack:
+        await publish(store, states, range(1))
+        engine = GenerationEngine(seeded_model(CONFIG, seed=0))
+        await engine.start()
+        stack.push_async_callback(engine.stop)
+        follower = WeightsFollower(bus, store, RUN, engine)
+        await follower.start(stack)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with capture_logs() as logs, pytest.raises(WeightsUnavailable, match=r"version 1 .* within 0\.5s"):
+            await follower.reach(1, timeout_s=0.5)  # never announced
+        assert 0.5 <= loop.time() - started < 3.0
+        assert [e["version"] for e in logs if e["event"] == "weights_wait_timeout"] == [1]
+        assert not any(e["event"] == "weights_fetch_failed" for e in logs), "nothing fetched before it exists"
+
+        await publish(store, states, range(1, 2))  # in the store, never signalled: found there
+        assert await follower.reach(1, timeout_s=5.0) == 1 and engine.version == 1
+
+        async def announce_later() -> None:
+            await asyncio.sleep(0.3)
+            await publish(store, states, range(2, 3))
+            await bus.signal(2)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(announce_later())
+            assert await follower.reach(2, timeout_s=30.0) == 2
+        assert_engine_holds(engine, states[2])
 
 
 async def test_evaluator_and_plot_read_metrics_through_one_reader(tmp_path: Path) -> None:

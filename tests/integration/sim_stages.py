@@ -294,7 +294,7 @@ class SimRolloutActor(_SimStage):
         min_version = self.version
         await self.simulate(order.sample_id)
         key = await self.put(
-            f"sim/rollouts/{order.sample_id}/a{order.attempt}",
+            f"samples/{order.sample_id}/a{order.attempt}/trajectory",
             {
                 "sample_id": order.sample_id,
                 "prompt_id": order.prompt_id,
@@ -320,7 +320,7 @@ class SimRewardActor(_SimStage):
                 )
             record.update(min_version=rollout["min_version"], max_version=rollout["max_version"])
         await self.simulate(order.sample_id)
-        key = await self.put(f"sim/rewards/{order.sample_id}/a{order.attempt}", record)
+        key = await self.put(f"samples/{order.sample_id}/a{order.attempt}/reward", record)
         return RewardDone(order.sample_id, order.attempt, key)
 
 
@@ -346,7 +346,7 @@ class SimGroupActor(_SimStage):
                 advantages=[r["reward"] - mean for r in rewards], min_version=min(r["min_version"] for r in rewards)
             )
         await self.simulate(order.group_id)
-        key = await self.put(f"sim/groups/{order.group_id}/a{order.attempt}", record)
+        key = await self.put(f"groups/{order.group_id}/a{order.attempt}", record)
         return GroupDone(order.group_id, order.attempt, key)
 
 

@@ -213,7 +213,7 @@ def test_parse_event_accepts_objects_only() -> None:
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="verbose"):
         EventLogConfig(level="verbose")
-    with pytest.raises(ValueError, match="queue_size=0"):
+    with pytest.raises(ValueError, match=r"'log\.queue_size' = 0 is outside its range"):
         EventLogConfig(queue_size=0)
 
 

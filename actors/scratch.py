@@ -1,0 +1,48 @@
+"""Where an actor's sandboxes live on the host: one directory per (actor kind, run), shared by its processes.
+
+A process killed with SIGKILL cannot remove its sandbox store or unmount its overlays. With a root
+per process (``/var/tmp/rollout-<random>``) nobody ever looked there again: every kill left a
+directory, and a rollout actor killed mid-batch 64 overlay mounts. With one root per kind and run,
+the process that replaces it opens a `sandbox.LayerStore` in the same root, and the store reaps at
+start every sibling store (mounts first) whose process is gone. The root itself is removed by the
+last process of the kind to stop (it is only removed when empty, so live siblings keep theirs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from pathlib import Path
+
+import structlog
+
+from sandbox import LayerStore, SandboxConfig
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["SCRATCH_DIR", "open_sandbox_store", "scratch_root"]
+
+SCRATCH_DIR = Path("/var/tmp")
+
+
+def scratch_root(kind: str, run_dir: Path | str) -> Path:
+    """``/var/tmp/<kind>-<8 hex digits of the run directory's absolute path>``: stable across restarts."""
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+    return SCRATCH_DIR / f"{kind}-{digest}"
+
+
+def open_sandbox_store(kind: str, run_dir: Path | str, exit_stack: contextlib.ExitStack | contextlib.AsyncExitStack,
+                       ) -> LayerStore:  # fmt: skip
+    """This process's sandbox store under its kind's root (reaping dead siblings'); closed by ``exit_stack``."""
+    root = scratch_root(kind, run_dir)
+    store = LayerStore(SandboxConfig(root_dir=str(root)))
+    exit_stack.callback(_remove_if_empty, root)
+    exit_stack.callback(store.close)
+    return store
+
+
+def _remove_if_empty(root: Path) -> None:
+    with contextlib.suppress(FileNotFoundError, OSError):  # OSError: ENOTEMPTY, a sibling still works here
+        os.rmdir(root)
+        log.info("scratch_root_removed", root=str(root))

@@ -1,0 +1,129 @@
+"""Real actors with one injected fault each, for the fault tests (entries like ``tests.integration.faulty_actors:X``).
+
+Each fault fires in the first process of its kind in a run only (a marker file in the run directory
+says it fired), so the process the supervisor starts in its place shows the recovery.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from actors.evaluator import EvaluatorActor
+from actors.messages import WeightsPublished
+from actors.rollout import RolloutActor
+from actors.trainer import TrainerActor
+from runtime.actor import Delivery
+
+
+def _first_time(run_dir: Any, fault: str) -> bool:
+    marker = Path(run_dir) / f"fault-{fault}"
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
+
+
+class EngineFailingRolloutActor(RolloutActor):
+    """The real rollout actor whose engine's first decode step raises: the engine is FAILED for good."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        if _first_time(self.ctx.run_dir, "engine"):
+            def broken_forward(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("injected fault: the device fell off the bus")
+
+            self.engine.model.forward = broken_forward  # type: ignore[method-assign]
+
+
+# The points of the trainer's sequence for one version, and the version at which its process is killed at each;
+# the last version (6) again between its checkpoint and its upload: the step budget is then reached, and only the
+# restarted trainer's republishing lets the evaluator see that version and end the run.
+TRAINER_KILLS = {1: "after_step", 2: "after_checkpoint", 3: "after_upload", 4: "after_announce", 5: "after_done",
+                 6: "after_checkpoint"}
+
+
+def _kill_self(run_dir: Any, fault: str) -> None:
+    if _first_time(run_dir, fault):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KilledTrainerActor(TrainerActor):
+    """The real trainer, SIGKILLed once at each point of step -> checkpoint -> upload -> announce -> TrainDone
+    (`TRAINER_KILLS`: the point, by the version being made)."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        step, save = self.learner.step, self.learner.save
+
+        def killed_after_step(*args: Any, **kwargs: Any) -> Any:
+            metrics = step(*args, **kwargs)
+            self._maybe_killed("after_step", self.learner.version)
+            return metrics
+
+        def killed_after_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            path = save(*args, **kwargs)
+            self._maybe_killed("after_checkpoint", self.learner.version)
+            return path
+
+        self.learner.step = killed_after_step  # type: ignore[method-assign]
+        self.learner.save = killed_after_checkpoint  # type: ignore[method-assign]
+
+    def _maybe_killed(self, point: str, version: int) -> None:
+        if TRAINER_KILLS.get(version) == point:
+            _kill_self(self.ctx.run_dir, f"trainer-{point}-v{version}")
+
+    async def _announce(self, msg: WeightsPublished) -> None:
+        self._maybe_killed("after_upload", msg.version)
+        await super()._announce(msg)
+        self._maybe_killed("after_announce", msg.version)
+
+    async def handle(self, msg: Any, delivery: Delivery) -> None:
+        await super().handle(msg, delivery)  # TrainDone is out; the order is not acked yet
+        self._maybe_killed("after_done", self.learner.version)
+
+
+EVALUATOR_KILLED_AT = 2
+
+
+class KilledEvaluatorActor(EvaluatorActor):
+    """The real evaluator, SIGKILLed once in the middle of evaluating version `EVALUATOR_KILLED_AT`, and once
+    between writing the last version's row and asking the supervisor to finish the run."""
+
+    async def _evaluate(self, version: int) -> None:
+        if version == EVALUATOR_KILLED_AT:
+            _kill_self(self.ctx.run_dir, "evaluator")
+        await super()._evaluate(version)
+
+    async def _finish_if_last_evaluated(self) -> None:
+        last = self.last_version
+        if last is not None and last in self.evaluated:
+            _kill_self(self.ctx.run_dir, "evaluator-finish")
+        await super()._finish_if_last_evaluated()
+
+
+class _WeightsPutsFail:
+    """A blob store whose writes under ``weights/`` fail (a full disk, a revoked bucket); the rest passes through."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    async def put(self, key: str, data: Any) -> None:
+        if key.startswith("weights/"):
+            raise OSError(28, f"injected fault: no space left on device writing {key!r}")
+        await self._store.put(key, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+class PublishFailingTrainerActor(TrainerActor):
+    """The real trainer whose first process cannot write weights: its publish keeps failing."""
+
+    async def setup(self) -> None:
+        if _first_time(self.ctx.run_dir, "publish"):
+            self.ctx.blob = _WeightsPutsFail(self.ctx.blob)
+        await super().setup()

@@ -1,0 +1,136 @@
+"""Registry leases on a real run: a frozen rollout actor's episodes are re-issued within seconds.
+
+The real reconciler and the simulated stages (tests/integration/sim_stages.py); one of two rollout
+actors is stopped with SIGSTOP while it holds rollouts: its process is alive, its registry entry says
+``running``, the supervisor sees nothing. Only its lease can tell. The bus's ack wait (90 s) and the
+rollout timeout (120 s) are set far above what the test allows, so the run can finish in time only
+if the reconciler re-issues that actor's work when its lease runs out (10 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.kv_slot_store import KVSlotStore
+from actors.slot_store import CURSOR_KEY, SLOT_PREFIX
+from actors.slots import Slot, SlotState
+from actors.task_cursor import CursorRecord
+from tests.integration.harness import LiveRun, write_config
+from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_PROMPTS = 6
+
+
+def _events(run_dir: Path, name: str) -> list[dict]:
+    rows = []
+    for f in (run_dir / "logs").glob("*.jsonl"):
+        rows += [r for line in f.read_text().splitlines() if (r := json.loads(line)).get("event") == name]
+    return rows
+
+
+async def _until(predicate: Any, timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if await predicate():
+            return time.monotonic() - started
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    SimConfig(rollout=StageSim(median_s=4.0, sigma=0.0, max_s=4.0)).write(run_dir)
+    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
+        num_prompts=NUM_PROMPTS, num_slots=16, group_size=2, batch_groups=1, eta=1, rollout_count=2, reward_count=1,
+        stage_timeout_s=120.0))
+    run = await LiveRun(run_dir, cfg, "--set", "bus.ack_wait_s=90").start()
+    victim: dict[str, Any] = {}
+    try:
+        assert run.bus is not None
+        await run.wait_actors("rollout", 2, timeout_s=120)
+
+        async def a_rollout_actor_holds_work() -> bool:
+            for actor in await run.actors():
+                if actor["kind"] == "rollout":
+                    info = await run.request(f"ctl.{actor['id']}.status")
+                    if info["state"] == "running" and info["num_inflight"] >= 1:
+                        victim.update(info)
+                        return True
+            return False
+
+        await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
+        os.kill(victim["pid"], signal.SIGSTOP)
+        slots = KVSlotStore(await run.bus.kv("slots"))
+
+        async def finished() -> bool:
+            cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)
+            states = [Slot.decode((await slots.get(k)).value).state for k in await slots.keys()
+                      if k.startswith(SLOT_PREFIX)]
+            return cursor.position == NUM_PROMPTS and all(s is SlotState.EMPTY for s in states)
+
+        elapsed = await _until(finished, 60, "every prompt trained (the frozen actor's work re-issued)")
+        print(f"finished {elapsed:.1f}s after the rollout actor froze")
+    finally:
+        if victim:
+            os.kill(victim["pid"], signal.SIGKILL)
+        assert await run.stop() == 0
+    (lost,) = [e for e in _events(run_dir, "actor_lost") if e["actor_id"] == victim["id"]]
+    assert lost["actor_kind"] == "rollout" and "no lease renewal" in lost["reason"], lost
+    retried = [e for e in _events(run_dir, "work_retried") if e["reason"] == f"actor {victim['id']} lost"]
+    assert retried, "the frozen actor's rollouts were re-issued because it was lost"
+    assert not [e for e in _events(run_dir, "work_retried") if "timed out" in e["reason"]]
+
+
+async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_not_done_twice(tmp_path: Path) -> None:
+    """SIGKILL: the supervisor removes the entry, the reconciler re-issues at once; the killed actor's orders,
+    redelivered by the bus after its ack wait (6 s), are recognised as superseded and skipped, not redone."""
+    run_dir = tmp_path / "run"
+    SimConfig(rollout=StageSim(median_s=3.0, sigma=0.0, max_s=3.0)).write(run_dir)
+    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
+        num_prompts=NUM_PROMPTS, num_slots=16, group_size=2, batch_groups=1, eta=1, rollout_count=2, reward_count=1,
+        stage_timeout_s=120.0))
+    run = await LiveRun(run_dir, cfg, "--set", "bus.ack_wait_s=6").start()
+    victim: dict[str, Any] = {}
+    try:
+        assert run.bus is not None
+        await run.wait_actors("rollout", 2, timeout_s=120)
+
+        async def a_rollout_actor_holds_work() -> bool:
+            for actor in await run.actors():
+                if actor["kind"] == "rollout":
+                    info = await run.request(f"ctl.{actor['id']}.status")
+                    if info["state"] == "running" and info["num_inflight"] >= 1:
+                        victim.update(info)
+                        return True
+            return False
+
+        await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
+        os.kill(victim["pid"], signal.SIGKILL)
+        slots = KVSlotStore(await run.bus.kv("slots"))
+
+        async def finished() -> bool:
+            cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)
+            states = [Slot.decode((await slots.get(k)).value).state for k in await slots.keys()
+                      if k.startswith(SLOT_PREFIX)]
+            return cursor.position == NUM_PROMPTS and all(s is SlotState.EMPTY for s in states)
+
+        await _until(finished, 90, "every prompt trained")
+        await asyncio.sleep(8.0)  # past the ack wait: the killed actor's orders come back
+    finally:
+        assert await run.stop() == 0
+    (lost,) = [e for e in _events(run_dir, "actor_lost") if e["actor_id"] == victim["id"]]
+    assert "removed while running" in lost["reason"], lost
+    retried = {(e["sample_id"], e["attempt"] - 1) for e in _events(run_dir, "work_retried")
+               if e["reason"] == f"actor {victim['id']} lost"}
+    skipped = {(e["key"], e["attempt"]) for e in _events(run_dir, "superseded_order_skipped")}
+    assert retried and retried <= skipped, (retried, skipped)
