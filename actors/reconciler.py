@@ -15,7 +15,6 @@ import contextlib
 import time
 from typing import Any, ClassVar
 
-import msgpack
 import structlog
 
 from actors.config import RLConfig
@@ -37,6 +36,7 @@ from actors.task_catalog import TaskCatalog
 from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
 from runtime.codec import Codec
+from runtime.registry import decode_registration, is_registration_key
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +61,7 @@ class ReconcilerActor(Actor):
         self.announced_exhausted = False
         self._warn_if_steps_exceed_data()
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
+        self.num_rejected_registrations = 0
         self.num_rollout_actors = await self._count_rollout_actors()
         await self._resume()
         sub = await self.bus.nc.subscribe("heartbeat.>", cb=self._on_heartbeat)
@@ -167,7 +168,7 @@ class ReconcilerActor(Actor):
         except ValueError as e:
             log.warning("heartbeat_rejected", error=str(e))
             return
-        self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time())
+        self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time(), beat.token)
 
     async def on_config_change(self, key: str, old: Any, new: Any) -> None:
         if key.startswith("reconciler.scheduling."):
@@ -204,7 +205,7 @@ class ReconcilerActor(Actor):
         count = 0
         for key in keys:
             with contextlib.suppress(Exception):
-                count += _is_running_rollout((await kv.get(key)).value)
+                count += self._is_running_rollout(key, (await kv.get(key)).value)
         return count
 
     async def _watch_rollout_actors(self) -> None:
@@ -218,7 +219,7 @@ class ReconcilerActor(Actor):
                 if entry is None:  # end of the initial values
                     continue
                 running.discard(entry.key)
-                if entry.operation is None and entry.value and _is_running_rollout(entry.value):
+                if entry.operation is None and entry.value and self._is_running_rollout(entry.key, entry.value):
                     running.add(entry.key)
                 count = len(running)
                 if count != self.num_rollout_actors:
@@ -229,6 +230,19 @@ class ReconcilerActor(Actor):
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+    def _is_running_rollout(self, key: str, raw: bytes) -> bool:
+        """A complete registry entry of a running rollout actor; anything else counts for nothing."""
+        if not is_registration_key(key):
+            return False
+        try:
+            info = decode_registration(key, raw)
+        except ValueError as e:
+            self.num_rejected_registrations += 1
+            log.warning("registry_entry_rejected", key=key, reason=str(e),
+                        num_rejected=self.num_rejected_registrations)
+            return False
+        return info["kind"] == "rollout" and info["state"] == "running"
 
     async def handover(self) -> dict[str, Any] | None:
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""
@@ -252,12 +266,7 @@ class ReconcilerActor(Actor):
             "trainer_version": self.core.trainer_version,
             "finished": self.core.is_finished,
             "scheduling": config_mod.to_dict(self.core.scheduling),
+            "num_rejected_registrations": self.num_rejected_registrations,
         }
 
 
-def _is_running_rollout(raw: bytes) -> bool:
-    try:
-        info = msgpack.unpackb(raw, raw=False)
-    except ValueError:
-        return False
-    return isinstance(info, dict) and info.get("kind") == "rollout" and info.get("state") == "running"

@@ -1,7 +1,9 @@
 """The trainer actor: train on batches of READY groups, publish each new policy version.
 
-Per order: refuse if training now would break the staleness bound; answer a batch already trained
-with its result (idempotent); otherwise load the group checkpoints, take one learner step, save
+Per order: answer an order whose groups were all trained with their result (idempotent: the ledger is
+by group, so a group trains at most once whatever batch id an order gives it), refuse one naming some
+trained and some untrained groups or group records that are not the groups it names, refuse if
+training now would break the staleness bound; otherwise load the group checkpoints, take one learner step, save
 weights + optimizer + trained batch ids (safetensors, HF layout), and hand a bf16 copy of the
 weights to the publisher, which encodes and uploads the delta in the background and then signals
 ``weights.<run>``. Per-step metrics go to ``metrics.jsonl`` in the run directory and to the live
@@ -79,9 +81,13 @@ class TrainerActor(StageActor):
 
     async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
         learner = self.learner
-        if order.batch_id in learner.trained_batches:
-            log.info("batch_already_trained", batch_id=order.batch_id, version=learner.version)
-            return TrainDone(order.batch_id, order.attempt, learner.version)
+        trained = {g: learner.trained_groups[g] for g in order.group_ids if g in learner.trained_groups}
+        if trained and len(trained) == len(order.group_ids):
+            log.info("batch_already_trained", batch_id=order.batch_id, version=max(trained.values()))
+            return TrainDone(order.batch_id, order.attempt, max(trained.values()))
+        if trained:
+            raise WorkRefused(f"batch {order.batch_id} names groups already trained {sorted(trained)}: "
+                              "a group trains at most once")
         steps = self.ctx.run_steps
         if steps and learner.version >= steps:  # nak: the batch waits for a resumed run with more steps
             raise StepBudgetReached(f"the run's step budget ({steps}) is reached; batch {order.batch_id} waits")
@@ -89,6 +95,10 @@ class TrainerActor(StageActor):
             raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
                               f"{order.deadline_version}: training it would exceed the staleness bound")
         groups = [await self.get_record(k) for k in order.group_keys]
+        named = [g.get("group_id") for g in groups]
+        if len(set(order.group_ids)) != len(order.group_ids) or named != list(order.group_ids):
+            raise WorkRefused(f"batch {order.batch_id} names groups {list(order.group_ids)} but its records "
+                              f"hold {named}")
         started = time.monotonic()
         metrics = await asyncio.to_thread(learner.step, groups, order.batch_id)
         if learner.version % self.config.trainer.checkpoint_every == 0:

@@ -6,6 +6,11 @@ version announced, and loads it into the engine: the fetch and rebuild run in th
 (``model.weight_sync``), the engine swaps between two decode steps. Loads are serialised, and the
 engine refuses a version it already has, so a version is applied once. A version that cannot be
 fetched (corrupt, missing, incomplete) is logged and skipped; the next announcement recovers.
+
+An announcement is believed only for a version the store holds: its key must be the manifest of that
+version of this run, and the manifest there must say so. Anything else (another run, a version never
+published, one far ahead of the trainer) is rejected at once with a reason and counted, never waited
+for: a forged announcement cannot make the follower chase weights that do not exist.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import structlog
 from actors.messages import WeightsPublished
 from model.engine import GenerationEngine
 from model.generation import KVPolicy
-from model.weight_sync import BlobStoreLike, SubscriberConfig, WeightSubscriber, WeightSyncError
+from model.weight_sync import BlobStoreLike, Manifest, SubscriberConfig, WeightSubscriber, WeightSyncError
+from model.weight_sync.manifest import parse_key, run_prefix
 from runtime.bus import Bus
 from runtime.codec import Codec
 
@@ -49,6 +55,7 @@ class WeightsFollower:
         self.bus, self.run, self.engine, self.kv_policy = bus, run, engine, kv_policy
         self.subscriber = WeightSubscriber(blob, SubscriberConfig(run=run, workers=workers))
         self.latest = 0
+        self.num_rejected = 0  # announcements not believed (see `_check_announcement`)
         self._changed = asyncio.Event()
         self._loading = asyncio.Lock()  # the loop and a catching-up caller may both ask
         self._codec = Codec([WeightsPublished])
@@ -77,7 +84,33 @@ class WeightsFollower:
         except ValueError as e:
             log.error("weights_signal_rejected", error=str(e))
             return
+        if msg.version <= self.latest:
+            return  # nothing new to act on
+        reason = await self._check_announcement(msg)
+        if reason is not None:
+            self.num_rejected += 1
+            log.warning("weights_signal_rejected", version=msg.version, key=msg.key, reason=reason,
+                        num_rejected=self.num_rejected)
+            return
         self.announce(msg.version)
+
+    async def _check_announcement(self, msg: WeightsPublished) -> str | None:
+        """Why `msg` is not a version the store holds for this run (None: it is)."""
+        if msg.run != self.run:
+            return f"run {msg.run!r} is not this run {self.run!r}"
+        parsed = parse_key(msg.key)
+        prefix = run_prefix(self.subscriber.config.key_prefix, self.run)
+        if parsed is None or not parsed.is_manifest or parsed.version != msg.version or not msg.key.startswith(prefix):
+            return f"key {msg.key!r} is not a manifest of version {msg.version} under {prefix!r}"
+        try:
+            manifest = Manifest.from_json(await self.subscriber.store.get(msg.key), where=msg.key)
+        except KeyError:
+            return f"version {msg.version} is not in the store (no manifest at {msg.key!r})"
+        except (OSError, WeightSyncError) as e:
+            return f"manifest {msg.key!r} unreadable: {e}"
+        if (manifest.run, manifest.version) != (self.run, msg.version):
+            return f"manifest {msg.key!r} is of run {manifest.run!r} version {manifest.version}"
+        return None
 
     async def follow(
         self, *, wanted: Callable[[int], bool] | None = None,

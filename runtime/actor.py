@@ -351,8 +351,13 @@ class Actor:
         if old_value == _get_path(new, key):
             return
         self.config = new
+        try:  # the kind's own check of the new value against its state (e.g. a batch must still form)
+            await self.on_config_change(key, old_value, _get_path(new, key))
+        except (ConfigError, ValueError) as e:
+            self.config = old
+            self._log.error("config_change_rejected", key=full_key, error=str(e))
+            return
         self._log.info("config_changed", key=full_key, old=old_value, new=_get_path(new, key))
-        await self.on_config_change(key, old_value, _get_path(new, key))
 
 
 def raise_if_cancelled() -> None:

@@ -8,9 +8,10 @@ completion on ``done.<stage>``:
   versions the simulated trainer announced while it "generated".
 - `SimRewardActor`: reads the rollout record, scores it, writes a reward record (`RewardDone`).
 - `SimGroupActor`: reads the reward records, Dr. GRPO advantages, writes a group record (`GroupDone`).
-- `SimTrainActor`: keeps a ledger of decided batch ids in the ``sim_trainer`` KV bucket (one record,
-  every step one compare-and-set), so it trains each batch id at most once across restarts, answers
-  a repeated batch with its recorded decision, and refuses batches past their ``deadline_version``.
+- `SimTrainActor`: keeps a ledger of trained groups and decided batch ids in the ``sim_trainer`` KV
+  bucket (one record, every step one compare-and-set), so it trains each group at most once across
+  restarts whatever batch id an order gives it, answers an order whose groups were all trained with
+  their recorded version, and refuses batches past their ``deadline_version``.
 
 Knobs: the run directory's ``sim_stages.json`` (`SimConfig.write` makes it; absent: the defaults).
 A file in the run directory rather than a section of the run's shared schema (`actors.config.RLConfig`
@@ -363,10 +364,12 @@ class SimTrainActor(_SimStage):
 
     async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
         state, revision = await self.ledger.load()
-        decided = state["trained"].get(order.batch_id)
-        if decided is not None:
-            log.info("batch_already_trained", batch_id=order.batch_id, version=decided["version"])
-            return TrainDone(order.batch_id, order.attempt, decided["version"])
+        trained = {g: state["groups"][g] for g in order.group_ids if g in state["groups"]}
+        if trained and len(trained) == len(order.group_ids):
+            log.info("batch_already_trained", batch_id=order.batch_id, version=max(trained.values()))
+            return TrainDone(order.batch_id, order.attempt, max(trained.values()))
+        if trained:
+            raise WorkRefused(f"batch {order.batch_id} names groups already trained {sorted(trained)}")
         if order.batch_id in state["refused"]:
             raise WorkRefused(state["refused"][order.batch_id])
         version = state["version"]
@@ -382,6 +385,7 @@ class SimTrainActor(_SimStage):
             await self.ledger.commit(state, revision)
             raise
         state["version"] = version + 1
+        state["groups"].update(dict.fromkeys(order.group_ids, version + 1))
         state["trained"][order.batch_id] = {
             "version": version + 1,
             "time": time.time(),
@@ -425,7 +429,7 @@ class TrainerLedger:
         try:
             entry = await self._kv.get(LEDGER_KEY)
         except KeyNotFoundError:
-            return {"version": 0, "trained": {}, "refused": {}}, 0
+            return {"version": 0, "trained": {}, "refused": {}, "groups": {}}, 0
         return msgpack.unpackb(entry.value, raw=False), entry.revision
 
     async def version(self) -> int:
