@@ -22,6 +22,7 @@ from actors.lifecycle_events import StageFailed, bound_to
 from actors.messages import COMPLETION_TYPES, WorkHeartbeat, done_subject, order_types, work_queue_of
 from actors.slots import Stage
 from runtime.actor import Actor, ActorContext, Delivery
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
@@ -46,6 +47,9 @@ class StageActor(Actor):
             cls.kind = cls.kind or cls.stage.value
             cls.queues = (work_queue_of(cls.stage),)
             cls.messages = order_types(cls.stage)
+            # its completions and heartbeats, and nothing of another stage's
+            cls.bus_access = cls.bus_access | BusAccess(publish=(done_subject(cls.stage),
+                                                                 f"{HEARTBEAT_SUBJECT}.{cls.stage.value}"))
 
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)

@@ -33,6 +33,7 @@ from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
 from runtime.actor import Actor
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 from runtime.supervisor import SUPERVISOR_SUBJECT
 from sandbox import LayerStore, SandboxConfig
@@ -44,6 +45,8 @@ __all__ = ["EvaluatorActor"]
 
 class EvaluatorActor(Actor):
     kind = "evaluator"
+    bus_access = BusAccess(publish=("progress.eval", f"{SUPERVISOR_SUBJECT}.finish"),
+                           subscribe=("weights.*", "data_exhausted.*"), kv_read=("slots",))
     Config = RLConfig
 
     async def setup(self) -> None:

@@ -35,6 +35,7 @@ from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 from runtime.registry import decode_registration, is_registration_key
 
@@ -49,6 +50,9 @@ class ReconcilerActor(Actor):
     messages = COMPLETION_TYPES
     Config = RLConfig
     pipelined_writes: ClassVar[bool] = True  # group commit (see _call); False: one round trip per write
+    # the only one to issue work, write the slot table and say the data ran out
+    bus_access = BusAccess(publish=("work.*", "data_exhausted.*"), subscribe=("heartbeat.>",), kv_write=("slots",),
+                           streams=tuple((work_queue_of(s).stream, work_queue_of(s).durable) for s in Stage))
 
     async def setup(self) -> None:
         for stage in Stage:

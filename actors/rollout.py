@@ -28,6 +28,7 @@ from model.generation import EngineConfig, KVPolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from runtime.actor import Delivery
+from runtime.bus_auth import BusAccess
 from sandbox import Environment, EnvironmentPool, LayerStore, PoolConfig, SandboxConfig, Snapshot, ToolBox
 from sandbox.archive import export_snapshot_bytes
 from sandbox.tasks import Task
@@ -38,6 +39,7 @@ __all__ = ["RolloutActor"]
 
 
 class RolloutActor(StageActor):
+    bus_access = BusAccess(subscribe=("weights.*",))
     stage = Stage.ROLLOUT
 
     async def setup(self) -> None:

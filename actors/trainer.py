@@ -30,6 +30,7 @@ from actors.slots import Stage
 from actors.weights_follower import weights_subject
 from model.weight_sync import PublishedVersion, PublisherConfig, WeightPublisher
 from runtime.actor import Delivery
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
@@ -47,6 +48,7 @@ def append_metrics(path: Path, row: dict[str, Any]) -> None:
 
 
 class TrainerActor(StageActor):
+    bus_access = BusAccess(publish=("weights.*", "progress.train"))  # the only one to announce weights
     stage = Stage.TRAIN
 
     async def setup(self) -> None:

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from runtime import config as config_mod
 from runtime.bus import Bus, Queue
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec, Message
 from runtime.errors import ConfigError, LifecycleError, MessageError
 
@@ -116,6 +117,12 @@ class Actor:
     queues: ClassVar[tuple[Queue, ...]] = ()
     messages: ClassVar[tuple[type[Message], ...] | dict[str, type]] = ()  # what it accepts
     Config: ClassVar[type | None] = None  # frozen dataclass of this kind's config section
+    bus_access: ClassVar[BusAccess] = BusAccess()  # what it says beyond every actor (runtime.bus_auth)
+
+    @classmethod
+    def required_access(cls) -> BusAccess:
+        """Everything this kind says on the bus beyond what every actor says: its queues and `bus_access`."""
+        return cls.bus_access | BusAccess(streams=tuple((q.stream, q.durable) for q in cls.queues))
 
     def __init__(self, ctx: ActorContext) -> None:
         self.ctx = ctx

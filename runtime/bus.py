@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, KeyDeletedError, KeyNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
+from runtime.bus_auth import BusCredentials
 from runtime.errors import BusError
 
 log = structlog.get_logger(__name__)
@@ -144,7 +146,13 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, limits: BusLimits = BusLimits(),
-                      connect_timeout_s: float = 5.0) -> Bus:
+                      connect_timeout_s: float = 5.0, credentials: BusCredentials | None = None,
+                      tls: ssl.SSLContext | None = None) -> Bus:
+        """Connects as `credentials`' role (replies under its own inbox prefix), over `tls` if given."""
+        auth: dict[str, Any] = credentials.connect_options() if credentials else {}
+        if tls is not None:
+            auth["tls"] = tls
+
         async def on_error(e: Exception) -> None:
             log.warning("nats_client_error", error=str(e), client=name)
 
@@ -153,7 +161,8 @@ class Bus:
         try:
             nc = await asyncio.wait_for(
                 nats.connect(url, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
-                             max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True),
+                             max_reconnect_attempts=-1, reconnect_time_wait=0.5, allow_reconnect=True,
+                             **auth),
                 connect_timeout_s)
         except Exception as e:
             raise BusError(f"cannot connect to NATS at {url}: {e!r}; is the run up?") from e

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import structlog
 
+from runtime.bus_auth import BusUser, authorization_conf
 from runtime.errors import BusError
 from runtime.procutil import die_with_parent
 
@@ -34,6 +35,7 @@ class NatsServerConfig:
     max_memory_store_bytes: int = 1024**3
     start_timeout_s: float = 15.0
     stop_timeout_s: float = 10.0
+    users: tuple[BusUser, ...] = ()  # empty: no authentication (see runtime.bus_auth)
 
     def __post_init__(self) -> None:
         if self.max_payload_bytes < 1024 or self.max_payload_bytes > 64 * 1024 * 1024:
@@ -82,13 +84,16 @@ class NatsServer:
             f"  max_file_store: {c.max_file_store_bytes}",
             f"  max_memory_store: {c.max_memory_store_bytes}",
             "}",
-            "",
+            authorization_conf(c.users) if c.users else "",
         ])
 
     async def start(self) -> str:
         c = self.config
         c.store_dir.mkdir(parents=True, exist_ok=True)
         conf_path = c.store_dir / "nats-server.conf"
+        # 0600: the configuration holds the run's bus passwords
+        conf_path.touch(mode=0o600)
+        conf_path.chmod(0o600)
         conf_path.write_text(self._conf_text())
         self._proc = await asyncio.create_subprocess_exec(
             str(find_server_binary()), "-c", str(conf_path),

@@ -37,6 +37,11 @@ class BusSection:
     url: str = ""  # empty: start an embedded nats-server in the run directory
     max_payload_bytes: int = 8 * 1024 * 1024
     ack_wait_s: float = 30.0
+    auth: bool = True  # embedded: a user per role with per-subject permissions, fresh passwords per start
+    credentials_dir: str = ""  # a remote bus: <role>.json files of its users (runtime.bus_auth); empty: none
+    tls_ca_file: str = ""  # a remote bus over TLS: the CA that signed its certificate ...
+    tls_cert_file: str = ""  # ... and the client's certificate and key, if it asks for one
+    tls_key_file: str = ""
 
 
 @dataclass(frozen=True)

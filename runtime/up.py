@@ -27,10 +27,11 @@ import uvloop
 
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits
+from runtime.bus_auth import SUPERVISOR, Permissions, actor_permissions, generate_credentials
 from runtime.errors import ConfigError
 from runtime.events import EventLog
 from runtime.natsserver import NatsServer, NatsServerConfig
-from runtime.run_config import RunConfig, dump_toml, load_run_config
+from runtime.run_config import RunConfig, RuntimeConfig, dump_toml, import_entry, load_run_config
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
 from runtime.supervisor import Outcome, Supervisor
 
@@ -80,19 +81,25 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
     rt = cfg.runtime
     server: NatsServer | None = None
     async with contextlib.AsyncExitStack() as stack:
+        credentials_dir = rt.bus.credentials_dir
         if rt.bus.url:
             url = rt.bus.url
         else:
-            server = NatsServer(NatsServerConfig(store_dir=run_dir / "nats",
-                                                 max_payload_bytes=rt.bus.max_payload_bytes))
+            users = generate_credentials(run_dir / "credentials", bus_roles(rt)) if rt.bus.auth else []
+            credentials_dir = str(run_dir / "credentials") if users else ""
+            server = NatsServer(NatsServerConfig(store_dir=run_dir / "nats", max_payload_bytes=rt.bus.max_payload_bytes,
+                                                 users=tuple(users)))
             url = await server.start()
             stack.push_async_callback(server.stop)
-        bus = await Bus.connect(url, name="supervisor", limits=BusLimits(ack_wait_s=rt.bus.ack_wait_s))
+        storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
+        info = RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time(),
+                       credentials_dir, rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file)
+        bus = await Bus.connect(url, name="supervisor", limits=BusLimits(ack_wait_s=rt.bus.ack_wait_s),
+                                **info.bus_options(SUPERVISOR))
         stack.push_async_callback(bus.close)
         await bus.ensure_base()
         await _publish_live_defaults(bus, cfg, resumed)
-        storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
-        RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time()).write()
+        info.write()
         supervisor = Supervisor(rt, run_dir, bus)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -112,6 +119,12 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
             print(f"\nrun {outcome.value}", file=terminal, flush=True)
         return outcome
     raise AssertionError("unreachable")
+
+
+def bus_roles(rt: RuntimeConfig) -> dict[str, Permissions]:
+    """Each actor kind's permissions on the bus, from what its class declares (runtime.bus_auth)."""
+    return {kind: actor_permissions(kind, import_entry(spec.entry).required_access())
+            for kind, spec in rt.actors.items()}
 
 
 async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> None:

@@ -38,6 +38,7 @@ import structlog
 
 from runtime.actor import Actor, Delivery
 from runtime.bus import Bus, work_queue
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec, message
 from runtime.rundir import RunInfo
 
@@ -60,6 +61,7 @@ class EchoActor(Actor):
     kind = "echo"
     queues = (work_queue("echo"),)
     messages = (EchoRequest,)
+    bus_access = BusAccess(publish=(REPLY_SUBJECT,))
 
     async def handle(self, msg: EchoRequest, delivery: Delivery) -> None:  # type: ignore[override]
         await self.bus.nc.publish(REPLY_SUBJECT, msgpack.packb(echo(msg.seq, msg.sent_at)))

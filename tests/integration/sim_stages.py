@@ -57,6 +57,7 @@ from actors.messages import WeightsPublished
 from actors.policy import weights_run_name
 from actors.slots import Stage
 from runtime.actor import Delivery
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
@@ -275,20 +276,32 @@ class _SimStage(StageActor):
 
 class SimRolloutActor(_SimStage):
     stage = Stage.ROLLOUT
+    bus_access = BusAccess(subscribe=("weights.*",), kv_write=(LEDGER_BUCKET,))  # the first to ask creates it
 
     async def setup(self) -> None:
         await super().setup()
-        self.version = await (await TrainerLedger.open(self.bus)).version()  # a restart resumes at it
+        self.ledger = await TrainerLedger.open(self.bus)
+        self.version = await self.ledger.version()  # a restart resumes at it
         self.weights_codec = Codec([WeightsPublished])
         subject = f"weights.{weights_run_name(self.ctx.run_dir)}"
         sub = await self.bus.nc.subscribe(subject, cb=self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
     async def _on_weights(self, raw: Any) -> None:
+        """As the real follower does, believes an announcement only for a version the trainer made
+        (here: its ledger holds it); anything else is rejected with the reason."""
         try:
-            self.version = max(self.version, (await self.weights_codec.decode(raw.data)).version)
+            version = (await self.weights_codec.decode(raw.data)).version
         except ValueError as e:
             log.warning("weights_signal_rejected", error=str(e))
+            return
+        if version > self.version:
+            trained = await self.ledger.version()
+            if version > trained:
+                log.warning("weights_signal_rejected", version=version,
+                            reason=f"the trainer's ledger is at version {trained}")
+                return
+            self.version = version
 
     async def work(self, order: RolloutOrder, delivery: Delivery) -> RolloutDone:
         self.version = max(self.version, order.policy_version_floor)  # "fetch" the floor's weights
@@ -353,6 +366,7 @@ class SimGroupActor(_SimStage):
 
 class SimTrainActor(_SimStage):
     stage = Stage.TRAIN
+    bus_access = BusAccess(publish=("weights.*",), kv_write=(LEDGER_BUCKET,))
 
     async def setup(self) -> None:
         await super().setup()
