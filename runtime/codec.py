@@ -116,7 +116,7 @@ class Codec:
         if not isinstance(env, dict) or env.get("schema") != SCHEMA_VERSION:
             raise MessageError("malformed", f"not an envelope of schema {SCHEMA_VERSION}")
         name = env.get("type")
-        cls = self._types.get(name)  # type: ignore[arg-type]
+        cls = self._types.get(name) if isinstance(name, str) else None  # a map or list is no type name
         if cls is None:
             raise MessageError("unknown_type", f"type {name!r} not in {self.type_names}")
         if env.get("v") != _version(cls):
@@ -126,7 +126,12 @@ class Codec:
             fields = msgpack.unpackb(body, raw=False)
         except Exception as e:
             raise MessageError("malformed", f"body of {name} is not msgpack: {e}") from None
-        return _from_wire(cls, fields, str(name))
+        try:
+            return _from_wire(cls, fields, str(name))
+        except MessageError:
+            raise
+        except (TypeError, ValueError, KeyError, RecursionError) as e:  # whatever the body holds, never a crash
+            raise MessageError("invalid", f"body of {name} cannot be a {cls.__name__}: {e!r}") from None
 
     async def _body(self, env: dict[str, Any]) -> bytes:
         if "body" in env and isinstance(env["body"], bytes):

@@ -94,3 +94,14 @@ def test_unregistered_type_cannot_be_encoded() -> None:
         import asyncio
 
         asyncio.run(codec.encode(Outer("s", Stage.ROLLOUT, Inner((), 0.0), {})))
+
+
+
+async def test_any_envelope_fails_as_a_message_error_never_as_a_crash() -> None:
+    """Found by the bus fuzz test: a ``type`` that is a map or a list raised TypeError and killed the actor."""
+    codec = Codec([Inner])
+    for bad_type in ({"a": 1}, [1, 2], 3.5, None, b"test.inner"):
+        data = msgpack.packb({"schema": 1, "type": bad_type, "v": 1, "body": b""}, use_bin_type=True)
+        with pytest.raises(MessageError) as raised:
+            await codec.decode(data)
+        assert raised.value.reason == "unknown_type"
