@@ -32,12 +32,33 @@ from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["WeightsFollower", "weights_subject"]
+__all__ = ["WeightsFollower", "weights_subject", "why_not_published"]
 
 
 def weights_subject(run: str) -> str:
     """The subject on which the trainer announces each published version of ``run``."""
     return f"weights.{run}"
+
+
+async def why_not_published(msg: WeightsPublished, *, run: str, store: BlobStoreLike,
+                            key_prefix: str = "weights") -> str | None:
+    """Why announcement `msg` is not a version the store holds for `run` (None: it is). Anyone acting on
+    ``weights.<run>`` (followers, the reconciler's trainer version) checks this first."""
+    if msg.run != run:
+        return f"run {msg.run!r} is not this run {run!r}"
+    parsed = parse_key(msg.key)
+    prefix = run_prefix(key_prefix, run)
+    if parsed is None or not parsed.is_manifest or parsed.version != msg.version or not msg.key.startswith(prefix):
+        return f"key {msg.key!r} is not a manifest of version {msg.version} under {prefix!r}"
+    try:
+        manifest = Manifest.from_json(await store.get(msg.key), where=msg.key)
+    except KeyError:
+        return f"version {msg.version} is not in the store (no manifest at {msg.key!r})"
+    except (OSError, WeightSyncError) as e:
+        return f"manifest {msg.key!r} unreadable: {e}"
+    if (manifest.run, manifest.version) != (run, msg.version):
+        return f"manifest {msg.key!r} is of run {manifest.run!r} version {manifest.version}"
+    return None
 
 
 class WeightsFollower:
@@ -86,31 +107,14 @@ class WeightsFollower:
             return
         if msg.version <= self.latest:
             return  # nothing new to act on
-        reason = await self._check_announcement(msg)
+        reason = await why_not_published(msg, run=self.run, store=self.subscriber.store,
+                                         key_prefix=self.subscriber.config.key_prefix)
         if reason is not None:
             self.num_rejected += 1
             log.warning("weights_signal_rejected", version=msg.version, key=msg.key, reason=reason,
                         num_rejected=self.num_rejected)
             return
         self.announce(msg.version)
-
-    async def _check_announcement(self, msg: WeightsPublished) -> str | None:
-        """Why `msg` is not a version the store holds for this run (None: it is)."""
-        if msg.run != self.run:
-            return f"run {msg.run!r} is not this run {self.run!r}"
-        parsed = parse_key(msg.key)
-        prefix = run_prefix(self.subscriber.config.key_prefix, self.run)
-        if parsed is None or not parsed.is_manifest or parsed.version != msg.version or not msg.key.startswith(prefix):
-            return f"key {msg.key!r} is not a manifest of version {msg.version} under {prefix!r}"
-        try:
-            manifest = Manifest.from_json(await self.subscriber.store.get(msg.key), where=msg.key)
-        except KeyError:
-            return f"version {msg.version} is not in the store (no manifest at {msg.key!r})"
-        except (OSError, WeightSyncError) as e:
-            return f"manifest {msg.key!r} unreadable: {e}"
-        if (manifest.run, manifest.version) != (self.run, msg.version):
-            return f"manifest {msg.key!r} is of run {manifest.run!r} version {manifest.version}"
-        return None
 
     async def follow(
         self, *, wanted: Callable[[int], bool] | None = None,

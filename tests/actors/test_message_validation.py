@@ -7,6 +7,7 @@ receiver refuses it with a reason, counts it, and still acts on the true message
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -126,3 +127,35 @@ def test_registry_entries_must_be_complete_and_their_own() -> None:
         assert what
     with pytest.raises(ValueError, match="kind"):
         decode_registration("fake-1-abcd", _entry(id="fake-1-abcd"))  # id says fake, kind says rollout
+
+
+async def test_the_evaluator_ends_the_run_only_on_a_confirmed_claim() -> None:
+    """The evaluator's own handler: a false claim leaves the run's last version unknown; a true one sets it."""
+    from actors.config import RLConfig
+    from actors.evaluator import EvaluatorActor
+
+    source = ListTaskSource.numbered(4)
+    resumed = await Lifecycle.resume(store := _store(), source, config(), 0.0, num_rollout_actors=4)
+    core, world = resumed.lifecycle, World()
+    world.add(resumed.orders, 1)
+    rechecks: list[bool] = []
+    defaults = RLConfig()
+    single_epoch = dataclasses.replace(defaults, reconciler=dataclasses.replace(defaults.reconciler, num_epochs=1))
+    evaluator = SimpleNamespace(
+        exhausted_codec=Codec([DataExhausted]), exhausted_at=None, run_name="r1", slot_store=store,
+        train_source=source, config=single_epoch, num_rejected_claims=0, ctx=SimpleNamespace(run_steps=15),
+        weights=SimpleNamespace(recheck=lambda: rechecks.append(True)))
+
+    async def hear(version: int) -> None:
+        raw = SimpleNamespace(data=await Codec([DataExhausted]).encode(DataExhausted("r1", version)))
+        await EvaluatorActor._on_data_exhausted(evaluator, raw)  # type: ignore[arg-type]
+
+    with capture_logs() as logs:
+        await hear(2)
+    assert evaluator.exhausted_at is None and evaluator.num_rejected_claims == 1 and not rechecks
+    assert [e["reason"] for e in logs if e["event"] == "data_exhausted_rejected"]
+    while world.pending:
+        order = world.pending.pop(0)
+        world.add(await core.on_completion(world.complete(order), 1.0), 1)
+    await hear(core.trainer_version)
+    assert evaluator.exhausted_at == core.trainer_version == 2 and rechecks == [True]
