@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
 from ops._client import connect, fail, request, resolve_run_dir
 from runtime.errors import BusError, ConfigError
+from runtime.registry import decode_registration, is_registration_key
 
 
 async def collect(run_dir: Path) -> dict[str, Any]:
@@ -49,9 +49,9 @@ async def _registry(bus: Any) -> list[dict[str, Any]]:
     actors = []
     for key in keys:
         entry = await kv.get(key)
-        info = msgpack.unpackb(entry.value, raw=False) if entry.value else {}
-        if "kind" in info:
-            actors.append(info)
+        if is_registration_key(key) and entry.value:
+            with contextlib.suppress(ValueError):  # not an actor's own complete entry: not shown as one
+                actors.append(decode_registration(key, entry.value))
     return actors
 
 
