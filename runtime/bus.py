@@ -154,6 +154,11 @@ class Bus:
             auth["tls"] = tls
 
         async def on_error(e: Exception) -> None:
+            if "permissions violation" in str(e).lower():  # the server refused a subject to this role
+                log.error("bus_permission_denied", error=str(e), client=name,
+                          role=credentials.user if credentials else None,
+                          fix="declare the subject or bucket in the actor class's bus_access (runtime.bus_auth)")
+                return
             log.warning("nats_client_error", error=str(e), client=name)
 
         # Reconnect forever once connected (a restarted server comes back), but bound the first

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import secrets
 import ssl
 from collections.abc import Iterable, Mapping
@@ -47,6 +48,7 @@ __all__ = [
     "tls_context",
 ]
 
+_ROLE_RE = re.compile(r"^[A-Za-z0-9_-]+$")  # a role names an inbox prefix and a credentials file
 SUPERVISOR = "supervisor"
 OPERATOR = "operator"
 _API = "$JS.API"
@@ -164,6 +166,9 @@ def generate_credentials(directory: Path, roles: Mapping[str, Permissions]) -> l
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     directory.chmod(0o700)
     everyone = {SUPERVISOR: _supervisor_permissions(), OPERATOR: operator_permissions(), **roles}
+    for role in everyone:
+        if not _ROLE_RE.match(role):
+            raise ConfigError(f"actor kind {role!r} cannot be a bus role: use letters, digits, '_' and '-' only")
     users = []
     for role, permissions in everyone.items():
         credentials = BusCredentials(role, secrets.token_urlsafe(24))
