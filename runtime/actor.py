@@ -139,6 +139,7 @@ class Actor:
         self.num_handled = 0
         self.num_failed = 0
         self.num_dead_lettered = 0
+        self.num_rejected_config = 0  # live config values refused (see _apply_config)
         self._started_at = time.time()
         self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
 
@@ -321,6 +322,7 @@ class Actor:
         return {"kind": i.kind, "id": i.actor_id, "pid": i.pid, "host": i.host, "code_hash": i.code_hash,
                 "state": self.state.value, "num_inflight": self._inflight, "num_handled": self.num_handled,
                 "num_failed": self.num_failed, "num_dead_lettered": self.num_dead_lettered,
+                "num_rejected_config": self.num_rejected_config,
                 "uptime_s": round(time.time() - self._started_at, 3), **self.status()}
 
     async def _register(self) -> None:
@@ -352,6 +354,7 @@ class Actor:
             old = self.config
             new = config_mod.apply_value(old, key, value)
         except (ConfigError, ValueError) as e:
+            self.num_rejected_config += 1
             self._log.error("config_change_rejected", key=full_key, error=str(e))
             return
         old_value = _get_path(old, key)
@@ -362,6 +365,7 @@ class Actor:
             await self.on_config_change(key, old_value, _get_path(new, key))
         except (ConfigError, ValueError) as e:
             self.config = old
+            self.num_rejected_config += 1
             self._log.error("config_change_rejected", key=full_key, error=str(e))
             return
         self._log.info("config_changed", key=full_key, old=old_value, new=_get_path(new, key))

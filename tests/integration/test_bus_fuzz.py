@@ -257,6 +257,7 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
         assert status["trainer_version"] == state["version"]
         counters = status["lifecycle"]["counters"]
         assert counters.get("rejected_reports", 0) > 0 and counters.get("ignored_completions", 0) > 0, counters
+        assert status["num_rejected_config"] > 0 and status["num_rejected_registrations"] > 0
         dead = await run.bus.js.stream_info("DLQ")
         assert dead.state.messages > 100, "undecodable messages are dead letters"
         assert not events(run.run_dir, "actor_crashed"), "no actor crashed"
