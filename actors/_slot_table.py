@@ -207,7 +207,10 @@ class SlotTable:
         (redelivered, superseded) report: ignored and counted. The current or a future attempt with
         another token was never issued by this table: a forgery, rejected, counted and logged."""
         issued = self._work.get((stage, key))
-        if issued is not None and issued.attempt == attempt and secrets.compare_digest(issued.token, token):
+        # bytes: compare_digest refuses str with non-ASCII characters, and a token comes off the wire
+        if issued is not None and issued.attempt == attempt and secrets.compare_digest(
+            issued.token.encode(), token.encode()
+        ):
             return True
         if issued is None or attempt < issued.attempt:
             if what != "heartbeat":  # an actor still busy with a superseded attempt beats on: normal

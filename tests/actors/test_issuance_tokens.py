@@ -112,3 +112,15 @@ async def test_every_attempt_gets_a_fresh_token_recorded_with_the_slot() -> None
     assert next(s for s in core.slots if s.sample_id == order.key).token == retry.token
     tokens = {o.token for o in world.pending}
     assert len(tokens) == len(world.pending), "no two orders share a token"
+
+
+@pytest.mark.parametrize("token", ["tökén-ünicode-✓", "\x00" * 16, "x" * 10_000])
+async def test_a_token_of_any_characters_is_refused_without_breaking_the_core(token: str) -> None:
+    """compare_digest raises on str with non-ASCII characters: a forged token must not break the core."""
+    _, resumed, world = await start(num_prompts=2)
+    core = resumed.lifecycle
+    order = world.pending[0]
+    await _assert_rejected(core, _forge(world.complete(order), token=token))
+    core.on_heartbeat(Stage.ROLLOUT, order.key, order.attempt, "x", 1.0, token)
+    await run_all(core, world)  # the core is not broken: the run goes on
+    assert core.is_finished

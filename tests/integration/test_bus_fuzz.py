@@ -76,7 +76,8 @@ class Fuzzer:
                          f"b{r.randrange(20)}-e0-p{r.randrange(NUM_PROMPTS)}", "", "x" * r.randrange(1, 300)])
 
     def token(self) -> str:
-        return self.rng.choice(["", "0" * 16, "AAAAAAAAAAAAAAAA", self.rng.randbytes(12).hex()])
+        return self.rng.choice(["", "0" * 16, "AAAAAAAAAAAAAAAA", self.rng.randbytes(12).hex(), "tökén-ünicode-✓",
+                                "\x00" * 16])
 
     def value(self) -> Any:
         r = self.rng
