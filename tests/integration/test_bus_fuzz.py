@@ -131,7 +131,7 @@ class Fuzzer:
 
     def garbage(self) -> bytes:
         r = self.rng
-        kind = r.choice(["random", "empty", "not_a_map", "no_body", "oversized"])
+        kind = r.choice(["random", "empty", "not_a_map", "no_body", "blob", "oversized"])
         self.kinds[kind] += 1
         if kind == "random":
             return r.randbytes(r.randrange(1, 2000))
@@ -141,6 +141,11 @@ class Fuzzer:
             return msgpack.packb([self.value() for _ in range(3)], use_bin_type=True, default=str)
         if kind == "no_body":
             return msgpack.packb({"schema": SCHEMA_VERSION, "type": "done.rollout", "v": 1}, use_bin_type=True)
+        if kind == "blob":  # a body "in storage" anywhere: outside the store, a name too long, another's object
+            key = r.choice(["../../../etc/passwd", "x" * 5000, "sim/rollouts/e0-p0-s0/a0",
+                            f"messages/done.rollout/{r.randbytes(32).hex()}"])
+            return msgpack.packb({"schema": SCHEMA_VERSION, "type": r.choice(["done.rollout", "order.train"]),
+                                  "v": 1, "blob": key, "size": 10}, use_bin_type=True)
         return b"\x00" * (r.randrange(1, 3) * 700 * 1024)  # above the codec's 1 MiB only sometimes; rare
 
 
