@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import heapq
+import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
@@ -56,6 +57,7 @@ class IssuedWork:
     attempt: int
     last_seen: float
     actor_id: str = ""
+    token: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -197,8 +199,28 @@ class SlotTable:
         return getattr(self._scheduling, f"{stage.value}_timeout_s")
 
     def _issue(self, order: WorkOrder) -> None:
-        self._work[(order.STAGE, order.key)] = IssuedWork(order.attempt, self._now)
+        self._work[(order.STAGE, order.key)] = IssuedWork(order.attempt, self._now, token=order.token)
         self._out.append(order)
+
+    def _is_issued(self, stage: Stage, key: str, attempt: int, token: str, what: str = "completion") -> bool:
+        """Whether (stage, key, attempt, token) is the work in flight now. An older attempt is a stale
+        (redelivered, superseded) report: ignored and counted. The current or a future attempt with
+        another token was never issued by this table: a forgery, rejected, counted and logged."""
+        issued = self._work.get((stage, key))
+        # bytes: compare_digest refuses str with non-ASCII characters, and a token comes off the wire
+        if issued is not None and issued.attempt == attempt and secrets.compare_digest(
+            issued.token.encode(), token.encode()
+        ):
+            return True
+        if issued is None or attempt < issued.attempt:
+            if what != "heartbeat":  # an actor still busy with a superseded attempt beats on: normal
+                self.metrics.counters["ignored_completions"] += 1
+            return False
+        self.metrics.counters["rejected_reports"] += 1
+        reason = "token does not match the issued one" if attempt == issued.attempt else "attempt never issued"
+        log.warning("report_rejected", what=what, stage=stage.value, key=key, attempt=attempt,
+                    issued_attempt=issued.attempt, reason=reason)
+        return False
 
     def _finish(self, stage: Stage, key: str, started: float) -> None:
         self._work.pop((stage, key), None)
@@ -224,11 +246,14 @@ class SlotTable:
                     slot.group_id,
                     slot.index_in_group,
                     slot.issued_version,
+                    slot.token,
                 )
             )
         else:
             self._issue(
-                RewardOrder(slot.sample_id, slot.attempt, slot.prompt_id, slot.group_id, slot.blob_keys["rollout"])
+                RewardOrder(
+                    slot.sample_id, slot.attempt, slot.prompt_id, slot.group_id, slot.blob_keys["rollout"], slot.token
+                )
             )
 
     def _issue_group(self, group: TableGroup) -> None:
@@ -240,6 +265,7 @@ class SlotTable:
                 group.prompt_id,
                 tuple(s.sample_id for s in alive),
                 tuple(s.blob_keys["reward"] for s in alive),
+                alive[0].token,  # a group's order carries its first surviving member's token
             )
         )
 
@@ -255,6 +281,7 @@ class SlotTable:
                 tuple(s.sample_id for s in members),
                 batch.trainer_version,
                 min(self._deadline(g) for g in groups),
+                members[0].token,  # a batch's order carries its first member's token
             )
         )
 

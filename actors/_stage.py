@@ -1,8 +1,9 @@
 """What every stage actor (rollout, reward, grouping, trainer) shares: take an order, do the work while
 telling the reconciler it is alive, report the completion (or the failure) on ``done.<stage>``.
 
-Completions are published durably with a message id of (stage, key, attempt), so a redelivered order
-that is handled again reports the same completion and the stream deduplicates it.
+Completions carry the order's issuance token and are published durably with a message id of (stage,
+key, attempt, token), so a redelivered order that is handled again reports the same completion and the
+stream deduplicates it, and nobody who has not seen the order can pre-empt that id.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch
 import zstandard
 
 from actors.config import RLConfig
-from actors.lifecycle_events import StageFailed
+from actors.lifecycle_events import StageFailed, bound_to
 from actors.messages import COMPLETION_TYPES, WorkHeartbeat, done_subject, order_types, work_queue_of
 from actors.slots import Stage
 from runtime.actor import Actor, ActorContext, Delivery
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
@@ -47,6 +49,9 @@ class StageActor(Actor):
             cls.kind = cls.kind or cls.stage.value
             cls.queues = (work_queue_of(cls.stage),)
             cls.messages = order_types(cls.stage)
+            # its completions and heartbeats, and nothing of another stage's
+            cls.bus_access = cls.bus_access | BusAccess(publish=(done_subject(cls.stage),
+                                                                 f"{HEARTBEAT_SUBJECT}.{cls.stage.value}"))
 
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)
@@ -72,8 +77,9 @@ class StageActor(Actor):
             done = StageFailed(self.stage, msg.key, msg.attempt, str(e))
         finally:
             beat.cancel()
+        done = bound_to(done, msg)
         await self.bus.publish_durable(done_subject(self.stage), await self.done_codec.encode(done),
-                                       msg_id=f"done.{self.stage.value}.{msg.key}.{msg.attempt}")
+                                       msg_id=f"done.{self.stage.value}.{msg.key}.{msg.attempt}.{msg.token}")
 
     async def _still_wanted(self, order: Any) -> bool:
         """The first heartbeat, as a question to the reconciler: a lost actor's orders are re-issued as new
@@ -91,7 +97,7 @@ class StageActor(Actor):
 
     async def _report_alive(self, order: Any) -> None:
         beat = await self.heartbeat_codec.encode(
-            WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id))
+            WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id, order.token))
         while True:
             with contextlib.suppress(Exception):
                 await self.bus.nc.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)

@@ -24,7 +24,9 @@ import msgpack
 import structlog
 
 from actors.config import RLConfig
+from actors.data_exhaustion import why_not_exhausted
 from actors.evaluation import evaluate, greedy, sampled
+from actors.kv_slot_store import KVSlotStore
 from actors.messages import DataExhausted, data_exhausted_subject
 from actors.metrics_log import read_metrics
 from actors.policy import load_policy, weights_run_name
@@ -37,6 +39,7 @@ from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
 from model.weight_sync import WeightSyncError
 from runtime.actor import Actor
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 from runtime.supervisor import SUPERVISOR_SUBJECT
 
@@ -47,13 +50,16 @@ __all__ = ["EvaluatorActor"]
 
 class EvaluatorActor(Actor):
     kind = "evaluator"
+    bus_access = BusAccess(publish=("progress.eval", f"{SUPERVISOR_SUBJECT}.finish"),
+                           subscribe=("weights.*", "data_exhausted.*"), kv_read=("slots",))
     Config = RLConfig
 
     async def setup(self) -> None:
         import torch
 
         torch.set_num_threads(self.config.policy.torch_threads)
-        self.tasks = TaskCatalog.build(self.config.tasks).heldout
+        catalog = TaskCatalog.build(self.config.tasks)
+        self.tasks, self.train_source = catalog.heldout, catalog
         self.tokenizer = ByteTokenizer()
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.metrics_path = Path(self.ctx.run_dir) / self.config.trainer.metrics_file
@@ -69,6 +75,8 @@ class EvaluatorActor(Actor):
         self.exhausted_at: int | None = None  # the last version, once the reconciler says the data ran out
         self.finish_requested = False
         self.exhausted_codec = Codec([DataExhausted])
+        self.slot_store = KVSlotStore(await self.bus.kv("slots"))  # read only: claims are checked against it
+        self.num_rejected_claims = 0
         sub = await self.bus.nc.subscribe(data_exhausted_subject(self.run_name), cb=self._on_data_exhausted)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
@@ -89,10 +97,18 @@ class EvaluatorActor(Actor):
         except ValueError as e:
             log.error("data_exhausted_rejected", error=str(e))
             return
-        if self.exhausted_at is None:
-            log.info("run_data_exhausted", last_version=msg.version, steps=self.ctx.run_steps)
-            self.exhausted_at = msg.version
-            self.weights.recheck()  # the newest version, skipped as not due, may be the last one
+        if self.exhausted_at is not None:
+            return
+        reason = await why_not_exhausted(msg, run=self.run_name, store=self.slot_store, source=self.train_source,
+                                         num_epochs=self.config.reconciler.num_epochs)
+        if reason is not None:
+            self.num_rejected_claims += 1
+            log.warning("data_exhausted_rejected", version=msg.version, reason=reason,
+                        num_rejected=self.num_rejected_claims)
+            return
+        log.info("run_data_exhausted", last_version=msg.version, steps=self.ctx.run_steps)
+        self.exhausted_at = msg.version
+        self.weights.recheck()  # the newest version, skipped as not due, may be the last one
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
         tg.create_task(self._evaluate_due_versions())

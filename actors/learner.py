@@ -114,6 +114,7 @@ class Learner:
         self.version = version
         self.schedule = LRSchedule.for_run(config.lr_schedule, config.lr, config.lr_min_ratio, num_steps)
         self.trained_batches: list[str] = []
+        self.trained_groups: dict[str, int] = {}  # group id -> the version its step made: trained once
         self.router_replay = (RouterReplayConfig(config.replay_plausibility_factor) if config.router_replay
                               else None)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.schedule.lr_at(version),
@@ -159,6 +160,7 @@ class Learner:
                       grad_norm=grad_norm)
         self.version += 1
         self.trained_batches.append(batch_id)
+        self.trained_groups.update((str(g["group_id"]), self.version) for g in groups if "group_id" in g)
         elapsed = time.perf_counter() - started
         lags = [self.version - 1 - v for s in samples for v, keep in
                 zip(s["trajectory"]["versions"], s["trajectory"]["loss_mask"], strict=True) if keep]
@@ -254,7 +256,7 @@ class Learner:
         save_checkpoint(self.model, tmp)
         save_file(_optimizer_tensors(self.optimizer, self.model), str(tmp / "optimizer.safetensors"))
         (tmp / STATE_FILE).write_text(json.dumps({
-            "version": self.version, "trained_batches": self.trained_batches,
+            "version": self.version, "trained_batches": self.trained_batches, "trained_groups": self.trained_groups,
             "optimizer_steps": _optimizer_steps(self.optimizer), "lr": self.optimizer.param_groups[0]["lr"]}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -274,6 +276,7 @@ class Learner:
         state = json.loads((path / STATE_FILE).read_text())
         learner = cls(model, config, int(state["version"]), num_steps)
         learner.trained_batches = list(state["trained_batches"])
+        learner.trained_groups = {str(g): int(v) for g, v in state.get("trained_groups", {}).items()}
         _load_optimizer(learner.optimizer, learner.model, load_file(str(path / "optimizer.safetensors")),
                         int(state["optimizer_steps"]))
         log.info("learner_resumed", path=str(path), version=learner.version,

@@ -12,7 +12,7 @@ How an actor drives it
     core = resumed.lifecycle
     publish(resumed.orders)                                     # re-issued in-flight work
     on done.<stage> message:  publish(await core.on_completion(event, now)); ack
-    on heartbeat (in_progress) from an actor:  core.on_heartbeat(stage, key, attempt, actor_id, now)
+    on heartbeat (in_progress) from an actor:  core.on_heartbeat(stage, key, attempt, actor_id, now, token)
     on actor registry change:  publish(await core.on_actor_lost(actor_id, now))
                                publish(await core.set_rollout_actors(num_live, now))
     on weights.<run>:          publish(await core.on_trainer_version(version, now))
@@ -20,7 +20,8 @@ How an actor drives it
     every second or so:        publish(await core.tick(now))    # timeouts, staleness, admission
     ops status:                core.snapshot(now)
 
-Publish each order on ``work.<order.STAGE>`` with ``order.msg_id`` as the JetStream message id.
+Publish each order on ``work.<order.STAGE>`` with ``order.msg_id`` as the JetStream message id; a
+completion (or heartbeat) counts only with the order's issuance token (`actors.lifecycle_events`).
 Call the core from one task at a time (it also holds a lock). Acknowledge a ``done`` message only
 after `on_completion` returned: the durable state then already reflects it, and a redelivery is
 ignored idempotently. If any call raises (a `CasConflict` means another reconciler owns the
@@ -172,10 +173,12 @@ class Lifecycle(LifecycleRecovery):
                 return await self._run(now, lambda: self._on_failed(event))
         raise TypeError(f"on_completion takes a Completion, got {type(event).__name__}")
 
-    def on_heartbeat(self, stage: Stage, key: str, attempt: int, actor_id: str, now: float) -> None:
-        """An actor is still working on (stage, key, attempt): push its timeout back."""
-        issued = self._work.get((Stage(stage), key))
-        if issued is not None and issued.attempt == attempt:
+    def on_heartbeat(self, stage: Stage, key: str, attempt: int, actor_id: str, now: float, token: str = "") -> None:
+        """An actor is still working on (stage, key, attempt) issued with `token`: push its timeout back.
+        A heartbeat without the order's token keeps nothing alive (counted, logged)."""
+        stage = Stage(stage)
+        if self._is_issued(stage, key, attempt, token, "heartbeat"):
+            issued = self._work[(stage, key)]
             issued.last_seen = max(issued.last_seen, now)
             issued.actor_id = actor_id
 

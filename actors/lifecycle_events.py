@@ -3,8 +3,14 @@
 Orders are what the reconciler publishes on ``work.<stage>`` (with `msg_id` as the JetStream
 message id, so a re-publish of the same attempt is deduplicated); completions are what it consumes
 from ``done.<stage>``. Both are plain frozen dataclasses; the reconciler actor maps them to its wire
-messages. Completions are idempotent by (key, stage, attempt): the core ignores any whose attempt is
-not the current one, or whose slot has moved on.
+messages. Completions are idempotent by (key, stage, attempt, token): the core ignores any whose attempt is
+not the current one, or whose slot has moved on, and rejects (counted, with an event) any whose token is
+not the one it issued.
+
+Every order carries an issuance `token`: unguessable, drawn afresh whenever the core issues a stage
+with a new attempt, and recorded with the slot. A stage actor copies it into its completion (see
+`bound_to`); the JetStream message ids of orders and completions contain it, so nobody who has not
+seen the order can pre-empt either with a duplicate under a predictable id.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ __all__ = [
     "TrainDone",
     "TrainOrder",
     "WorkOrder",
+    "bound_to",
 ]
 
 
@@ -45,6 +52,7 @@ class RolloutOrder:
     group_id: str
     index_in_group: int
     policy_version_floor: int
+    token: str = ""
 
     @property
     def key(self) -> str:
@@ -52,7 +60,7 @@ class RolloutOrder:
 
     @property
     def msg_id(self) -> str:
-        return f"{self.STAGE}.{self.key}.{self.attempt}"
+        return f"{self.STAGE}.{self.key}.{self.attempt}.{self.token}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,6 +73,7 @@ class RewardOrder:
     prompt_id: str
     group_id: str
     rollout_key: str
+    token: str = ""
 
     @property
     def key(self) -> str:
@@ -72,7 +81,7 @@ class RewardOrder:
 
     @property
     def msg_id(self) -> str:
-        return f"{self.STAGE}.{self.key}.{self.attempt}"
+        return f"{self.STAGE}.{self.key}.{self.attempt}.{self.token}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,6 +94,7 @@ class GroupOrder:
     prompt_id: str
     sample_ids: tuple[str, ...]
     reward_keys: tuple[str, ...]
+    token: str = ""
 
     @property
     def key(self) -> str:
@@ -92,20 +102,21 @@ class GroupOrder:
 
     @property
     def msg_id(self) -> str:
-        return f"{self.STAGE}.{self.key}.{self.attempt}"
+        return f"{self.STAGE}.{self.key}.{self.attempt}.{self.token}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TrainOrder:
     """Train one step on these groups.
 
-    The trainer decides each `batch_id` once and keeps the decision with its checkpoint: it trains
-    the batch at most once and answers any later attempt of a trained batch with its `TrainDone`;
+    The trainer keeps a ledger of trained groups (group id -> version) with its checkpoint: a group
+    trains at most once whatever order names it, so it answers an order whose groups were all
+    trained with a `TrainDone` and refuses one that names some trained and some untrained groups;
     it rejects a batch with `StageFailed` (for good: every later attempt gets the same answer) if
     its version exceeds `deadline_version` (training would break the staleness bound) or it cannot
     train it. The core drops a rejected batch's groups with the reason; a batch whose trainer
     timed out or was lost is re-issued without bound, never dropped, since it may have trained.
-    It checks its ledger of decided batch ids before the deadline.
+    It checks its ledger before the deadline.
     """
 
     STAGE: ClassVar[Stage] = Stage.TRAIN
@@ -116,6 +127,7 @@ class TrainOrder:
     sample_ids: tuple[str, ...]
     trainer_version: int
     deadline_version: int
+    token: str = ""
 
     @property
     def key(self) -> str:
@@ -123,7 +135,7 @@ class TrainOrder:
 
     @property
     def msg_id(self) -> str:
-        return f"{self.STAGE}.{self.key}.{self.attempt}"
+        return f"{self.STAGE}.{self.key}.{self.attempt}.{self.token}"
 
 
 WorkOrder = RolloutOrder | RewardOrder | GroupOrder | TrainOrder
@@ -137,6 +149,7 @@ class RolloutDone:
     result_key: str
     min_version: int
     max_version: int
+    token: str = ""
 
     def __post_init__(self) -> None:
         if self.min_version > self.max_version:
@@ -151,6 +164,7 @@ class RewardDone:
     sample_id: str
     attempt: int
     result_key: str
+    token: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,6 +173,7 @@ class GroupDone:
     group_id: str
     attempt: int
     result_key: str
+    token: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,6 +184,7 @@ class TrainDone:
     batch_id: str
     attempt: int
     trainer_version: int
+    token: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,9 +195,15 @@ class StageFailed:
     key: str
     attempt: int
     reason: str
+    token: str = ""
 
 
 Completion = RolloutDone | RewardDone | GroupDone | TrainDone | StageFailed
+
+
+def bound_to(done: Completion, order: WorkOrder) -> Completion:
+    """`done` carrying `order`'s issuance token: what a stage actor reports for the order it was given."""
+    return dataclasses.replace(done, token=order.token)
 
 
 def _pack(data: Mapping[str, Any]) -> bytes:

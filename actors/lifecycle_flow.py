@@ -25,16 +25,18 @@ class LifecycleFlow(SlotTable):
     """Moves samples forward on completions; retries, fails and drops; hands out batches; admits groups."""
 
     # ------------------------------------------------------------------ completions
-    def _current_sample(self, stage: Stage, sample_id: str, attempt: int) -> Slot | None:
-        index = self._by_sample.get(sample_id)
+    def _current_sample(self, stage: Stage, event: RolloutDone | RewardDone) -> Slot | None:
+        if not self._is_issued(stage, event.sample_id, event.attempt, event.token, "completion"):
+            return None
+        index = self._by_sample.get(event.sample_id)
         slot = self._slots[index] if index is not None else None
-        if slot is None or slot.state is not stage.state or slot.attempt != attempt:
+        if slot is None or slot.state is not stage.state or slot.attempt != event.attempt:
             self.metrics.counters["ignored_completions"] += 1
             return None
         return slot
 
     async def _on_rollout_done(self, event: RolloutDone) -> None:
-        slot = self._current_sample(Stage.ROLLOUT, event.sample_id, event.attempt)
+        slot = self._current_sample(Stage.ROLLOUT, event)
         if slot is None:
             return
         self._finish(Stage.ROLLOUT, slot.sample_id, slot.entered_at[SlotState.ROLLOUT])
@@ -60,7 +62,7 @@ class LifecycleFlow(SlotTable):
         self._issue_sample(new)
 
     async def _on_reward_done(self, event: RewardDone) -> None:
-        slot = self._current_sample(Stage.REWARD, event.sample_id, event.attempt)
+        slot = self._current_sample(Stage.REWARD, event)
         if slot is None:
             return
         self._finish(Stage.REWARD, slot.sample_id, slot.entered_at[SlotState.REWARD])
@@ -69,6 +71,8 @@ class LifecycleFlow(SlotTable):
         await self._advance_group(self._groups[new.group_id])
 
     async def _on_group_done(self, event: GroupDone) -> None:
+        if not self._is_issued(Stage.GROUP, event.group_id, event.attempt, event.token, "completion"):
+            return
         group = self._groups.get(event.group_id)
         alive = self._alive(group) if group is not None else []
         if (
@@ -85,6 +89,8 @@ class LifecycleFlow(SlotTable):
         await self._pump()
 
     async def _on_train_done(self, event: TrainDone) -> None:
+        if not self._is_issued(Stage.TRAIN, event.batch_id, event.attempt, event.token, "completion"):
+            return
         batch = self._batch
         if batch is None or batch.batch_id != event.batch_id:
             self.metrics.counters["ignored_completions"] += 1
@@ -106,9 +112,7 @@ class LifecycleFlow(SlotTable):
 
     async def _on_failed(self, event: StageFailed) -> None:
         stage = Stage(event.stage)
-        issued = self._work.get((stage, event.key))
-        if issued is None or issued.attempt != event.attempt:
-            self.metrics.counters["ignored_completions"] += 1
+        if not self._is_issued(stage, event.key, event.attempt, event.token, "failure"):
             return
         await self._retry(stage, event.key, reason=event.reason, count=True)
         await self._pump()

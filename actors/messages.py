@@ -80,12 +80,14 @@ def data_exhausted_subject(run: str) -> str:
 
 @message("heartbeat.work")
 class WorkHeartbeat:
-    """A stage actor is still working on (stage, key, attempt): the reconciler keeps it alive."""
+    """A stage actor is still working on (stage, key, attempt), issued with `token`: the reconciler
+    keeps it alive (only with the order's token: nobody else can keep work from timing out)."""
 
     stage: Stage
     key: str
     attempt: int
     actor_id: str
+    token: str
 
 
 __all__ = [

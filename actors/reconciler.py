@@ -42,10 +42,12 @@ from actors.policy import weights_run_name
 from actors.registry_view import LostActor, RegistryView
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
-from actors.weights_follower import weights_subject
+from actors.weights_follower import weights_subject, why_not_published
 from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.registry import decode_registration, is_registration_key
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +60,9 @@ class ReconcilerActor(Actor):
     messages = COMPLETION_TYPES
     Config = RLConfig
     pipelined_writes: ClassVar[bool] = True  # group commit (see _call); False: one round trip per write
+    # the only one to issue work, write the slot table and say the data ran out
+    bus_access = BusAccess(publish=("work.*", "data_exhausted.*"), subscribe=("heartbeat.>",), kv_write=("slots",),
+                           streams=tuple((work_queue_of(s).stream, work_queue_of(s).durable) for s in Stage))
 
     async def setup(self) -> None:
         for stage in Stage:
@@ -70,6 +75,8 @@ class ReconcilerActor(Actor):
         self.announced_exhausted = False
         self._warn_if_steps_exceed_data()
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
+        self.num_rejected_registrations = 0
+        self.num_rejected_announcements = 0
         self.num_rollout_actors = await self._count_rollout_actors()
         r = self.config.reconciler
         self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,
@@ -201,7 +208,7 @@ class ReconcilerActor(Actor):
         except ValueError as e:
             log.warning("heartbeat_rejected", error=str(e))
             return
-        self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time())
+        self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time(), beat.token)
         if raw.reply:  # a stage actor asks before it starts: is this attempt still wanted?
             current = self.core.is_current(beat.stage, beat.key, beat.attempt)
             await raw.respond(msgpack.packb({"current": current}, use_bin_type=True))
@@ -212,8 +219,10 @@ class ReconcilerActor(Actor):
         except ValueError as e:
             log.warning("weights_announcement_rejected", error=str(e))
             return
-        if msg.run != self.run_name:
-            log.warning("weights_announcement_rejected", error=f"run {msg.run!r} is not this run ({self.run_name!r})")
+        why_not = await why_not_published(msg, run=self.run_name, store=self.ctx.blob)
+        if why_not is not None:  # a forged or stale announcement must not move the trainer's version
+            self.num_rejected_announcements += 1
+            log.warning("weights_announcement_rejected", version=msg.version, reason=why_not)
             return
         try:
             await self._call("on_trainer_version", msg.version)
@@ -261,7 +270,7 @@ class ReconcilerActor(Actor):
         count = 0
         for key in keys:
             with contextlib.suppress(KeyNotFoundError, KeyDeletedError):  # deregistered since the listing
-                count += _is_running_rollout((await kv.get(key)).value)
+                count += self._is_running_rollout(key, (await kv.get(key)).value)
         return count
 
     async def _watch_rollout_actors(self) -> None:
@@ -272,6 +281,8 @@ class ReconcilerActor(Actor):
             if entry is None:  # end of the initial values
                 continue
             value = entry.value if entry.operation is None and entry.value else None
+            if value is not None and self._registration(entry.key, value) is None:
+                continue  # not an actor's own complete entry (a handover record, or a forgery): follows nothing
             lost = self.registry.observe(entry.key, value, time.monotonic())
             if lost is not None:
                 await self._lose(lost)
@@ -289,6 +300,23 @@ class ReconcilerActor(Actor):
         """Re-issue at once what a lost actor was last seen working on (its heartbeats named it)."""
         log.warning("actor_lost", actor_id=lost.actor_id, actor_kind=lost.kind, reason=lost.reason)
         await self._call("on_actor_lost", lost.actor_id)
+
+    def _registration(self, key: str, raw: bytes) -> dict[str, Any] | None:
+        """The complete registry entry stored under `key`; anything else is None (a refused one counted)."""
+        if not is_registration_key(key):
+            return None
+        try:
+            return decode_registration(key, raw)
+        except ValueError as e:
+            self.num_rejected_registrations += 1
+            log.warning("registry_entry_rejected", key=key, reason=str(e),
+                        num_rejected=self.num_rejected_registrations)
+            return None
+
+    def _is_running_rollout(self, key: str, raw: bytes) -> bool:
+        """A complete registry entry of a running rollout actor; anything else counts for nothing."""
+        info = self._registration(key, raw)
+        return info is not None and info["kind"] == "rollout" and info["state"] == "running"
 
     async def handover(self) -> dict[str, Any] | None:
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""
@@ -312,12 +340,8 @@ class ReconcilerActor(Actor):
             "trainer_version": self.core.trainer_version,
             "finished": self.core.is_finished,
             "scheduling": config_mod.to_dict(self.core.scheduling),
+            "num_rejected_registrations": self.num_rejected_registrations,
+            "num_rejected_announcements": self.num_rejected_announcements,
         }
 
 
-def _is_running_rollout(raw: bytes) -> bool:
-    try:
-        info = msgpack.unpackb(raw, raw=False)
-    except ValueError:
-        return False
-    return isinstance(info, dict) and info.get("kind") == "rollout" and info.get("state") == "running"

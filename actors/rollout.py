@@ -30,6 +30,7 @@ from model.generation import EngineConfig, Generation, KVPolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from runtime.actor import Delivery
+from runtime.bus_auth import BusAccess
 from sandbox import Environment, EnvironmentPool, PoolConfig, Snapshot, ToolBox
 from sandbox.archive import export_snapshot_bytes
 from sandbox.tasks import Task
@@ -40,6 +41,7 @@ __all__ = ["RolloutActor"]
 
 
 class RolloutActor(StageActor):
+    bus_access = BusAccess(subscribe=("weights.*",))
     stage = Stage.ROLLOUT
 
     async def setup(self) -> None:

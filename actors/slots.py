@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "SlotState",
     "Stage",
     "group_id_for",
+    "new_issuance_token",
     "sample_id_for",
 ]
 
@@ -90,6 +92,11 @@ TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
 WORKING_STATES = frozenset({SlotState.ROLLOUT, SlotState.REWARD, SlotState.GROUP, SlotState.TRAIN})
 
 
+def new_issuance_token() -> str:
+    """96 random bits: what binds a completion to the order it answers (nobody else can guess it)."""
+    return secrets.token_urlsafe(12)
+
+
 def group_id_for(epoch: int, position: int) -> str:
     return f"e{epoch}-p{position}"
 
@@ -116,6 +123,9 @@ class Slot:
         blob_keys: stage name → blob key of that stage's result.
         batch_id: the training batch the slot was handed out in (TRAIN only).
         failure_reason: why the sample failed (FAILED only).
+        token: issuance token of the current attempt, drawn afresh each time the slot enters a working
+            state or is retried (empty otherwise); a group's or a batch's orders carry the token of
+            their first member (see `actors._slot_table.SlotTable`).
     """
 
     index: int
@@ -135,6 +145,7 @@ class Slot:
     blob_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
     batch_id: str = ""
     failure_reason: str = ""
+    token: str = ""
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -182,6 +193,7 @@ class Slot:
             position=position,
             entered_at={SlotState.ROLLOUT.value: now},
             issued_version=trainer_version,
+            token=new_issuance_token(),
         )
 
     def moved_to(self, state: SlotState, now: float, **changes: Any) -> Slot:
@@ -200,7 +212,8 @@ class Slot:
             return Slot(index=self.index)
         entered = dict(self.entered_at)
         entered[state.value] = now
-        fields: dict[str, Any] = {"state": state, "attempt": 0, "num_retries": 0, "entered_at": entered}
+        token = new_issuance_token() if state in WORKING_STATES else ""
+        fields: dict[str, Any] = {"state": state, "attempt": 0, "num_retries": 0, "entered_at": entered, "token": token}
         fields.update(changes)
         return dataclasses.replace(self, **fields)
 
@@ -223,6 +236,7 @@ class Slot:
             attempt=new_attempt,
             num_retries=self.num_retries + (1 if count_retry else 0),
             entered_at=entered,
+            token=new_issuance_token(),
             **changes,
         )
 

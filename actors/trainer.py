@@ -1,7 +1,9 @@
 """The trainer actor: train on batches of READY groups, publish each new policy version.
 
-Per order: refuse if training now would break the staleness bound; answer a batch already trained
-with its result (idempotent); otherwise load the group checkpoints, take one learner step, save
+Per order: answer an order whose groups were all trained with their result (idempotent: the ledger is
+by group, so a group trains at most once whatever batch id an order gives it), refuse one naming some
+trained and some untrained groups or group records that are not the groups it names, refuse if
+training now would break the staleness bound; otherwise load the group checkpoints, take one learner step, save
 weights + optimizer + trained batch ids (safetensors, HF layout), and hand a bf16 copy of the
 weights to the publisher, which encodes and uploads the delta in the background and then signals
 ``weights.<run>``. Per-step metrics go to ``metrics.jsonl`` in the run directory and to the live
@@ -38,6 +40,7 @@ from actors.weights_follower import weights_subject
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
 from model.weight_sync.manifest import manifest_key
 from runtime.actor import Delivery
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
@@ -55,6 +58,7 @@ def append_metrics(path: Path, row: dict[str, Any]) -> None:
 
 
 class TrainerActor(StageActor):
+    bus_access = BusAccess(publish=("weights.*", "progress.train"))  # the only one to announce weights
     stage = Stage.TRAIN
 
     async def setup(self) -> None:
@@ -109,9 +113,13 @@ class TrainerActor(StageActor):
 
     async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
         learner = self.learner
-        if order.batch_id in learner.trained_batches:
-            log.info("batch_already_trained", batch_id=order.batch_id, version=learner.version)
-            return TrainDone(order.batch_id, order.attempt, learner.version)
+        trained = {g: learner.trained_groups[g] for g in order.group_ids if g in learner.trained_groups}
+        if trained and len(trained) == len(order.group_ids):
+            log.info("batch_already_trained", batch_id=order.batch_id, version=max(trained.values()))
+            return TrainDone(order.batch_id, order.attempt, max(trained.values()))
+        if trained:
+            raise WorkRefused(f"batch {order.batch_id} names groups already trained {sorted(trained)}: "
+                              "a group trains at most once")
         steps = self.ctx.run_steps
         if steps and learner.version >= steps:  # nak: the batch waits for a resumed run with more steps
             raise StepBudgetReached(f"the run's step budget ({steps}) is reached; batch {order.batch_id} waits")
@@ -119,6 +127,10 @@ class TrainerActor(StageActor):
             raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
                               f"{order.deadline_version}: training it would exceed the staleness bound")
         groups = [await self.get_record(k) for k in order.group_keys]
+        named = [g.get("group_id") for g in groups]
+        if len(set(order.group_ids)) != len(order.group_ids) or named != list(order.group_ids):
+            raise WorkRefused(f"batch {order.batch_id} names groups {list(order.group_ids)} but its records "
+                              f"hold {named}")
         started = time.monotonic()
         metrics = await asyncio.to_thread(learner.step, groups, order.batch_id)
         if learner.version % self.config.trainer.checkpoint_every == 0:

@@ -7,6 +7,11 @@ version announced, and loads it into the engine: the fetch and rebuild run in th
 engine refuses a version it already has, so a version is applied once. A version that cannot be
 fetched (corrupt, missing, incomplete) is logged and skipped; the next announcement recovers.
 Waiting for one version (`reach`) is bounded: it ends in `WeightsUnavailable` naming the version.
+
+An announcement is believed only for a version the store holds: its key must be the manifest of that
+version of this run, and the manifest there must say so. Anything else (another run, a version never
+published, one far ahead of the trainer) is rejected at once with a reason and counted, never waited
+for: a forged announcement cannot make the follower chase weights that do not exist.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ import structlog
 from actors.messages import WeightsPublished
 from model.engine import GenerationEngine
 from model.generation import KVPolicy
-from model.weight_sync import BlobStoreLike, SubscriberConfig, WeightSubscriber, WeightSyncError
+from model.weight_sync import BlobStoreLike, Manifest, SubscriberConfig, WeightSubscriber, WeightSyncError
+from model.weight_sync.manifest import parse_key, run_prefix
 from runtime.bus import Bus
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["WeightsFollower", "WeightsUnavailable", "weights_subject"]
+__all__ = ["WeightsFollower", "WeightsUnavailable", "weights_subject", "why_not_published"]
 
 
 class WeightsUnavailable(TimeoutError):
@@ -37,6 +43,27 @@ class WeightsUnavailable(TimeoutError):
 def weights_subject(run: str) -> str:
     """The subject on which the trainer announces each published version of ``run``."""
     return f"weights.{run}"
+
+
+async def why_not_published(msg: WeightsPublished, *, run: str, store: BlobStoreLike,
+                            key_prefix: str = "weights") -> str | None:
+    """Why announcement `msg` is not a version the store holds for `run` (None: it is). Anyone acting on
+    ``weights.<run>`` (followers, the reconciler's trainer version) checks this first."""
+    if msg.run != run:
+        return f"run {msg.run!r} is not this run {run!r}"
+    parsed = parse_key(msg.key)
+    prefix = run_prefix(key_prefix, run)
+    if parsed is None or not parsed.is_manifest or parsed.version != msg.version or not msg.key.startswith(prefix):
+        return f"key {msg.key!r} is not a manifest of version {msg.version} under {prefix!r}"
+    try:
+        manifest = Manifest.from_json(await store.get(msg.key), where=msg.key)
+    except KeyError:
+        return f"version {msg.version} is not in the store (no manifest at {msg.key!r})"
+    except (OSError, WeightSyncError) as e:
+        return f"manifest {msg.key!r} unreadable: {e}"
+    if (manifest.run, manifest.version) != (run, msg.version):
+        return f"manifest {msg.key!r} is of run {manifest.run!r} version {manifest.version}"
+    return None
 
 
 class WeightsFollower:
@@ -54,6 +81,7 @@ class WeightsFollower:
         self.bus, self.run, self.engine, self.kv_policy = bus, run, engine, kv_policy
         self.subscriber = WeightSubscriber(blob, SubscriberConfig(run=run, workers=workers))
         self.latest = 0
+        self.num_rejected = 0  # announcements not believed (see `_check_announcement`)
         self._changed = asyncio.Event()
         self._announced = asyncio.Event()  # replaced at each announcement: waiters hold the one they saw
         self._loading = asyncio.Lock()  # the loop and a catching-up caller may both ask
@@ -137,6 +165,15 @@ class WeightsFollower:
             msg = await self._codec.decode(raw.data)
         except ValueError as e:
             log.error("weights_signal_rejected", error=str(e))
+            return
+        if msg.version <= self.latest:
+            return  # nothing new to act on
+        reason = await why_not_published(msg, run=self.run, store=self.subscriber.store,
+                                         key_prefix=self.subscriber.config.key_prefix)
+        if reason is not None:
+            self.num_rejected += 1
+            log.warning("weights_signal_rejected", version=msg.version, key=msg.key, reason=reason,
+                        num_rejected=self.num_rejected)
             return
         self.announce(msg.version)
 

@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 
 from runtime.bus import Bus
+from runtime.bus_auth import OPERATOR
 from runtime.errors import BusError, ConfigError
 from runtime.rundir import RunInfo, latest_run_dir
 
@@ -24,7 +25,7 @@ def resolve_run_dir(run_dir: Path | None, runs_dir: Path = Path("runs")) -> Path
 
 async def connect(run_dir: Path, name: str) -> Bus:
     info = RunInfo.read(run_dir)
-    return await Bus.connect(info.nats_url, name=name)
+    return await Bus.connect(info.nats_url, name=name, **info.bus_options(OPERATOR))
 
 
 async def request(bus: Bus, subject: str, body: dict[str, Any] | None = None,

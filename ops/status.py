@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgpack
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
 from ops._client import connect, fail, request, resolve_run_dir
 from runtime.errors import BusError, ConfigError
+from runtime.registry import decode_registration, is_registration_key
 
 
 async def collect(run_dir: Path) -> dict[str, Any]:
@@ -43,9 +43,6 @@ async def collect(run_dir: Path) -> dict[str, Any]:
         await bus.close()
 
 
-_ACTOR_FIELDS = {"kind": str, "id": str, "pid": int, "code_hash": str, "state": str,
-                 "num_handled": int, "num_failed": int, "num_inflight": int}
-
 
 async def _registry(bus: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """The registered actors, and the entries that are not actor records (each with what is wrong):
@@ -57,31 +54,17 @@ async def _registry(bus: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]
         return [], []
     actors, malformed = [], []
     for key in keys:
-        if key.startswith("handover."):  # state a stopped process left for its replacement
+        if not is_registration_key(key):  # state a stopped process left for its replacement
             continue
         try:
             entry = await kv.get(key)
         except (KeyNotFoundError, KeyDeletedError):  # deregistered since the listing
             continue
-        problem = _actor_record_problem(entry.value)
-        if isinstance(problem, str):
-            malformed.append({"key": key, "error": problem})
-        else:
-            actors.append(problem)
+        try:
+            actors.append(decode_registration(key, entry.value or b""))
+        except ValueError as e:
+            malformed.append({"key": key, "error": str(e)})
     return actors, malformed
-
-
-def _actor_record_problem(raw: bytes | None) -> dict[str, Any] | str:
-    """The actor record in ``raw``, or what is wrong with it."""
-    try:
-        info = msgpack.unpackb(raw or b"", raw=False)
-    except (ValueError, TypeError) as e:  # msgpack's errors are ValueErrors; unhashable keys TypeErrors
-        return f"not msgpack: {e}"
-    if not isinstance(info, dict):
-        return f"not a map but a {type(info).__name__}"
-    wrong = [f"{name} ({type(info.get(name)).__name__}, want {t.__name__})"
-             for name, t in _ACTOR_FIELDS.items() if not isinstance(info.get(name), t)]
-    return f"bad or missing fields: {', '.join(wrong)}" if wrong else info
 
 
 async def _live_ids(bus: Any) -> set[str] | None:

@@ -30,6 +30,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits, Queue
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec, Message
 from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError
 
@@ -125,6 +126,12 @@ class Actor:
     queues: ClassVar[tuple[Queue, ...]] = ()
     messages: ClassVar[tuple[type[Message], ...] | dict[str, type]] = ()  # what it accepts
     Config: ClassVar[type | None] = None  # frozen dataclass of this kind's config section
+    bus_access: ClassVar[BusAccess] = BusAccess()  # what it says beyond every actor (runtime.bus_auth)
+
+    @classmethod
+    def required_access(cls) -> BusAccess:
+        """Everything this kind says on the bus beyond what every actor says: its queues and `bus_access`."""
+        return cls.bus_access | BusAccess(streams=tuple((q.stream, q.durable) for q in cls.queues))
 
     def __init__(self, ctx: ActorContext) -> None:
         self.ctx = ctx
@@ -142,6 +149,7 @@ class Actor:
         self.num_failed = 0
         self.num_dead_lettered = 0
         self.failure: str | None = None  # set by fail(): the run() that drains then raises ActorFailed
+        self.num_rejected_config = 0  # live config values refused (see _apply_config)
         self._started_at = time.time()
         self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
 
@@ -401,6 +409,7 @@ class Actor:
                 "state": self.state.value, "failure": self.failure,
                 "num_inflight": self._inflight, "num_handled": self.num_handled,
                 "num_failed": self.num_failed, "num_dead_lettered": self.num_dead_lettered,
+                "num_rejected_config": self.num_rejected_config,
                 "uptime_s": round(time.time() - self._started_at, 3), "lease_s": self.settings.lease_s,
                 **self.status()}
 
@@ -437,14 +446,21 @@ class Actor:
             old = self.config
             new = config_mod.apply_value(old, key, value)
         except (ConfigError, ValueError) as e:
+            self.num_rejected_config += 1
             self._log.error("config_change_rejected", key=full_key, error=str(e))
             return
         old_value = _get_path(old, key)
         if old_value == _get_path(new, key):
             return
         self.config = new
+        try:  # the kind's own check of the new value against its state (e.g. a batch must still form)
+            await self.on_config_change(key, old_value, _get_path(new, key))
+        except (ConfigError, ValueError) as e:
+            self.config = old
+            self.num_rejected_config += 1
+            self._log.error("config_change_rejected", key=full_key, error=str(e))
+            return
         self._log.info("config_changed", key=full_key, old=old_value, new=_get_path(new, key))
-        await self.on_config_change(key, old_value, _get_path(new, key))
 
 
 def raise_if_cancelled() -> None:

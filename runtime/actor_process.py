@@ -33,7 +33,8 @@ async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog) -
     cls = import_entry(spec.entry)
     module_file = Path(sys.modules[spec.entry.partition(":")[0]].__file__ or ".").resolve()
     identity = ActorIdentity.here(kind, actor_id, code_hash(extra_roots=(module_file.parent,)))
-    bus = await Bus.connect(info.nats_url, name=actor_id, limits=BusLimits(ack_wait_s=cfg.runtime.bus.ack_wait_s))
+    bus = await Bus.connect(info.nats_url, name=actor_id, limits=BusLimits(ack_wait_s=cfg.runtime.bus.ack_wait_s),
+                            **info.bus_options(kind))
     blob = open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None)
     settings = ActorSettings(max_concurrency=spec.max_concurrency, heartbeat_s=spec.heartbeat_s,
                              drain_timeout_s=spec.drain_timeout_s, max_deliveries=spec.max_deliveries,

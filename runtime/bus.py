@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, KeyDeletedError, KeyNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
+from runtime.bus_auth import BusCredentials
 from runtime.errors import BusError
 
 log = structlog.get_logger(__name__)
@@ -192,8 +194,19 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, limits: BusLimits = BusLimits(),
-                      connect_timeout_s: float = 5.0) -> Bus:
+                      connect_timeout_s: float = 5.0, credentials: BusCredentials | None = None,
+                      tls: ssl.SSLContext | None = None) -> Bus:
+        """Connects as `credentials`' role (replies under its own inbox prefix), over `tls` if given."""
+        auth: dict[str, Any] = credentials.connect_options() if credentials else {}
+        if tls is not None:
+            auth["tls"] = tls
+
         async def on_error(e: Exception) -> None:
+            if "permissions violation" in str(e).lower():  # the server refused a subject to this role
+                log.error("bus_permission_denied", error=str(e), client=name,
+                          role=credentials.user if credentials else None,
+                          fix="declare the subject or bucket in the actor class's bus_access (runtime.bus_auth)")
+                return
             log.warning("nats_client_error", error=str(e), client=name)
 
         # Reconnect forever once connected (a restarted server comes back on its port; whoever owns
@@ -207,7 +220,8 @@ class Bus:
                              max_reconnect_attempts=-1, reconnect_time_wait=limits.reconnect_wait_s,
                              allow_reconnect=True, ping_interval=limits.ping_interval_s,
                              max_outstanding_pings=limits.max_outstanding_pings,
-                             disconnected_cb=health.on_disconnected, reconnected_cb=health.on_reconnected),
+                             disconnected_cb=health.on_disconnected, reconnected_cb=health.on_reconnected,
+                             **auth),
                 connect_timeout_s)
         except Exception as e:
             raise BusError(f"cannot connect to NATS at {url}: {e!r}; is the run up?") from e

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -25,6 +26,7 @@ import msgpack
 from runtime.errors import MessageError
 
 SCHEMA_VERSION = 1
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 M = TypeVar("M", bound="Message")
 
@@ -132,30 +134,44 @@ class Codec:
         if not isinstance(env, dict) or env.get("schema") != SCHEMA_VERSION:
             raise MessageError("malformed", f"not an envelope of schema {SCHEMA_VERSION}")
         name = env.get("type")
-        cls = self._types.get(name) if isinstance(name, str) else None
+        cls = self._types.get(name) if isinstance(name, str) else None  # a map or list is no type name
         if cls is None:
             raise MessageError("unknown_type", f"type {name!r} not in {self.type_names}")
         if env.get("v") != _version(cls):
             raise MessageError("version_mismatch", f"{name} v{env.get('v')} != expected v{_version(cls)}")
-        body = await self._body(env)
+        body = await self._body(env, str(name))
         try:
             fields = msgpack.unpackb(body, raw=False)
         except Exception as e:
             raise MessageError("malformed", f"body of {name} is not msgpack: {e}") from None
-        return _from_wire(cls, fields, str(name))
+        try:
+            return _from_wire(cls, fields, str(name))
+        except MessageError:
+            raise
+        except (TypeError, ValueError, KeyError, RecursionError) as e:  # whatever the body holds, never a crash
+            raise MessageError("invalid", f"body of {name} cannot be a {cls.__name__}: {e!r}") from None
 
-    async def _body(self, env: dict[str, Any]) -> bytes:
+    async def _body(self, env: dict[str, Any], name: str) -> bytes:
         if "body" in env and isinstance(env["body"], bytes):
             return env["body"]
         if "blob" in env and isinstance(env["blob"], str):
+            key = env["blob"]
+            digest = key.rpartition("/")[2]
+            # only a key this codec would write (prefix/type/sha256 of the body): nothing else of the
+            # store is read, and the body must hash to its key
+            if key != f"{self._blob_prefix}/{name}/{digest}" or not _SHA256_RE.fullmatch(digest):
+                raise MessageError("invalid", f"blob key {key[:200]!r} is not {self._blob_prefix}/{name}/<sha256>")
             if self._blob is None:
-                raise MessageError("blob_unavailable", f"message body at {env['blob']!r}, but no blob store")
+                raise MessageError("blob_unavailable", f"message body at {key!r}, but no blob store")
             try:
-                return await self._blob.get(env["blob"])
+                body = await self._blob.get(key)
             except KeyError:
-                raise MessageError("blob_missing", f"message body {env['blob']!r} not in storage") from None
+                raise MessageError("blob_missing", f"message body {key!r} not in storage") from None
             except ValueError as e:  # the store refused the key itself (absolute, '..', reserved)
                 raise MessageError("invalid_blob_key", str(e)) from None
+            if hashlib.sha256(body).hexdigest() != digest:
+                raise MessageError("invalid", f"message body at {key!r} does not hash to its key")
+            return body
         raise MessageError("malformed", "envelope has neither body nor blob")
 
 

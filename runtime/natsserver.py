@@ -15,6 +15,7 @@ from pathlib import Path
 
 import structlog
 
+from runtime.bus_auth import BusUser, authorization_conf
 from runtime.errors import BusError
 from runtime.procutil import die_with_parent
 
@@ -39,6 +40,7 @@ class NatsServerConfig:
     max_restarts: int = 5  # restarts of a server that died on its own, within ...
     restart_window_s: float = 60.0  # ... this window; one more and supervise() gives up
     restart_delay_s: float = 0.2  # before a restart: lets the kernel release the port
+    users: tuple[BusUser, ...] = ()  # empty: no authentication (see runtime.bus_auth)
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.restart_window_s <= 0 or self.restart_delay_s < 0:
@@ -92,13 +94,16 @@ class NatsServer:
             f"  max_file_store: {c.max_file_store_bytes}",
             f"  max_memory_store: {c.max_memory_store_bytes}",
             "}",
-            "",
+            authorization_conf(c.users) if c.users else "",
         ])
 
     async def start(self) -> str:
         c = self.config
         c.store_dir.mkdir(parents=True, exist_ok=True)
         conf_path = c.store_dir / "nats-server.conf"
+        # 0600: the configuration holds the run's bus passwords
+        conf_path.touch(mode=0o600)
+        conf_path.chmod(0o600)
         conf_path.write_text(self._conf_text())
         self._proc = await asyncio.create_subprocess_exec(
             str(find_server_binary()), "-c", str(conf_path),

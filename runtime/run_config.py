@@ -46,6 +46,11 @@ class BusSection:
     # (on its port and JetStream store)
     server_max_restarts: int = fixed(5, within=Range(0, 10_000))
     server_restart_window_s: float = fixed(60.0, within=Range(0.0, 86_400.0, lo_open=True))
+    auth: bool = True  # embedded: a user per role with per-subject permissions, fresh passwords per start
+    credentials_dir: str = ""  # a remote bus: <role>.json files of its users (runtime.bus_auth); empty: none
+    tls_ca_file: str = ""  # a remote bus over TLS: the CA that signed its certificate ...
+    tls_cert_file: str = ""  # ... and the client's certificate and key, if it asks for one
+    tls_key_file: str = ""
 
     def __post_init__(self) -> None:
         check_ranges(self, "bus")

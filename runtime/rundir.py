@@ -7,7 +7,9 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from runtime.bus_auth import read_credentials, tls_context
 from runtime.errors import ConfigError
 
 RUN_INFO = "run.json"
@@ -24,6 +26,15 @@ class RunInfo:
     s3_endpoint: str
     supervisor_pid: int
     started_at: float
+    credentials_dir: str = ""  # empty: the bus takes no credentials (runtime.bus_auth)
+    tls_ca_file: str = ""  # a remote bus over TLS: the CA, and the client's certificate and key
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+    def bus_options(self, role: str) -> dict[str, Any]:
+        """``Bus.connect`` keywords for a process of `role`: its credentials and TLS, if the run has them."""
+        credentials = read_credentials(self.credentials_dir, role) if self.credentials_dir else None
+        return {"credentials": credentials, "tls": tls_context(self.tls_ca_file, self.tls_cert_file, self.tls_key_file)}
 
     def write(self) -> None:
         path = Path(self.run_dir) / RUN_INFO

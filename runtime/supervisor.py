@@ -224,7 +224,14 @@ class Supervisor:
     # --- control -----------------------------------------------------------------------------------------
     async def _on_ctl(self, raw: Msg) -> None:
         verb = raw.subject.rsplit(".", 1)[-1]
-        body = msgpack.unpackb(raw.data, raw=False) if raw.data else {}
+        try:
+            body = msgpack.unpackb(raw.data, raw=False) if raw.data else {}
+        except Exception:  # msgpack raises several unrelated types
+            body = None
+        if not isinstance(body, dict):  # a malformed request gets an answer, not an exception in a callback
+            if raw.reply:
+                await raw.respond(msgpack.packb({"ok": False, "error": "the request body must be a msgpack map"}))
+            return
         if verb == "swap":
             assert self._tg is not None
             self._tg.create_task(self._reply_swap(raw, str(body.get("kind", ""))))

@@ -29,10 +29,11 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits
+from runtime.bus_auth import SUPERVISOR, Permissions, actor_permissions, generate_credentials
 from runtime.errors import BusError, ConfigError
 from runtime.events import EventLog
 from runtime.natsserver import NatsServer, NatsServerConfig
-from runtime.run_config import RunConfig, dump_toml, load_run_config
+from runtime.run_config import RunConfig, RuntimeConfig, dump_toml, import_entry, load_run_config
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
 from runtime.supervisor import Outcome, Supervisor
 from runtime.watchdog import Watchdog
@@ -83,20 +84,27 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
     rt = cfg.runtime
     server: NatsServer | None = None
     async with contextlib.AsyncExitStack() as stack:
+        credentials_dir = rt.bus.credentials_dir
         if rt.bus.url:
             url = rt.bus.url
         else:
+            users = generate_credentials(run_dir / "credentials", bus_roles(rt)) if rt.bus.auth else []
+            credentials_dir = str(run_dir / "credentials") if users else ""
             server = NatsServer(NatsServerConfig(store_dir=run_dir / "nats", max_payload_bytes=rt.bus.max_payload_bytes,
                                                  max_restarts=rt.bus.server_max_restarts,
-                                                 restart_window_s=rt.bus.server_restart_window_s))
+                                                 restart_window_s=rt.bus.server_restart_window_s,
+                                                 users=tuple(users)))
             url = await server.start()
             stack.push_async_callback(server.stop)
-        bus = await Bus.connect(url, name="supervisor", limits=BusLimits(ack_wait_s=rt.bus.ack_wait_s))
+        storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
+        info = RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time(),
+                       credentials_dir, rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file)
+        bus = await Bus.connect(url, name="supervisor", limits=BusLimits(ack_wait_s=rt.bus.ack_wait_s),
+                                **info.bus_options(SUPERVISOR))
         stack.push_async_callback(bus.close)
         await bus.ensure_base()
         await _publish_live_defaults(bus, cfg, resumed)
-        storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
-        RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time()).write()
+        info.write()
         supervisor = Supervisor(rt, run_dir, bus)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -147,6 +155,12 @@ async def _quietly(step: Any) -> None:
     with contextlib.suppress(nats.errors.Error, OSError):
         async with asyncio.timeout(5.0):
             await step()
+
+
+def bus_roles(rt: RuntimeConfig) -> dict[str, Permissions]:
+    """Each actor kind's permissions on the bus, from what its class declares (runtime.bus_auth)."""
+    return {kind: actor_permissions(kind, import_entry(spec.entry).required_access())
+            for kind, spec in rt.actors.items()}
 
 
 async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> None:

@@ -23,7 +23,7 @@ from actors import (
     TrainOrder,
     WorkOrder,
 )
-from actors.lifecycle_events import Completion
+from actors.lifecycle_events import Completion, bound_to
 
 
 class TrainedTwice(AssertionError):
@@ -95,7 +95,10 @@ class World:
         return self.pending.pop(index % len(self.pending))
 
     def complete(self, order: WorkOrder, version_offset: int = 0) -> Completion:
-        """The successful completion a stage actor would report for `order`."""
+        """The successful completion a stage actor would report for `order` (with its token)."""
+        return bound_to(self._result(order, version_offset), order)
+
+    def _result(self, order: WorkOrder, version_offset: int) -> Completion:
         match order:
             case RolloutOrder():
                 version = min(order.policy_version_floor + version_offset, self.trainer.version)
@@ -122,5 +125,5 @@ class World:
         one is rejected for good (see `TrainOrder`).
         """
         if isinstance(order, TrainOrder):
-            return self.trainer.reject(order, reason)
-        return StageFailed(order.STAGE, order.key, order.attempt, reason)
+            return bound_to(self.trainer.reject(order, reason), order)
+        return bound_to(StageFailed(order.STAGE, order.key, order.attempt, reason), order)

@@ -114,7 +114,8 @@ async def test_train_rest_trains_survivors_and_records_the_failure() -> None:
     core = resumed.lifecycle
     victim = next(o for o in world.pending if o.sample_id == "e0-p0-s0")
     world.pending.remove(victim)
-    world.add(await core.on_completion(StageFailed(victim.STAGE, victim.key, victim.attempt, "boom"), 1.0), 1)
+    failed = StageFailed(victim.STAGE, victim.key, victim.attempt, "boom", victim.token)
+    world.add(await core.on_completion(failed, 1.0), 1)
     await run_all(core, world)
     assert "e0-p0" in world.trainer.trained_groups and "e0-p0-s0" not in world.trainer.trained_samples
     outcome = GroupOutcome.decode((await store.get(outcome_key("e0-p0"))).value)
@@ -168,7 +169,7 @@ async def test_rollout_with_tokens_older_than_the_bound_is_retried() -> None:
     core = resumed.lifecycle
     order = world.pending[0]
     await core.on_trainer_version(1, 1.0)
-    too_old = RolloutDone(order.sample_id, order.attempt, "k", -1, 0)
+    too_old = RolloutDone(order.sample_id, order.attempt, "k", -1, 0, order.token)
     (retry,) = await core.on_completion(too_old, 2.0)
     assert isinstance(retry, RolloutOrder) and retry.attempt == 1 and retry.policy_version_floor == 1
 
@@ -197,7 +198,8 @@ async def test_second_writer_breaks_the_first() -> None:
     second = await Lifecycle.resume(store, ListTaskSource.numbered(6), config(), 1.0, num_rollout_actors=4)
     assert second.orders  # it re-issued everything with new attempts
     order = next(o for o in second.orders if isinstance(o, RolloutOrder))
-    stale_for_first = dataclasses.replace(world.complete(order), attempt=0)
+    # a completion of the first core's own order (its attempt and token) for that sample
+    stale_for_first = world.complete(next(o for o in world.pending if o.key == order.key))
     with pytest.raises(CasConflict):
         await first.on_completion(stale_for_first, 2.0)
     with pytest.raises(CoreBroken):
@@ -210,8 +212,10 @@ async def test_trainer_rejection_drops_the_batch() -> None:
     while not any(isinstance(o, TrainOrder) for o in world.pending):
         await deliver(core, world, world.pending[0])
     batch = next(o for o in world.pending if isinstance(o, TrainOrder))
-    assert await core.tick(1e6) == [dataclasses.replace(batch, attempt=1)]  # timeouts re-issue, never drop
-    await core.on_completion(StageFailed(batch.STAGE, batch.key, 1, "nan loss"), 2.0)
+    (reissued,) = await core.tick(1e6)
+    assert reissued == dataclasses.replace(batch, attempt=1, token=reissued.token)  # timeouts re-issue, never drop
+    assert reissued.token != batch.token, "a new attempt gets a new issuance token"
+    await core.on_completion(StageFailed(batch.STAGE, batch.key, 1, "nan loss", reissued.token), 2.0)
     assert core.is_finished and core.snapshot(2.0).counters["dropped_groups"] == 2
     assert "nan loss" in GroupOutcome.decode((await store.get(outcome_key("e0-p0"))).value).reason
 

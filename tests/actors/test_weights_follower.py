@@ -16,7 +16,7 @@ from actors.messages import WeightsPublished
 from actors.metrics_log import read_metrics
 from actors.weights_follower import WeightsFollower, WeightsUnavailable, weights_subject
 from model.engine import GenerationEngine
-from model.weight_sync import PublisherConfig, WeightPublisher
+from model.weight_sync import PublisherConfig, WeightPublisher, manifest_key
 from runtime.blob import BlobStore, open_store
 from runtime.codec import Codec
 from tests.model.helpers import seeded_model, small_config
@@ -41,7 +41,8 @@ class FakeBus:
         return SimpleNamespace(unsubscribe=unsubscribe)
 
     async def signal(self, version: int) -> None:
-        data = await Codec([WeightsPublished]).encode(WeightsPublished(RUN, version, "k", 0))
+        signal = WeightsPublished(RUN, version, manifest_key("weights", RUN, version), 0)
+        data = await Codec([WeightsPublished]).encode(signal)
         await self.callbacks[weights_subject(RUN)](SimpleNamespace(data=data))
 
 

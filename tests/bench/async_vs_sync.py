@@ -88,19 +88,19 @@ class Simulation:
                 case RolloutOrder():
                     duration = float(self.rng.lognormal(a.rollout_mu, a.rollout_sigma))
                     version = self.trainer_version
-                    done = RolloutDone(order.sample_id, order.attempt, "t", version, version)
+                    done = RolloutDone(order.sample_id, order.attempt, "t", version, version, order.token)
                     heapq.heappush(self.events, (self.now + duration, next(self.seq), done))
                 case RewardOrder():
-                    done = RewardDone(order.sample_id, order.attempt, "r")
+                    done = RewardDone(order.sample_id, order.attempt, "r", order.token)
                     heapq.heappush(self.events, (self.now + a.reward_s, next(self.seq), done))
                 case GroupOrder():
-                    done = GroupDone(order.group_id, order.attempt, "g")
+                    done = GroupDone(order.group_id, order.attempt, "g", order.token)
                     heapq.heappush(self.events, (self.now + a.group_s, next(self.seq), done))
                 case TrainOrder():
                     start = max(self.now, self.trainer_free_at)
                     self.trainer_free_at = start + a.train_step_s
                     self.pending_train = (order, len(order.sample_ids))
-                    done = TrainDone(order.batch_id, order.attempt, -1)
+                    done = TrainDone(order.batch_id, order.attempt, -1, order.token)
                     heapq.heappush(self.events, (self.trainer_free_at, next(self.seq), done))
 
     async def run(self) -> dict:
@@ -116,7 +116,7 @@ class Simulation:
             if isinstance(event, TrainDone):
                 self.trainer_version += 1
                 self.trained_samples += self.pending_train[1]
-                event = TrainDone(event.batch_id, event.attempt, self.trainer_version)
+                event = TrainDone(event.batch_id, event.attempt, self.trainer_version, event.token)
             self.schedule(await core.on_completion(event, self.now))
         assert core.is_finished, core.snapshot(self.now)
         lag = core.snapshot(self.now).lag_histogram

@@ -38,6 +38,7 @@ import structlog
 
 from runtime.actor import Actor, Delivery
 from runtime.bus import Bus, work_queue
+from runtime.bus_auth import SUPERVISOR, BusAccess
 from runtime.codec import Codec, message
 from runtime.rundir import RunInfo
 
@@ -60,6 +61,7 @@ class EchoActor(Actor):
     kind = "echo"
     queues = (work_queue("echo"),)
     messages = (EchoRequest,)
+    bus_access = BusAccess(publish=(REPLY_SUBJECT,))
 
     async def handle(self, msg: EchoRequest, delivery: Delivery) -> None:  # type: ignore[override]
         await self.bus.nc.publish(REPLY_SUBJECT, msgpack.packb(echo(msg.seq, msg.sent_at)))
@@ -148,11 +150,11 @@ class RayStage:
 
 
 # --- set-up ------------------------------------------------------------------------------------------
-async def start_run(run_dir: Path, concurrency: int) -> tuple[subprocess.Popen[bytes], Bus]:
+async def start_run(run_dir: Path, concurrency: int, auth: bool) -> tuple[subprocess.Popen[bytes], Bus]:
     config = run_dir.parent / "bench.toml"
     config.write_text(
         f'[log]\nlevel = "info"\n\n[actors.echo]\nentry = "tests.bench.bus:EchoActor"\n'
-        f"count = 1\nmax_concurrency = {concurrency}\n"
+        f"count = 1\nmax_concurrency = {concurrency}\n\n[bus]\nauth = {'true' if auth else 'false'}\n"
     )
     out = open(run_dir.parent / "up.out", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
@@ -168,7 +170,8 @@ async def start_run(run_dir: Path, concurrency: int) -> tuple[subprocess.Popen[b
             if proc.poll() is not None:
                 raise RuntimeError(f"runtime.up exited {proc.returncode}: {(run_dir.parent / 'up.out').read_text()}")
             await asyncio.sleep(0.05)
-    bus = await Bus.connect(RunInfo.read(run_dir).nats_url, name="bench")
+    info = RunInfo.read(run_dir)
+    bus = await Bus.connect(info.nats_url, name="bench", **info.bus_options(SUPERVISOR))
     await bus.ensure_queue(work_queue("echo"))
     return proc, bus
 
@@ -184,7 +187,7 @@ async def start_ray(concurrency: int) -> Any:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-bus-") as tmp:
-        proc, bus = await start_run(Path(tmp) / "run", args.concurrency)
+        proc, bus = await start_run(Path(tmp) / "run", args.concurrency, args.auth == "on")
         try:
             t0 = time.monotonic()
             ray_handle = await start_ray(args.concurrency)
@@ -234,6 +237,7 @@ def report(
         "stage": "one durable work-queue stage, trivial handler",
         "nats_actor": "subprocess under the runtime.up supervisor",
         "messages": args.messages,
+        "auth": args.auth,
         "concurrency": args.concurrency,
         "trials": args.trials,
         "cpus": os.cpu_count(),
@@ -256,6 +260,8 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--single-messages", type=int, default=500, help="messages per trial with one in flight")
     p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--auth", choices=["on", "off"], default="on",
+                   help="the NATS side's bus authentication and per-role permissions (runtime.bus_auth)")
     args = p.parse_args()
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     import uvloop

@@ -43,6 +43,7 @@ import structlog
 
 from actors.reconciler import ReconcilerActor
 from runtime.bus import Bus
+from runtime.bus_auth import SUPERVISOR
 from runtime.rundir import RunInfo
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
@@ -139,7 +140,8 @@ async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry:
     config.write_text(text)
     out = open(work_dir / "up.out", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
-        [sys.executable, "-m", "runtime.up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
+        [sys.executable, "-m", "runtime.up", "--config", str(config), "--run-dir", str(run_dir), "--quiet",
+         "--set", f"bus.auth={'true' if args.auth == 'on' else 'false'}"],
         cwd=REPO,
         stdout=out,
         stderr=subprocess.STDOUT,
@@ -152,7 +154,8 @@ async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry:
                 if proc.poll() is not None:
                     raise RuntimeError(f"runtime.up exited {proc.returncode}: {(work_dir / 'up.out').read_text()}")
                 await asyncio.sleep(0.05)
-        bus = await Bus.connect(RunInfo.read(run_dir).nats_url, name="bench")
+        info = RunInfo.read(run_dir)
+        bus = await Bus.connect(info.nats_url, name="bench", **info.bus_options(SUPERVISOR))
         try:
             return await _watch_run(args, bus, proc.pid)
         finally:
@@ -402,6 +405,8 @@ def main() -> None:
         help="of nats, nats_serial (the reconciler without group commit), ray",
     )
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--auth", choices=["on", "off"], default="on",
+                   help="the NATS side's bus authentication and per-role permissions (runtime.bus_auth)")
     args = p.parse_args()
     structlog.configure(
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),

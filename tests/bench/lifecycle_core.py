@@ -40,13 +40,13 @@ from actors.testing import InMemorySlotStore
 def completion_for(order, version: int):
     match order:
         case RolloutOrder():
-            return RolloutDone(order.sample_id, order.attempt, "t", order.policy_version_floor, version)
+            return RolloutDone(order.sample_id, order.attempt, "t", order.policy_version_floor, version, order.token)
         case RewardOrder():
-            return RewardDone(order.sample_id, order.attempt, "r")
+            return RewardDone(order.sample_id, order.attempt, "r", order.token)
         case GroupOrder():
-            return GroupDone(order.group_id, order.attempt, "g")
+            return GroupDone(order.group_id, order.attempt, "g", order.token)
         case TrainOrder():
-            return TrainDone(order.batch_id, order.attempt, order.trainer_version + 1)
+            return TrainDone(order.batch_id, order.attempt, order.trainer_version + 1, order.token)
     raise TypeError(order)
 
 

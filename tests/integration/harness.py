@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from runtime.bus import Bus
+from runtime.bus_auth import SUPERVISOR
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.rundir import RunInfo
 
@@ -65,7 +66,7 @@ class LiveRun:
                 raise TimeoutError("runtime.up did not write run.json")
             await asyncio.sleep(0.05)
         self.info = RunInfo.read(self.run_dir)
-        self.bus = await Bus.connect(self.info.nats_url, name="test")
+        self.bus = await Bus.connect(self.info.nats_url, name="test", **self.info.bus_options(SUPERVISOR))
         return self
 
     def output(self) -> str:

@@ -8,9 +8,10 @@ completion on ``done.<stage>``:
   versions the simulated trainer announced while it "generated".
 - `SimRewardActor`: reads the rollout record, scores it, writes a reward record (`RewardDone`).
 - `SimGroupActor`: reads the reward records, Dr. GRPO advantages, writes a group record (`GroupDone`).
-- `SimTrainActor`: keeps a ledger of decided batch ids in the ``sim_trainer`` KV bucket (one record,
-  every step one compare-and-set), so it trains each batch id at most once across restarts, answers
-  a repeated batch with its recorded decision, and refuses batches past their ``deadline_version``.
+- `SimTrainActor`: keeps a ledger of trained groups and decided batch ids in the ``sim_trainer`` KV
+  bucket (one record, every step one compare-and-set), so it trains each group at most once across
+  restarts whatever batch id an order gives it, answers an order whose groups were all trained with
+  their recorded version, and refuses batches past their ``deadline_version``.
 
 Knobs: the run directory's ``sim_stages.json`` (`SimConfig.write` makes it; absent: the defaults).
 A file in the run directory rather than a section of the run's shared schema (`actors.config.RLConfig`
@@ -56,6 +57,7 @@ from actors.messages import WeightsPublished
 from actors.policy import weights_run_name
 from actors.slots import Stage
 from runtime.actor import Delivery
+from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
@@ -274,20 +276,32 @@ class _SimStage(StageActor):
 
 class SimRolloutActor(_SimStage):
     stage = Stage.ROLLOUT
+    bus_access = BusAccess(subscribe=("weights.*",), kv_write=(LEDGER_BUCKET,))  # the first to ask creates it
 
     async def setup(self) -> None:
         await super().setup()
-        self.version = await (await TrainerLedger.open(self.bus)).version()  # a restart resumes at it
+        self.ledger = await TrainerLedger.open(self.bus)
+        self.version = await self.ledger.version()  # a restart resumes at it
         self.weights_codec = Codec([WeightsPublished])
         subject = f"weights.{weights_run_name(self.ctx.run_dir)}"
         sub = await self.bus.nc.subscribe(subject, cb=self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
     async def _on_weights(self, raw: Any) -> None:
+        """As the real follower does, believes an announcement only for a version the trainer made
+        (here: its ledger holds it); anything else is rejected with the reason."""
         try:
-            self.version = max(self.version, (await self.weights_codec.decode(raw.data)).version)
+            version = (await self.weights_codec.decode(raw.data)).version
         except ValueError as e:
             log.warning("weights_signal_rejected", error=str(e))
+            return
+        if version > self.version:
+            trained = await self.ledger.version()
+            if version > trained:
+                log.warning("weights_signal_rejected", version=version,
+                            reason=f"the trainer's ledger is at version {trained}")
+                return
+            self.version = version
 
     async def work(self, order: RolloutOrder, delivery: Delivery) -> RolloutDone:
         self.version = max(self.version, order.policy_version_floor)  # "fetch" the floor's weights
@@ -352,6 +366,7 @@ class SimGroupActor(_SimStage):
 
 class SimTrainActor(_SimStage):
     stage = Stage.TRAIN
+    bus_access = BusAccess(publish=("weights.*",), kv_write=(LEDGER_BUCKET,))
 
     async def setup(self) -> None:
         await super().setup()
@@ -363,10 +378,12 @@ class SimTrainActor(_SimStage):
 
     async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
         state, revision = await self.ledger.load()
-        decided = state["trained"].get(order.batch_id)
-        if decided is not None:
-            log.info("batch_already_trained", batch_id=order.batch_id, version=decided["version"])
-            return TrainDone(order.batch_id, order.attempt, decided["version"])
+        trained = {g: state["groups"][g] for g in order.group_ids if g in state["groups"]}
+        if trained and len(trained) == len(order.group_ids):
+            log.info("batch_already_trained", batch_id=order.batch_id, version=max(trained.values()))
+            return TrainDone(order.batch_id, order.attempt, max(trained.values()))
+        if trained:
+            raise WorkRefused(f"batch {order.batch_id} names groups already trained {sorted(trained)}")
         if order.batch_id in state["refused"]:
             raise WorkRefused(state["refused"][order.batch_id])
         version = state["version"]
@@ -382,6 +399,7 @@ class SimTrainActor(_SimStage):
             await self.ledger.commit(state, revision)
             raise
         state["version"] = version + 1
+        state["groups"].update(dict.fromkeys(order.group_ids, version + 1))
         state["trained"][order.batch_id] = {
             "version": version + 1,
             "time": time.time(),
@@ -425,7 +443,7 @@ class TrainerLedger:
         try:
             entry = await self._kv.get(LEDGER_KEY)
         except KeyNotFoundError:
-            return {"version": 0, "trained": {}, "refused": {}}, 0
+            return {"version": 0, "trained": {}, "refused": {}, "groups": {}}, 0
         return msgpack.unpackb(entry.value, raw=False), entry.revision
 
     async def version(self) -> int:

@@ -101,6 +101,10 @@ async def test_one_batch_through_every_stage(tmp_path: Path) -> None:
         await run.bus.publish_durable("work.train", await orders.encode(repeat))
         again = await next_done()
         assert isinstance(again, TrainDone) and again.trainer_version == 1, "a batch is trained at most once"
+        made_up = TrainOrder("b-made-up", 0, ("g0",), (grouped.result_key,), tuple(samples), 0, 2)  # a forged id
+        await run.bus.publish_durable("work.train", await orders.encode(made_up))
+        forged = await next_done()
+        assert isinstance(forged, TrainDone) and forged.trainer_version == 1, "a group is trained at most once"
         metrics = (run.run_dir / "metrics.jsonl").read_text().splitlines()
         assert len(metrics) == 1 and '"version": 1' in metrics[0]
         assert any((run.run_dir / "checkpoints").glob("step-0000001"))

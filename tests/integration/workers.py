@@ -11,6 +11,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from runtime.actor import Actor, Delivery
 from runtime.bus import work_queue
+from runtime.bus_auth import BusAccess
 from runtime.codec import message
 from runtime.config import live
 
@@ -37,6 +38,7 @@ class CounterActor(Actor):
 
     kind = "counter"
     queues = (work_queue("count"),)
+    bus_access = BusAccess(publish=("test.>",), kv_write=("effects",))
     messages = (CountRequest,)
     Config = CounterConfig
 

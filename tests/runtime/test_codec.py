@@ -67,7 +67,13 @@ async def test_large_bodies_travel_through_blob_storage() -> None:
                     "body": msgpack.packb({"tokens": [1], "score": 1.0, "extra": 1})}), "invalid"),
     (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "body": msgpack.packb({"score": 1.0})}),
      "invalid"),
-    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": "gone"}), "blob_missing"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": f"messages/test.inner/{'0' * 64}"}),
+     "blob_missing"),
+    # only keys the codec writes are read: no other object of the store, no path out of it
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": "gone"}), "invalid"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": f"../../etc/{'0' * 64}"}), "invalid"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": "messages/test.inner/" + "x" * 5000}),
+     "invalid"),
     (b"\x00" * 2_000_000, "oversized"),
 ])
 async def test_bad_input_is_rejected_with_a_reason(wire: bytes, reason: str) -> None:
@@ -94,3 +100,25 @@ def test_unregistered_type_cannot_be_encoded() -> None:
         import asyncio
 
         asyncio.run(codec.encode(Outer("s", Stage.ROLLOUT, Inner((), 0.0), {})))
+
+
+
+async def test_any_envelope_fails_as_a_message_error_never_as_a_crash() -> None:
+    """Found by the bus fuzz test: a ``type`` that is a map or a list raised TypeError and killed the actor."""
+    codec = Codec([Inner])
+    for bad_type in ({"a": 1}, [1, 2], 3.5, None, b"test.inner"):
+        data = msgpack.packb({"schema": 1, "type": bad_type, "v": 1, "body": b""}, use_bin_type=True)
+        with pytest.raises(MessageError) as raised:
+            await codec.decode(data)
+        assert raised.value.reason == "unknown_type"
+
+
+async def test_a_blob_body_must_hash_to_its_key() -> None:
+    blob = MemoryBlob()
+    codec = Codec([Inner], blob=blob, limits=CodecLimits(inline_limit_bytes=1024))
+    wire = await codec.encode(Inner(tuple(range(2000)), 1.0))
+    (key,) = blob.objects
+    blob.objects[key] = msgpack.packb({"tokens": [1], "score": 2.0})  # replaced under the same key
+    with pytest.raises(MessageError) as err:
+        await codec.decode(wire)
+    assert err.value.reason == "invalid" and "hash" in err.value.detail

@@ -1,0 +1,221 @@
+"""Who may say what on the bus: one NATS user per role, each allowed exactly the subjects it needs.
+
+Roles:
+    supervisor  the run's owner (runtime.up): creates streams and buckets, spawns, stops; everything.
+    operator    ops commands: control requests (ctl.>), live configuration (writes to ``config``),
+                reading the registry, the event log and progress; nothing else.
+    <kind>      each actor kind of the run (reconciler, rollout, trainer, ...): what every actor does
+                (its own work queues and their JetStream API, its registry entry, the ``config``
+                watch, events, dead letters, control replies) plus what its class declares in
+                ``Actor.bus_access`` (subjects it publishes and subscribes to, buckets it reads and
+                writes). A kind that does not declare a subject cannot use it: the server refuses.
+
+Replies go to inboxes under ``_INBOX_<role>.``, which only that role may subscribe to, and a role
+may publish to a reply subject only in answer to a request it received (``allow_responses``).
+
+An embedded run generates one random password per role at every start and writes them, with the
+server's configuration, into ``<run dir>/credentials/`` (directory 0700, files 0600): nothing to set
+up, and nobody but the run's user can read them. A remote bus (``bus.url``) takes a credentials
+directory of the same layout (``bus.credentials_dir``) and TLS files (``bus.tls_*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import ssl
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from runtime.errors import ConfigError
+
+__all__ = [
+    "OPERATOR",
+    "SUPERVISOR",
+    "BusAccess",
+    "BusCredentials",
+    "BusUser",
+    "Permissions",
+    "actor_permissions",
+    "authorization_conf",
+    "generate_credentials",
+    "inbox_prefix",
+    "operator_permissions",
+    "read_credentials",
+    "tls_context",
+]
+
+_ROLE_RE = re.compile(r"^[A-Za-z0-9_-]+$")  # a role names an inbox prefix and a credentials file
+SUPERVISOR = "supervisor"
+OPERATOR = "operator"
+_API = "$JS.API"
+
+
+@dataclasses.dataclass(frozen=True)
+class BusAccess:
+    """What an actor kind says on the bus beyond what every actor says (see the module docstring).
+
+    Attributes:
+        publish: subjects it publishes (wildcards allowed), e.g. ``("done.rollout",)``.
+        subscribe: subjects it subscribes to.
+        kv_read: buckets it reads or watches.
+        kv_write: buckets it writes (reading them included).
+        streams: work-queue streams (and their durable consumers, ``(stream, durable)``) it creates
+            or consumes, beyond the queues it declares.
+    """
+
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    kv_read: tuple[str, ...] = ()
+    kv_write: tuple[str, ...] = ()
+    streams: tuple[tuple[str, str], ...] = ()
+
+    def __or__(self, other: BusAccess) -> BusAccess:
+        return BusAccess(*(tuple(dict.fromkeys(getattr(self, f.name) + getattr(other, f.name)))
+                           for f in dataclasses.fields(self)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    subscribe_deny: tuple[str, ...] = ()
+    allow_responses: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class BusCredentials:
+    """One role's user name and password, as stored in ``<credentials dir>/<role>.json``."""
+
+    user: str
+    password: str
+
+    def connect_options(self) -> dict[str, str]:
+        return {"user": self.user, "password": self.password, "inbox_prefix": inbox_prefix(self.user)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BusUser:
+    credentials: BusCredentials
+    permissions: Permissions
+
+
+def inbox_prefix(role: str) -> str:
+    return f"_INBOX_{role}"
+
+
+def _stream_api(stream: str, durable: str) -> list[str]:
+    """A work queue's stream and durable consumer: create/update them, fetch, acknowledge."""
+    return [
+        f"{_API}.STREAM.INFO.{stream}", f"{_API}.STREAM.CREATE.{stream}", f"{_API}.STREAM.UPDATE.{stream}",
+        f"{_API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}", f"{_API}.CONSUMER.CREATE.{stream}.{durable}",
+        f"{_API}.CONSUMER.CREATE.{stream}.{durable}.>", f"{_API}.CONSUMER.INFO.{stream}.{durable}",
+        f"{_API}.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>",
+        f"$JS.ACK.*.*.{stream}.{durable}.>",  # the ack subject with a domain and an account hash
+    ]
+
+
+def _kv_read(bucket: str) -> list[str]:
+    """Get, list and watch a bucket (a watch is an ephemeral ordered consumer of its stream)."""
+    stream = f"KV_{bucket}"
+    return [
+        f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
+        f"{_API}.STREAM.MSG.GET.{stream}", f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
+        f"{_API}.CONSUMER.DELETE.{stream}.>", f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>",
+    ]
+
+
+def _kv_write(bucket: str) -> list[str]:
+    """Read and write a bucket; create it if it does not exist yet (its first writer makes it)."""
+    return [*_kv_read(bucket), f"$KV.{bucket}.>", f"{_API}.STREAM.CREATE.KV_{bucket}"]
+
+
+def actor_permissions(role: str, access: BusAccess) -> Permissions:
+    """An actor kind's permissions: what every actor does, plus its declared `access`."""
+    publish = ["log.>", "dlq.>", *_kv_write("actors"), *_kv_read("config"), *access.publish]
+    for bucket in access.kv_read:
+        publish += _kv_read(bucket)
+    for bucket in access.kv_write:
+        publish += _kv_write(bucket)
+    for stream, durable in access.streams:
+        publish += _stream_api(stream, durable)
+    subscribe = [f"{inbox_prefix(role)}.>", "ctl.*.*", *access.subscribe]
+    return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)),
+                       subscribe_deny=("ctl.supervisor.*",))
+
+
+def operator_permissions() -> Permissions:
+    """ops commands: control requests, live configuration, the registry, the event log, progress."""
+    publish = ["ctl.>", *_kv_write("config"), *_kv_read("actors"), f"{_API}.STREAM.NAMES",
+               f"{_API}.STREAM.INFO.LOG", f"{_API}.CONSUMER.CREATE.LOG", f"{_API}.CONSUMER.CREATE.LOG.>",
+               f"{_API}.CONSUMER.DELETE.LOG.>", f"{_API}.CONSUMER.INFO.LOG.>", "$JS.FC.LOG.>"]
+    return Permissions(tuple(publish), (f"{inbox_prefix(OPERATOR)}.>", "log.>", "progress.>"),
+                       allow_responses=False)
+
+
+def _supervisor_permissions() -> Permissions:
+    return Permissions((">",), (">",))
+
+
+def generate_credentials(directory: Path, roles: Mapping[str, Permissions]) -> list[BusUser]:
+    """Fresh random passwords for `roles` plus the supervisor and the operator, written to
+    ``directory/<role>.json`` readable by the run's user only; returns the server's users."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    everyone = {SUPERVISOR: _supervisor_permissions(), OPERATOR: operator_permissions(), **roles}
+    for role in everyone:
+        if not _ROLE_RE.match(role):
+            raise ConfigError(f"actor kind {role!r} cannot be a bus role: use letters, digits, '_' and '-' only")
+    users = []
+    for role, permissions in everyone.items():
+        credentials = BusCredentials(role, secrets.token_urlsafe(24))
+        _write_private(directory / f"{role}.json", json.dumps(dataclasses.asdict(credentials)))
+        users.append(BusUser(credentials, permissions))
+    return users
+
+
+def read_credentials(directory: Path | str, role: str) -> BusCredentials:
+    """The credentials of `role` from a credentials directory (see `generate_credentials`)."""
+    path = Path(directory) / f"{role}.json"
+    try:
+        data = json.loads(path.read_text())
+        return BusCredentials(str(data["user"]), str(data["password"]))
+    except FileNotFoundError:
+        raise ConfigError(f"no bus credentials for role {role!r}: {path} does not exist") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"bus credentials {path} are malformed ({e!r}); expected {{'user', 'password'}}") from None
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    path.chmod(0o600)
+
+
+def authorization_conf(users: Iterable[BusUser]) -> str:
+    """The nats-server ``authorization`` block for `users` (JSON is valid NATS configuration)."""
+    entries = []
+    for u in users:
+        p = u.permissions
+        subscribe: dict[str, list[str]] = {"allow": list(p.subscribe)}
+        if p.subscribe_deny:
+            subscribe["deny"] = list(p.subscribe_deny)
+        permissions: dict[str, object] = {"publish": {"allow": list(p.publish)}, "subscribe": subscribe}
+        if p.allow_responses:
+            permissions["allow_responses"] = True
+        entries.append({"user": u.credentials.user, "password": u.credentials.password, "permissions": permissions})
+    return f"authorization {json.dumps({'users': entries}, indent=1)}\n"
+
+
+def tls_context(ca_file: str, cert_file: str = "", key_file: str = "") -> ssl.SSLContext | None:
+    """A client TLS context for a remote bus (None without a CA file: plain TCP, loopback only)."""
+    if not ca_file:
+        return None
+    context = ssl.create_default_context(cafile=ca_file)
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file or None)
+    return context

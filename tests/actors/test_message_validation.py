@@ -1,0 +1,161 @@
+"""Messages validated against the state they claim: weight announcements, data exhaustion, registry entries.
+
+Each test sends what a client on the bus could send (well-typed, decodable, false) and checks that the
+receiver refuses it with a reason, counts it, and still acts on the true message that follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+from structlog.testing import capture_logs
+
+from actors import Lifecycle, ListTaskSource
+from actors.data_exhaustion import why_not_exhausted
+from actors.messages import DataExhausted, WeightsPublished
+from actors.weights_follower import WeightsFollower, weights_subject
+from model.engine import GenerationEngine
+from model.weight_sync import manifest_key
+from runtime.blob import open_store
+from runtime.codec import Codec
+from runtime.registry import decode_registration
+from tests.actors.lifecycle_world import World
+from tests.actors.test_lifecycle import config
+from tests.actors.test_weights_follower import CONFIG, RUN, FakeBus, publish, versions_of_model
+from tests.model.helpers import seeded_model
+
+
+async def _signal(bus: FakeBus, msg: WeightsPublished) -> None:
+    data = await Codec([WeightsPublished]).encode(msg)
+    await bus.callbacks[weights_subject(RUN)](SimpleNamespace(data=data))
+
+
+async def test_weights_announcement_of_a_version_the_store_lacks_is_rejected(tmp_path: Path) -> None:
+    """The issue's spoof: ``weights.<run>`` announcing version 10^9 stalled the run for good."""
+    states = versions_of_model(3)
+    bus = FakeBus()
+    async with open_store(f"file://{tmp_path}") as store, contextlib.AsyncExitStack() as stack:
+        await publish(store, states, range(2))
+        engine = GenerationEngine(seeded_model(CONFIG, seed=0))
+        await engine.start()
+        stack.push_async_callback(engine.stop)
+        follower = WeightsFollower(bus, store, RUN, engine)
+        await follower.start(stack)
+        assert follower.latest == 1
+        far = 10**9
+        spoofs = [
+            WeightsPublished(RUN, far, manifest_key("weights", RUN, far), 1),  # never published
+            WeightsPublished(RUN, 2, manifest_key("weights", RUN, 2), 1),  # not (yet) in the store
+            WeightsPublished(RUN, 5, manifest_key("weights", RUN, 1), 1),  # a real manifest of another version
+            WeightsPublished(RUN, 5, "weights/follow1/v0000000005/rank-00000-of-00001/shard-00000.bin", 1),
+            WeightsPublished("other", 5, manifest_key("weights", "other", 5), 1),  # another run
+        ]
+        with capture_logs() as logs:
+            for spoof in spoofs:
+                await _signal(bus, spoof)
+        assert follower.latest == 1 and follower.num_rejected == len(spoofs)
+        reasons = [e["reason"] for e in logs if e["event"] == "weights_signal_rejected"]
+        assert len(reasons) == len(spoofs) and "not in the store" in reasons[0] and "another run" not in reasons[0]
+        assert await follower.load_latest() == 1, "nothing is fetched for a rejected announcement"
+        # the trainer's real announcement of a published version is still followed
+        await publish(store, states, range(2, 3))
+        await _signal(bus, WeightsPublished(RUN, 2, manifest_key("weights", RUN, 2), 1))
+        assert follower.latest == 2 and await follower.load_latest() == 2 and follower.num_rejected == len(spoofs)
+
+
+async def test_data_exhausted_is_believed_only_as_the_reconcilers_table_says() -> None:
+    """The issue's spoof: ``data_exhausted.<run>`` naming version 2 ended a 15-step run as finished."""
+    more = ListTaskSource.numbered(40)
+    fresh = await Lifecycle.resume(early := _store(), more, config(), 0.0, num_rollout_actors=4)
+    assert fresh.orders
+    reason = await why_not_exhausted(DataExhausted("r1", 0), run="r1", store=early, source=more, num_epochs=1)
+    assert "prompts remain" in (reason or "")
+    source = ListTaskSource.numbered(4)
+    resumed = await Lifecycle.resume(store := _store(), source, config(), 0.0, num_rollout_actors=4)
+    core, world = resumed.lifecycle, World()
+    world.add(resumed.orders, 1)
+
+    async def check(run: str, version: int) -> str | None:
+        return await why_not_exhausted(DataExhausted(run, version), run="r1", store=store, source=source,
+                                       num_epochs=1)
+
+    assert "in flight" in (await check("r1", 0) or "")  # every prompt admitted, none trained yet
+    assert "not this run" in (await check("r2", 0) or "")
+    while world.pending:
+        order = world.pending.pop(0)
+        world.add(await core.on_completion(world.complete(order), 1.0), 1)
+    assert core.is_finished and core.trainer_version == 2
+    assert "not the reconciler's version 2" in (await check("r1", 1) or "")
+    assert await check("r1", 2) is None  # the reconciler's own claim is confirmed
+
+
+def _store():
+    from actors.testing import InMemorySlotStore
+
+    return InMemorySlotStore()
+
+
+def _entry(**changes) -> bytes:
+    info = {"kind": "rollout", "id": "rollout-1-abcd", "pid": 4242, "host": "h", "code_hash": "c",
+            "state": "running", "num_inflight": 0, "num_handled": 3, "num_failed": 0, "num_dead_lettered": 0,
+            "uptime_s": 1.5, **changes}
+    return msgpack.packb({k: v for k, v in info.items() if v is not None}, use_bin_type=True)
+
+
+def test_registry_entries_must_be_complete_and_their_own() -> None:
+    """The issue's spoof: an entry shaped like a registration counted as a rollout actor."""
+    assert decode_registration("rollout-1-abcd", _entry())["state"] == "running"
+    bad = {
+        "shaped like one": msgpack.packb({"kind": "rollout", "state": "running"}),
+        "not msgpack": b"\xc1\xff",
+        "a list": msgpack.packb(["rollout", "running"]),
+        "pid missing": _entry(pid=None),
+        "pid a string": _entry(pid="4242"),
+        "pid a bool": _entry(pid=True),
+        "another id": _entry(id="rollout-2-ffff"),
+        "unknown state": _entry(state="sprinting"),
+        "negative count": _entry(num_handled=-1),
+    }
+    for what, raw in bad.items():
+        with pytest.raises(ValueError):
+            decode_registration("rollout-1-abcd", raw)
+        assert what
+    with pytest.raises(ValueError, match="kind"):
+        decode_registration("fake-1-abcd", _entry(id="fake-1-abcd"))  # id says fake, kind says rollout
+
+
+async def test_the_evaluator_ends_the_run_only_on_a_confirmed_claim() -> None:
+    """The evaluator's own handler: a false claim leaves the run's last version unknown; a true one sets it."""
+    from actors.config import RLConfig
+    from actors.evaluator import EvaluatorActor
+
+    source = ListTaskSource.numbered(4)
+    resumed = await Lifecycle.resume(store := _store(), source, config(), 0.0, num_rollout_actors=4)
+    core, world = resumed.lifecycle, World()
+    world.add(resumed.orders, 1)
+    rechecks: list[bool] = []
+    defaults = RLConfig()
+    single_epoch = dataclasses.replace(defaults, reconciler=dataclasses.replace(defaults.reconciler, num_epochs=1))
+    evaluator = SimpleNamespace(
+        exhausted_codec=Codec([DataExhausted]), exhausted_at=None, run_name="r1", slot_store=store,
+        train_source=source, config=single_epoch, num_rejected_claims=0, ctx=SimpleNamespace(run_steps=15),
+        weights=SimpleNamespace(recheck=lambda: rechecks.append(True)))
+
+    async def hear(version: int) -> None:
+        raw = SimpleNamespace(data=await Codec([DataExhausted]).encode(DataExhausted("r1", version)))
+        await EvaluatorActor._on_data_exhausted(evaluator, raw)  # type: ignore[arg-type]
+
+    with capture_logs() as logs:
+        await hear(2)
+    assert evaluator.exhausted_at is None and evaluator.num_rejected_claims == 1 and not rechecks
+    assert [e["reason"] for e in logs if e["event"] == "data_exhausted_rejected"]
+    while world.pending:
+        order = world.pending.pop(0)
+        world.add(await core.on_completion(world.complete(order), 1.0), 1)
+    await hear(core.trainer_version)
+    assert evaluator.exhausted_at == core.trainer_version == 2 and rechecks == [True]

@@ -1,0 +1,78 @@
+"""Raw NATS clients of a live run for the bus-trust tests: as a role (its credentials), or as nobody.
+
+An attacker's client is not a `runtime.bus.Bus`: it records the server's refusals (permission
+violations arrive asynchronously through the error callback) so that a test can assert them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+
+from runtime.bus_auth import read_credentials
+from runtime.rundir import RunInfo
+
+
+@dataclass
+class RoleClient:
+    """A connection as one role; `errors` collects what the server refused."""
+
+    nc: Client
+    role: str
+    errors: list[str] = field(default_factory=list)
+
+    async def publish(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
+        await self.nc.publish(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
+        await self.nc.flush()
+
+    async def js_publish(self, subject: str, data: bytes, msg_id: str | None = None, timeout: float = 2.0) -> bool:
+        """A JetStream publish; False if the stream never acknowledged it (refused or not stored)."""
+        try:
+            await self.nc.jetstream().publish(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None,
+                                              timeout=timeout)
+        except (TimeoutError, nats.errors.Error) as e:
+            self.errors.append(f"js publish to {subject}: {e!r}")
+            return False
+        return True
+
+    async def refused(self, fragment: str, timeout_s: float = 5.0) -> bool:
+        """Whether the server reported a permission violation mentioning `fragment` (case-insensitive)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            if any("permissions violation" in e.lower() and fragment.lower() in e.lower() for e in self.errors):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+
+@contextlib.asynccontextmanager
+async def connect_as(info: RunInfo, role: str) -> AsyncIterator[RoleClient]:
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    credentials = read_credentials(info.credentials_dir, role)
+    nc = await nats.connect(info.nats_url, name=f"attacker-{role}", error_cb=on_error, allow_reconnect=False,
+                            connect_timeout=5, **credentials.connect_options())
+    try:
+        yield RoleClient(nc, role, errors)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+async def connect_anonymously(url: str, **options: Any) -> Client:
+    """A client without credentials (raises if the server refuses it, as it must when auth is on)."""
+
+    async def quiet(e: Exception) -> None:
+        return None
+
+    return await nats.connect(url, name="attacker-anonymous", allow_reconnect=False, connect_timeout=5,
+                              max_reconnect_attempts=0, error_cb=quiet, **options)

@@ -1,0 +1,122 @@
+"""Bus authentication: credentials files, what each role may do, and a remote bus with credentials.
+
+Real nats-servers with the users `runtime.bus_auth` generates; real clients of each role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import msgpack
+import nats
+import pytest
+
+from actors.evaluator import EvaluatorActor
+from actors.reconciler import ReconcilerActor
+from runtime.bus import Bus
+from runtime.bus_auth import OPERATOR, SUPERVISOR, actor_permissions, generate_credentials, read_credentials
+from runtime.codec import Codec
+from runtime.natsserver import NatsServer, NatsServerConfig
+from runtime.run_config import load_run_config
+from runtime.rundir import RunInfo
+from runtime.up import bus_roles
+from tests.integration.bus_clients import connect_anonymously, connect_as
+from tests.integration.harness import LiveRun, write_config
+from tests.integration.workers import CountRequest
+
+pytestmark = pytest.mark.timeout(180)
+
+COUNTER_RUN = """
+[actors.counter]
+entry = "tests.integration.workers:CounterActor"
+count = 1
+heartbeat_s = 1.0
+"""
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def test_embedded_credentials_are_private_and_roles_are_confined(tmp_path: Path) -> None:
+    roles = {"evaluator": actor_permissions("evaluator", EvaluatorActor.required_access()),
+             "reconciler": actor_permissions("reconciler", ReconcilerActor.required_access())}
+    users = generate_credentials(tmp_path / "credentials", roles)
+    assert {u.credentials.user for u in users} == {SUPERVISOR, OPERATOR, "evaluator", "reconciler"}
+    assert _mode(tmp_path / "credentials") == 0o700
+    assert all(_mode(p) == 0o600 for p in (tmp_path / "credentials").iterdir())
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", users=tuple(users))) as server:
+        assert _mode(tmp_path / "nats" / "nats-server.conf") == 0o600
+        with pytest.raises(Exception, match=r"(?i)authorization"):
+            await connect_anonymously(server.url)
+        wrong = read_credentials(tmp_path / "credentials", "evaluator")
+        with pytest.raises(Exception, match=r"(?i)authorization"):
+            await connect_anonymously(server.url, user=wrong.user, password=wrong.password + "x")
+        admin = await Bus.connect(server.url, "admin", credentials=read_credentials(tmp_path / "credentials",
+                                                                                       SUPERVISOR))
+        try:
+            await admin.ensure_base()
+            await (await admin.kv("slots")).put("meta", b"m")
+        finally:
+            await admin.close()
+        info = _info(server.url, tmp_path / "credentials")
+        async with connect_as(info, "evaluator") as evaluator:
+            # everything the evaluator does in a run goes through ...
+            js = evaluator.nc.jetstream()
+            slots = await js.key_value("slots")
+            assert (await slots.get("meta")).value == b"m"
+            await evaluator.nc.subscribe("weights.r1")
+            await evaluator.nc.subscribe("data_exhausted.r1")
+            await evaluator.publish("progress.eval", msgpack.packb({"x": 1}))
+            with pytest.raises(nats.errors.NoRespondersError):
+                await evaluator.nc.request("ctl.supervisor.finish", b"", timeout=1)
+            await asyncio.sleep(0.3)
+            assert not evaluator.errors, evaluator.errors
+            # ... and nothing another role says
+            await evaluator.publish("weights.r1", b"x")
+            assert await evaluator.refused("weights.r1")
+            await evaluator.publish("$KV.slots.meta", b"x")
+            assert await evaluator.refused("$kv.slots.meta")
+            await evaluator.nc.subscribe("_INBOX_reconciler.>")
+            assert await evaluator.refused("_inbox_reconciler"), "nobody reads another role's replies"
+            await evaluator.nc.subscribe("ctl.supervisor.stop")
+            assert await evaluator.refused("ctl.supervisor.stop"), "no actor answers for the supervisor"
+        async with connect_as(info, OPERATOR) as operator:
+            assert not await operator.js_publish("$KV.slots.meta", b"x", timeout=1.0)
+            assert await operator.refused("$kv.slots.meta")
+
+
+def _info(url: str, credentials_dir: Path) -> RunInfo:
+    """A RunInfo for a bus without a run: its address and credentials only."""
+    return RunInfo("", url, "", "", 0, 0.0, str(credentials_dir))
+
+
+async def test_a_remote_bus_takes_a_credentials_directory(tmp_path: Path) -> None:
+    """``bus.url`` + ``bus.credentials_dir``: the run uses the remote server's users, one per role."""
+    config = write_config(tmp_path / "run.toml", COUNTER_RUN)
+    rt = load_run_config([config]).runtime
+    users = generate_credentials(tmp_path / "remote-credentials", bus_roles(rt))  # what its operator set up
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "remote", users=tuple(users))) as server:
+        run = await LiveRun(tmp_path / "run", config, "--set", f'bus.url="{server.url}"',
+                            "--set", f'bus.credentials_dir="{tmp_path / "remote-credentials"}"').start()
+        try:
+            assert run.bus is not None and not (tmp_path / "run" / "credentials").exists()
+            await run.wait_actors("counter", 1)
+            await run.bus.publish_durable("work.count", await Codec([CountRequest]).encode(CountRequest("k1")))
+
+            async def handled() -> bool:
+                assert run.bus is not None
+                try:
+                    return (await (await run.bus.kv("effects")).get("k1")) is not None
+                except Exception:
+                    return False
+
+            for _ in range(100):
+                if await handled():
+                    break
+                await asyncio.sleep(0.1)
+            assert await handled(), "the counter actor worked through the remote bus as its own role"
+        finally:
+            assert await run.stop() == 0
