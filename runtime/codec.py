@@ -160,7 +160,8 @@ class Codec:
             # only a key this codec would write (prefix/type/sha256 of the body): nothing else of the
             # store is read, and the body must hash to its key
             if key != f"{self._blob_prefix}/{name}/{digest}" or not _SHA256_RE.fullmatch(digest):
-                raise MessageError("invalid", f"blob key {key[:200]!r} is not {self._blob_prefix}/{name}/<sha256>")
+                raise MessageError("invalid_blob_key",
+                                   f"blob key {key[:200]!r} is not {self._blob_prefix}/{name}/<sha256>")
             if self._blob is None:
                 raise MessageError("blob_unavailable", f"message body at {key!r}, but no blob store")
             try:

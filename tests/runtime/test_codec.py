@@ -70,10 +70,10 @@ async def test_large_bodies_travel_through_blob_storage() -> None:
     (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": f"messages/test.inner/{'0' * 64}"}),
      "blob_missing"),
     # only keys the codec writes are read: no other object of the store, no path out of it
-    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": "gone"}), "invalid"),
-    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": f"../../etc/{'0' * 64}"}), "invalid"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": "gone"}), "invalid_blob_key"),
+    (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": f"../../etc/{'0' * 64}"}), "invalid_blob_key"),
     (msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "blob": "messages/test.inner/" + "x" * 5000}),
-     "invalid"),
+     "invalid_blob_key"),
     (b"\x00" * 2_000_000, "oversized"),
 ])
 async def test_bad_input_is_rejected_with_a_reason(wire: bytes, reason: str) -> None:
