@@ -136,10 +136,12 @@ class Environment:
             os.mkdir(path, mode)
             os.chown(path, owner, gid if owner else 0)
         self._mount_overlay()
-        if self.store.cgroup is not None:
-            parent, version = self.store.cgroup
-            self._cgroup = EnvCgroup(parent, version, f"{self.store.name}-{self.id}", lim.total_memory_bytes)
-        self._spawner = Spawner(self._cgroup.tasks_path if self._cgroup is not None else None)
+        if self.store.cgroups is not None:
+            self._cgroup, self._spawner = self.store.cgroups.acquire(
+                lim.total_memory_bytes, f"{self.store.name}-{self.id}"
+            )
+        else:
+            self._spawner = Spawner(None)
 
     def _mount_overlay(self) -> None:
         lower = ":".join(layer.view for layer in self._layers)
@@ -398,10 +400,10 @@ class Environment:
         self._lingering.clear()
         _mount.umount_tree(self.dir)
         discard_tree(self.dir)
-        if self._spawner is not None:
+        if self._cgroup is not None and self._spawner is not None and self.store.cgroups is not None:
+            self.store.cgroups.release(self._cgroup, self._spawner)
+        elif self._spawner is not None:
             self._spawner.close()
-        if self._cgroup is not None:
-            self._cgroup.remove()
         self.store.release(self._layers)
 
     def __enter__(self) -> Environment:
