@@ -5,8 +5,9 @@ Host layout of one environment (``<store>/E/<id>``, all under a root-only store 
     rw/       tmpfs (size = limits.disk_bytes): upper/ work/ tmp/ shm/
     merged/   overlayfs: lower = the snapshot's read-only layers, upper = rw/upper
 
-Each command is a fresh ``bwrap`` whose forked child joins the environment's memory cgroup, drops
-to an unprivileged host user and a fresh session keyring (`sandbox._child`); bwrap then unshares
+Each command is a fresh ``bwrap``, forked by the environment's spawner thread so that it is born
+in the environment's memory cgroup (`sandbox._spawner`); the child drops to an unprivileged host
+user and a fresh session keyring (`sandbox._child`) before it executes bwrap, which unshares
 every namespace (no network, own pid/mount/ipc/uts/cgroup/user namespaces), forbids further user
 namespaces (``--disable-userns``), binds ``merged`` at the workspace, the host's /usr read-only, a
 synthetic /etc, a read-only /proc/sys, and /tmp and /dev/shm from the size-capped tmpfs, and
