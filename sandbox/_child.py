@@ -3,8 +3,9 @@
 Runs as ``preexec_fn`` (uvloop, the actors' loop, accepts no ``user=``/``group=``), so it does
 only plain system calls on values prepared before the fork:
 
-1. still root, join the environment's memory cgroup by writing ``0`` to its ``cgroup.procs``
-   (no shell, no cgroup file the sandbox uid could write; bwrap and all it starts inherit it);
+1. on cgroup v2 only (on v1 the child is born in the cgroup, see `sandbox._spawner`), still
+   root, join the environment's memory cgroup by writing ``0`` to its ``cgroup.procs`` (no
+   shell, no cgroup file the sandbox uid could write; bwrap and all it starts inherit it);
 2. drop to the sandbox uid and gid with no supplementary groups;
 3. join a fresh anonymous session keyring. Keyrings are kernel-wide, not namespaced: a child
    keeps the session keyring of the process that spawned it, and whoever possesses a keyring

@@ -84,12 +84,14 @@ class Spawner:
 
     def __init__(self, tasks_path: str | None) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawn")
+        self.native_id: int | None = None  # the thread's id, once placed
         self.placed = self._executor.submit(self._place, tasks_path) if tasks_path is not None else None
 
-    @staticmethod
-    def _place(tasks_path: str) -> None:
+    def _place(self, tasks_path: str) -> None:
+        native_id = threading.get_native_id()
         with open(tasks_path, "w", encoding="ascii") as f:
-            f.write(str(threading.get_native_id()))
+            f.write(str(native_id))
+        self.native_id = native_id
 
     async def in_cgroup(self) -> bool:
         """Whether children forked here are born in the cgroup (waits for the one-time move)."""

@@ -5,8 +5,9 @@ Host layout of one environment (``<store>/E/<id>``, all under a root-only store 
     rw/       tmpfs (size = limits.disk_bytes): upper/ work/ tmp/ shm/
     merged/   overlayfs: lower = the snapshot's read-only layers, upper = rw/upper
 
-Each command is a fresh ``bwrap`` whose forked child joins the environment's memory cgroup, drops
-to an unprivileged host user and a fresh session keyring (`sandbox._child`); bwrap then unshares
+Each command is a fresh ``bwrap``, forked by the environment's spawner thread so that it is born
+in the environment's memory cgroup (`sandbox._spawner`); the child drops to an unprivileged host
+user and a fresh session keyring (`sandbox._child`) before it executes bwrap, which unshares
 every namespace (no network, own pid/mount/ipc/uts/cgroup/user namespaces), forbids further user
 namespaces (``--disable-userns``), binds ``merged`` at the workspace, the host's /usr read-only, a
 synthetic /etc, a read-only /proc/sys, and /tmp and /dev/shm from the size-capped tmpfs, and
@@ -136,10 +137,12 @@ class Environment:
             os.mkdir(path, mode)
             os.chown(path, owner, gid if owner else 0)
         self._mount_overlay()
-        if self.store.cgroup is not None:
-            parent, version = self.store.cgroup
-            self._cgroup = EnvCgroup(parent, version, f"{self.store.name}-{self.id}", lim.total_memory_bytes)
-        self._spawner = Spawner(self._cgroup.tasks_path if self._cgroup is not None else None)
+        if self.store.cgroups is not None:
+            self._cgroup, self._spawner = self.store.cgroups.acquire(
+                lim.total_memory_bytes, f"{self.store.name}-{self.id}"
+            )
+        else:
+            self._spawner = Spawner(None)
 
     def _mount_overlay(self) -> None:
         lower = ":".join(layer.view for layer in self._layers)
@@ -398,10 +401,10 @@ class Environment:
         self._lingering.clear()
         _mount.umount_tree(self.dir)
         discard_tree(self.dir)
-        if self._spawner is not None:
+        if self._cgroup is not None and self._spawner is not None and self.store.cgroups is not None:
+            self.store.cgroups.release(self._cgroup, self._spawner)
+        elif self._spawner is not None:
             self._spawner.close()
-        if self._cgroup is not None:
-            self._cgroup.remove()
         self.store.release(self._layers)
 
     def __enter__(self) -> Environment:

@@ -119,10 +119,12 @@ class LayerStore:
         self.layer_owner = (0, 0) if self._views is not None else (self.config.sandbox_uid, self.config.sandbox_gid)
         self.name = os.path.basename(self.dir)
         self.cgroup: tuple[str, int] | None = None
+        self.cgroups: _cgroup.CgroupPool | None = None
         if self.config.memory_cgroup:
             self.cgroup = _cgroup.probe(self.name, self.config.sandbox_uid, self.config.sandbox_gid)
             if self.cgroup is not None:
                 _cgroup.reap_stale(self.cgroup[0])
+                self.cgroups = _cgroup.CgroupPool(*self.cgroup)
         self._refs: dict[str, int] = {}
         self._layers: dict[str, Layer] = {}
         self._by_content: dict[str, str] = {}
@@ -244,6 +246,8 @@ class LayerStore:
         self._closed = True
         _mount.umount_tree(self.dir)
         discard_tree(self.dir)
+        if self.cgroups is not None:
+            self.cgroups.close()
         if self._views is not None:
             self._views.close()
         log.info("sandbox_store_closed", dir=self.dir)

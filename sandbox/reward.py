@@ -18,6 +18,7 @@ import structlog
 
 from sandbox._safepath import split_relpath, write_atomic
 from sandbox.env import GRADER_PATH, Environment
+from sandbox.errors import SandboxViolation
 from sandbox.layers import Snapshot
 from sandbox.tasks import Task
 
@@ -110,9 +111,17 @@ async def score(source: Environment | Snapshot, task: Task) -> TestOutcome:
     Args:
         source: the finished environment (snapshotted here; it must be idle) or a snapshot.
         task: the task whose hidden tests decide the reward.
+
+    A workspace over its host budgets (`SandboxViolation` from the snapshot: too many bytes,
+    files or nested directories) fails every test, with the reason as each test's detail.
     """
-    snapshot = source.snapshot() if isinstance(source, Environment) else source
     names = count_tests(task)
+    try:
+        snapshot = source.snapshot() if isinstance(source, Environment) else source
+    except SandboxViolation as e:
+        log.warning("sandbox_workspace_over_budget", task=task.id, reason=str(e))
+        details = tuple(TestCaseResult(n, False, f"workspace over budget: {e}") for n in names)
+        return TestOutcome(0, len(details), details)
     try:
         with Environment.fork(snapshot, task.limits) as fork:
             _install_hidden_tests(fork, task)

@@ -332,3 +332,33 @@ async def test_memory_cgroup_oom_kills_the_sandbox_not_the_host_process(
         result = await env.run("python3 hog.py; echo rc=$?")
     assert "kept" not in result.stdout and "rc=137" in result.stdout  # the hog was killed, and we are alive
     assert len(ballast) == 400 * 1024 * 1024
+
+
+async def test_a_closed_environment_s_cgroup_serves_the_next_one_under_its_limit(
+    store: LayerStore, tight: SandboxLimits
+) -> None:
+    """Placing a task in a cgroup waits for an RCU grace period, so cgroups and their spawner
+    threads are recycled; the next environment must get its own limit and a fresh peak."""
+    if store.cgroups is None or store.cgroup is None or store.cgroup[1] != 1:
+        pytest.skip("no delegable cgroup v1 memory hierarchy on this host")
+    hog = "a = bytearray(100 * 1024**2); a[::4096] = b'x' * len(a[::4096])"
+    with Environment.create(store, {"hog.py": hog}, tight) as first:
+        await first.run("python3 hog.py")
+        assert first._cgroup is not None
+        path = first._cgroup.path
+    limit = 200 * 1024 * 1024
+    with Environment.create(store, {}, tight.replace(total_memory_bytes=limit)) as second:
+        assert second._cgroup is not None and second._cgroup.path == path
+        running = asyncio.create_task(second.run("sleep 1"))
+        await asyncio.sleep(0.5)
+        with open(os.path.join(path, "tasks")) as f:
+            inside = {int(tid) for tid in f.read().split()}
+        await running
+
+        def read(name: str) -> int:
+            with open(os.path.join(path, name)) as f:
+                return int(f.read())
+
+        assert read("memory.limit_in_bytes") == limit
+        assert read("memory.max_usage_in_bytes") < 100 * 1024 * 1024  # not the first one's peak
+    assert set(sandbox_pids()) == set() and len(inside) >= 3  # spawner thread, bwrap, init, sleep
