@@ -18,6 +18,7 @@ import nats.errors
 import pytest
 
 from actors.slots import SlotState
+from runtime.bus import Bus
 from runtime.events import parse_event
 from runtime.natsserver import NatsServer, NatsServerConfig
 from tests.integration.harness import LiveRun, descendants, write_config
@@ -201,3 +202,42 @@ async def test_an_embedded_server_past_its_restart_limit_fails_the_run_cleanly(t
     assert rc == 1, output
     assert "died 1 times within 60s (limit 0 restarts)" in output, output
     _assert_clean_exit(run_dir, output)
+
+
+async def test_an_actor_dying_during_an_outage_is_restarted_when_the_bus_is_back(tmp_path: Path) -> None:
+    """With max_restarts = 0 any counted crash fails the run: one during an outage is not counted
+    (no restart could connect, and it is the bus's fault); it is restarted once the bus is back."""
+    server = NatsServer(NatsServerConfig(store_dir=tmp_path / "remote"))
+    url = await server.start()
+    run_dir = tmp_path / "run"
+    run = await LiveRun(run_dir, write_config(tmp_path / "run.toml", COUNTER_RUN),
+                        "--set", f'bus.url="{url}"', "--set", "supervisor.max_restarts=0").start()
+    try:
+        victim, _ = await run.wait_actors("counter", 2)
+        await run.bus.close()  # type: ignore[union-attr]
+        run.bus = None
+        assert server.pid is not None and server.port is not None
+        os.kill(server.pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)
+        await asyncio.sleep(2.0)
+        await server.stop()
+        server = NatsServer(NatsServerConfig(store_dir=tmp_path / "remote", port=server.port))
+        await server.start()  # the same bus comes back
+        run.bus = await Bus.connect(url, name="test")
+        await run.wait_actors("counter", 2, timeout_s=60)
+
+        async def replaced() -> bool:
+            live = {a["id"] for a in await run.actors() if a["kind"] == "counter"}
+            registered = {a["id"] for a in await run.wait_actors("counter", 2)}
+            return len(live) == 2 and victim["id"] not in live | registered and live == registered
+
+        await _until(_despite_outages(replaced), 60, "the victim replaced and its registry entry dropped")
+        assert run.proc is not None and run.proc.poll() is None, run.output()
+    finally:
+        rc = await run.stop()
+        await server.stop()
+    assert rc == 0
+    (crash,) = _events(run_dir, "actor_crashed_during_bus_outage")
+    assert crash["actor_id"] == victim["id"]
+    assert not _events(run_dir, "restart_intensity_exceeded")
