@@ -67,6 +67,7 @@ class Supervisor:
         self.procs: dict[str, ActorProcess] = {}
         self.outcome = Outcome.RUNNING
         self.failure: str | None = None
+        self.unclean_exits: list[str] = []  # actors asked to stop that exited non-zero: "<id> exited <rc>"
         self._restarts: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self._counter: collections.Counter[str] = collections.Counter()
         self._stop = asyncio.Event()
@@ -135,6 +136,10 @@ class Supervisor:
             await self._deregister(ap)
         if ap.retiring or self._stop.is_set():
             log.info("actor_exited", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc)
+            if rc != 0:  # asked to stop, it did not stop cleanly: say so, not only "stopped"
+                log.error("actor_stopped_uncleanly", actor_kind=ap.kind, actor_id=ap.actor_id, returncode=rc,
+                          log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+                self.unclean_exits.append(f"{ap.actor_id} exited {rc} (see logs/{ap.actor_id}.out)")
             return
         if bus_down:
             await self._restart_after_outage(ap, rc)
