@@ -7,6 +7,7 @@ exits 0)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -241,3 +242,43 @@ async def test_an_actor_dying_during_an_outage_is_restarted_when_the_bus_is_back
     (crash,) = _events(run_dir, "actor_crashed_during_bus_outage")
     assert crash["actor_id"] == victim["id"]
     assert not _events(run_dir, "restart_intensity_exceeded")
+
+
+async def test_ops_tail_follows_across_a_server_restart(tmp_path: Path) -> None:
+    """ops.tail --follow reads the LOG stream through an ordered consumer, which the restarted server
+    does not have: it is renewed on reconnect from the next sequence, so events after the restart
+    arrive within seconds (nats-py resets it itself only after missing heartbeats, ~20 s)."""
+    from tests.integration.test_tail import LiveTail
+
+    run_dir = tmp_path / "run"
+    run = await LiveRun(run_dir, write_config(tmp_path / "run.toml", COUNTER_RUN)).start()
+    tail = await LiveTail.start(run)
+    try:
+        assert run.bus is not None
+
+        async def say(mark: str) -> None:
+            line = json.dumps({"event": "probe", "mark": mark, "level": "info", "kind": "test",
+                               "time": "2026-01-01T00:00:00+00:00"})
+            await run.bus.nc.publish("log.test.info", line.encode())  # type: ignore[union-attr]
+
+        async def shown(mark: str, within_s: float) -> None:
+            async def nudge() -> None:  # until the tail shows it (it delivers new events only)
+                while True:
+                    await say(mark)
+                    await asyncio.sleep(0.5)
+
+            nudger = asyncio.ensure_future(nudge())
+            try:
+                await tail.wait_for(lambda e: e.get("mark") == mark, within_s)
+            finally:
+                nudger.cancel()
+
+        await shown("before", 45)
+        os.kill(_server_pid(run), signal.SIGKILL)
+        async with asyncio.timeout(30):
+            await run.bus.health.down.wait()
+            await run.bus.health.up.wait()
+        await shown("after", 10)  # nats-py's own reset of an ordered consumer took ~20 s
+    finally:
+        await tail.interrupt()
+        assert await run.stop() == 0
