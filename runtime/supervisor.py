@@ -199,6 +199,8 @@ class Supervisor:
         sup = self.config.supervisor
         drain_timeout = self.config.actors[ap.kind].drain_timeout_s
         try:
+            if self.bus.health.down.is_set():  # no request can reach it: go straight to the signal
+                raise nats.errors.ConnectionReconnectingError
             await self.bus.nc.request(f"ctl.{ap.actor_id}.drain", b"", timeout=2.0)
         except (nats.errors.Error, OSError):  # not listening (starting, wedged, bus down): SIGTERM drains too
             with contextlib.suppress(ProcessLookupError):
