@@ -16,6 +16,7 @@ from typing import Any
 import tomli_w
 
 from runtime import config as config_mod
+from runtime.bus import BusLimits
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
 
@@ -98,6 +99,9 @@ class ActorSpec:
             raise ValueError(f"count={self.count} must be >= 0")
         if not 0 <= self.nice <= 19:
             raise ValueError(f"nice={self.nice} must be in 0..19 (0: the same priority as every other actor)")
+        if not 1 <= self.max_deliveries < BusLimits().max_deliver:
+            raise ValueError(f"max_deliveries={self.max_deliveries} must be in 1..{BusLimits().max_deliver - 1} "
+                             "(below the consumer's max_deliver, where the server stops delivering silently)")
 
 
 @dataclass(frozen=True)
