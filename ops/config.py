@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
 from ops._client import connect, fail, resolve_run_dir
 from runtime import config as config_mod
@@ -33,6 +34,13 @@ def validate(run_dir: Path, key: str, raw_value: str) -> Any:
     return dict(config_mod.live_items(new))[key]
 
 
+class Malformed(str):
+    """A stored value that does not decode; printed as what is wrong with it."""
+
+    def __repr__(self) -> str:
+        return f"<malformed: {self}>"
+
+
 async def _set(run_dir: Path, key: str, value: Any) -> None:
     bus = await connect(run_dir, "ops-config")
     try:
@@ -46,9 +54,20 @@ async def _items(run_dir: Path) -> dict[str, Any]:
     bus = await connect(run_dir, "ops-config")
     try:
         kv = await bus.kv("config")
-        out = {}
-        for key in await kv.keys():
-            out[key] = msgpack.unpackb((await kv.get(key)).value, raw=False)
+        try:
+            keys = await kv.keys()
+        except NoKeysError:  # nothing set: a run without live keys
+            return {}
+        out: dict[str, Any] = {}
+        for key in keys:
+            try:
+                raw = (await kv.get(key)).value
+            except (KeyNotFoundError, KeyDeletedError):  # deleted since the listing
+                continue
+            try:
+                out[key] = msgpack.unpackb(raw or b"", raw=False)
+            except (ValueError, TypeError) as e:  # one bad value is shown as such, beside the others
+                out[key] = Malformed(f"not msgpack: {e}")
         return out
     finally:
         await bus.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import fnmatch
 import heapq
 import json
@@ -179,11 +178,12 @@ async def read_bus(
         )
     else:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
-    sub = await bus.js.subscribe("log.>", ordered_consumer=True, config=config)
+    messages = aiter(bus.follow("log.>", config))  # renewed after a bus outage, from where it stopped
     try:
         while True:
             try:
-                msg = await sub.next_msg(timeout=None if follow else CATCH_UP_IDLE_S)
+                async with asyncio.timeout(None if follow else CATCH_UP_IDLE_S):
+                    msg = await anext(messages)
             except TimeoutError:
                 return
             line = msg.data.decode(errors="replace")
@@ -192,8 +192,7 @@ async def read_bus(
             if not follow and msg.metadata.num_pending == 0:
                 return
     finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        await messages.aclose()  # type: ignore[attr-defined]
 
 
 # --- command ---------------------------------------------------------------------------------------

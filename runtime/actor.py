@@ -251,6 +251,11 @@ class Actor:
     async def _stop_step(self, step: str, call: Awaitable[Any]) -> bool:
         """One bus step of stopping, bounded: with the bus unreachable it is said (what was not done and
         why) and skipped, so that stopping is clean in every state; unacked work is redelivered anyway."""
+        if self.bus.health.down.is_set():  # known down: no use waiting out the timeout step by step
+            if asyncio.iscoroutine(call):
+                call.close()
+            self._log.error("stop_step_skipped", step=step, reason="the bus is down")
+            return False
         try:
             async with asyncio.timeout(self.settings.stop_step_timeout_s):
                 await call

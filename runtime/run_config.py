@@ -16,6 +16,7 @@ from typing import Any
 import tomli_w
 
 from runtime import config as config_mod
+from runtime.bus import BusLimits
 from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
@@ -107,6 +108,9 @@ class ActorSpec:
         check_ranges(self, "actors.<kind>")
         if ":" not in self.entry:
             raise ValueError(f"entry {self.entry!r} must look like package.module:ClassName")
+        if self.max_deliveries >= BusLimits().max_deliver:
+            raise ValueError(f"max_deliveries={self.max_deliveries} must be below the consumer's max_deliver "
+                             f"({BusLimits().max_deliver}), where the server stops delivering silently")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ class Supervisor:
         self.procs: dict[str, ActorProcess] = {}
         self.outcome = Outcome.RUNNING
         self.failure: str | None = None
+        self.unclean_exits: list[str] = []  # actors asked to stop that exited non-zero: "<id> exited <rc>"
         self._restarts: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self._counter: collections.Counter[str] = collections.Counter()
         self._stop = asyncio.Event()
@@ -130,14 +131,18 @@ class Supervisor:
     async def _watch(self, ap: ActorProcess) -> None:
         rc = await ap.proc.wait()
         self.procs.pop(ap.actor_id, None)
-        if rc != 0:  # a killed process cannot unregister itself: drop its registry entry for it
-            try:
-                async with asyncio.timeout(BUS_STEP_TIMEOUT_S):
-                    await (await self.bus.kv("actors")).delete(ap.actor_id)
-            except (nats.errors.Error, OSError) as e:  # the bus is down: its entry stays, said
-                log.warning("registry_entry_left", actor_id=ap.actor_id, error=repr(e))
+        bus_down = self.bus.health.down.is_set()
+        if rc != 0 and not bus_down:  # a killed process cannot unregister itself: drop its entry for it
+            await self._deregister(ap)
         if ap.retiring or self._stop.is_set():
             log.info("actor_exited", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc)
+            if rc != 0:  # asked to stop, it did not stop cleanly: say so, not only "stopped"
+                log.error("actor_stopped_uncleanly", actor_kind=ap.kind, actor_id=ap.actor_id, returncode=rc,
+                          log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+                self.unclean_exits.append(f"{ap.actor_id} exited {rc} (see logs/{ap.actor_id}.out)")
+            return
+        if bus_down:
+            await self._restart_after_outage(ap, rc)
             return
         now = time.monotonic()
         recent = self._restarts[ap.kind]
@@ -162,12 +167,40 @@ class Supervisor:
         new = await self._spawn(ap.kind)
         log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay)
 
+    async def _restart_after_outage(self, ap: ActorProcess, rc: int) -> None:
+        """An actor that died while the bus was down (most likely of it) is restarted once the bus is back,
+        outside the restart intensity: no restart could connect before, and counting these would fail the
+        run for the bus's fault under the actor's name. The bus guard bounds the wait (bus.max_outage_s)."""
+        log.error("actor_crashed_during_bus_outage", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid,
+                  returncode=rc, log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+        stop = asyncio.ensure_future(self._stop.wait())
+        back = asyncio.ensure_future(self.bus.health.up.wait())
+        try:
+            await asyncio.wait({stop, back}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            back.cancel()
+        if self._stop.is_set():
+            return
+        await self._deregister(ap)
+        new = await self._spawn(ap.kind)
+        log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after="bus outage")
+
+    async def _deregister(self, ap: ActorProcess) -> None:
+        try:
+            async with asyncio.timeout(BUS_STEP_TIMEOUT_S):
+                await (await self.bus.kv("actors")).delete(ap.actor_id)
+        except (nats.errors.Error, OSError) as e:  # the bus dropped meanwhile: its entry stays, said
+            log.warning("registry_entry_left", actor_id=ap.actor_id, error=repr(e))
+
     async def _retire(self, ap: ActorProcess) -> None:
         """Drain, then TERM, then KILL: whatever it takes, the process is gone when this returns."""
         ap.retiring = True
         sup = self.config.supervisor
         drain_timeout = self.config.actors[ap.kind].drain_timeout_s
         try:
+            if self.bus.health.down.is_set():  # no request can reach it: go straight to the signal
+                raise nats.errors.ConnectionReconnectingError
             await self.bus.nc.request(f"ctl.{ap.actor_id}.drain", b"", timeout=2.0)
         except (nats.errors.Error, OSError):  # not listening (starting, wedged, bus down): SIGTERM drains too
             with contextlib.suppress(ProcessLookupError):

@@ -128,6 +128,9 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
             print(f"run failed: {supervisor.failure}", file=sys.stderr, flush=True)
         elif terminal is not None:
             print(f"\nrun {outcome.value}", file=terminal, flush=True)
+        if supervisor.unclean_exits:
+            print(f"{len(supervisor.unclean_exits)} actor(s) did not stop cleanly: "
+                  + "; ".join(supervisor.unclean_exits), file=sys.stderr, flush=True)
         return outcome
     raise AssertionError("unreachable")
 

@@ -317,3 +317,16 @@ async def test_poison_messages_are_dead_lettered_after_bounded_deliveries(tmp_pa
         assert stream.state.messages == 0, "every poison message left the work queue"
     finally:
         assert await run.stop() == 0
+
+
+async def test_an_actor_that_does_not_stop_cleanly_is_named(tmp_path: Path, counter_config) -> None:
+    cfg = write_config(tmp_path / "run.toml", COUNTER_RUN.format(count=1, concurrency=1)
+                       + '\n[actors.stubborn]\nentry = "tests.integration.workers:StubbornActor"\n')
+    run = await LiveRun(tmp_path / "run", cfg).start()
+    (stubborn,) = await run.wait_actors("stubborn", 1)
+    await run.wait_actors("counter", 1)
+    assert await run.stop() == 0  # an operator's stop: the run is stopped, but not every actor cleanly
+    output = run.output()
+    assert f"1 actor(s) did not stop cleanly: {stubborn['id']} exited 1" in output, output
+    events = (run.run_dir / "logs" / "supervisor.jsonl").read_text()
+    assert '"actor_stopped_uncleanly"' in events

@@ -7,6 +7,7 @@ exits 0)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import nats.errors
 import pytest
 
 from actors.slots import SlotState
+from runtime.bus import Bus
 from runtime.events import parse_event
 from runtime.natsserver import NatsServer, NatsServerConfig
 from tests.integration.harness import LiveRun, descendants, write_config
@@ -157,6 +159,7 @@ async def test_a_remote_bus_lost_past_its_bound_fails_the_run_cleanly(tmp_path: 
     assert rc == 1, output
     assert "unreachable for more than 3s (bus.max_outage_s)" in output, output
     assert 3.0 <= took_s < 60, took_s
+    print(f"the run failed {took_s:.1f}s after its remote bus was lost (bound 3 s, then the drain)")
     (lost,) = _events(run_dir, "bus_lost")
     assert url in lost["url"]
     _assert_clean_exit(run_dir, output)
@@ -201,3 +204,82 @@ async def test_an_embedded_server_past_its_restart_limit_fails_the_run_cleanly(t
     assert rc == 1, output
     assert "died 1 times within 60s (limit 0 restarts)" in output, output
     _assert_clean_exit(run_dir, output)
+
+
+async def test_an_actor_dying_during_an_outage_is_restarted_when_the_bus_is_back(tmp_path: Path) -> None:
+    """With max_restarts = 0 any counted crash fails the run: one during an outage is not counted
+    (no restart could connect, and it is the bus's fault); it is restarted once the bus is back."""
+    server = NatsServer(NatsServerConfig(store_dir=tmp_path / "remote"))
+    url = await server.start()
+    run_dir = tmp_path / "run"
+    run = await LiveRun(run_dir, write_config(tmp_path / "run.toml", COUNTER_RUN),
+                        "--set", f'bus.url="{url}"', "--set", "supervisor.max_restarts=0").start()
+    try:
+        victim, _ = await run.wait_actors("counter", 2)
+        await run.bus.close()  # type: ignore[union-attr]
+        run.bus = None
+        assert server.pid is not None and server.port is not None
+        os.kill(server.pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)
+        await asyncio.sleep(2.0)
+        await server.stop()
+        server = NatsServer(NatsServerConfig(store_dir=tmp_path / "remote", port=server.port))
+        await server.start()  # the same bus comes back
+        run.bus = await Bus.connect(url, name="test")
+        await run.wait_actors("counter", 2, timeout_s=60)
+
+        async def replaced() -> bool:
+            live = {a["id"] for a in await run.actors() if a["kind"] == "counter"}
+            registered = {a["id"] for a in await run.wait_actors("counter", 2)}
+            return len(live) == 2 and victim["id"] not in live | registered and live == registered
+
+        await _until(_despite_outages(replaced), 60, "the victim replaced and its registry entry dropped")
+        assert run.proc is not None and run.proc.poll() is None, run.output()
+    finally:
+        rc = await run.stop()
+        await server.stop()
+    assert rc == 0
+    (crash,) = _events(run_dir, "actor_crashed_during_bus_outage")
+    assert crash["actor_id"] == victim["id"]
+    assert not _events(run_dir, "restart_intensity_exceeded")
+
+
+async def test_ops_tail_follows_across_a_server_restart(tmp_path: Path) -> None:
+    """ops.tail --follow reads the LOG stream through an ordered consumer, which the restarted server
+    does not have: it is renewed on reconnect from the next sequence, so events after the restart
+    arrive within seconds (nats-py resets it itself only after missing heartbeats, ~20 s)."""
+    from tests.integration.test_tail import LiveTail
+
+    run_dir = tmp_path / "run"
+    run = await LiveRun(run_dir, write_config(tmp_path / "run.toml", COUNTER_RUN)).start()
+    tail = await LiveTail.start(run)
+    try:
+        assert run.bus is not None
+
+        async def say(mark: str) -> None:
+            line = json.dumps({"event": "probe", "mark": mark, "level": "info", "kind": "test",
+                               "time": "2026-01-01T00:00:00+00:00"})
+            await run.bus.nc.publish("log.test.info", line.encode())  # type: ignore[union-attr]
+
+        async def shown(mark: str, within_s: float) -> None:
+            async def nudge() -> None:  # until the tail shows it (it delivers new events only)
+                while True:
+                    await say(mark)
+                    await asyncio.sleep(0.5)
+
+            nudger = asyncio.ensure_future(nudge())
+            try:
+                await tail.wait_for(lambda e: e.get("mark") == mark, within_s)
+            finally:
+                nudger.cancel()
+
+        await shown("before", 45)
+        os.kill(_server_pid(run), signal.SIGKILL)
+        async with asyncio.timeout(30):
+            await run.bus.health.down.wait()
+            await run.bus.health.up.wait()
+        await shown("after", 10)  # nats-py's own reset of an ordered consumer took ~20 s
+    finally:
+        await tail.interrupt()
+        assert await run.stop() == 0

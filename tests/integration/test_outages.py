@@ -141,3 +141,21 @@ async def test_a_handling_failed_by_a_bus_outage_is_not_the_messages_fault(tmp_p
         dlq = await bus.js.subscribe("dlq.>", ordered_consumer=True, deliver_policy=None)
         letter = await dlq.next_msg(timeout=5)
         assert letter.headers["Reason"] == "max_deliveries" and "ValueError('bad')" in letter.headers["Detail"]
+
+
+async def test_config_list_shows_a_malformed_value_beside_the_others(tmp_path: Path) -> None:
+    from ops import config as ops_config
+
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
+        RunInfo(str(tmp_path), server.url, "", "", os.getpid(), time.time()).write()
+        assert await ops_config._items(tmp_path) == {}  # nothing set: an empty listing, not NoKeysError
+        bus = await Bus.connect(server.url, name="test")
+        try:
+            kv = await bus.kv("config")
+            await kv.put("counter.delay_scale", msgpack.packb(2.0))
+            await kv.put("counter.broken", b"\xc1")
+        finally:
+            await bus.close()
+        items = await ops_config._items(tmp_path)
+        assert items["counter.delay_scale"] == 2.0
+        assert repr(items["counter.broken"]).startswith("<malformed: not msgpack")

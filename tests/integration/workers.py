@@ -92,3 +92,12 @@ class FaultyActor(Actor):
         if msg.fault == "exit":
             os._exit(7)
         await self.bus.nc.publish("test.handled", msgpack.packb({"key": msg.key, "n": delivery.num_delivered}))
+
+
+class StubbornActor(Actor):
+    """Fails its own stop (its handover raises): the supervisor must say so, not only "stopped"."""
+
+    kind = "stubborn"
+
+    async def handover(self) -> dict | None:
+        raise RuntimeError("cannot hand over: state lost")

@@ -52,3 +52,21 @@ def test_any_tree_of_plain_values_round_trips(tree: dict) -> None:
 
 def test_none_values_are_left_out() -> None:
     assert tomllib.loads(dump_toml({"a": None, "t": {"b": None, "c": 1}})) == {"t": {"c": 1}}
+
+
+def test_the_fault_handling_settings_are_range_checked(tmp_path: Path) -> None:
+    import pytest
+
+    from runtime.errors import ConfigError
+
+    source = tmp_path / "run.toml"
+    source.write_text(_COUNTER)
+    for override, named in (("bus.max_outage_s=0.5", "max_outage_s"),
+                            ("bus.server_max_restarts=-1", "server_max_restarts"),
+                            ("supervisor.stall_s=0.5", "stall_s"),
+                            ("actors.counter.max_deliveries=0", "max_deliveries"),
+                            ("actors.counter.max_deliveries=50", "max_deliveries")):
+        with pytest.raises((ConfigError, ValueError), match=named):
+            load_run_config([source], [override])
+    cfg = load_run_config([source], ["supervisor.stall_s=0", "bus.max_outage_s=5", "actors.counter.max_deliveries=3"])
+    assert cfg.runtime.supervisor.stall_s == 0 and cfg.runtime.bus.max_outage_s == 5
