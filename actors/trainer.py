@@ -186,7 +186,7 @@ class TrainerActor(StageActor):
 
     async def _announce(self, msg: WeightsPublished) -> None:
         await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
-        await self.bus.nc.flush()  # out before the TrainDone that names this version is acked
+        await self.bus.nc.flush()  # sent now, not with the next batch of writes: rollouts may be waiting for it
 
     def _row(self, m: StepMetrics, order: TrainOrder, *, busy_s: float) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at
