@@ -92,10 +92,10 @@ class StageActor(Actor):
     async def _report_alive(self, order: Any) -> None:
         beat = await self.heartbeat_codec.encode(
             WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id))
-        while True:
+        while True:  # the first beat was the question `_still_wanted` asked
+            await asyncio.sleep(self.heartbeat_every_s)
             with contextlib.suppress(Exception):
                 await self.bus.nc.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
-            await asyncio.sleep(self.heartbeat_every_s)
 
     # --- blobs: small msgpack records, zstd-compressed -----------------------------------------
     async def put_record(self, key: str, record: dict[str, Any]) -> None:
