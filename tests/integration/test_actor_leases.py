@@ -72,6 +72,7 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
 
         elapsed = await _until(finished, 60, "every prompt trained (the frozen actor's work re-issued)")
         print(f"finished {elapsed:.1f}s after the rollout actor froze")
+        assert victim["id"] not in await (await run.bus.kv("actors")).keys(), "its lapsed entry is removed"
     finally:
         if victim:
             os.kill(victim["pid"], signal.SIGKILL)
