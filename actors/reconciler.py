@@ -246,6 +246,8 @@ class ReconcilerActor(Actor):
             raise_if_cancelled()
             for lost in self.registry.expire(time.monotonic()):
                 await self._lose(lost)
+                # ops.status must not show it running; a frozen actor that comes back registers again
+                await (await self.bus.kv("actors")).delete(lost.actor_id)
             await self._count_rollouts_from_registry()
             if self.core.is_finished:
                 await self._say_data_exhausted()

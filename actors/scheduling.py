@@ -75,10 +75,10 @@ class SchedulingConfig:
     failed_group_policy: FailedGroupPolicy = live(FailedGroupPolicy.TRAIN_REST)
     min_group_survivors: int = live(2, within=Range(1, 4096))
     # without a completion or heartbeat (actors beat every 5 s)
-    rollout_timeout_s: float = live(120.0, within=Range(0.0, 86_400.0, lo_open=True))
-    reward_timeout_s: float = live(120.0, within=Range(0.0, 86_400.0, lo_open=True))
-    group_timeout_s: float = live(60.0, within=Range(0.0, 86_400.0, lo_open=True))
-    train_timeout_s: float = live(600.0, within=Range(0.0, 86_400.0, lo_open=True))
+    rollout_timeout_s: float = live(120.0, within=Range(0.0, None, lo_open=True))
+    reward_timeout_s: float = live(120.0, within=Range(0.0, None, lo_open=True))
+    group_timeout_s: float = live(60.0, within=Range(0.0, None, lo_open=True))
+    train_timeout_s: float = live(600.0, within=Range(0.0, None, lo_open=True))
     train_partial_final_batch: bool = live(True)
 
     def __post_init__(self) -> None:

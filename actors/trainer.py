@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from actors._stage import StageActor, WorkRefused
 from actors.learner import Learner, StepMetrics
 from actors.lifecycle_events import TrainDone, TrainOrder
 from actors.messages import WeightsPublished
+from actors.metrics_log import read_metrics
 from actors.policy import load_policy, use_training_precision, weights_run_name
 from actors.slots import Stage
 from actors.weights_follower import weights_subject
@@ -53,8 +55,14 @@ class StepBudgetReached(RuntimeError):
 
 
 def append_metrics(path: Path, row: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(row) + "\n")
+    """One JSON line; a line a killed writer left unfinished is ended first, so it loses only itself."""
+    with open(path, "a+b") as fh:
+        fh.seek(0, 2)
+        cut = fh.tell() > 0 and (fh.seek(-1, 2), fh.read(1))[1] != b"\n"
+        fh.write(("\n" if cut else "").encode() + json.dumps(row).encode() + b"\n")
+
+
+PENDING_ROW = "pending-train-row.json"  # in the checkpoint directory: the last step's row until it is in metrics
 
 
 class TrainerActor(StageActor):
@@ -74,6 +82,7 @@ class TrainerActor(StageActor):
             model = await asyncio.to_thread(load_policy, cfg.policy, training=True)
             self.learner = Learner(model, cfg.trainer, num_steps=num_steps)
         self.metrics_path = Path(self.ctx.run_dir) / cfg.trainer.metrics_file
+        await asyncio.to_thread(self._recover_pending_row)
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.publisher_config = PublisherConfig(run=self.run_name)
         self.publisher = WeightPublisher(self.ctx.blob, self.publisher_config)
@@ -133,14 +142,36 @@ class TrainerActor(StageActor):
                               f"hold {named}")
         started = time.monotonic()
         metrics = await asyncio.to_thread(learner.step, groups, order.batch_id)
+        self.num_samples += metrics.num_samples
+        row = self._row(metrics, order, busy_s=self.busy_s + time.monotonic() - started)
+        # The step's row is written before its checkpoint: a trainer killed between the checkpoint and
+        # metrics.jsonl appends it when it restarts (`_recover_pending_row`), once, and never twice.
+        await asyncio.to_thread(_write_json, self.checkpoints / PENDING_ROW, row)
         if learner.version % self.config.trainer.checkpoint_every == 0:
             await asyncio.to_thread(learner.save, self.checkpoints)
         self.busy_s += time.monotonic() - started
-        self.num_samples += metrics.num_samples
         # Upload runs in the background; the order is acked once the new version is announced.
         delivery.task_group.create_task(self._signal_when_uploaded(self._publish()))
-        await self._report(metrics, order)
+        await self._report(row)
+        (self.checkpoints / PENDING_ROW).unlink(missing_ok=True)
         return TrainDone(order.batch_id, order.attempt, learner.version)
+
+    def _recover_pending_row(self) -> None:
+        """The row of the step a killed trainer checkpointed but had not reported yet goes to metrics.jsonl
+        now (a row of a step not checkpointed is dropped: that step is trained again)."""
+        path = self.checkpoints / PENDING_ROW
+        try:
+            row = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except ValueError:  # cut short by the kill: its step was not checkpointed either
+            row = {}
+        version = self.learner.version
+        reported = {r.get("version") for r in read_metrics(self.metrics_path, kind="train")}
+        if row.get("version") == version and version not in reported:
+            append_metrics(self.metrics_path, row)
+            log.info("train_row_recovered", version=version, batch_id=row.get("batch_id"))
+        path.unlink()
 
     def _publish(self) -> tuple[int, asyncio.Future[PublishedVersion]]:
         # The step's whole share of publishing: one copy into recycled bf16 buffers.
@@ -167,17 +198,26 @@ class TrainerActor(StageActor):
 
     async def _announce(self, msg: WeightsPublished) -> None:
         await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
-        await self.bus.nc.flush()  # out before the TrainDone that names this version is acked
+        await self.bus.nc.flush()  # sent now, not with the next batch of writes: rollouts may be waiting for it
 
-    async def _report(self, m: StepMetrics, order: TrainOrder) -> None:
+    def _row(self, m: StepMetrics, order: TrainOrder, *, busy_s: float) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at
-        row = {"kind": "train", "time": time.time(), "batch_id": order.batch_id, "group_ids": list(order.group_ids),
-               **m.to_dict(),
-               "samples_per_s": self.num_samples / wall if wall > 0 else 0.0,
-               "trainer_utilisation": self.busy_s / wall if wall > 0 else 0.0}
+        return {"kind": "train", "time": time.time(), "batch_id": order.batch_id, "group_ids": list(order.group_ids),
+                **m.to_dict(),
+                "samples_per_s": self.num_samples / wall if wall > 0 else 0.0,
+                "trainer_utilisation": busy_s / wall if wall > 0 else 0.0}
+
+    async def _report(self, row: dict[str, Any]) -> None:
         await asyncio.to_thread(append_metrics, self.metrics_path, row)
         log.info("train_step", **{k: v for k, v in row.items() if k not in ("lag_histogram", "kind", "group_ids")})
-        progress = {"step": m.version, "reward": round(m.reward_mean, 3), "pass": round(m.pass_rate, 3),
-                    "lag": f"{m.lag_min}..{m.lag_max}", "samples/s": round(row["samples_per_s"], 2),
+        lag = f"{row['lag_min']}..{row['lag_max']}"
+        progress = {"step": row["version"], "reward": round(row["reward_mean"], 3), "pass": round(row["pass_rate"], 3),
+                    "lag": lag, "samples/s": round(row["samples_per_s"], 2),
                     "util": round(row["trainer_utilisation"], 2)}
         await self.bus.nc.publish("progress.train", msgpack.packb(progress, use_bin_type=True))
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -33,6 +34,14 @@ async def nats_bus(tmp_path: Path) -> AsyncIterator[Bus]:
             yield bus
         finally:
             await bus.close()
+
+
+def run_events(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    """Every structured event called ``name`` in a run's logs (every process's JSONL file)."""
+    rows = []
+    for f in (run_dir / "logs").glob("*.jsonl"):
+        rows += [r for line in f.read_text().splitlines() if (r := json.loads(line)).get("event") == name]
+    return rows
 
 
 def write_config(path: Path, text: str) -> Path:

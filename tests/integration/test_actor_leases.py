@@ -10,7 +10,6 @@ if the reconciler re-issues that actor's work when its lease runs out (10 s).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -23,19 +22,12 @@ from actors.kv_slot_store import KVSlotStore
 from actors.slot_store import CURSOR_KEY, SLOT_PREFIX
 from actors.slots import Slot, SlotState
 from actors.task_cursor import CursorRecord
-from tests.integration.harness import LiveRun, write_config
+from tests.integration.harness import LiveRun, run_events, write_config
 from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
 
 pytestmark = pytest.mark.timeout(300)
 
 NUM_PROMPTS = 6
-
-
-def _events(run_dir: Path, name: str) -> list[dict]:
-    rows = []
-    for f in (run_dir / "logs").glob("*.jsonl"):
-        rows += [r for line in f.read_text().splitlines() if (r := json.loads(line)).get("event") == name]
-    return rows
 
 
 async def _until(predicate: Any, timeout_s: float, what: str) -> float:
@@ -80,15 +72,16 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
 
         elapsed = await _until(finished, 60, "every prompt trained (the frozen actor's work re-issued)")
         print(f"finished {elapsed:.1f}s after the rollout actor froze")
+        assert victim["id"] not in await (await run.bus.kv("actors")).keys(), "its lapsed entry is removed"
     finally:
         if victim:
             os.kill(victim["pid"], signal.SIGKILL)
         assert await run.stop() == 0
-    (lost,) = [e for e in _events(run_dir, "actor_lost") if e["actor_id"] == victim["id"]]
+    (lost,) = [e for e in run_events(run_dir, "actor_lost") if e["actor_id"] == victim["id"]]
     assert lost["actor_kind"] == "rollout" and "no lease renewal" in lost["reason"], lost
-    retried = [e for e in _events(run_dir, "work_retried") if e["reason"] == f"actor {victim['id']} lost"]
+    retried = [e for e in run_events(run_dir, "work_retried") if e["reason"] == f"actor {victim['id']} lost"]
     assert retried, "the frozen actor's rollouts were re-issued because it was lost"
-    assert not [e for e in _events(run_dir, "work_retried") if "timed out" in e["reason"]]
+    assert not [e for e in run_events(run_dir, "work_retried") if "timed out" in e["reason"]]
 
 
 async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_not_done_twice(tmp_path: Path) -> None:
@@ -128,9 +121,9 @@ async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_n
         await asyncio.sleep(8.0)  # past the ack wait: the killed actor's orders come back
     finally:
         assert await run.stop() == 0
-    (lost,) = [e for e in _events(run_dir, "actor_lost") if e["actor_id"] == victim["id"]]
+    (lost,) = [e for e in run_events(run_dir, "actor_lost") if e["actor_id"] == victim["id"]]
     assert "removed while running" in lost["reason"], lost
-    retried = {(e["sample_id"], e["attempt"] - 1) for e in _events(run_dir, "work_retried")
+    retried = {(e["sample_id"], e["attempt"] - 1) for e in run_events(run_dir, "work_retried")
                if e["reason"] == f"actor {victim['id']} lost"}
-    skipped = {(e["key"], e["attempt"]) for e in _events(run_dir, "superseded_order_skipped")}
+    skipped = {(e["key"], e["attempt"]) for e in run_events(run_dir, "superseded_order_skipped")}
     assert retried and retried <= skipped, (retried, skipped)

@@ -3,7 +3,6 @@ starts a new one, which does the order the failed one gave back."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from model.config import tiny
 from model.transformer import MoETransformer
 from runtime.bus import DONE_QUEUE
 from runtime.codec import Codec
-from tests.integration.harness import LiveRun, write_config
+from tests.integration.harness import LiveRun, run_events, write_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,13 +37,6 @@ max_new_tokens_per_turn = 16
 """
 
 
-def _events(run_dir: Path, name: str) -> list[dict]:
-    rows = []
-    for f in (run_dir / "logs").glob("*.jsonl"):
-        rows += [r for line in f.read_text().splitlines() if (r := json.loads(line)).get("event") == name]
-    return rows
-
-
 async def test_a_failed_engine_fails_its_actor_and_the_order_is_done_by_the_replacement(tmp_path: Path) -> None:
     ckpt = tmp_path / "policy"
     save_checkpoint(MoETransformer(tiny()).init_weights(0), ckpt)
@@ -61,11 +53,11 @@ async def test_a_failed_engine_fails_its_actor_and_the_order_is_done_by_the_repl
         await raw.ack()
         done = await Codec(COMPLETION_TYPES).decode(raw.data)
         assert isinstance(done, RolloutDone) and done.sample_id == "s0" and done.attempt == 1
-        failing = _events(run.run_dir, "actor_failing")
+        failing = run_events(run.run_dir, "actor_failing")
         assert len(failing) == 1 and "generation engine failed" in failing[0]["reason"], failing
-        crashed = [e for e in _events(run.run_dir, "actor_crashed") if e.get("actor_kind") == "rollout"]
+        crashed = [e for e in run_events(run.run_dir, "actor_crashed") if e.get("actor_kind") == "rollout"]
         assert len(crashed) == 1 and crashed[0]["returncode"] != 0 and crashed[0]["actor_id"] == failing[0]["actor"]
-        finished = [e for e in _events(run.run_dir, "rollout_finished") if e["sample_id"] == "s0"]
+        finished = [e for e in run_events(run.run_dir, "rollout_finished") if e["sample_id"] == "s0"]
         assert len(finished) == 1 and finished[0]["actor"] != failing[0]["actor"], "done by the replacement"
     finally:
         assert await run.stop() == 0

@@ -4,7 +4,6 @@ error, and the trainer its supervisor starts in its place publishes and announce
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from model.checkpoint import save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
-from tests.integration.harness import LiveRun, write_config
+from tests.integration.harness import LiveRun, run_events, write_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,26 +29,19 @@ difficulties = [1]
 """
 
 
-def _events(run_dir: Path, name: str) -> list[dict]:
-    rows = []
-    for f in (run_dir / "logs").glob("*.jsonl"):
-        rows += [r for line in f.read_text().splitlines() if (r := json.loads(line)).get("event") == name]
-    return rows
-
-
 async def test_a_publish_that_keeps_failing_fails_the_trainer_and_its_replacement_publishes(tmp_path: Path) -> None:
     ckpt = tmp_path / "policy"
     save_checkpoint(MoETransformer(tiny()).init_weights(0), ckpt)
     run = await LiveRun(tmp_path / "run", write_config(tmp_path / "run.toml", RUN.format(checkpoint=ckpt))).start()
     try:
         deadline = time.monotonic() + 180
-        while not _events(run.run_dir, "weights_announced"):
+        while not run_events(run.run_dir, "weights_announced"):
             assert time.monotonic() < deadline, "version 0 was never announced"
             await asyncio.sleep(0.5)
-        (announced,) = _events(run.run_dir, "weights_announced")
-        (failing,) = _events(run.run_dir, "actor_failing")
+        (announced,) = run_events(run.run_dir, "weights_announced")
+        (failing,) = run_events(run.run_dir, "actor_failing")
         assert "publishing weights version 0 failed" in failing["reason"] and "no space left" in failing["reason"]
-        (crashed,) = [e for e in _events(run.run_dir, "actor_crashed") if e.get("actor_kind") == "trainer"]
+        (crashed,) = [e for e in run_events(run.run_dir, "actor_crashed") if e.get("actor_kind") == "trainer"]
         assert crashed["actor_id"] == failing["actor"] and crashed["returncode"] != 0
         assert announced["version"] == 0 and announced["actor"] != failing["actor"], "announced by the replacement"
     finally:
