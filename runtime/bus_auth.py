@@ -80,6 +80,8 @@ class BusAccess:
 
 @dataclasses.dataclass(frozen=True)
 class Permissions:
+    """A server user's allow-lists (NATS subjects, wildcards allowed); everything else is refused."""
+
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     subscribe_deny: tuple[str, ...] = ()
@@ -99,6 +101,8 @@ class BusCredentials:
 
 @dataclasses.dataclass(frozen=True)
 class BusUser:
+    """One user of the server's ``authorization`` block: who (credentials) and what (permissions)."""
+
     credentials: BusCredentials
     permissions: Permissions
 
