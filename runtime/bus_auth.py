@@ -139,13 +139,15 @@ def _kv_write(bucket: str) -> list[str]:
 
 def actor_permissions(role: str, access: BusAccess) -> Permissions:
     """An actor kind's permissions: what every actor does, plus its declared `access`."""
-    publish = ["log.>", "dlq.>", *_kv_write("actors"), *_kv_read("config"), *access.publish]
+    # its own events (log.<kind>.<level>) and dead letters of its own queues only: no one writes
+    # another kind's events into the log ops.tail shows
+    publish = [f"log.{role}.*", *_kv_write("actors"), *_kv_read("config"), *access.publish]
     for bucket in access.kv_read:
         publish += _kv_read(bucket)
     for bucket in access.kv_write:
         publish += _kv_write(bucket)
     for stream, durable in access.streams:
-        publish += _stream_api(stream, durable)
+        publish += [*_stream_api(stream, durable), f"dlq.{durable}"]
     subscribe = [f"{inbox_prefix(role)}.>", "ctl.*.*", *access.subscribe]
     return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)),
                        subscribe_deny=("ctl.supervisor.*",))

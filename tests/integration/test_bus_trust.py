@@ -172,5 +172,6 @@ async def test_spoofs_on_a_live_run_are_refused_and_the_run_ends_as_undisturbed(
         assert any("no batch could ever form" in e["error"] for e in events(run.run_dir, "config_change_rejected"))
         assert any(e.get("version") == 10**9 for e in events(run.run_dir, "weights_signal_rejected"))
         assert not events(run.run_dir, "actor_crashed"), "no actor crashed"
+        assert not events(run.run_dir, "bus_permission_denied"), "every actor's own subjects are declared"
     finally:
         assert await run.stop() == 0
