@@ -191,6 +191,8 @@ def read_credentials(directory: Path | str, role: str) -> BusCredentials:
         return BusCredentials(str(data["user"]), str(data["password"]))
     except FileNotFoundError:
         raise ConfigError(f"no bus credentials for role {role!r}: {path} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"bus credentials {path} are readable by the run's user only; run as that user") from None
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"bus credentials {path} are malformed ({e!r}); expected {{'user', 'password'}}") from None
 
