@@ -116,6 +116,8 @@ class StageActor(Actor):
             raw = await self.ctx.blob.get(key)
         except KeyError:
             raise WorkRefused(f"blob {key!r} is missing; the stage that wrote it must run again") from None
+        except ValueError as e:  # a key no stage writes (outside the store): no retry makes it readable
+            raise WorkRefused(f"blob key {key[:200]!r} is invalid: {e}") from None
         try:
             return msgpack.unpackb(zstandard.ZstdDecompressor().decompress(raw), raw=False)
         except (zstandard.ZstdError, ValueError) as e:

@@ -80,6 +80,8 @@ class BusAccess:
 
 @dataclasses.dataclass(frozen=True)
 class Permissions:
+    """A server user's allow-lists (NATS subjects, wildcards allowed); everything else is refused."""
+
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     subscribe_deny: tuple[str, ...] = ()
@@ -99,6 +101,8 @@ class BusCredentials:
 
 @dataclasses.dataclass(frozen=True)
 class BusUser:
+    """One user of the server's ``authorization`` block: who (credentials) and what (permissions)."""
+
     credentials: BusCredentials
     permissions: Permissions
 
@@ -135,13 +139,15 @@ def _kv_write(bucket: str) -> list[str]:
 
 def actor_permissions(role: str, access: BusAccess) -> Permissions:
     """An actor kind's permissions: what every actor does, plus its declared `access`."""
-    publish = ["log.>", "dlq.>", *_kv_write("actors"), *_kv_read("config"), *access.publish]
+    # its own events (log.<kind>.<level>) and dead letters of its own queues only: no one writes
+    # another kind's events into the log ops.tail shows
+    publish = [f"log.{role}.*", *_kv_write("actors"), *_kv_read("config"), *access.publish]
     for bucket in access.kv_read:
         publish += _kv_read(bucket)
     for bucket in access.kv_write:
         publish += _kv_write(bucket)
     for stream, durable in access.streams:
-        publish += _stream_api(stream, durable)
+        publish += [*_stream_api(stream, durable), f"dlq.{durable}"]
     subscribe = [f"{inbox_prefix(role)}.>", "ctl.*.*", *access.subscribe]
     return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)),
                        subscribe_deny=("ctl.supervisor.*",))
@@ -185,6 +191,8 @@ def read_credentials(directory: Path | str, role: str) -> BusCredentials:
         return BusCredentials(str(data["user"]), str(data["password"]))
     except FileNotFoundError:
         raise ConfigError(f"no bus credentials for role {role!r}: {path} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"bus credentials {path} are readable by the run's user only; run as that user") from None
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"bus credentials {path} are malformed ({e!r}); expected {{'user', 'password'}}") from None
 

@@ -109,7 +109,7 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.request_stop)
-        _announce(terminal, run_dir, url, storage_url, resumed)
+        _announce(terminal, run_dir, url, storage_url, resumed, credentials_dir)
         progress = await bus.nc.subscribe(f"{PROGRESS_SUBJECT}.>", cb=_progress_printer(terminal))
         stack.push_async_callback(_quietly, progress.unsubscribe)
         async with asyncio.TaskGroup() as tg:
@@ -179,11 +179,13 @@ async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> Non
             await kv.put(key, msgpack.packb(value, use_bin_type=True))
 
 
-def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resumed: bool) -> None:
+def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resumed: bool,
+              credentials_dir: str) -> None:
     if out is None:
         return
+    access = f"one user per role in {credentials_dir} (ops: operator.json)" if credentials_dir else "no auth"
     print(f"{'resumed' if resumed else 'started'} run  {run_dir}\n"
-          f"  bus        {url}\n"
+          f"  bus        {url}, {access}\n"
           "  control    ctl.supervisor.{status,swap,stop}, ctl.<actor-id>.{ping,status,drain}\n"
           f"  storage    {storage}\n"
           f"  event log  {run_dir / 'logs'}  (follow: python -m ops.tail {run_dir})\n"

@@ -159,3 +159,15 @@ async def test_the_evaluator_ends_the_run_only_on_a_confirmed_claim() -> None:
         world.add(await core.on_completion(world.complete(order), 1.0), 1)
     await hear(core.trainer_version)
     assert evaluator.exhausted_at == core.trainer_version == 2 and rechecks == [True]
+
+
+async def test_a_stage_refuses_an_order_whose_blob_key_leaves_the_store(tmp_path: Path) -> None:
+    """An order naming a key outside the store is refused for good (reported), not retried until poisoned."""
+    from actors._stage import StageActor, WorkRefused
+
+    async with open_store(f"file://{tmp_path}") as store:
+        stage = SimpleNamespace(ctx=SimpleNamespace(blob=store))
+        with pytest.raises(WorkRefused, match="invalid"):
+            await StageActor.get_record(stage, "../../etc/passwd")  # type: ignore[arg-type]
+        with pytest.raises(WorkRefused, match="missing"):
+            await StageActor.get_record(stage, "groups/none/a0")  # type: ignore[arg-type]

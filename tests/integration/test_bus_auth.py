@@ -6,6 +6,7 @@ Real nats-servers with the users `runtime.bus_auth` generates; real clients of e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import stat
 from pathlib import Path
 
@@ -16,8 +17,16 @@ import pytest
 from actors.evaluator import EvaluatorActor
 from actors.reconciler import ReconcilerActor
 from runtime.bus import Bus
-from runtime.bus_auth import OPERATOR, SUPERVISOR, actor_permissions, generate_credentials, read_credentials
+from runtime.bus_auth import (
+    OPERATOR,
+    SUPERVISOR,
+    actor_permissions,
+    generate_credentials,
+    read_credentials,
+    tls_context,
+)
 from runtime.codec import Codec
+from runtime.errors import BusError
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_config import load_run_config
 from runtime.rundir import RunInfo
@@ -118,5 +127,68 @@ async def test_a_remote_bus_takes_a_credentials_directory(tmp_path: Path) -> Non
                     break
                 await asyncio.sleep(0.1)
             assert await handled(), "the counter actor worked through the remote bus as its own role"
+        finally:
+            assert await run.stop() == 0
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (its own CA) and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bus-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = directory / "bus.pem", directory / "bus.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+async def test_a_remote_bus_over_tls(tmp_path: Path) -> None:
+    """``bus.tls_ca_file``: the run's processes reach a TLS-only server and verify its certificate."""
+    cert_file, key_file = _self_signed(tmp_path)
+
+    class TlsServer(NatsServer):  # a cluster's server: TLS required (the embedded one stays on loopback)
+        def _conf_text(self) -> str:
+            return super()._conf_text() + f'tls {{\n  cert_file: "{cert_file}"\n  key_file: "{key_file}"\n}}\n'
+
+    config = write_config(tmp_path / "run.toml", COUNTER_RUN)
+    users = generate_credentials(tmp_path / "remote-credentials", bus_roles(load_run_config([config]).runtime))
+    async with TlsServer(NatsServerConfig(store_dir=tmp_path / "remote", users=tuple(users))) as server:
+        admin = read_credentials(tmp_path / "remote-credentials", SUPERVISOR)
+        with pytest.raises(BusError):  # plain TCP is refused by a TLS-only server
+            await Bus.connect(server.url, "plain", credentials=admin, connect_timeout_s=2.0)
+        (tmp_path / "other").mkdir()
+        other_ca, _ = _self_signed(tmp_path / "other")
+        with pytest.raises(BusError):  # a server whose certificate the CA did not sign is not trusted
+            await Bus.connect(server.url, "mitm", credentials=admin, tls=tls_context(str(other_ca)),
+                              connect_timeout_s=2.0)
+        run = await LiveRun(tmp_path / "run", config, "--set", f'bus.url="{server.url}"',
+                            "--set", f'bus.credentials_dir="{tmp_path / "remote-credentials"}"',
+                            "--set", f'bus.tls_ca_file="{cert_file}"').start()
+        try:
+            assert run.bus is not None
+            await run.wait_actors("counter", 1)
+            await run.bus.publish_durable("work.count", await Codec([CountRequest]).encode(CountRequest("k1")))
+            for _ in range(100):
+                with contextlib.suppress(Exception):
+                    if await (await run.bus.kv("effects")).get("k1"):
+                        break
+                await asyncio.sleep(0.1)
+            assert (await (await run.bus.kv("effects")).get("k1")).value, "the actor worked over TLS"
         finally:
             assert await run.stop() == 0

@@ -267,6 +267,7 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
         dead = await run.bus.js.stream_info("DLQ")
         assert dead.state.messages > 100, "undecodable messages are dead letters"
         assert not events(run.run_dir, "actor_crashed"), "no actor crashed"
+        assert not events(run.run_dir, "bus_permission_denied"), "every actor's own subjects are declared"
         assert all(e.get("reason") for e in events(run.run_dir, "report_rejected"))
         supervisor = await run.request("ctl.supervisor.status")
         assert supervisor["outcome"] == "running" and len(supervisor["actors"]) == len(actor_ids)

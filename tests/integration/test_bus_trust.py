@@ -81,7 +81,8 @@ async def test_spoofs_on_a_live_run_are_refused_and_the_run_ends_as_undisturbed(
             await connect_anonymously(info.nats_url)
 
         async with (connect_as(info, "rollout") as rollout, connect_as(info, "trainer") as trainer,
-                    connect_as(info, OPERATOR) as operator, connect_as(info, "reconciler") as reconciler):
+                    connect_as(info, OPERATOR) as operator, connect_as(info, "reconciler") as reconciler,
+                    connect_as(info, "reward") as reward):
             # 1. pre-empting a completion's predictable Nats-Msg-Id (the right role, no token), for prompts
             # admitted later (the table holds 4 groups at once): their real completions must still count
             await run.wait_actors("reconciler", 1)
@@ -91,6 +92,8 @@ async def test_spoofs_on_a_live_run_are_refused_and_the_run_ends_as_undisturbed(
                     forged = await completions.encode(RolloutDone(sample, 0, "forged/key", 0, 0))
                     assert await rollout.js_publish("done.rollout", forged, msg_id=f"done.rollout.{sample}.0"), \
                         rollout.errors
+            assert not await reward.js_publish("done.rollout", forged, msg_id="done.rollout.e0-p16-s0.0", timeout=1)
+            assert await reward.refused("done.rollout"), "another stage's role cannot report rollouts"
 
             # 2. done.train for the batch in training with attempt 50
             slots = await bus.kv("slots")
@@ -169,5 +172,6 @@ async def test_spoofs_on_a_live_run_are_refused_and_the_run_ends_as_undisturbed(
         assert any("no batch could ever form" in e["error"] for e in events(run.run_dir, "config_change_rejected"))
         assert any(e.get("version") == 10**9 for e in events(run.run_dir, "weights_signal_rejected"))
         assert not events(run.run_dir, "actor_crashed"), "no actor crashed"
+        assert not events(run.run_dir, "bus_permission_denied"), "every actor's own subjects are declared"
     finally:
         assert await run.stop() == 0
