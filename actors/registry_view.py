@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from runtime.registry import decode_registration
+import msgpack
 
 __all__ = ["LostActor", "RegistryView"]
 
@@ -56,7 +56,7 @@ class RegistryView:
             if member is not None and member.state != STOPPED and not member.lost:
                 return LostActor(key, member.kind, f"its registry entry was removed while {member.state}")
             return None
-        info = _decode(key, value)
+        info = _decode(value)
         if info is None:  # not an actor entry (a handover record) or unreadable: nothing to follow
             return None
         lease = info.get("lease_s")
@@ -80,8 +80,11 @@ class RegistryView:
         return sum(m.kind == kind and m.state == "running" and not m.lost for m in self._members.values())
 
 
-def _decode(key: str, value: bytes) -> dict[str, Any] | None:
+def _decode(value: bytes) -> dict[str, Any] | None:
     try:
-        return decode_registration(key, value)
+        info = msgpack.unpackb(value, raw=False)
     except ValueError:
         return None
+    if not isinstance(info, dict) or not isinstance(info.get("kind"), str) or not isinstance(info.get("state"), str):
+        return None
+    return info

@@ -198,7 +198,7 @@ class TrainerActor(StageActor):
 
     async def _announce(self, msg: WeightsPublished) -> None:
         await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
-        await self.bus.nc.flush()  # sent now, not with the next batch of writes: rollouts may be waiting for it
+        await self.bus.nc.flush(timeout=5)  # sent now, not with the next batch of writes: rollouts may be waiting
 
     def _row(self, m: StepMetrics, order: TrainOrder, *, busy_s: float) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at

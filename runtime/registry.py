@@ -29,7 +29,6 @@ REGISTRATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "num_failed": int,
     "num_dead_lettered": int,
     "uptime_s": (int, float),
-    "lease_s": (int, float),
 }
 _STATES = frozenset({"created", "starting", "running", "draining", "stopped"})
 HANDOVER_PREFIX = "handover."

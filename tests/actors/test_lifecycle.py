@@ -229,8 +229,8 @@ async def test_a_lost_actors_work_is_reissued_at_once_and_its_old_attempts_are_n
     _, resumed, world = await start()
     core = resumed.lifecycle
     held, other = world.pending[0], world.pending[1]
-    core.on_heartbeat(Stage.ROLLOUT, held.key, held.attempt, "rollout-1", 1.0)
-    core.on_heartbeat(Stage.ROLLOUT, other.key, other.attempt, "rollout-2", 1.0)
+    core.on_heartbeat(Stage.ROLLOUT, held.key, held.attempt, "rollout-1", 1.0, held.token)
+    core.on_heartbeat(Stage.ROLLOUT, other.key, other.attempt, "rollout-2", 1.0, other.token)
     assert core.is_current(Stage.ROLLOUT, held.key, held.attempt)
     reissued = await core.on_actor_lost("rollout-1", 2.0)  # long before rollout_timeout_s (10 s)
     assert [(o.key, o.attempt) for o in reissued] == [(held.key, held.attempt + 1)]
