@@ -23,7 +23,9 @@ from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from runtime.actor import Delivery
 from sandbox import import_snapshot_bytes, score
-from sandbox.errors import SnapshotFormatError
+from sandbox.errors import SandboxViolation, SnapshotFormatError
+from sandbox.reward import TestOutcome, over_budget_outcome
+from sandbox.tasks import Task
 
 log = structlog.get_logger(__name__)
 
@@ -78,17 +80,11 @@ class RewardActor(StageActor):
             raise WorkRefused(str(e)) from None
         record = await self.get_record(f"{order.rollout_key}/trajectory")
         traj = Trajectory.from_dict(record["trajectory"])
-        try:
-            workspace = await self.ctx.blob.get(f"{order.rollout_key}/workspace.tar.zst")
-            snapshot = import_snapshot_bytes(self.store, workspace)
-        except KeyError:
-            raise WorkRefused(f"workspace of {order.rollout_key} is missing") from None
-        except SnapshotFormatError as e:
-            raise WorkRefused(f"workspace of {order.rollout_key} is corrupt: {e}") from None
-        try:
-            outcome = await score(snapshot, task)
-        finally:
-            snapshot.release()
+        violation = record.get("workspace_violation")
+        if isinstance(violation, str) and violation:  # the rollout's workspace went over its host budgets
+            outcome = over_budget_outcome(task, violation)
+        else:
+            outcome = await self._score_workspace(order, task)
         breakdown = compute_reward(traj, outcome.num_passed, outcome.num_total, self.config.reward)
         key = f"{order.rollout_key}/reward-a{order.attempt}"
         await self.put_record(key, {
@@ -100,3 +96,18 @@ class RewardActor(StageActor):
                  pass_fraction=breakdown.pass_fraction, length_penalty=breakdown.length_penalty,
                  num_malformed_calls=breakdown.num_malformed_calls)
         return RewardDone(order.sample_id, order.attempt, key)
+
+    async def _score_workspace(self, order: RewardOrder, task: Task) -> TestOutcome:
+        try:
+            workspace = await self.ctx.blob.get(f"{order.rollout_key}/workspace.tar.zst")
+            snapshot = import_snapshot_bytes(self.store, workspace)
+        except KeyError:
+            raise WorkRefused(f"workspace of {order.rollout_key} is missing") from None
+        except SnapshotFormatError as e:
+            raise WorkRefused(f"workspace of {order.rollout_key} is corrupt: {e}") from None
+        except SandboxViolation as e:  # an archive over the import budgets: the workspace that made it was too
+            return over_budget_outcome(task, str(e))
+        try:
+            return await score(snapshot, task)
+        finally:
+            snapshot.release()

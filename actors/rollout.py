@@ -33,6 +33,7 @@ from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess
 from sandbox import Environment, EnvironmentPool, PoolConfig, Snapshot, ToolBox
 from sandbox.archive import export_snapshot_bytes
+from sandbox.errors import SandboxViolation
 from sandbox.tasks import Task
 
 log = structlog.get_logger(__name__)
@@ -102,17 +103,18 @@ class RolloutActor(StageActor):
             sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p,
                                       seed=_seed(order, self.ctx.run.seed if self.ctx.run else 0))
             traj = await run_episode(task, self._generate, call_tool, self.tokenizer, r.agent, sampling)
-            snapshot = env.snapshot()
-            try:
-                workspace = export_snapshot_bytes(snapshot)
-            finally:
-                snapshot.release()
+            workspace, violation = _export_workspace(env)
         finally:
             env.close()
         key = f"samples/{order.sample_id}/a{order.attempt}"
-        await self.ctx.blob.put(f"{key}/workspace.tar.zst", workspace)
-        await self.put_record(f"{key}/trajectory", {"sample_id": order.sample_id, "prompt_id": order.prompt_id,
-                                                    "trajectory": traj.to_dict()})
+        record: dict[str, Any] = {"sample_id": order.sample_id, "prompt_id": order.prompt_id,
+                                  "trajectory": traj.to_dict()}
+        if workspace is not None:
+            await self.ctx.blob.put(f"{key}/workspace.tar.zst", workspace)
+        else:  # the policy's doing, not a fault: the sample stands and the reward actor fails every test
+            log.warning("rollout_workspace_over_budget", sample_id=order.sample_id, reason=violation)
+            record["workspace_violation"] = violation
+        await self.put_record(f"{key}/trajectory", record)
         log.info("rollout_finished", sample_id=order.sample_id, prompt_id=order.prompt_id, end=traj.end.value,
                  num_tokens=len(traj.token_ids), num_turns=traj.num_turns, min_version=traj.min_version,
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3))
@@ -140,6 +142,19 @@ class RolloutActor(StageActor):
             if self.engine.status is EngineStatus.FAILED:
                 self.fail(f"the generation engine failed: {e}")
             raise
+
+
+def _export_workspace(env: Environment) -> tuple[bytes | None, str]:
+    """The finished workspace as an archive, or None and the reason when the policy took it over the
+    sandbox's host budgets (bytes, inodes, depth): a sample like any other, which fails every test."""
+    try:
+        snapshot = env.snapshot()
+        try:
+            return export_snapshot_bytes(snapshot), ""
+        finally:
+            snapshot.release()
+    except SandboxViolation as e:
+        return None, str(e)
 
 
 def _seed(order: RolloutOrder, run_seed: int) -> int:

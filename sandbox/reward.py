@@ -105,6 +105,13 @@ async def _grade_builtin(env: Environment, task: Task, names: list[str]) -> dict
     return reported
 
 
+def over_budget_outcome(task: Task, reason: str) -> TestOutcome:
+    """A workspace over its host budgets fails every one of ``task``'s tests, with the reason as each detail."""
+    log.warning("sandbox_workspace_over_budget", task=task.id, reason=reason)
+    details = tuple(TestCaseResult(n, False, f"workspace over budget: {reason}") for n in count_tests(task))
+    return TestOutcome(0, len(details), details)
+
+
 async def score(source: Environment | Snapshot, task: Task) -> TestOutcome:
     """Run ``task``'s hidden tests against ``source``'s files in a fresh fork.
 
@@ -119,9 +126,7 @@ async def score(source: Environment | Snapshot, task: Task) -> TestOutcome:
     try:
         snapshot = source.snapshot() if isinstance(source, Environment) else source
     except SandboxViolation as e:
-        log.warning("sandbox_workspace_over_budget", task=task.id, reason=str(e))
-        details = tuple(TestCaseResult(n, False, f"workspace over budget: {e}") for n in names)
-        return TestOutcome(0, len(details), details)
+        return over_budget_outcome(task, str(e))
     try:
         with Environment.fork(snapshot, task.limits) as fork:
             _install_hidden_tests(fork, task)

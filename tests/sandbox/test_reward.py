@@ -137,3 +137,23 @@ async def test_many_rollouts_concurrently(store: LayerStore) -> None:
 
     tasks = generate_tasks(seed=7, n=8)
     assert await asyncio.gather(*(rollout(t) for t in tasks)) == [1.0] * 8
+
+
+async def test_a_workspace_over_its_budget_is_a_sample_that_fails_every_test(store: LayerStore) -> None:
+    """The rollout actor's export of a workspace the policy took over the host budgets is no error of the
+    actor (which would burn the sample's retries on the same behaviour): the sample stands, and the reward
+    actor's outcome for it fails every test, saying why."""
+    from actors.rollout import _export_workspace
+    from sandbox.reward import over_budget_outcome
+
+    with Environment.create(store, PY_TASK.files, SandboxLimits(wall_time_s=10.0, max_dir_depth=16)) as env:
+        made = await env.run(f"mkdir -p {'/'.join(['d'] * 40)} && echo ok")
+        assert "ok" in made.stdout, made.stderr
+        workspace, violation = _export_workspace(env)
+    assert workspace is None and "deeper than the 16 levels" in violation, violation
+    outcome = over_budget_outcome(PY_TASK, violation)
+    assert (outcome.num_passed, outcome.num_total) == (0, 2)
+    assert all("workspace over budget" in d.detail for d in outcome.details)
+    with Environment.create(store, PY_TASK.files) as env:  # within budget: an archive, no violation
+        workspace, violation = _export_workspace(env)
+    assert workspace and violation == ""
