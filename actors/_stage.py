@@ -85,7 +85,7 @@ class StageActor(Actor):
         """The first heartbeat, as a question to the reconciler: a lost actor's orders are re-issued as new
         attempts at once, and the old ones, redelivered after the bus's ack wait, would be done twice.
         Without an answer in time (no reconciler, a slow one) the order is done."""
-        beat = await self._heartbeat(order)
+        beat = await self._work_heartbeat(order)
         try:
             reply = await self.bus.nc.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
                                               timeout=self.still_wanted_timeout_s)
@@ -94,13 +94,13 @@ class StageActor(Actor):
         answer = msgpack.unpackb(reply.data, raw=False)
         return not (isinstance(answer, dict) and answer.get("current") is False)
 
-    async def _heartbeat(self, order: Any) -> bytes:
+    async def _work_heartbeat(self, order: Any) -> bytes:
         """A heartbeat for `order`, with its issuance token: the reconciler believes no other."""
         return await self.heartbeat_codec.encode(
             WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id, order.token))
 
     async def _report_alive(self, order: Any) -> None:
-        beat = await self._heartbeat(order)
+        beat = await self._work_heartbeat(order)
         while True:  # the first beat was the question `_still_wanted` asked
             await asyncio.sleep(self.heartbeat_every_s)
             with contextlib.suppress(Exception):

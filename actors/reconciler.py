@@ -61,7 +61,9 @@ class ReconcilerActor(Actor):
     Config = RLConfig
     pipelined_writes: ClassVar[bool] = True  # group commit (see _call); False: one round trip per write
     # the only one to issue work, write the slot table and say the data ran out
-    bus_access = BusAccess(publish=("work.*", "data_exhausted.*"), subscribe=("heartbeat.>",), kv_write=("slots",),
+    # and it follows weights announcements (the trainer's version)
+    bus_access = BusAccess(publish=("work.*", "data_exhausted.*"), subscribe=("heartbeat.>", "weights.*"),
+                           kv_write=("slots",),
                            streams=tuple((work_queue_of(s).stream, work_queue_of(s).durable) for s in Stage))
 
     async def setup(self) -> None:

@@ -121,6 +121,10 @@ class LiveRun:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        # every subject and bucket a run's own actors use must be one their role declares (runtime.bus_auth):
+        # the server refuses the others, and the actor waits for what never comes
+        denied = run_events(self.run_dir, "bus_permission_denied")
+        assert not denied, f"the bus refused the run's own actors: {[(d.get('role'), d['error']) for d in denied]}"
         return self.proc.returncode
 
 
