@@ -87,7 +87,7 @@ def render(status: dict[str, Any]) -> str:
     for missing in status.get("unanswered", []):
         lines.append(f"  no status from {missing['id']}: {missing['error']}")
     for bad in status.get("malformed_entries", []):
-        lines.append(f"  malformed registry entry {bad['key']!r}: {bad['error']}")
+        lines.append(f"  malformed {bad['error']}")  # the error names the entry: "registry entry 'k' ..."
     rec = status.get("reconciler")
     if rec:
         lines.extend(_render_lifecycle(rec))

@@ -65,14 +65,21 @@ async def test_a_resumed_run_keeps_live_values_and_does_not_hide_an_outage(tmp_p
         assert "WrongLastSequence" not in type(err.value).__name__
 
 
+def _registration(kind: str, actor_id: str) -> dict[str, Any]:
+    """A complete registry entry, as `Actor.describe` writes it (runtime.registry refuses less)."""
+    return {"kind": kind, "id": actor_id, "pid": 1, "host": "h", "code_hash": "h", "state": "running",
+            "num_inflight": 0, "num_handled": 0, "num_failed": 0, "num_dead_lettered": 0, "uptime_s": 1.0,
+            "lease_s": 10.0}
+
+
 async def test_reconciler_counts_no_rollout_actor_only_when_there_is_none(tmp_path: Path) -> None:
     async with nats_bus(tmp_path) as bus:
         reconciler = ReconcilerActor.__new__(ReconcilerActor)
-        reconciler.bus = bus
+        reconciler.bus, reconciler.num_rejected_registrations = bus, 0
         assert await reconciler._count_rollout_actors() == 0
         kv = await bus.kv("actors")
-        await kv.put("rollout-1", msgpack.packb({"kind": "rollout", "state": "running"}))
-        await kv.put("reward-1", msgpack.packb({"kind": "reward", "state": "running"}))
+        await kv.put("rollout-1", msgpack.packb(_registration("rollout", "rollout-1")))
+        await kv.put("reward-1", msgpack.packb(_registration("reward", "reward-1")))
         assert await reconciler._count_rollout_actors() == 1
         await _closed(bus)
         with pytest.raises(Exception):  # noqa: B017 - whatever the client raises, not a count of 0
@@ -103,9 +110,7 @@ async def test_status_reports_a_malformed_registry_entry_beside_the_others(tmp_p
         bus = await Bus.connect(server.url, name="test")
         try:
             kv = await bus.kv("actors")
-            good = {"kind": "counter", "id": "counter-1", "pid": 1, "code_hash": "h", "state": "running",
-                    "num_handled": 0, "num_failed": 0, "num_inflight": 0}
-            await kv.put("counter-1", msgpack.packb(good))
+            await kv.put("counter-1", msgpack.packb(_registration("counter", "counter-1")))
             await kv.put("garbage", b"\xc1\xc1")
             await kv.put("a-list", msgpack.packb([1, 2]))
             await kv.put("half", msgpack.packb({"kind": "counter", "id": 5}))
@@ -116,7 +121,7 @@ async def test_status_reports_a_malformed_registry_entry_beside_the_others(tmp_p
         assert [a["id"] for a in status["actors"]] == ["counter-1"]
         assert sorted(m["key"] for m in status["malformed_entries"]) == ["a-list", "garbage", "half"]
         text = ops_status.render(status)
-        assert "malformed registry entry 'garbage': not msgpack" in text and "counter-1" in text
+        assert "malformed registry entry 'garbage' is not msgpack" in text and "counter-1" in text
 
 
 async def test_a_handling_failed_by_a_bus_outage_is_not_the_messages_fault(tmp_path: Path) -> None:

@@ -16,7 +16,9 @@ import os
 import signal
 from pathlib import Path
 
+import msgpack
 import pytest
+import zstandard
 
 from actors.config import TasksSection
 from actors.lifecycle_events import (
@@ -141,9 +143,16 @@ async def test_the_trainer_killed_at_each_point_of_its_sequence_and_the_run_stil
             os.kill(old["pid"], signal.SIGKILL)
             await _until_replaced(run, kind, old["id"])
 
+        # A group trains at most once (the trainer's ledger is by group): the one real group, relabelled
+        # g1..gN in the run's store, gives each version a batch of its own.
+        async with open_store(f"file://{run.run_dir / 'blobs'}") as store:
+            record = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(await store.get(grouped.result_key)))
+            for version in range(1, NUM_VERSIONS + 1):
+                await store.put(f"groups/g{version}/a1", zstandard.ZstdCompressor().compress(
+                    msgpack.packb({**record, "group_id": f"g{version}"}, use_bin_type=True)))
         for version in range(1, NUM_VERSIONS + 1):  # one batch a version, each sent once its predecessor is done
-            await order("work.train", TrainOrder(f"b{version}", 1, ("g0",), (grouped.result_key,), samples,
-                                                 version - 1, NUM_VERSIONS + 10))
+            await order("work.train", TrainOrder(f"b{version}", 1, (f"g{version}",), (f"groups/g{version}/a1",),
+                                                 samples, version - 1, NUM_VERSIONS + 10))
             trained = await next_done(timeout_s=180)
             assert isinstance(trained, TrainDone) and trained.batch_id == f"b{version}", trained
             assert trained.trainer_version == version, (version, trained)

@@ -84,6 +84,7 @@ class FaultyActor(Actor):
 
     kind = "faulty"
     queues = (work_queue("fault"),)
+    bus_access = BusAccess(publish=("test.>",))
     messages = (FaultRequest,)
 
     async def handle(self, msg: FaultRequest, delivery: Delivery) -> None:  # type: ignore[override]
