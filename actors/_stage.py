@@ -65,7 +65,9 @@ class StageActor(Actor):
         raise NotImplementedError
 
     async def handle(self, msg: Any, delivery: Delivery) -> None:
-        if not await self._still_wanted(msg):  # acked by the base: the table waits for a newer attempt
+        # Only a redelivery can be an attempt the table has since superseded (its actor was lost and the work
+        # re-issued): a first delivery starts without the round trip; a stale completion is ignored anyway.
+        if delivery.num_delivered > 1 and not await self._still_wanted(msg):  # acked by the base
             log.info("superseded_order_skipped", stage=self.stage.value, key=msg.key, attempt=msg.attempt,
                      num_delivered=delivery.num_delivered)
             return
@@ -101,10 +103,10 @@ class StageActor(Actor):
 
     async def _report_alive(self, order: Any) -> None:
         beat = await self._work_heartbeat(order)
-        while True:  # the first beat was the question `_still_wanted` asked
-            await asyncio.sleep(self.heartbeat_every_s)
+        while True:  # the first beat at once: the reconciler learns who holds the order (re-issued if it is lost)
             with contextlib.suppress(Exception):
                 await self.bus.nc.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
+            await asyncio.sleep(self.heartbeat_every_s)
 
     # --- blobs: small msgpack records, zstd-compressed -----------------------------------------
     async def put_record(self, key: str, record: dict[str, Any]) -> None:

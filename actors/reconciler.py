@@ -84,6 +84,7 @@ class ReconcilerActor(Actor):
         self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,
                                    is_live=lambda group_id: group_id in self._live_group_ids())
         self.live_groups: set[str] = set()
+        self._groups_left: tuple[int, ...] | None = None  # the core's trained/dropped counts at the last retire
         await self._resume()
         sub = await self.bus.nc.subscribe("heartbeat.>", cb=self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
@@ -129,6 +130,7 @@ class ReconcilerActor(Actor):
         await self.store.sync()  # the rebuilt table is durable before a re-issued order goes out
         self.core = resumed.lifecycle
         self.live_groups = self._live_group_ids()
+        self._groups_left = None  # a new core counts from zero
         log.info(
             "reconciler_resumed",
             trainer_version=self.core.trainer_version,
@@ -172,7 +174,13 @@ class ReconcilerActor(Actor):
         return {s.group_id for s in self.core.slots if s.is_live}
 
     def _retire_finished_groups(self) -> None:
-        """Groups that left the table (trained or dropped, durably: the call synced) go to the blob collector."""
+        """Groups that left the table (trained or dropped, durably: the call synced) go to the blob collector.
+        A group leaves only when trained or dropped, so the table is read again only after one of those."""
+        counters = self.core.metrics.counters
+        left = (counters["trained_groups"], counters["dropped_groups"], counters["stale_dropped_groups"])
+        if left == self._groups_left:
+            return
+        self._groups_left = left
         live = self._live_group_ids()
         self.blobs.retire(self.live_groups - live, self.core.trainer_version)
         self.blobs.advance(self.core.trainer_version)
