@@ -11,7 +11,7 @@ set -euo pipefail
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 command -v tini >/dev/null 2>&1 || command -v tini-static >/dev/null 2>&1 || missing+=(tini)
-ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
+ldconfig -p 2>/dev/null | grep 'libseccomp\.so\.2' >/dev/null || missing+=(libseccomp2)  # no -q: with pipefail, grep -q closing the pipe early fails ldconfig (SIGPIPE)
 
 if [ ${#missing[@]} -eq 0 ]; then
     echo "install_system_deps: bubblewrap, tini and libseccomp2 already present: $(command -v bwrap)" \
