@@ -190,5 +190,9 @@ class RunningCommand:
         self._close_info()
         for fd in (self._init_pidfd, self._bwrap_pidfd):
             if fd is not None:
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError as e:  # seen once in CI (EBADF): said, not raised into the command's caller
+                    log.error("sandbox_pidfd_close_failed", fd=fd, error=repr(e),
+                              note="a pidfd was closed elsewhere first; please report with this log")
         self._init_pidfd = self._bwrap_pidfd = None
