@@ -21,7 +21,7 @@ from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
 
-RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "log", "actors")
+RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "log", "dashboard", "actors")
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,18 @@ class SupervisorSection:
 
 
 @dataclass(frozen=True)
+class DashboardSection:
+    """Where the run's dashboard (an actor kind the run file may name, e.g. ops.dashboard) serves."""
+
+    host: str = "127.0.0.1"  # loopback: open it to a network on purpose, never by default
+    port: int = fixed(8321, within=Range(0, 65_535))  # taken already: any free port, said at start; 0: any
+    sample_s: float = fixed(2.0, within=Range(0.1, 3600.0))  # status samples (slot table, actors) this often
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "dashboard")
+
+
+@dataclass(frozen=True)
 class ActorSpec:
     """One actor kind: its class as ``module:Class`` (as gunicorn or uvicorn name apps), how many."""
 
@@ -120,6 +132,7 @@ class RuntimeConfig:
     storage: StorageSection = StorageSection()
     supervisor: SupervisorSection = SupervisorSection()
     log: EventLogConfig = EventLogConfig()
+    dashboard: DashboardSection = DashboardSection()
     actors: dict[str, ActorSpec] = field(default_factory=dict)
 
 

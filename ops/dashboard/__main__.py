@@ -1,0 +1,66 @@
+"""``python -m ops.dashboard [RUN_DIR] [--host H] [--port P]``: the dashboard of a live or finished run.
+
+Live when the run's bus answers (the same live views as the run's own dashboard actor, as the operator);
+otherwise the run's event files, read once (curves and events; no actors, slot table or live keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+
+from ops._client import connect_or_none, fail, resolve_run_dir
+from ops.dashboard.feeds import feed_live, load_event_files, set_live_key
+from ops.dashboard.model import RunView
+from ops.dashboard.server import WebServer, build_app
+from runtime.errors import ConfigError
+
+CONNECT_TIMEOUT_S = 3.0
+
+
+async def serve(run_dir: Path, host: str, port: int, sample_s: float) -> None:
+    view = RunView(run_dir.name)
+    bus, reason = await connect_or_none(run_dir, "ops-dashboard", CONNECT_TIMEOUT_S)
+    if bus is None:
+        num_events = load_event_files(run_dir, view)
+        print(f"ops.dashboard: the run's bus does not answer ({reason}); showing the {num_events} events "
+              f"under {run_dir / 'logs'} (not live)", file=sys.stderr)
+        app = build_app(view, None)
+    else:
+        app = build_app(view, lambda key, raw: set_live_key(bus, run_dir, key, raw))
+    server = WebServer(app, host, port)
+    print(f"dashboard  {await server.start()}", flush=True)
+    try:
+        if bus is None:
+            await asyncio.Event().wait()  # until Ctrl-C: a finished run's view does not change
+        else:
+            await feed_live(bus, view, sample_s)
+    finally:
+        await server.stop()
+        if bus is not None:
+            await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", nargs="?", type=Path, help="a run directory (default: the newest under runs/)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8322, help="port (0: any free port)")
+    p.add_argument("--sample-s", type=float, default=2.0, help="status samples this often (live runs)")
+    args = p.parse_args(argv)
+    try:
+        run_dir = resolve_run_dir(args.run_dir)
+    except ConfigError as e:
+        return fail(str(e))
+    if not run_dir.is_dir():
+        return fail(f"{run_dir} is not a directory; pass a run directory made by python -m runtime.up")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(run_dir, args.host, args.port, args.sample_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The dashboard's web server (aiohttp): one page, a snapshot, a live stream, live configuration.
+
+    GET  /                 the page (static/index.html; its script and the vendored uPlot under /static)
+    GET  /api/snapshot     everything the page shows now (JSON)
+    GET  /api/stream       server-sent events: a snapshot first, then every update as it happens
+    POST /api/config       {"key": "...", "value": "..."}: a live key, validated as ``ops.config set`` does
+    GET  /healthz          200 while the server runs
+
+The stream is event-driven: an update is sent when the run produces it. A browser that cannot keep up
+is cut off (it reconnects, with a fresh snapshot) instead of making the server buffer without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from ops.dashboard.model import RunView
+from runtime.errors import ConfigError
+
+log = structlog.get_logger()
+
+STATIC_DIR = Path(__file__).parent / "static"
+KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies and the browser from closing an idle stream
+
+ConfigSetter = Callable[[str, str], Awaitable[Any]]
+VIEW_KEY = web.AppKey("view", RunView)
+SETTER_KEY = web.AppKey("set_config", object)
+
+
+async def _index(_: web.Request) -> web.StreamResponse:
+    return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def _snapshot(request: web.Request) -> web.Response:
+    return web.Response(text=_encode(request.app[VIEW_KEY].snapshot()), content_type="application/json")
+
+
+def _encode(obj: Any) -> str:
+    # NaN/inf are real figures here (a skipped step's loss) but JSON.parse refuses them: they go as strings
+    return json.dumps(_json_safe(obj), default=str)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+async def _stream(request: web.Request) -> web.StreamResponse:
+    view = request.app[VIEW_KEY]
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    sub = view.subscribe()
+    try:
+        await response.write(f"event: snapshot\ndata: {_encode(view.snapshot())}\n\n".encode())
+        while not sub.overflowed.is_set():
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    update = await sub.queue.get()
+            except TimeoutError:
+                await response.write(b": keepalive\n\n")
+                continue
+            await response.write(f"event: update\ndata: {_encode(update)}\n\n".encode())
+        log.info("dashboard_client_cut_off", reason="fell behind", queue=view.limits.subscriber_queue)
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass  # the browser went away
+    finally:
+        view.unsubscribe(sub)
+    return response
+
+
+async def _set_config(request: web.Request) -> web.Response:
+    setter = request.app[SETTER_KEY]
+    if setter is None:
+        return web.json_response({"ok": False, "error": "this run is not live: its configuration cannot change"},
+                                 status=409)
+    try:
+        body = await request.json()
+        key, raw = str(body["key"]), str(body["value"])
+    except (ValueError, KeyError, TypeError):
+        return web.json_response({"ok": False, "error": 'send {"key": "section.name", "value": "..."}'}, status=400)
+    try:
+        value = await setter(key, raw)  # type: ignore[operator]
+    except ConfigError as e:
+        return web.json_response({"ok": False, "key": key, "error": str(e)}, status=400)
+    return web.Response(text=_encode({"ok": True, "key": key, "value": value}), content_type="application/json")
+
+
+async def _healthz(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+def build_app(view: RunView, set_config: ConfigSetter | None,
+              extra_routes: list[web.RouteDef] | None = None) -> web.Application:
+    app = web.Application()
+    app[VIEW_KEY] = view
+    app[SETTER_KEY] = set_config
+    app.router.add_get("/", _index)
+    app.router.add_get("/api/snapshot", _snapshot)
+    app.router.add_get("/api/stream", _stream)
+    app.router.add_post("/api/config", _set_config)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_static("/static", STATIC_DIR)
+    if extra_routes:
+        app.router.add_routes(extra_routes)
+    return app
+
+
+class WebServer:
+    """The app on a TCP address; ``start`` returns the URL (port 0 picks a free port)."""
+
+    def __init__(self, app: web.Application, host: str, port: int) -> None:
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        self._host, self._port = host, port
+        self.url = ""
+
+    async def start(self) -> str:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        sockets = self._runner.addresses
+        host, port = sockets[0][0], sockets[0][1]
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
+        return self.url
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
