@@ -31,7 +31,7 @@ async def collect(run_dir: Path) -> dict[str, Any]:
 
 async def snapshot(bus: Any) -> dict[str, Any]:
     """The actors (registry entries, each marked live or not) and the reconciler's and trainer's status."""
-    actors, malformed = await _registry(bus)
+    actors, malformed = await registered(bus)
     live = await _live_ids(bus)
     for actor in actors:
         # A process killed with SIGKILL never deregisters: trust the supervisor's process list.
@@ -48,7 +48,7 @@ async def snapshot(bus: Any) -> dict[str, Any]:
     return status
 
 
-async def _registry(bus: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+async def registered(bus: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """The registered actors, and the entries that are not actor records (each with what is wrong):
     one malformed entry is reported beside the others, never a traceback instead of all of them."""
     kv = await bus.kv("actors")

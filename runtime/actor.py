@@ -28,6 +28,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
+from runtime import actor_metrics
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits, Queue
 from runtime.bus_auth import BusAccess
@@ -403,10 +404,29 @@ class Actor:
         elif verb == "drain":
             self.request_drain()
             reply = {"ok": True, "state": ActorState.DRAINING.value}
+        elif verb == "metrics":
+            reply = {"ok": True, "text": actor_metrics.exposition(self).decode()}
         else:
-            reply = {"ok": False, "error": f"unknown verb {verb!r}; use ping, status or drain"}
+            reply = {"ok": False, "error": f"unknown verb {verb!r}; use ping, status, metrics or drain"}
         if raw.reply:
             await raw.respond(msgpack.packb(reply, use_bin_type=True))
+
+    # what runtime.actor_metrics reads at a scrape
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def uptime_s(self) -> float:
+        return time.time() - self._started_at
+
+    @property
+    def state_name(self) -> str:
+        return self.state.value
+
+    @property
+    def kind_name(self) -> str:
+        return self.identity.kind
 
     def describe(self) -> dict[str, Any]:
         i = self.identity

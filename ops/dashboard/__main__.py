@@ -9,12 +9,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import sys
 from pathlib import Path
+
+import structlog
 
 from ops._client import connect_or_none, fail, resolve_run_dir
 from ops.dashboard.feeds import feed_live, load_event_files, set_live_key
 from ops.dashboard.model import RunView
+from ops.dashboard.prometheus import scrape
 from ops.dashboard.server import WebServer, build_app
 from runtime.errors import ConfigError
 
@@ -30,7 +34,8 @@ async def serve(run_dir: Path, host: str, port: int, sample_s: float) -> None:
               f"under {run_dir / 'logs'} (not live)", file=sys.stderr)
         app = build_app(view, None)
     else:
-        app = build_app(view, lambda key, raw: set_live_key(bus, run_dir, key, raw))
+        app = build_app(view, lambda key, raw: set_live_key(bus, run_dir, key, raw),
+                        lambda: scrape(bus, view.run_name))
     server = WebServer(app, host, port)
     print(f"dashboard  {await server.start()}", flush=True)
     try:
@@ -51,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8322, help="port (0: any free port)")
     p.add_argument("--sample-s", type=float, default=2.0, help="status samples this often (live runs)")
     args = p.parse_args(argv)
+    # this process's own library events go to stderr, warnings and worse: stdout says where it serves
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     try:
         run_dir = resolve_run_dir(args.run_dir)
     except ConfigError as e:

@@ -18,6 +18,7 @@ import msgpack
 
 from ops.dashboard.feeds import feed_live, set_live_key
 from ops.dashboard.model import RunView
+from ops.dashboard.prometheus import scrape
 from ops.dashboard.server import WebServer, build_app
 from runtime.actor import Actor
 from runtime.bus_auth import BusAccess, stream_reader
@@ -27,7 +28,7 @@ from runtime.rundir import CONFIG_FILE
 
 class DashboardActor(Actor):
     kind = "dashboard"
-    bus_access = BusAccess(publish=("ctl.*.status", "ctl.supervisor.status", "progress.dashboard",
+    bus_access = BusAccess(publish=("ctl.*.status", "ctl.*.metrics", "ctl.supervisor.status", "progress.dashboard",
                                     *stream_reader("LOG")),
                            subscribe=("log.>",), kv_read=("actors",), kv_write=("config",))
 
@@ -35,7 +36,8 @@ class DashboardActor(Actor):
         run_dir = Path(self.ctx.run_dir)
         self.settings_ = load_run_config([run_dir / CONFIG_FILE]).runtime.dashboard
         self.view = RunView(self.ctx.run.name if self.ctx.run else run_dir.name)
-        app = build_app(self.view, lambda key, raw: set_live_key(self.bus, run_dir, key, raw))
+        app = build_app(self.view, lambda key, raw: set_live_key(self.bus, run_dir, key, raw),
+                        lambda: scrape(self.bus, self.view.run_name))
         self.server = await self._listen(app)
         self.exit_stack.push_async_callback(self.server.stop)
         self._log.info("dashboard_serving", url=self.server.url)

@@ -31,7 +31,7 @@ class Limits:
     eval_rows: int = 2_000
     events: int = 2_000
     status_history: int = 3_600  # status samples kept for the slot-table-over-time chart
-    subscriber_queue: int = 1_000  # updates a slow browser may fall behind before it is cut off
+    subscriber_queue: int = 10_000  # updates a slow browser may fall behind before it is cut off
 
 
 class Subscriber:
@@ -42,6 +42,7 @@ class Subscriber:
     def __init__(self, size: int) -> None:
         self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(size)
         self.overflowed = asyncio.Event()
+        self.closing = asyncio.Event()
 
     def offer(self, update: dict[str, Any]) -> None:
         try:
@@ -116,6 +117,11 @@ class RunView:
         sub = Subscriber(self.limits.subscriber_queue)
         self._subscribers.add(sub)
         return sub
+
+    def close_subscribers(self) -> None:
+        """The server is stopping: every live stream ends with a ``closing`` update (the page says so)."""
+        for sub in self._subscribers:
+            sub.closing.set()
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self._subscribers.discard(sub)

@@ -4,6 +4,7 @@
     GET  /api/snapshot     everything the page shows now (JSON)
     GET  /api/stream       server-sent events: a snapshot first, then every update as it happens
     POST /api/config       {"key": "...", "value": "..."}: a live key, validated as ``ops.config set`` does
+    GET  /metrics          every actor's Prometheus metrics, labelled run, kind, actor (live runs)
     GET  /healthz          200 while the server runs
 
 The stream is event-driven: an update is sent when the run produces it. A browser that cannot keep up
@@ -21,7 +22,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from ops.dashboard.model import RunView
+from ops.dashboard.model import RunView, Subscriber
+from ops.dashboard.prometheus import CONTENT_TYPE
 from runtime.errors import ConfigError
 
 log = structlog.get_logger()
@@ -30,8 +32,10 @@ STATIC_DIR = Path(__file__).parent / "static"
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies and the browser from closing an idle stream
 
 ConfigSetter = Callable[[str, str], Awaitable[Any]]
+Scraper = Callable[[], Awaitable[bytes]]
 VIEW_KEY = web.AppKey("view", RunView)
 SETTER_KEY = web.AppKey("set_config", object)
+SCRAPER_KEY = web.AppKey("scrape", object)
 
 
 async def _index(_: web.Request) -> web.StreamResponse:
@@ -65,20 +69,39 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     sub = view.subscribe()
     try:
         await response.write(f"event: snapshot\ndata: {_encode(view.snapshot())}\n\n".encode())
-        while not sub.overflowed.is_set():
-            try:
-                async with asyncio.timeout(KEEPALIVE_S):
-                    update = await sub.queue.get()
-            except TimeoutError:
+        while not (sub.overflowed.is_set() or sub.closing.is_set()):
+            updates = await _next_updates(sub)
+            if updates is None:
                 await response.write(b": keepalive\n\n")
                 continue
-            await response.write(f"event: update\ndata: {_encode(update)}\n\n".encode())
-        log.info("dashboard_client_cut_off", reason="fell behind", queue=view.limits.subscriber_queue)
-    except (ConnectionResetError, asyncio.CancelledError):
+            # everything queued goes as one message: a burst (a log storm) costs one write, not thousands
+            await response.write(f"event: updates\ndata: {_encode(updates)}\n\n".encode())
+        if sub.overflowed.is_set():
+            log.info("dashboard_client_cut_off", reason="fell behind", queue=view.limits.subscriber_queue)
+        await response.write(b"event: closing\ndata: {}\n\n")
+    except ConnectionResetError:
         pass  # the browser went away
     finally:
         view.unsubscribe(sub)
     return response
+
+
+async def _next_updates(sub: Subscriber) -> list[dict[str, Any]] | None:
+    """The queued updates (waiting up to KEEPALIVE_S for the first); [] when the stream is to end; None: idle."""
+    closing = asyncio.ensure_future(sub.closing.wait())
+    first = asyncio.ensure_future(sub.queue.get())
+    try:
+        done, _ = await asyncio.wait({closing, first}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        closing.cancel()
+        if not first.done():
+            first.cancel()
+    if first not in done:
+        return [] if closing in done else None
+    updates = [first.result()]
+    while not sub.queue.empty():
+        updates.append(sub.queue.get_nowait())
+    return updates
 
 
 async def _set_config(request: web.Request) -> web.Response:
@@ -98,30 +121,40 @@ async def _set_config(request: web.Request) -> web.Response:
     return web.Response(text=_encode({"ok": True, "key": key, "value": value}), content_type="application/json")
 
 
+async def _metrics(request: web.Request) -> web.Response:
+    scrape = request.app[SCRAPER_KEY]
+    if scrape is None:
+        return web.Response(status=404, text="this run is not live: no actor to scrape\n")
+    body = await scrape()  # type: ignore[operator]
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
 async def _healthz(_: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def build_app(view: RunView, set_config: ConfigSetter | None,
-              extra_routes: list[web.RouteDef] | None = None) -> web.Application:
+def build_app(view: RunView, set_config: ConfigSetter | None = None, scrape: Scraper | None = None) -> web.Application:
+    """The dashboard of ``view``; without ``set_config`` and ``scrape`` (a finished run) it only shows."""
     app = web.Application()
     app[VIEW_KEY] = view
     app[SETTER_KEY] = set_config
+    app[SCRAPER_KEY] = scrape
     app.router.add_get("/", _index)
     app.router.add_get("/api/snapshot", _snapshot)
     app.router.add_get("/api/stream", _stream)
     app.router.add_post("/api/config", _set_config)
+    app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_static("/static", STATIC_DIR)
-    if extra_routes:
-        app.router.add_routes(extra_routes)
     return app
 
 
 class WebServer:
-    """The app on a TCP address; ``start`` returns the URL (port 0 picks a free port)."""
+    """The app on a TCP address; ``start`` returns the URL (port 0 picks a free port); ``stop`` ends every
+    live stream with a ``closing`` message first, so browsers see a stop, not a broken connection."""
 
     def __init__(self, app: web.Application, host: str, port: int) -> None:
+        self._view = app[VIEW_KEY]
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         self._host, self._port = host, port
         self.url = ""
@@ -136,4 +169,6 @@ class WebServer:
         return self.url
 
     async def stop(self) -> None:
+        self._view.close_subscribers()
+        await asyncio.sleep(0)  # each stream's handler takes its turn to write its last message
         await self._runner.cleanup()

@@ -7,6 +7,7 @@ const COLORS = ["#4a7bd0", "#d0654a", "#3a9d5d", "#9b59b6", "#c9a227", "#17a2b8"
 
 const state = { train: [], eval: [], slots: [], events: [], status: {}, config: {}, counts: {} };
 const charts = {};
+window.dashboard = { state, charts };  // for people at the console and for the browser tests
 
 // --- charts ------------------------------------------------------------------------------------
 // Each chart: an x field, and series (field, label) read from a list of rows.
@@ -62,7 +63,8 @@ function draw(id) {
     series: [{ label: spec.x }, ...series.map(([, label], i) => ({
       label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
       points: { show: data[0].length < 60 }, scale: spec.twoAxes && i === 1 ? "y2" : "y" }))],
-    axes: spec.twoAxes ? [{}, { scale: "y", values: ticks }, { scale: "y2", side: 1, values: ticks }] : [{}, { values: ticks }],
+    axes: spec.twoAxes ? [{}, { scale: "y", values: ticks, size: 60 }, { scale: "y2", side: 1, values: ticks, size: 60 }]
+                       : [{}, { values: ticks, size: 60 }],
   };
   charts[id] = { key, plot: new uPlot(opts, data, el) };
 }
@@ -121,8 +123,8 @@ function renderHistogram(hist) {
 
 function renderConfig() {
   const body = document.querySelector("#config-table tbody");
-  const editing = document.activeElement && body.contains(document.activeElement);
-  if (editing) return;  // never replace an input the operator is typing into
+  const typing = [...body.querySelectorAll("input")].some(i => i.value !== "");
+  if (typing) return;  // never replace an input the operator is typing into; redrawn once it is sent
   body.replaceChildren();
   for (const key of Object.keys(state.config).sort()) {
     const tr = body.insertRow();
@@ -131,7 +133,7 @@ function renderConfig() {
     const input = document.createElement("input"); input.name = key; input.size = 14;
     tr.insertCell().appendChild(input);
     const button = document.createElement("button"); button.textContent = "set";
-    button.onclick = () => setConfig(key, input.value);
+    button.onclick = async () => { if (await setConfig(key, input.value)) { input.value = ""; renderConfig(); } };
     tr.insertCell().appendChild(button);
   }
 }
@@ -144,8 +146,10 @@ async function setConfig(key, value) {
     const body = await reply.json();
     out.textContent = body.ok ? `${key} = ${JSON.stringify(body.value)}: sent to the actors` : `refused: ${body.error}`;
     out.className = body.ok ? "small" : "warn";
+    return body.ok;
   } catch (e) {
     out.textContent = `not sent: ${e}`; out.className = "warn";
+    return false;
   }
 }
 
@@ -218,9 +222,11 @@ function connect() {
   const badge = document.getElementById("connection");
   const source = new EventSource("/api/stream");
   source.addEventListener("snapshot", m => { load(JSON.parse(m.data)); badge.textContent = "live"; badge.className = "badge live"; });
-  source.addEventListener("update", m => apply(JSON.parse(m.data)));
+  source.addEventListener("updates", m => { for (const u of JSON.parse(m.data)) apply(u); });
+  source.addEventListener("closing", () => { badge.textContent = "dashboard stopped"; badge.className = "badge offline"; });
   source.onerror = () => { badge.textContent = "reconnecting"; badge.className = "badge lost"; };  // EventSource retries
 }
 
-for (const id of ["event-level", "event-kind", "event-text"]) document.getElementById(id).addEventListener("input", renderEvents);
+for (const id of ["event-level", "event-kind"]) document.getElementById(id).addEventListener("change", renderEvents);
+document.getElementById("event-text").addEventListener("input", renderEvents);
 connect();
