@@ -16,37 +16,45 @@ from pathlib import Path
 import structlog
 
 from ops._client import connect_or_none, fail, resolve_run_dir
-from ops.dashboard.feeds import feed_live, load_event_files, set_live_key
+from ops.dashboard.feeds import feed_live, load_event_files, sample_fetcher, set_live_key
 from ops.dashboard.model import RunView
 from ops.dashboard.prometheus import scrape
 from ops.dashboard.server import WebServer, build_app
+from runtime.blob import open_store
 from runtime.errors import ConfigError
+from runtime.run_config import load_run_config
+from runtime.rundir import CONFIG_FILE, RunInfo
 
 CONNECT_TIMEOUT_S = 3.0
 
 
 async def serve(run_dir: Path, host: str, port: int, sample_s: float) -> None:
     view = RunView(run_dir.name)
-    bus, reason = await connect_or_none(run_dir, "ops-dashboard", CONNECT_TIMEOUT_S)
-    if bus is None:
-        num_events = load_event_files(run_dir, view)
-        print(f"ops.dashboard: the run's bus does not answer ({reason}); showing the {num_events} events "
-              f"under {run_dir / 'logs'} (not live)", file=sys.stderr)
-        app = build_app(view, None)
-    else:
-        app = build_app(view, lambda key, raw: set_live_key(bus, run_dir, key, raw),
-                        lambda: scrape(bus, view.run_name))
-    server = WebServer(app, host, port)
-    print(f"dashboard  {await server.start()}", flush=True)
-    try:
+    info = RunInfo.read(run_dir)
+    settings = load_run_config([run_dir / CONFIG_FILE]).runtime.dashboard
+    async with open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None) as blob:
+        samples = sample_fetcher(settings, blob)
+        shelf = samples.shelf if samples else None
+        bus, reason = await connect_or_none(run_dir, "ops-dashboard", CONNECT_TIMEOUT_S)
         if bus is None:
-            await asyncio.Event().wait()  # until Ctrl-C: a finished run's view does not change
+            num_events = load_event_files(run_dir, view, samples)
+            print(f"ops.dashboard: the run's bus does not answer ({reason}); showing the {num_events} events "
+                  f"under {run_dir / 'logs'} (not live)", file=sys.stderr)
+            app = build_app(view, shelf=shelf)
         else:
-            await feed_live(bus, view, sample_s)
-    finally:
-        await server.stop()
-        if bus is not None:
-            await bus.close()
+            app = build_app(view, lambda key, raw: set_live_key(bus, run_dir, key, raw),
+                            lambda: scrape(bus, view.run_name), shelf)
+        server = WebServer(app, host, port)
+        print(f"dashboard  {await server.start()}", flush=True)
+        try:
+            if bus is None:  # a finished run's view changes no more once its kept samples are read
+                await (samples.run() if samples else asyncio.Event().wait())
+            else:
+                await feed_live(bus, view, sample_s, samples)
+        finally:
+            await server.stop()
+            if bus is not None:
+                await bus.close()
 
 
 def main(argv: list[str] | None = None) -> int:

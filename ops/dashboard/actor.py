@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from ops.dashboard.feeds import feed_live, set_live_key
+from ops.dashboard.feeds import feed_live, sample_fetcher, set_live_key
 from ops.dashboard.model import RunView
 from ops.dashboard.prometheus import scrape
 from ops.dashboard.server import WebServer, build_app
@@ -36,8 +36,9 @@ class DashboardActor(Actor):
         run_dir = Path(self.ctx.run_dir)
         self.settings_ = load_run_config([run_dir / CONFIG_FILE]).runtime.dashboard
         self.view = RunView(self.ctx.run.name if self.ctx.run else run_dir.name)
+        self.samples = sample_fetcher(self.settings_, self.ctx.blob)
         app = build_app(self.view, lambda key, raw: set_live_key(self.bus, run_dir, key, raw),
-                        lambda: scrape(self.bus, self.view.run_name))
+                        lambda: scrape(self.bus, self.view.run_name), self.samples.shelf if self.samples else None)
         self.server = await self._listen(app)
         self.exit_stack.push_async_callback(self.server.stop)
         self._log.info("dashboard_serving", url=self.server.url)
@@ -59,9 +60,13 @@ class DashboardActor(Actor):
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
         await self.bus.nc.publish("progress.dashboard", msgpack.packb({"dashboard": self.server.url}))
-        tg.create_task(feed_live(self.bus, self.view, self.settings_.sample_s), name="dashboard-feeds")
+        tg.create_task(feed_live(self.bus, self.view, self.settings_.sample_s, self.samples), name="dashboard-feeds")
 
     def status(self) -> dict[str, Any]:
         server = getattr(self, "server", None)
         view = getattr(self, "view", None)
-        return {"url": server.url if server else "", "num_viewers": view.num_subscribers if view else 0}
+        samples = getattr(self, "samples", None)
+        return {"url": server.url if server else "", "num_viewers": view.num_subscribers if view else 0,
+                "num_kept_groups": samples.shelf.num_groups if samples else 0,
+                "num_samples_skipped": samples.num_skipped if samples else 0,
+                "num_samples_unreadable": samples.num_unreadable if samples else 0}

@@ -3,6 +3,8 @@
     GET  /                 the page (static/index.html; its script and the vendored uPlot under /static)
     GET  /api/snapshot     everything the page shows now (JSON)
     GET  /api/stream       server-sent events: a snapshot first, then every update as it happens
+    GET  /api/samples      the rollout viewer's kept samples (?sort=latest|reward_high|reward_low&prompt=&failed=1)
+    GET  /api/samples/ID   one kept sample whole: its tokens, versions, loss mask, reward, tests, group
     POST /api/config       {"key": "...", "value": "..."}: a live key, validated as ``ops.config set`` does
     GET  /metrics          every actor's Prometheus metrics, labelled run, kind, actor (live runs)
     GET  /healthz          200 while the server runs
@@ -24,6 +26,7 @@ from aiohttp import web
 
 from ops.dashboard.model import RunView, Subscriber
 from ops.dashboard.prometheus import CONTENT_TYPE
+from ops.dashboard.rollouts import RolloutShelf
 from runtime.errors import ConfigError
 
 log = structlog.get_logger()
@@ -36,6 +39,7 @@ Scraper = Callable[[], Awaitable[bytes]]
 VIEW_KEY = web.AppKey("view", RunView)
 SETTER_KEY = web.AppKey("set_config", object)
 SCRAPER_KEY = web.AppKey("scrape", object)
+SHELF_KEY = web.AppKey("shelf", object)
 
 
 async def _index(_: web.Request) -> web.StreamResponse:
@@ -121,6 +125,28 @@ async def _set_config(request: web.Request) -> web.Response:
     return web.Response(text=_encode({"ok": True, "key": key, "value": value}), content_type="application/json")
 
 
+async def _samples(request: web.Request) -> web.Response:
+    shelf: RolloutShelf | None = request.app[SHELF_KEY]  # type: ignore[assignment]
+    if shelf is None:
+        return web.json_response({"samples": [], "note": "this run names no dashboard.sample_views"})
+    q = request.query
+    try:
+        rows = shelf.samples(q.get("sort", "latest"), q.get("prompt", ""), q.get("failed", "") in ("1", "true"),
+                             int(q.get("limit", "200")))
+    except ValueError as e:
+        return web.json_response({"error": str(e)}, status=400)
+    return web.Response(text=_encode({"samples": rows, "num_groups": shelf.num_groups}),
+                        content_type="application/json")
+
+
+async def _sample(request: web.Request) -> web.Response:
+    shelf: RolloutShelf | None = request.app[SHELF_KEY]  # type: ignore[assignment]
+    view = shelf.sample(request.match_info["sample_id"]) if shelf is not None else None
+    if view is None:
+        return web.json_response({"error": "no such sample kept (the viewer keeps a sample of them)"}, status=404)
+    return web.Response(text=_encode(view), content_type="application/json")
+
+
 async def _metrics(request: web.Request) -> web.Response:
     scrape = request.app[SCRAPER_KEY]
     if scrape is None:
@@ -133,9 +159,11 @@ async def _healthz(_: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def build_app(view: RunView, set_config: ConfigSetter | None = None, scrape: Scraper | None = None) -> web.Application:
+def build_app(view: RunView, set_config: ConfigSetter | None = None, scrape: Scraper | None = None,
+              shelf: RolloutShelf | None = None) -> web.Application:
     """The dashboard of ``view``; without ``set_config`` and ``scrape`` (a finished run) it only shows."""
     app = web.Application()
+    app[SHELF_KEY] = shelf
     app[VIEW_KEY] = view
     app[SETTER_KEY] = set_config
     app[SCRAPER_KEY] = scrape
@@ -143,6 +171,8 @@ def build_app(view: RunView, set_config: ConfigSetter | None = None, scrape: Scr
     app.router.add_get("/api/snapshot", _snapshot)
     app.router.add_get("/api/stream", _stream)
     app.router.add_post("/api/config", _set_config)
+    app.router.add_get("/api/samples", _samples)
+    app.router.add_get("/api/samples/{sample_id}", _sample)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_static("/static", STATIC_DIR)

@@ -183,6 +183,66 @@ function renderEventKinds() {
     LEVELS.filter(l => state.counts[l]).map(l => `${l}: ${state.counts[l]}`).join("  ");
 }
 
+// --- rollout viewer ---------------------------------------------------------------------------------
+// A token's colour says which policy version sampled it; grey ones were not sampled by the policy
+// (prompt, tool output: loss mask 0), so they carry no gradient.
+function versionColor(version) { return `hsl(${(version * 47) % 360}, 70%, 82%)`; }
+
+async function loadSamples() {
+  const q = new URLSearchParams({ sort: document.getElementById("sample-sort").value,
+                                  prompt: document.getElementById("sample-prompt").value,
+                                  failed: document.getElementById("sample-failed").checked ? "1" : "" });
+  const body = await (await fetch(`/api/samples?${q}`)).json();
+  const rows = document.querySelector("#sample-table tbody");
+  rows.replaceChildren();
+  for (const s of body.samples || []) {
+    const tr = rows.insertRow();
+    tr.dataset.sample = s.sample_id;
+    cell(tr, s.sample_id); cell(tr, s.prompt_id); cell(tr, s.version); cell(tr, (+s.reward).toFixed(3));
+    cell(tr, s.advantage === undefined ? "" : (+s.advantage).toFixed(3)); cell(tr, s.passed ? "yes" : "no");
+    tr.onclick = () => showSample(s.sample_id, tr);
+  }
+  document.getElementById("sample-note").textContent =
+    body.note || `${(body.samples || []).length} samples of ${body.num_groups} kept groups`;
+}
+
+async function showSample(id, tr) {
+  for (const row of document.querySelectorAll("#sample-table tr.picked")) row.classList.remove("picked");
+  if (tr) tr.classList.add("picked");
+  const reply = await fetch(`/api/samples/${encodeURIComponent(id)}`);
+  const detail = document.getElementById("sample-detail");
+  if (!reply.ok) { detail.textContent = (await reply.json()).error; return; }
+  const s = await reply.json();
+  detail.replaceChildren();
+  const head = document.createElement("p");
+  head.textContent = `${s.sample_id} · prompt ${s.prompt_id} · group ${s.group_id} · reward ${(+s.reward).toFixed(3)}`
+    + (s.advantage !== undefined ? ` · advantage ${(+s.advantage).toFixed(3)}` : "") + (s.end ? ` · ended: ${s.end}` : "");
+  detail.appendChild(head);
+  for (const [title, obj] of [["reward components", s.components], ["tests", s.tests], ["group", s.group], ["tool calls", s.tool_uses]]) {
+    if (!obj) continue;
+    const p = document.createElement("p"); p.textContent = `${title}: ${JSON.stringify(obj)}`; detail.appendChild(p);
+  }
+  const versions = [...new Set((s.tokens || []).map(t => t[1]).filter(v => v >= 0))].sort((a, b) => a - b);
+  const legend = document.createElement("p"); legend.className = "legend"; legend.textContent = "policy version: ";
+  for (const v of versions) { const span = document.createElement("span"); span.textContent = v; span.style.background = versionColor(v); legend.appendChild(span); }
+  const untrained = document.createElement("span"); untrained.textContent = "not sampled (loss mask 0)"; untrained.className = "untrained"; legend.appendChild(untrained);
+  detail.appendChild(legend);
+  const text = document.createElement("div"); text.className = "tokens";
+  for (const [piece, version, trained, logprob] of s.tokens || []) {
+    const span = document.createElement("span");
+    span.textContent = piece;
+    span.dataset.version = version;
+    if (trained) { span.style.background = versionColor(version); span.title = `version ${version}, behaviour log-prob ${(+logprob).toFixed(3)}`; }
+    else span.className = "untrained";
+    text.appendChild(span);
+  }
+  detail.appendChild(text);
+}
+
+for (const id of ["sample-sort", "sample-failed"]) document.getElementById(id).addEventListener("change", loadSamples);
+document.getElementById("sample-prompt").addEventListener("input", loadSamples);
+document.getElementById("sample-refresh").addEventListener("click", loadSamples);
+
 // --- live updates ------------------------------------------------------------------------------------
 let pending = false;
 function redrawSoon() {  // many updates in one burst (a replayed log) redraw once
@@ -215,7 +275,7 @@ function load(snapshot) {
                          status: snapshot.status, config: snapshot.config, counts: snapshot.event_counts });
   document.getElementById("run-name").textContent = `run ${snapshot.run}`;
   document.title = `${snapshot.run} · dashboard`;
-  renderStatus(); renderConfig(); renderEvents(); drawCharts();
+  renderStatus(); renderConfig(); renderEvents(); drawCharts(); loadSamples();
 }
 
 function connect() {
