@@ -81,3 +81,36 @@ def test_run_config_splits_runtime_and_app_sections(tmp_path: Path) -> None:
         load_run_config([f], ["counter.nope=1"])
     with pytest.raises(ConfigError, match="cannot be imported"):
         load_run_config([f], ['actors.counter.entry="no.such:Thing"'])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    # the key as the user writes it (not msgspec's `$.rollout.max_tokens`), what was given, what to write
+    ("rollout.max_tokens=abc",
+     "config key 'rollout.max_tokens' expects int, got 'abc' (str); e.g. rollout.max_tokens=256 (its default)"),
+    ("rollout.max_tokens=true",
+     "config key 'rollout.max_tokens' expects int, got True (bool); e.g. rollout.max_tokens=256 (its default)"),
+    ("name=[1]", "config key 'name' expects str, got [1] (list); e.g. name=\"x\" (its default)"),
+    ("rollout=3", "config section 'rollout' must be a table, got 3"),
+    ("rollout.temperature=9.0", "config section 'rollout': temperature=9.0 must be in (0, 2]"),
+])
+def test_a_refused_value_is_said_with_its_key_as_written(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        config.load(App, [], [override])
+    assert str(e.value) == message
+    assert "$" not in str(e.value)
+
+
+def test_the_actor_tables_name_their_kind_in_every_error(tmp_path: Path) -> None:
+    """msgspec alone says `$.actors[...].count`: every error here names the kind."""
+    f = tmp_path / "run.toml"
+    f.write_text('[actors.counter]\nentry = "tests.integration.workers:CounterActor"\n')
+    cases = {
+        'actors.counter.count="two"': "config key 'actors.counter.count' expects int, got 'two' (str)",
+        "actors.counter.cuont=2": "config key 'actors.counter.cuont' is unknown; did you mean 'count'?",
+        "actors.other.count=2": "config key 'actors.other.entry' is required",
+        "run.runs_dir=3": "config key 'run.runs_dir' expects a path string, got 3 (int)",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_run_config([f], [override])
+        assert message in str(e.value), override
