@@ -256,16 +256,24 @@ def _say(error: msgspec.ValidationError, schema: type, section: Mapping[str, Any
     if not path:  # the section's own __post_init__ refused it
         return f"config section {prefix.rstrip('.') or '<root>'!r}: {what}"
     key, hint = prefix + path, hint_at(schema, path)
+    if "[...]" in path:  # a value of a table of values: msgspec does not say which key holds it
+        return f"config key {key!r}: {what}"
     given = value_at(section, path)
-    name = path.split(".")[0].split("[")[0]
-    default = _field_default(next(f for f in dataclasses.fields(schema) if f.name == name))  # type: ignore[arg-type]
-    example = f"; e.g. {key}={_toml_text(default)} (its default)" if "." not in path and "[" not in path \
-        and default is not None else ""
     if (choices := enum_choices(hint)) is not None:
         return f"config key {key!r} must be one of {choices}, got {given!r}"
     if what.startswith("expected"):
-        return f"config key {key!r} expects {_type_name(hint)}, got {given!r} ({type(given).__name__}){example}"
+        return f"config key {key!r} expects {_type_name(hint)}, got {given!r} ({type(given).__name__})" + (
+            _example(schema, path, key))
     return f"config key {key!r}: {what}"
+
+
+def _example(schema: type, path: str, key: str) -> str:
+    """``; e.g. key=<default>`` for a key of ``schema`` itself whose default TOML can write."""
+    f = next((f for f in dataclasses.fields(schema) if f.name == path), None)  # type: ignore[arg-type]
+    default = None if f is None else _plain(_field_default(f))
+    if not isinstance(default, str | int | float | bool | list):
+        return ""
+    return f"; e.g. {key}={tomli_w.dumps({'v': default}).removeprefix('v = ').strip()} (its default)"
 
 
 def _type_name(hint: Any) -> str:
@@ -274,10 +282,6 @@ def _type_name(hint: Any) -> str:
     if isinstance(hint, type):
         return hint.__name__
     return str(hint).replace("typing.", "") if hint is not None else "another type"
-
-
-def _toml_text(value: Any) -> str:
-    return tomli_w.dumps({"v": _plain(value)}).removeprefix("v = ").strip()
 
 
 def _field_default(f: dataclasses.Field[Any]) -> Any:
