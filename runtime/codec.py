@@ -81,6 +81,9 @@ class Codec:
             if not name or not (dataclasses.is_dataclass(t) or issubclass(t, msgspec.Struct)):
                 raise TypeError(f"{t.__name__} is not a message: decorate it with @message(...) or give "
                                 "the codec a mapping of wire name to frozen dataclass or msgspec Struct")
+            if issubclass(t, msgspec.Struct) and not t.__struct_config__.forbid_unknown_fields:
+                raise TypeError(f"{t.__name__} would take unknown fields silently: declare it with "
+                                "forbid_unknown_fields=True, as every message type refuses them")
             if name in self._types and self._types[name] is not t:
                 raise TypeError(f"message type {name!r} registered twice "
                                 f"({self._types[name].__name__} and {t.__name__})")

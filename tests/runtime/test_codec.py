@@ -142,6 +142,12 @@ async def test_a_msgspec_struct_is_a_message_type_too() -> None:
         await codec.decode(msgpack.packb({"schema": 1, "type": "test.tally", "v": 1, "body": body}))
     assert err.value.reason == "invalid"
 
+    class Lax(msgspec.Struct, frozen=True):
+        key: str
+
+    with pytest.raises(TypeError, match="forbid_unknown_fields"):
+        Codec({"test.lax": Lax})
+
 
 @pytest.mark.parametrize(("body", "said"), [
     ({"tokens": [1, "2"], "score": 1.0}, r"test.inner cannot be a Inner: tokens\[1\]: expected 'int', got 'str'"),
