@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import dataclasses
 import enum
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from actors.config import RLConfig
 from runtime import config
 from runtime.errors import ConfigError
 from runtime.run_config import load_run_config
@@ -114,3 +120,35 @@ def test_the_actor_tables_name_their_kind_in_every_error(tmp_path: Path) -> None
         with pytest.raises(ConfigError) as e:
             load_run_config([f], [override])
         assert message in str(e.value), override
+
+
+def _dotted_keys(schema: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(schema)
+    out = []
+    for f in dataclasses.fields(schema):
+        is_section = dataclasses.is_dataclass(hints[f.name])
+        out += _dotted_keys(hints[f.name], f"{prefix}{f.name}.") if is_section else [prefix + f.name]
+    return out
+
+
+_ANY_VALUE = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=5)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=2)),
+    max_leaves=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([*_dotted_keys(RLConfig), "rollout", "rollout.agent", "bogus.key"]),
+                       _ANY_VALUE, max_size=4))
+def test_any_tree_of_values_is_the_config_or_a_config_error(items: dict[str, Any]) -> None:
+    """Whatever a run file or a live change holds: a config, or a ConfigError naming a key or section."""
+    tree: dict[str, Any] = {}
+    try:
+        for key, value in items.items():
+            config.set_path(tree, key, value)
+    except ConfigError:
+        return
+    try:
+        assert isinstance(config.build(RLConfig, tree), RLConfig)
+    except ConfigError as e:
+        assert "config key" in str(e) or "config section" in str(e)
