@@ -102,7 +102,9 @@ def strict_shape(hint: Any) -> Any:
         nested = [s for s, a in zip(shapes, args, strict=True) if a is not type(None)]
         # msgspec takes at most one object type in a union; anything else is the typed pass's to refuse
         return nested[0] | None if len(nested) == 1 and type(None) in args else msgspec.Raw
-    if origin in (list, tuple, dict):
+    if origin is dict:  # keys as declared: a Raw key is unhashable
+        return dict[args[0], shapes[1]]  # type: ignore[valid-type]
+    if origin in (list, tuple):
         return origin[shapes]
     return msgspec.Raw
 
