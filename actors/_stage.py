@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import nats.errors
@@ -21,6 +21,7 @@ import zstandard
 from actors.config import RLConfig
 from actors.lifecycle_events import StageFailed, bound_to
 from actors.messages import COMPLETION_TYPES, WorkHeartbeat, done_subject, order_types, work_queue_of
+from actors.records import RecordError, decode_record, encode_record
 from actors.slots import Stage
 from runtime.actor import Actor, ActorContext, Delivery
 from runtime.bus_auth import BusAccess
@@ -29,6 +30,7 @@ from runtime.codec import Codec
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_SUBJECT = "heartbeat"
+R = TypeVar("R")
 
 
 class WorkRefused(ValueError):
@@ -108,12 +110,13 @@ class StageActor(Actor):
                 await self.bus.nc.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
             await asyncio.sleep(self.heartbeat_every_s)
 
-    # --- blobs: small msgpack records, zstd-compressed -----------------------------------------
-    async def put_record(self, key: str, record: dict[str, Any]) -> None:
-        await self.ctx.blob.put(key, zstandard.ZstdCompressor(level=3).compress(
-            msgpack.packb(record, use_bin_type=True)))
+    # --- blobs: typed msgpack records (actors.records), zstd-compressed --------------------------
+    async def put_record(self, key: str, record: Any) -> None:
+        await self.ctx.blob.put(key, zstandard.ZstdCompressor(level=3).compress(encode_record(record)))
 
-    async def get_record(self, key: str) -> dict[str, Any]:
+    async def get_record(self, key: str, record_type: type[R]) -> R:
+        """The record of ``record_type`` at ``key``; WorkRefused when it is missing, corrupt, of another
+        schema or not that type (the stage that wrote it must run again)."""
         try:
             raw = await self.ctx.blob.get(key)
         except KeyError:
@@ -121,6 +124,10 @@ class StageActor(Actor):
         except ValueError as e:  # a key no stage writes (outside the store): no retry makes it readable
             raise WorkRefused(f"blob key {key[:200]!r} is invalid: {e}") from None
         try:
-            return msgpack.unpackb(zstandard.ZstdDecompressor().decompress(raw), raw=False)
-        except (zstandard.ZstdError, ValueError) as e:
+            data = zstandard.ZstdDecompressor().decompress(raw)
+        except zstandard.ZstdError as e:
             raise WorkRefused(f"blob {key!r} is corrupt ({e}); the stage that wrote it must run again") from None
+        try:
+            return decode_record(data, record_type, key)
+        except RecordError as e:
+            raise WorkRefused(f"{e}; the stage that wrote it must run again") from None

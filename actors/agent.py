@@ -79,7 +79,8 @@ class ToolUse:
 
 @dataclass
 class Trajectory:
-    """Everything the reward, grouping and trainer stages need from one episode."""
+    """Everything the reward, grouping and trainer stages need from one episode (stored typed, in the
+    records of actors.records: the router choices as int16 bytes)."""
 
     token_ids: list[int]
     loss_mask: list[int]
@@ -111,31 +112,6 @@ class Trajectory:
     @property
     def max_version(self) -> int:
         return max(self.versions, default=0)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["end"] = self.end.value
-        d["tool_uses"] = [dataclasses.asdict(u) for u in self.tool_uses]
-        d["topk_ids_TLK"] = None if self.topk_ids_TLK is None else _tensor_to_wire(self.topk_ids_TLK)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
-        d = dict(d)
-        d["end"] = EpisodeEnd(d["end"])
-        d["tool_uses"] = [ToolUse(**u) for u in d["tool_uses"]]
-        d["topk_ids_TLK"] = None if d["topk_ids_TLK"] is None else _tensor_from_wire(d["topk_ids_TLK"])
-        return cls(**d)
-
-
-def _tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
-    t = t.to(torch.int16).contiguous()
-    return {"shape": list(t.shape), "data": t.numpy().tobytes()}
-
-
-def _tensor_from_wire(d: dict[str, Any]) -> torch.Tensor:
-    flat = torch.frombuffer(bytearray(d["data"]), dtype=torch.int16)
-    return flat.reshape(d["shape"]).clone()
 
 
 def task_prompt_text(task: Task) -> str:

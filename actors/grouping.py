@@ -14,15 +14,14 @@ import torch
 
 from actors._stage import StageActor, WorkRefused
 from actors.lifecycle_events import GroupDone, GroupOrder
+from actors.records import GroupRecord, GroupSample, RewardRecord, RolloutRecord
 from actors.slots import Stage
 from model.loss import advantages_dr_grpo
 from runtime.actor import Delivery
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["GROUP_SCHEMA", "GroupingActor"]
-
-GROUP_SCHEMA = 1
+__all__ = ["GroupingActor"]
 
 
 class GroupingActor(StageActor):
@@ -32,26 +31,21 @@ class GroupingActor(StageActor):
         if len(order.sample_ids) != len(order.reward_keys) or not order.sample_ids:
             raise WorkRefused(f"group {order.group_id}: {len(order.sample_ids)} samples but "
                               f"{len(order.reward_keys)} reward keys")
-        rewards = [await self.get_record(k) for k in order.reward_keys]
-        samples = []
+        rewards = [await self.get_record(k, RewardRecord) for k in order.reward_keys]
+        rollouts = []
         for sample_id, reward in zip(order.sample_ids, rewards, strict=True):
-            if reward["sample_id"] != sample_id:
-                raise WorkRefused(f"reward record {reward['sample_id']} does not belong to sample {sample_id}")
-            traj = (await self.get_record(f"{reward['rollout_key']}/trajectory"))["trajectory"]
-            samples.append({"sample_id": sample_id, "reward": reward["reward"], "components": reward["components"],
-                            "trajectory": traj})
-        advantages = advantages_dr_grpo(torch.tensor([s["reward"] for s in samples], dtype=torch.float64))
-        for s, adv in zip(samples, advantages.tolist(), strict=True):
-            s["advantage"] = adv
-        versions = [v for s in samples for v, m in zip(s["trajectory"]["versions"], s["trajectory"]["loss_mask"],
-                                                         strict=True) if m]
+            if reward.sample_id != sample_id:
+                raise WorkRefused(f"reward record {reward.sample_id} does not belong to sample {sample_id}")
+            rollouts.append(await self.get_record(f"{reward.rollout_key}/trajectory", RolloutRecord))
+        advantages = advantages_dr_grpo(torch.tensor([r.reward for r in rewards], dtype=torch.float64))
+        samples = tuple(GroupSample(r.sample_id, r.reward, r.components, adv, rollout.trajectory)
+                        for r, rollout, adv in zip(rewards, rollouts, advantages.tolist(), strict=True))
+        versions = [v for s in samples for v, m in zip(s.trajectory.versions, s.trajectory.loss_mask, strict=True)
+                    if m]
         key = f"groups/{order.group_id}/a{order.attempt}"
-        await self.put_record(key, {
-            "schema": GROUP_SCHEMA, "group_id": order.group_id, "prompt_id": order.prompt_id,
-            "min_version": min(versions, default=0), "max_version": max(versions, default=0),
-            "created_at": time.time(), "samples": samples,
-        })
+        await self.put_record(key, GroupRecord(order.group_id, order.prompt_id, min(versions, default=0),
+                                               max(versions, default=0), time.time(), samples))
         log.info("group_checkpointed", group_id=order.group_id, prompt_id=order.prompt_id, num_samples=len(samples),
-                 mean_reward=sum(s["reward"] for s in samples) / len(samples),
+                 mean_reward=sum(s.reward for s in samples) / len(samples),
                  min_version=min(versions, default=0), max_version=max(versions, default=0))
         return GroupDone(order.group_id, order.attempt, key)

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from actors.config import TrainerSection
 from actors.lr_schedule import LRSchedule
+from actors.records import GroupRecord, GroupSample
 from actors.step_guard import (
     NonFiniteStage,
     NonFiniteStep,
@@ -137,16 +138,17 @@ class Learner:
             group["lr"] = lr
         return lr
 
-    def step(self, groups: Sequence[dict[str, Any]], batch_id: str) -> StepMetrics:
-        """One optimizer step over every sample of ``groups``; the version then goes up by one."""
+    def step(self, groups: Sequence[GroupRecord], batch_id: str) -> StepMetrics:
+        """One optimizer step over every sample of ``groups`` (the batch ``batch_id``); the version then goes
+        up by one."""
         started = time.perf_counter()
-        samples = [s for g in groups for s in g["samples"]]
+        samples = [s for g in groups for s in g.samples]
         if not samples:
             raise ValueError(f"batch {batch_id} has no samples")
         check_trajectories(samples)
         # Without a KL term a sample whose advantage is exactly 0 (its group's rewards all equal) adds
         # nothing to the gradient: leaving it out of the forward gives the same update for less compute.
-        computed = samples if self.config.kl_coef > 0 else [s for s in samples if s["advantage"] != 0.0]
+        computed = samples if self.config.kl_coef > 0 else [s for s in samples if s.advantage != 0.0]
         lr = self._apply_lr()
         refused: NonFiniteStep | None = None
         if computed:
@@ -160,14 +162,14 @@ class Learner:
                       grad_norm=grad_norm)
         self.version += 1
         self.trained_batches.append(batch_id)
-        self.trained_groups.update((str(g["group_id"]), self.version) for g in groups if "group_id" in g)
+        self.trained_groups.update((g.group_id, self.version) for g in groups)
         elapsed = time.perf_counter() - started
         lags = [self.version - 1 - v for s in samples for v, keep in
-                zip(s["trajectory"]["versions"], s["trajectory"]["loss_mask"], strict=True) if keep]
+                zip(s.trajectory.versions, s.trajectory.loss_mask, strict=True) if keep]
         histogram: dict[str, int] = {}
         for lag in lags:
             histogram[str(lag)] = histogram.get(str(lag), 0) + 1
-        rewards = [s["reward"] for s in samples]
+        rewards = [s.reward for s in samples]
         return StepMetrics(
             version=self.version, num_groups=len(groups), num_samples=len(samples), num_computed=len(computed),
             num_tokens=num_tokens,
@@ -175,18 +177,18 @@ class Learner:
             entropy=m.entropy, clip_fraction=m.clip_fraction, ratio_mean=m.ratio_mean, ratio_median=m.ratio_median,
             ratio_min=m.ratio_min, ratio_max=m.ratio_max,
             grad_norm=grad_norm, lr=lr, reward_mean=sum(rewards) / len(rewards),
-            pass_rate=sum(s["components"]["pass_fraction"] == 1.0 for s in samples) / len(samples),
+            pass_rate=sum(s.components.pass_fraction == 1.0 for s in samples) / len(samples),
             lag_min=min(lags, default=0), lag_max=max(lags, default=0), lag_histogram=histogram,
-            num_versions_in_batch=len({v for s in samples for v in s["trajectory"]["versions"] if v >= 0}),
+            num_versions_in_batch=len({v for s in samples for v in s.trajectory.versions if v >= 0}),
             replay_replaced_fraction=replaced, step_s=elapsed,
             tokens_per_s=num_tokens / elapsed if elapsed > 0 else 0.0,
             skipped=refused.stage.value if refused else "",
             non_finite_sample_ids=refused.sample_ids if refused else ())
 
-    def _forward_loss(self, samples: Sequence[dict[str, Any]]
+    def _forward_loss(self, samples: Sequence[GroupSample]
                       ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, float]:
         """The loss of ``samples``, its metrics, the per-position log-probs, the batch and the replay fraction."""
-        batch = pack_sequences([s["trajectory"]["token_ids"] for s in samples])
+        batch = pack_sequences([s.trajectory.token_ids for s in samples])
         behaviour, temperatures, mask, advantages, replay = _aligned(samples, batch.num_tokens)
         loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
         logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay,
@@ -200,7 +202,7 @@ class Learner:
         return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, out.routing_stats.replaced_fraction
 
     def _optimize(
-        self, samples: Sequence[dict[str, Any]]
+        self, samples: Sequence[GroupSample]
     ) -> tuple[torch.Tensor, PolicyLossMetrics, float, float, int, NonFiniteStep | None]:
         """Forward, loss, backward and one Adam step over ``samples``: loss, metrics, grad norm, replay
         fraction, the number of tokens packed, and why the step was refused (None when applied)."""
@@ -231,7 +233,7 @@ class Learner:
                                     f"non-finite after the update: {bad[:8]}")
         return loss, m, grad_norm, replaced, batch.num_tokens, refused
 
-    def _samples_with_non_finite_gradient(self, samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    def _samples_with_non_finite_gradient(self, samples: Sequence[GroupSample]) -> tuple[str, ...]:
         """Each sample's own backward, to name those whose gradient is not finite (only on a failed step)."""
         culprits = []
         for i, s in enumerate(samples):
@@ -284,7 +286,7 @@ class Learner:
         return learner
 
 
-def _aligned(samples: Sequence[dict[str, Any]], num_tokens: int
+def _aligned(samples: Sequence[GroupSample], num_tokens: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per packed position p: behaviour log-prob, its temperature, loss mask and advantage of token p+1;
     router rows of p."""
@@ -295,16 +297,15 @@ def _aligned(samples: Sequence[dict[str, Any]], num_tokens: int
     replay_rows = []
     offset = 0
     for s in samples:
-        t = s["trajectory"]
-        n = len(t["token_ids"])
-        behaviour[offset:offset + n - 1] = torch.tensor(t["behaviour_logprobs"][1:])
+        t = s.trajectory
+        n = len(t.token_ids)
+        behaviour[offset:offset + n - 1] = torch.tensor(t.behaviour_logprobs[1:])
         # float32 from the same Python floats as the sampler's temperatures: the same division, bit for bit
-        temperatures[offset:offset + n - 1] = torch.tensor(t["logprob_temperatures"][1:], dtype=torch.float32)
-        mask[offset:offset + n - 1] = torch.tensor(t["loss_mask"][1:], dtype=torch.bool)
-        advantages[offset:offset + n] = s["advantage"]
-        topk = t["topk_ids_TLK"]
-        rows = torch.frombuffer(bytearray(topk["data"]), dtype=torch.int16).reshape(topk["shape"])
-        replay_rows.append(rows[:n].long())
+        temperatures[offset:offset + n - 1] = torch.tensor(t.logprob_temperatures[1:], dtype=torch.float32)
+        mask[offset:offset + n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        advantages[offset:offset + n] = s.advantage
+        assert t.topk_ids_TLK is not None  # check_trajectories refused a sample without its router choices
+        replay_rows.append(t.topk_ids_TLK[:n].long())
         offset += n
     return behaviour, temperatures, mask, advantages, torch.cat(replay_rows, dim=0)
 

@@ -8,16 +8,13 @@ Every component is recorded beside the reward, so a run's reward can always be t
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
-
 import structlog
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent import Trajectory
 from actors.config import RewardSection
 from actors.lifecycle_events import RewardDone, RewardOrder
+from actors.records import RewardBreakdown, RewardRecord, RolloutRecord, TestResult
 from actors.scratch import open_sandbox_store
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
@@ -35,21 +32,6 @@ __all__ = ["RewardActor", "RewardBreakdown", "compute_reward", "length_penalty"]
 def length_penalty(x: float, k: float, q: float) -> float:
     """C(x) = ((1 + kx)^(1−q) − 1) / (k(1−q)); C(0) = 0, C'(0) = 1, concave for q > 0."""
     return ((1.0 + k * x) ** (1.0 - q) - 1.0) / (k * (1.0 - q))
-
-
-@dataclass(frozen=True)
-class RewardBreakdown:
-    pass_fraction: float
-    num_passed: int
-    num_tests: int
-    weighted_length: float
-    length_penalty: float
-    num_malformed_calls: int
-    malformed_penalty: float
-    reward: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def compute_reward(traj: Trajectory, num_passed: int, num_tests: int, cfg: RewardSection) -> RewardBreakdown:
@@ -78,20 +60,20 @@ class RewardActor(StageActor):
             task = self.tasks.task(order.prompt_id)
         except KeyError as e:
             raise WorkRefused(str(e)) from None
-        record = await self.get_record(f"{order.rollout_key}/trajectory")
-        traj = Trajectory.from_dict(record["trajectory"])
-        violation = record.get("workspace_violation")
-        if isinstance(violation, str) and violation:  # the rollout's workspace went over its host budgets
-            outcome = over_budget_outcome(task, violation)
+        rollout = await self.get_record(f"{order.rollout_key}/trajectory", RolloutRecord)
+        if rollout.sample_id != order.sample_id:
+            raise WorkRefused(f"rollout record {order.rollout_key} is of sample {rollout.sample_id}, "
+                              f"not {order.sample_id}")
+        traj = rollout.trajectory
+        if rollout.workspace_violation:  # the rollout's workspace went over its host budgets
+            outcome = over_budget_outcome(task, rollout.workspace_violation)
         else:
             outcome = await self._score_workspace(order, task)
         breakdown = compute_reward(traj, outcome.num_passed, outcome.num_total, self.config.reward)
         key = f"{order.rollout_key}/reward-a{order.attempt}"
-        await self.put_record(key, {
-            "sample_id": order.sample_id, "prompt_id": order.prompt_id, "rollout_key": order.rollout_key,
-            "reward": breakdown.reward, "components": breakdown.to_dict(),
-            "tests": [{"name": d.name, "passed": d.passed} for d in outcome.details],
-        })
+        await self.put_record(key, RewardRecord(
+            order.sample_id, order.prompt_id, order.rollout_key, breakdown.reward, breakdown,
+            tuple(TestResult(d.name, d.passed) for d in outcome.details)))
         log.info("sample_rewarded", sample_id=order.sample_id, prompt_id=order.prompt_id, reward=breakdown.reward,
                  pass_fraction=breakdown.pass_fraction, length_penalty=breakdown.length_penalty,
                  num_malformed_calls=breakdown.num_malformed_calls)

@@ -20,6 +20,7 @@ from actors._stage import StageActor, WorkRefused
 from actors.agent import run_episode
 from actors.lifecycle_events import RolloutDone, RolloutOrder
 from actors.policy import load_policy, weights_run_name
+from actors.records import RolloutRecord
 from actors.scratch import open_sandbox_store
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
@@ -107,14 +108,11 @@ class RolloutActor(StageActor):
         finally:
             env.close()
         key = f"samples/{order.sample_id}/a{order.attempt}"
-        record: dict[str, Any] = {"sample_id": order.sample_id, "prompt_id": order.prompt_id,
-                                  "trajectory": traj.to_dict()}
         if workspace is not None:
             await self.ctx.blob.put(f"{key}/workspace.tar.zst", workspace)
         else:  # the policy's doing, not a fault: the sample stands and the reward actor fails every test
             log.warning("rollout_workspace_over_budget", sample_id=order.sample_id, reason=violation)
-            record["workspace_violation"] = violation
-        await self.put_record(f"{key}/trajectory", record)
+        await self.put_record(f"{key}/trajectory", RolloutRecord(order.sample_id, order.prompt_id, traj, violation))
         log.info("rollout_finished", sample_id=order.sample_id, prompt_id=order.prompt_id, end=traj.end.value,
                  num_tokens=len(traj.token_ids), num_turns=traj.num_turns, min_version=traj.min_version,
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3))

@@ -20,9 +20,10 @@ import dataclasses
 import enum
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from actors.records import GroupSample
 
 __all__ = ["NonFiniteStage", "NonFiniteStep", "NonFiniteWeights", "Rollback", "check_trajectories",
            "non_finite_inputs", "non_finite_parameters", "sample_ids", "samples_at_positions"]
@@ -50,50 +51,46 @@ class NonFiniteWeights(ArithmeticError):
     """Weights with a NaN or inf were about to be saved as a checkpoint."""
 
 
-def sample_id(sample: dict[str, Any], index: int) -> str:
-    return str(sample.get("sample_id", f"#{index}"))
+def sample_ids(samples: Sequence[GroupSample]) -> tuple[str, ...]:
+    return tuple(s.sample_id for s in samples)
 
 
-def sample_ids(samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
-    return tuple(sample_id(s, i) for i, s in enumerate(samples))
-
-
-def check_trajectories(samples: Sequence[dict[str, Any]]) -> None:
-    """Every per-token field present and as long as ``token_ids``.
+def check_trajectories(samples: Sequence[GroupSample]) -> None:
+    """Every per-token field, and the router choices, as long as ``token_ids`` (a field missing altogether
+    is refused when the group record is read: actors.records).
 
     Raises:
-        ValueError: naming the sample and the field (a record from a rollout older than the
-            per-token temperatures lacks ``logprob_temperatures``).
+        ValueError: naming the sample and the fields.
     """
-    for i, s in enumerate(samples):
-        t = s["trajectory"]
-        missing = [k for k in ("token_ids", *PER_TOKEN_FIELDS) if k not in t]
-        if missing:
-            raise ValueError(f"sample {sample_id(s, i)}: trajectory lacks {missing}")
-        lengths = {k: len(t[k]) for k in PER_TOKEN_FIELDS}
-        if set(lengths.values()) != {len(t["token_ids"])}:
-            raise ValueError(f"sample {sample_id(s, i)}: {len(t['token_ids'])} tokens but per-token fields of "
+    for s in samples:
+        t = s.trajectory
+        lengths = {k: len(getattr(t, k)) for k in PER_TOKEN_FIELDS}
+        if set(lengths.values()) != {len(t.token_ids)}:
+            raise ValueError(f"sample {s.sample_id}: {len(t.token_ids)} tokens but per-token fields of "
                              f"lengths {lengths}")
+        if t.topk_ids_TLK is None or t.topk_ids_TLK.shape[0] < len(t.token_ids):
+            shape = None if t.topk_ids_TLK is None else list(t.topk_ids_TLK.shape)
+            raise ValueError(f"sample {s.sample_id}: {len(t.token_ids)} tokens but router choices of shape {shape}")
 
 
-def non_finite_inputs(samples: Sequence[dict[str, Any]]) -> NonFiniteStep | None:
+def non_finite_inputs(samples: Sequence[GroupSample]) -> NonFiniteStep | None:
     """The samples whose advantage, or a trained token's behaviour log-prob or temperature, is unusable."""
     bad: list[str] = []
     reasons: list[str] = []
-    for i, s in enumerate(samples):
-        t = s["trajectory"]
-        trained = [j for j, keep in enumerate(t["loss_mask"]) if keep]
-        behaviour = [t["behaviour_logprobs"][j] for j in trained]
-        temps = [t["logprob_temperatures"][j] for j in trained]
+    for s in samples:
+        t = s.trajectory
+        trained = [j for j, keep in enumerate(t.loss_mask) if keep]
+        behaviour = [t.behaviour_logprobs[j] for j in trained]
+        temps = [t.logprob_temperatures[j] for j in trained]
         why = []
-        if not math.isfinite(s["advantage"]):
-            why.append(f"advantage={s['advantage']}")
+        if not math.isfinite(s.advantage):
+            why.append(f"advantage={s.advantage}")
         if not all(math.isfinite(lp) and lp <= 0.0 for lp in behaviour):
             why.append("behaviour log-prob not finite or > 0")
         if not all(math.isfinite(x) and x > 0.0 for x in temps):
             why.append("temperature not finite or <= 0")
         if why:
-            bad.append(sample_id(s, i))
+            bad.append(s.sample_id)
             reasons.append(f"{bad[-1]}: {', '.join(why)}")
     if not bad:
         return None
@@ -101,10 +98,10 @@ def non_finite_inputs(samples: Sequence[dict[str, Any]]) -> NonFiniteStep | None
 
 
 def samples_at_positions(positions_T: torch.Tensor, seq_lens: Sequence[int],
-                         samples: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+                         samples: Sequence[GroupSample]) -> tuple[str, ...]:
     """Ids of the packed samples that own the True positions of ``positions_T`` (in packing order)."""
     owner = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
-    return tuple(sample_id(samples[i], i) for i in owner[positions_T.cpu()].unique().tolist())
+    return tuple(samples[i].sample_id for i in owner[positions_T.cpu()].unique().tolist())
 
 
 def non_finite_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:

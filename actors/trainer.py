@@ -37,6 +37,7 @@ from actors.lifecycle_events import TrainDone, TrainOrder
 from actors.messages import WeightsPublished
 from actors.metrics_log import read_metrics
 from actors.policy import load_policy, use_training_precision, weights_run_name
+from actors.records import GroupRecord
 from actors.slots import Stage
 from actors.weights_follower import weights_subject
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
@@ -135,8 +136,8 @@ class TrainerActor(StageActor):
         if learner.version > order.deadline_version:
             raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
                               f"{order.deadline_version}: training it would exceed the staleness bound")
-        groups = [await self.get_record(k) for k in order.group_keys]
-        named = [g.get("group_id") for g in groups]
+        groups = [await self.get_record(k, GroupRecord) for k in order.group_keys]
+        named = [g.group_id for g in groups]
         if len(set(order.group_ids)) != len(order.group_ids) or named != list(order.group_ids):
             raise WorkRefused(f"batch {order.batch_id} names groups {list(order.group_ids)} but its records "
                               f"hold {named}")

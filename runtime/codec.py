@@ -4,28 +4,30 @@
              | {"schema": 1, "type": ..., "v": ..., "blob": "<key>", "size": <bytes>}
 
 Bodies larger than ``inline_limit_bytes`` travel through blob storage by key, so NATS only ever carries
-small messages. Anything that fails to decode raises ``MessageError`` with a short reason code, which
-the actor base turns into a dead-letter entry.
+small messages. Bodies are msgspec's: encoded from, and decoded with validation into, the message's type
+(a frozen dataclass or a msgspec Struct; a dataclass's unknown fields are refused at any depth, as a
+Struct's with ``forbid_unknown_fields``). Anything that fails to decode raises ``MessageError`` with a
+short reason code and the field at fault, which the actor base turns into a dead-letter entry.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import hashlib
 import re
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
-import msgpack
+import msgspec
 
 from runtime.errors import MessageError
+from runtime.validation import enum_choices, hint_at, split_error, strict_shape
 
 SCHEMA_VERSION = 1
+_ENCODER = msgspec.msgpack.Encoder()  # dataclasses and Structs as maps by field name, enums by value
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 M = TypeVar("M", bound="Message")
@@ -76,14 +78,18 @@ class Codec:
         self._types: dict[str, type] = {}
         self._names: dict[type, str] = {}
         for name, t in pairs:
-            if not name or not dataclasses.is_dataclass(t):
-                raise TypeError(f"{t.__name__} is not a message: decorate it with @message(...) "
-                                "or give the codec a mapping of wire name to dataclass")
+            if not name or not (dataclasses.is_dataclass(t) or issubclass(t, msgspec.Struct)):
+                raise TypeError(f"{t.__name__} is not a message: decorate it with @message(...) or give "
+                                "the codec a mapping of wire name to frozen dataclass or msgspec Struct")
+            if issubclass(t, msgspec.Struct) and not t.__struct_config__.forbid_unknown_fields:
+                raise TypeError(f"{t.__name__} would take unknown fields silently: declare it with "
+                                "forbid_unknown_fields=True, as every message type refuses them")
             if name in self._types and self._types[name] is not t:
                 raise TypeError(f"message type {name!r} registered twice "
                                 f"({self._types[name].__name__} and {t.__name__})")
             self._types[name] = t
             self._names[t] = name
+            _decoders(t)  # built here, once: not on the first message
         self._blob = blob
         self.limits = limits
         self._blob_prefix = blob_prefix
@@ -96,7 +102,7 @@ class Codec:
         name = self._names.get(type(msg))
         if name is None:
             raise TypeError(f"{type(msg).__name__} is not one of this codec's types: {self.type_names}")
-        body = msgpack.packb(_to_wire(msg), use_bin_type=True)
+        body = _ENCODER.encode(msg)
         head = {"schema": SCHEMA_VERSION, "type": name, "v": _version(type(msg))}
         if len(body) > self.limits.inline_limit_bytes:
             if self._blob is None:
@@ -104,8 +110,8 @@ class Codec:
                                  f"{self.limits.inline_limit_bytes}, and this codec has no blob store")
             key = f"{self._blob_prefix}/{name}/{hashlib.sha256(body).hexdigest()}"
             await self._blob.put(key, body)
-            return msgpack.packb({**head, "blob": key, "size": len(body)}, use_bin_type=True)
-        return msgpack.packb({**head, "body": body}, use_bin_type=True)
+            return _ENCODER.encode({**head, "blob": key, "size": len(body)})
+        return _ENCODER.encode({**head, "body": body})
 
     async def decode(self, data: bytes) -> Any:
         """The message ``data`` carries.
@@ -128,8 +134,8 @@ class Codec:
             raise MessageError("oversized", f"{len(data)} bytes > limit {self.limits.max_message_bytes}; "
                                "large payloads must travel through blob storage")
         try:
-            env = msgpack.unpackb(data, raw=False)
-        except Exception as e:  # msgpack raises several unrelated types
+            env = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError as e:
             raise MessageError("malformed", f"not msgpack: {e}") from None
         if not isinstance(env, dict) or env.get("schema") != SCHEMA_VERSION:
             raise MessageError("malformed", f"not an envelope of schema {SCHEMA_VERSION}")
@@ -140,16 +146,7 @@ class Codec:
         if env.get("v") != _version(cls):
             raise MessageError("version_mismatch", f"{name} v{env.get('v')} != expected v{_version(cls)}")
         body = await self._body(env, str(name))
-        try:
-            fields = msgpack.unpackb(body, raw=False)
-        except Exception as e:
-            raise MessageError("malformed", f"body of {name} is not msgpack: {e}") from None
-        try:
-            return _from_wire(cls, fields, str(name))
-        except MessageError:
-            raise
-        except (TypeError, ValueError, KeyError, RecursionError) as e:  # whatever the body holds, never a crash
-            raise MessageError("invalid", f"body of {name} cannot be a {cls.__name__}: {e!r}") from None
+        return _from_wire(cls, body, str(name))
 
     async def _body(self, env: dict[str, Any], name: str) -> bytes:
         if "body" in env and isinstance(env["body"], bytes):
@@ -177,103 +174,33 @@ class Codec:
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    """Resolved field types of a message class; resolving them per message was a tenth of decode time."""
-    return typing.get_type_hints(cls)
+def _decoders(cls: type) -> tuple[msgspec.msgpack.Decoder | None, msgspec.msgpack.Decoder]:
+    """A message class's decoders, built once: the unknown-field check (None for a msgspec Struct, which
+    refuses unknown fields itself if it is so declared) and the typed decoder."""
+    typed = msgspec.msgpack.Decoder(cls)
+    if issubclass(cls, msgspec.Struct):
+        return None, typed
+    return msgspec.msgpack.Decoder(strict_shape(cls)), typed
 
 
-@functools.cache
-def _wire_fields(cls: type) -> tuple[frozenset[str], tuple[tuple[str, Any, bool], ...]]:
-    """A message class's init field names, and (name, type, required) per field, computed once:
-    ``dataclasses.fields`` per message was another tenth of decode time."""
-    hints = _type_hints(cls)
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    names = frozenset(f.name for f in fields if f.init)
-    missing = dataclasses.MISSING
-    return names, tuple(
-        (f.name, hints[f.name], f.default is missing and f.default_factory is missing) for f in fields
-    )
+def _from_wire(cls: type, body: bytes, name: str) -> Any:
+    shape, typed = _decoders(cls)
+    try:
+        if shape is not None:
+            shape.decode(body)
+        return typed.decode(body)
+    except msgspec.ValidationError as e:
+        raise MessageError("invalid", f"body of {name} cannot be a {cls.__name__}: {_say(e, cls)}") from None
+    except msgspec.DecodeError as e:
+        raise MessageError("malformed", f"body of {name} is not msgpack: {e}") from None
 
 
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+def _say(error: msgspec.ValidationError, cls: type) -> str:
+    what, path = split_error(error)
+    if what.startswith("invalid enum value") and (choices := enum_choices(hint := hint_at(cls, path))):
+        what = f"{what.removeprefix('invalid enum value ')} is not a {hint.__name__} (one of {choices})"
+    return f"{path}: {what}" if path else what
 
 
 def _version(cls: type) -> int:
     return int(getattr(cls, "VERSION", 1))
-
-
-def _to_wire(msg: Any) -> Any:
-    if dataclasses.is_dataclass(msg) and not isinstance(msg, type):
-        return {name: _to_wire(getattr(msg, name)) for name in _field_names(type(msg))}
-    if isinstance(msg, enum.Enum):
-        return msg.value
-    if isinstance(msg, tuple | list):
-        return [_to_wire(x) for x in msg]
-    if isinstance(msg, dict):
-        return {k: _to_wire(v) for k, v in msg.items()}
-    return msg
-
-
-def _from_wire(cls: type[M], fields: Any, path: str) -> M:
-    if not isinstance(fields, dict):
-        raise MessageError("invalid", f"{path}: expected a map, got {type(fields).__name__}")
-    names, wire_fields = _wire_fields(cls)
-    unknown = set(fields) - names
-    if unknown:
-        raise MessageError("invalid", f"{path}: unknown fields {sorted(unknown)}")
-    kwargs = {}
-    for name, hint, required in wire_fields:
-        if name in fields:
-            kwargs[name] = _check(fields[name], hint, f"{path}.{name}")
-        elif required:
-            raise MessageError("invalid", f"{path}: missing field {name!r}")
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise MessageError("invalid", f"{path}: {e}") from None
-
-
-def _check(value: Any, hint: Any, path: str) -> Any:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _check(value, arg, path)
-            except MessageError:
-                continue
-        raise MessageError("invalid", f"{path}: {value!r} matches none of {hint}")
-    if dataclasses.is_dataclass(hint):
-        return _from_wire(hint, value, path)  # type: ignore[arg-type]
-    if origin is tuple or origin is list:
-        if not isinstance(value, list | tuple):
-            raise MessageError("invalid", f"{path}: expected a list, got {type(value).__name__}")
-        args = typing.get_args(hint)
-        item = args[0] if args else Any
-        items = [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        kt, vt = typing.get_args(hint) or (Any, Any)
-        if not isinstance(value, dict):
-            raise MessageError("invalid", f"{path}: expected a map, got {type(value).__name__}")
-        return {_check(k, kt, path): _check(v, vt, f"{path}[{k!r}]") for k, v in value.items()}
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise MessageError("invalid", f"{path}: {value!r} is not a {hint.__name__}") from None
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is type(None) and value is None:
-        return None
-    if isinstance(hint, type) and hint in (int, float, str, bytes, bool):
-        if type(value) is not hint:
-            raise MessageError("invalid", f"{path}: expected {hint.__name__}, got {type(value).__name__}")
-        return value
-    raise MessageError("invalid", f"{path}: unsupported field type {hint}")

@@ -1,6 +1,8 @@
 """Typed, validated configuration from TOML: dataclass defaults, a run file, then ``--set`` overrides.
 
-A configuration schema is a tree of frozen dataclasses. Leaves marked ``live()`` may change while a run
+A configuration schema is a tree of frozen dataclasses; msgspec converts the parsed TOML to it (the same
+library that decodes wire messages, runtime.codec), and its errors are said here as the key a user writes.
+Leaves marked ``live()`` may change while a run
 is going (they are kept in the ``config`` KV bucket and watched by actors); every other key is fixed at
 start. Errors name the key and the problem, and suggest the nearest valid key.
 
@@ -15,17 +17,19 @@ rollouts in flight where the class says 8).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import math
 import tomllib
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
+import tomli_w
+
 from runtime.errors import ConfigError
+from runtime.validation import did_you_mean, enum_choices, hint_at, split_error, value_at
 
 T = TypeVar("T")
 
@@ -120,10 +124,7 @@ def field_at(schema: type, dotted_key: str) -> dataclasses.Field[Any]:
 
 
 def _unknown(key: str, fields: Mapping[str, Any]) -> str:
-    leaf = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(leaf, list(fields), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys here: {', '.join(sorted(fields))}"
-    return f"config key {key!r} is unknown{hint}"
+    return f"config key {key!r} is unknown{did_you_mean(key.rsplit('.', 1)[-1], fields)}"
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -185,31 +186,102 @@ def load(schema: type[T], files: Iterable[Path] = (), overrides: Iterable[str] =
 
 
 def build(schema: type[T], tree: Mapping[str, Any], prefix: str = "", base: T | None = None) -> T:
-    """Validates a nested mapping against a dataclass schema, converting TOML values to field types.
+    """Validates a nested mapping against a dataclass schema (msgspec converts each section to its type).
 
     Keys the mapping leaves out keep their value in ``base`` (default: the schema's field defaults);
-    a nested table given in part is merged over the default of the field that holds it.
+    a nested table given in part is merged over the default of the field that holds it. Each section
+    is converted on its own, so an error names its key in full (``actors.rollout.count``, where
+    msgspec alone says ``$.actors[...].count``), and a section's own check names the section.
     """
     if not isinstance(tree, Mapping):
-        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a table")
-    fields = {f.name: f for f in dataclasses.fields(schema)}  # type: ignore[arg-type]
+        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a table, got {tree!r}")
+    fields = {f.name: f for f in dataclasses.fields(schema) if f.init}  # type: ignore[arg-type]
     for key in tree:
         if key not in fields:
             raise ConfigError(_unknown(prefix + key, fields))
     hints = typing.get_type_hints(schema)
-    kwargs = {}
+    section: dict[str, Any] = {}
     for name, f in fields.items():
-        if name in tree:
+        key, hint = prefix + name, hints[name]
+        if name not in tree:
+            if base is not None:
+                section[name] = getattr(base, name)
+            continue
+        value = tree[name]
+        if _is_section(hint):
             default = getattr(base, name) if base is not None else _field_default(f)
-            kwargs[name] = _convert(tree[name], hints[name], prefix + name, default)
-            if (within := f.metadata.get("range")) is not None:
-                within.check(prefix + name, kwargs[name])
+            value = build(hint, value, key + ".", default if isinstance(default, hint) else None)
+        elif _is_section(item := typing.get_args(hint)[-1] if typing.get_origin(hint) is dict else None) \
+                and isinstance(value, Mapping):
+            value = {k: build(item, v, f"{key}.{k}.") for k, v in value.items()}
+        else:
+            _check_number(key, value, hint, f.metadata.get("range"))
+        section[name] = value
     try:
-        return schema(**kwargs) if base is None else dataclasses.replace(base, **kwargs)  # type: ignore[type-var]
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r}: {e}") from None
+        return msgspec.convert(section, schema, dec_hook=_decode_path)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_say(e, schema, section, prefix)) from None
+
+
+def _is_section(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _check_number(key: str, value: Any, hint: Any, within: Range | None) -> None:
+    """ConfigError naming ``key`` for a non-finite float or a number outside ``within``; a value of the
+    wrong type is left to the section's conversion, which says so."""
+    try:
+        typed = msgspec.convert(value, hint, dec_hook=_decode_path)
+    except msgspec.ValidationError:
+        return
+    for v in typed if isinstance(typed, tuple | list) else (typed,):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"config key {key!r} = {typed!r}: a finite number is required")
+    if within is not None:
+        within.check(key, typed)
+
+
+def _decode_path(hint: Any, value: Any) -> Any:
+    if hint is Path and isinstance(value, str | Path):
+        return Path(value)
+    raise TypeError(f"Expected `{'path string' if hint is Path else hint}`, got `{type(value).__name__}`")
+
+
+def _say(error: msgspec.ValidationError, schema: type, section: Mapping[str, Any], prefix: str) -> str:
+    """msgspec's error said as a user writes the key: what it expects, what it got, and what to write."""
+    what, path = split_error(error)
+    if what.startswith("object missing required field"):
+        missing = ".".join(p for p in (prefix.rstrip("."), path, what.rsplit(" ", 1)[-1].strip("'")) if p)
+        return f"config key {missing!r} is required: it has no default"
+    if not path:  # the section's own __post_init__ refused it
+        return f"config section {prefix.rstrip('.') or '<root>'!r}: {what}"
+    key, hint = prefix + path, hint_at(schema, path)
+    if "[...]" in path:  # a value of a table of values: msgspec does not say which key holds it
+        return f"config key {key!r}: {what}"
+    given = value_at(section, path)
+    if (choices := enum_choices(hint)) is not None:
+        return f"config key {key!r} must be one of {choices}, got {given!r}"
+    if what.startswith("expected"):
+        return f"config key {key!r} expects {_type_name(hint)}, got {given!r} ({type(given).__name__})" + (
+            _example(schema, path, key))
+    return f"config key {key!r}: {what}"
+
+
+def _example(schema: type, path: str, key: str) -> str:
+    """``; e.g. key=<default>`` for a key of ``schema`` itself whose default TOML can write."""
+    f = next((f for f in dataclasses.fields(schema) if f.name == path), None)  # type: ignore[arg-type]
+    default = None if f is None else _plain(_field_default(f))
+    if not isinstance(default, str | int | float | bool | list):
+        return ""
+    return f"; e.g. {key}={tomli_w.dumps({'v': default}).removeprefix('v = ').strip()} (its default)"
+
+
+def _type_name(hint: Any) -> str:
+    if hint is Path:
+        return "a path string"
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "") if hint is not None else "another type"
 
 
 def _field_default(f: dataclasses.Field[Any]) -> Any:
@@ -259,55 +331,3 @@ def _plain(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _plain(x) for k, x in v.items()}
     return v
-
-
-def _convert(value: Any, hint: Any, key: str, default: Any = None) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        base = default if isinstance(default, hint) else None  # type: ignore[arg-type]
-        return build(hint, value, key + ".", base)  # type: ignore[arg-type]
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"config key {key!r}: {value!r} matches none of {hint}")
-    if origin in (dict, Mapping):
-        _, vt = typing.get_args(hint) or (str, Any)
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"config key {key!r} expects a table, got {value!r}")
-        return {k: _convert(v, vt, f"{key}.{k}") for k, v in value.items()}
-    if origin in (tuple, list):
-        args = typing.get_args(hint)
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
-        item = args[0] if args else Any
-        items = [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if hint is Any:
-        return value
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in hint)
-            raise ConfigError(f"config key {key!r} must be one of {choices}, got {value!r}") from None
-    if hint is Path:
-        if not isinstance(value, str | Path):
-            raise ConfigError(f"config key {key!r} expects a path string, got {value!r}")
-        return Path(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"config key {key!r} = {value!r}: a finite number is required")
-    if hint in (int, float, str, bool):
-        if type(value) is not hint:
-            raise ConfigError(
-                f"config key {key!r} expects {hint.__name__}, got {value!r} ({type(value).__name__})")
-        return value
-    raise ConfigError(f"config key {key!r} has an unsupported type {hint}")

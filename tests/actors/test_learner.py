@@ -9,13 +9,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
-from actors.agent import _tensor_to_wire
+from actors.agent import EpisodeEnd, Trajectory
 from actors.config import TrainerSection
 from actors.learner import Learner
 from actors.lr_schedule import LRSchedule
+from actors.records import GroupRecord, GroupSample, RewardBreakdown, decode_record, encode_record
 from actors.step_guard import NonFiniteWeights
 from kernels import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
@@ -26,7 +28,7 @@ from model.transformer import MoETransformer
 from tests.model.helpers import random_prompts, seeded_model, small_config
 
 
-def _group(model: MoETransformer, rewards: list[float], seed: int, temperature: float = 1.0) -> dict[str, Any]:
+def _group(model: MoETransformer, rewards: list[float], seed: int, temperature: float = 1.0) -> GroupRecord:
     """A group of trajectories by `model` (random tokens) with the behaviour log-probs a sampler at
     `temperature` records for them (model.sampling.tempered_logprobs), and their experts.
 
@@ -39,19 +41,21 @@ def _group(model: MoETransformer, rewards: list[float], seed: int, temperature: 
         out = model(batch.input_ids_T, seq_lens=batch.seq_lens)
     temps_T = torch.full((batch.num_tokens,), temperature)
     logp_T = tempered_logprobs(out.logits, temps_T).gather(1, batch.targets_T[:, None])[:, 0]
+    advantages = advantages_dr_grpo(torch.tensor(rewards, dtype=torch.float64)).tolist()
     samples, offset = [], 0
-    for i, (ids, reward) in enumerate(zip(prompts, rewards, strict=True)):
+    for i, (ids, reward, adv) in enumerate(zip(prompts, rewards, advantages, strict=True)):
         n, prompt = len(ids), 4
-        samples.append({"sample_id": f"s{seed}-{i}", "reward": reward, "components": {"pass_fraction": reward},
-                        "trajectory": {"token_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt),
-                                       "behaviour_logprobs": [0.0, *logp_T[offset:offset + n - 1].tolist()],
-                                       "logprob_temperatures": [1.0] * prompt + [temperature] * (n - prompt),
-                                       "versions": [-1] * prompt + [0] * (n - prompt),
-                                       "topk_ids_TLK": _tensor_to_wire(out.topk_ids_TLK[offset:offset + n])}})
+        trajectory = Trajectory(
+            token_ids=ids, loss_mask=[0] * prompt + [1] * (n - prompt),
+            behaviour_logprobs=[0.0, *logp_T[offset:offset + n - 1].tolist()],
+            logprob_temperatures=[1.0] * prompt + [temperature] * (n - prompt),
+            versions=[-1] * prompt + [0] * (n - prompt),
+            topk_ids_TLK=out.topk_ids_TLK[offset:offset + n].to(torch.int16), prompt_len=prompt,
+            end=EpisodeEnd.FINAL_ANSWER)
+        components = RewardBreakdown(reward, int(reward == 1.0), 1, 0.0, 0.0, 0, 0.0, reward)
+        samples.append(GroupSample(f"s{seed}-{i}", reward, components, adv, trajectory))
         offset += n
-    for s, adv in zip(samples, advantages_dr_grpo(torch.tensor(rewards, dtype=torch.float64)).tolist(), strict=True):
-        s["advantage"] = adv
-    return {"samples": samples}
+    return GroupRecord(f"g{seed}", f"p{seed}", 0, 0, 0.0, tuple(samples))
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
@@ -77,9 +81,9 @@ def test_groups_sampled_at_different_temperatures_train_on_policy_together() -> 
     cold, hot = _group(model, [1.0, 0.0], seed=9, temperature=0.8), _group(model, [0.0, 1.0], seed=10, temperature=1.3)
     m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([cold, hot], "b")
     assert abs(m.ratio_min - 1.0) < 1e-5 and abs(m.ratio_max - 1.0) < 1e-5
-    for s in hot["samples"]:  # the same batch scored at one temperature for all is visibly off-policy
-        t = s["trajectory"]
-        t["logprob_temperatures"] = [0.8 if x == 1.3 else x for x in t["logprob_temperatures"]]
+    for s in hot.samples:  # the same batch scored at one temperature for all is visibly off-policy
+        t = s.trajectory
+        t.logprob_temperatures = [0.8 if x == 1.3 else x for x in t.logprob_temperatures]
     m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([cold, hot], "b")
     assert m.ratio_max - m.ratio_min > 0.1
 
@@ -89,9 +93,9 @@ def test_the_ratio_statistics_report_an_off_policy_batch() -> None:
     # moves away from 1 and the metrics show it.
     model = seeded_model(small_config(), seed=1)
     group = _group(model, [1.0, 0.0, 0.5, 0.0], seed=2, temperature=0.5)
-    for s in group["samples"]:
-        t = s["trajectory"]
-        t["logprob_temperatures"] = [1.0] * len(t["token_ids"])
+    for s in group.samples:
+        t = s.trajectory
+        t.logprob_temperatures = [1.0] * len(t.token_ids)
     m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([group], "b0")
     assert m.ratio_min < 1.0 < m.ratio_max and m.ratio_median != 1.0
 
@@ -203,10 +207,10 @@ def _unchanged(a: MoETransformer, b: MoETransformer) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def _poison_behaviour(group: dict[str, Any], index: int, value: float) -> str:
-    t = group["samples"][index]["trajectory"]
-    t["behaviour_logprobs"][t["loss_mask"].index(1) + 2] = value
-    return group["samples"][index]["sample_id"]
+def _poison_behaviour(group: GroupRecord, index: int, value: float) -> str:
+    t = group.samples[index].trajectory
+    t.behaviour_logprobs[t.loss_mask.index(1) + 2] = value
+    return group.samples[index].sample_id
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -217,8 +221,8 @@ def test_an_unusable_temperature_or_log_prob_is_refused(field: str, value: float
     model = seeded_model(small_config(), seed=1)
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
     groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
-    t = groups[0]["samples"][1]["trajectory"]
-    t[field][-1] = value
+    t = groups[0].samples[1].trajectory
+    getattr(t, field)[-1] = value
     m = learner.step(groups, "b0")
     assert (m.skipped, m.non_finite_sample_ids) == ("input", ("s2-1",)) and _unchanged(model, learner.model)
 
@@ -257,8 +261,8 @@ def test_a_non_finite_loss_from_the_forward_names_the_sample() -> None:
     model = seeded_model(small_config(), seed=1)
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
     groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
-    t = groups[0]["samples"][2]["trajectory"]
-    t["logprob_temperatures"][-1] = 1e-40
+    t = groups[0].samples[2].trajectory
+    t.logprob_temperatures[-1] = 1e-40
     m = learner.step(groups, "b0")
     assert (m.skipped, m.non_finite_sample_ids) == ("loss", ("s2-2",))
     assert _unchanged(model, learner.model)
@@ -282,8 +286,8 @@ def test_a_non_finite_gradient_is_not_applied_and_the_samples_are_named() -> Non
     model = seeded_model(small_config(), seed=1)
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
     groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
-    ids = groups[0]["samples"][3]["trajectory"]["token_ids"]
-    others = {t for s in groups[0]["samples"][:3] for t in s["trajectory"]["token_ids"]}
+    ids = groups[0].samples[3].trajectory.token_ids
+    others = {t for s in groups[0].samples[:3] for t in s.trajectory.token_ids}
     only_here = next(t for t in ids if t not in others)
     embedding = next(p for name, p in learner.model.named_parameters() if "embed" in name)
 
@@ -346,11 +350,13 @@ def test_an_infinite_expert_weight_is_not_hidden_by_the_quantized_experts() -> N
 
 def test_a_trajectory_without_per_token_temperatures_is_refused_by_name() -> None:
     model = seeded_model(small_config(), seed=1)
-    groups = [_group(model, [1.0, 0.0], seed=2)]
-    del groups[0]["samples"][1]["trajectory"]["logprob_temperatures"]
+    # a stored group whose trajectory lacks the field (a rollout older than per-token temperatures): its
+    # record is refused when the trainer reads it, naming the sample and the field
+    stored = msgspec.msgpack.decode(encode_record(_group(model, [1.0, 0.0], seed=2)))
+    del stored["samples"][1]["trajectory"]["logprob_temperatures"]
     with pytest.raises(ValueError, match=r"s2-1.*logprob_temperatures"):
-        Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(groups, "b0")
+        decode_record(msgspec.msgpack.encode(stored), GroupRecord, "groups/g2/a0")
     groups = [_group(model, [1.0, 0.0], seed=2)]
-    groups[0]["samples"][0]["trajectory"]["logprob_temperatures"].pop()
+    groups[0].samples[0].trajectory.logprob_temperatures.pop()
     with pytest.raises(ValueError, match=r"s2-0: \d+ tokens"):
         Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(groups, "b0")

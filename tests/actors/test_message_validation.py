@@ -168,6 +168,6 @@ async def test_a_stage_refuses_an_order_whose_blob_key_leaves_the_store(tmp_path
     async with open_store(f"file://{tmp_path}") as store:
         stage = SimpleNamespace(ctx=SimpleNamespace(blob=store))
         with pytest.raises(WorkRefused, match="invalid"):
-            await StageActor.get_record(stage, "../../etc/passwd")  # type: ignore[arg-type]
+            await StageActor.get_record(stage, "../../etc/passwd", dict)  # type: ignore[arg-type]
         with pytest.raises(WorkRefused, match="missing"):
-            await StageActor.get_record(stage, "groups/none/a0")  # type: ignore[arg-type]
+            await StageActor.get_record(stage, "groups/none/a0", dict)  # type: ignore[arg-type]

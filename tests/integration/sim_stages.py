@@ -55,6 +55,7 @@ from actors.lifecycle_events import (
 )
 from actors.messages import WeightsPublished
 from actors.policy import weights_run_name
+from actors.records import RECORD_SCHEMA
 from actors.slots import Stage
 from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess
@@ -269,8 +270,8 @@ class _SimStage(StageActor):
             raise SimError(f"simulated error in {self.stage.value} {what}")
 
     async def put(self, key: str, record: dict[str, Any]) -> str:
-        if self.sim.records:
-            await self.put_record(key, record)
+        if self.sim.records:  # an untyped record, of the schema the stage base reads
+            await self.put_record(key, {**record, "schema": RECORD_SCHEMA})
         return key
 
 
@@ -327,7 +328,7 @@ class SimRewardActor(_SimStage):
         reward = random.Random(order.sample_id).random()  # a pure function of the sample
         record: dict[str, Any] = {"sample_id": order.sample_id, "reward": reward}
         if self.sim.records:
-            rollout = await self.get_record(order.rollout_key)
+            rollout = await self.get_record(order.rollout_key, dict)
             if rollout["sample_id"] != order.sample_id:
                 raise WorkRefused(
                     f"rollout record {order.rollout_key} is {rollout['sample_id']}, not {order.sample_id}"
@@ -352,7 +353,7 @@ class SimGroupActor(_SimStage):
             "sample_ids": list(order.sample_ids),
         }
         if self.sim.records:
-            rewards = [await self.get_record(k) for k in order.reward_keys]
+            rewards = [await self.get_record(k, dict) for k in order.reward_keys]
             if [r["sample_id"] for r in rewards] != list(order.sample_ids):
                 raise WorkRefused(f"group {order.group_id}: reward records do not match its samples")
             mean = sum(r["reward"] for r in rewards) / len(rewards)
@@ -422,7 +423,7 @@ class SimTrainActor(_SimStage):
         """The batch's prompt ids and oldest token version, from its group records."""
         if not self.sim.records:
             return {}
-        groups = [await self.get_record(k) for k in order.group_keys]
+        groups = [await self.get_record(k, dict) for k in order.group_keys]
         if [g["group_id"] for g in groups] != list(order.group_ids):
             raise WorkRefused(f"batch {order.batch_id}: group records do not match its groups")
         return {"prompt_ids": [g["prompt_id"] for g in groups], "min_version": min(g["min_version"] for g in groups)}

@@ -9,13 +9,13 @@ import os
 import signal
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 import zstandard
 from safetensors.torch import load_file
 
 from actors.metrics_log import read_metrics
+from actors.records import RolloutRecord, decode_record
 from actors.starting_policy import ensure_starting_policy
 from runtime.up import default_config_files
 from tests.integration.harness import REPO, LiveRun, write_config
@@ -111,8 +111,8 @@ async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) 
     assert {s["version"] for s in swapped} >= {1, 2, 3}, "rollout actors hot-loaded the versions through deltas"
     mixed = 0
     for blob in (run.run_dir / "blobs" / "samples").glob("*/a*/trajectory"):
-        record = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(blob.read_bytes()), raw=False)
-        mixed += len({v for v in record["trajectory"]["versions"] if v >= 0}) >= 2
+        record = decode_record(zstandard.ZstdDecompressor().decompress(blob.read_bytes()), RolloutRecord, str(blob))
+        mixed += len({v for v in record.trajectory.versions if v >= 0}) >= 2
     assert mixed >= 1, "some trajectories carry tokens of two versions: weights swapped mid-rollout"
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import enum
 
 import msgpack
+import msgspec
 import pytest
 
 from runtime.codec import Codec, CodecLimits, message
@@ -122,3 +123,49 @@ async def test_a_blob_body_must_hash_to_its_key() -> None:
     with pytest.raises(MessageError) as err:
         await codec.decode(wire)
     assert err.value.reason == "invalid" and "hash" in err.value.detail
+
+
+class Tally(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A msgspec Struct message: the codec takes these as it takes frozen dataclasses."""
+
+    key: str
+    counts: tuple[int, ...]
+    stage: Stage = Stage.ROLLOUT
+
+
+async def test_a_msgspec_struct_is_a_message_type_too() -> None:
+    codec = Codec({"test.tally": Tally})
+    msg = Tally("k", (1, 2), Stage.REWARD)
+    assert await codec.decode(await codec.encode(msg)) == msg
+    body = msgpack.packb({"key": "k", "counts": [1], "bogus": 1})
+    with pytest.raises(MessageError, match=r"unknown field 'bogus'") as err:
+        await codec.decode(msgpack.packb({"schema": 1, "type": "test.tally", "v": 1, "body": body}))
+    assert err.value.reason == "invalid"
+
+    class Lax(msgspec.Struct, frozen=True):
+        key: str
+
+    with pytest.raises(TypeError, match="forbid_unknown_fields"):
+        Codec({"test.lax": Lax})
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    ({"tokens": [1, "2"], "score": 1.0}, r"test.inner cannot be a Inner: tokens\[1\]: expected 'int', got 'str'"),
+    ({"tokens": [1], "score": True}, r"score: expected 'float', got 'bool'"),
+    ({"tokens": [1]}, r"missing required field 'score'"),
+])
+async def test_a_refused_body_names_the_field_at_fault(body: dict, said: str) -> None:
+    wire = msgpack.packb({"schema": 1, "type": "test.inner", "v": 1, "body": msgpack.packb(body)})
+    with pytest.raises(MessageError, match=said):
+        await Codec([Inner]).decode(wire)
+
+
+async def test_an_unknown_field_at_any_depth_is_refused_by_name() -> None:
+    codec = Codec([Outer, Inner])
+    env = msgpack.unpackb(await codec.encode(Outer("s", Stage.ROLLOUT, Inner((1,), 0.5), {"a": 1})))
+    body = msgpack.unpackb(env["body"])
+    body["inner"]["sneaky"] = [1, 2]
+    env["body"] = msgpack.packb(body)
+    with pytest.raises(MessageError, match=r"inner: object contains unknown field 'sneaky'"):
+        await codec.decode(msgpack.packb(env))
+
