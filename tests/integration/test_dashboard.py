@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-SECTIONS = ("training", "throughput", "pipeline", "actors", "config", "events")
+SECTIONS = ("training", "throughput", "pipeline", "rollouts", "actors", "config", "events")
 
 
 @pytest.fixture
@@ -137,6 +137,24 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         row.find_element(By.TAG_NAME, "input").send_keys("lots")
         row.find_element(By.TAG_NAME, "button").click()
         WebDriverWait(browser, 30).until(lambda d: "refused" in d.find_element(By.ID, "config-result").text)
+
+        # the rollout viewer: a kept sample, whole, its tokens coloured by the policy version that sampled them
+        def sample_rows(d: webdriver.Chrome) -> list[Any]:
+            d.find_element(By.ID, "sample-refresh").click()
+            return d.find_elements(By.CSS_SELECTOR, "#sample-table tbody tr")
+
+        WebDriverWait(browser, 120, poll_frequency=2).until(sample_rows)
+        browser.find_element(By.CSS_SELECTOR, "#sample-table tbody tr").click()
+        WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".tokens span"))
+        spans = browser.find_elements(By.CSS_SELECTOR, ".tokens span")
+        sampled = [s for s in spans if s.get_attribute("class") != "untrained"]
+        assert sampled and all(int(s.get_attribute("data-version")) >= 0 for s in sampled)
+        assert all(s.value_of_css_property("background-color") not in ("rgba(0, 0, 0, 0)", "") for s in sampled)
+        assert any(s.get_attribute("class") == "untrained" for s in spans), "the prompt, not sampled, is shown apart"
+        browser.execute_script("document.getElementById('rollouts').scrollIntoView()")
+        browser.save_screenshot(str(tmp_path / "dashboard-rollout.png"))
+        if keep := os.environ.get("DASHBOARD_SCREENSHOTS"):
+            shutil.copy(tmp_path / "dashboard-rollout.png", Path(keep) / "dashboard-rollout.png")
 
         # one Prometheus scrape target for the run: every documented family, every actor labelled, values move
         first_scrape = await _scrape(url)
