@@ -37,6 +37,8 @@ from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageErro
 
 log = structlog.get_logger(__name__)
 
+PROBE_TIMEOUT_S = 60.0  # a probe that takes longer is a failed one (runtime.health asks within its own bound)
+
 
 class ActorState(enum.Enum):
     CREATED = "created"
@@ -152,6 +154,7 @@ class Actor:
         self.failure: str | None = None  # set by fail(): the run() that drains then raises ActorFailed
         self.num_rejected_config = 0  # live config values refused (see _apply_config)
         self._started_at = time.time()
+        self._progress_at = time.monotonic()  # the last time a handling ended, or work was taken up idle
         self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
 
     # --- hooks for subclasses ----------------------------------------------------------------
@@ -170,6 +173,10 @@ class Actor:
 
     async def on_config_change(self, key: str, old: Any, new: Any) -> None:
         """Called after a live key of this kind's section changed; ``self.config`` is already new."""
+
+    async def probe(self) -> None:
+        """Can this actor do its job now? Raise with the reason if not (runtime.health asks it every so
+        often: the rollout actor decodes a token, the reward actor runs a sandboxed command)."""
 
     def status(self) -> dict[str, Any]:
         return {}
@@ -302,6 +309,8 @@ class Actor:
                 except TimeoutError:
                     continue
                 for raw in msgs:
+                    if self._inflight == 0:  # idle until now: the time without progress starts here
+                        self._progress_at = time.monotonic()
                     self._inflight += 1
                     work_tg.create_task(self._process(q, raw))
         finally:
@@ -343,6 +352,7 @@ class Actor:
             if await self._settle(raw, "ack"):
                 self.num_handled += 1
         finally:
+            self._progress_at = time.monotonic()
             async with self._capacity:
                 self._inflight -= 1
                 self._capacity.notify_all()
@@ -398,7 +408,10 @@ class Actor:
     async def _on_ctl(self, raw: Msg) -> None:
         verb = raw.subject.rsplit(".", 1)[-1]
         if verb == "ping":
-            reply: dict[str, Any] = {"ok": True, "state": self.state.value}
+            reply: dict[str, Any] = {"ok": True, "state": self.state.value,
+                                     "busy_without_progress_s": self.busy_without_progress_s}
+        elif verb == "probe":
+            reply = await self._probe()
         elif verb == "status":
             reply = self.describe()
         elif verb == "drain":
@@ -407,9 +420,23 @@ class Actor:
         elif verb == "metrics":
             reply = {"ok": True, "text": actor_metrics.exposition(self).decode()}
         else:
-            reply = {"ok": False, "error": f"unknown verb {verb!r}; use ping, status, metrics or drain"}
+            reply = {"ok": False, "error": f"unknown verb {verb!r}; use ping, probe, status, metrics or drain"}
         if raw.reply:
             await raw.respond(msgpack.packb(reply, use_bin_type=True))
+
+    async def _probe(self) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                await self.probe()
+        except Exception as e:  # any failure of the probe is the answer: not ready, and why
+            self._log.warning("probe_failed", error=repr(e))
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True}
+
+    @property
+    def busy_without_progress_s(self) -> float:
+        """Seconds this actor has held work without finishing any handling (0 when it holds none)."""
+        return round(time.monotonic() - self._progress_at, 3) if self._inflight else 0.0
 
     # what runtime.actor_metrics reads at a scrape
     @property

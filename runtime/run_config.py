@@ -21,7 +21,7 @@ from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
 
-RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "log", "dashboard", "actors")
+RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "health", "log", "dashboard", "actors")
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,23 @@ class SupervisorSection:
 
 
 @dataclass(frozen=True)
+class HealthSection:
+    """Health checks of every supervised actor (runtime.health): liveness, the kind's probe, progress."""
+
+    interval_s: float = fixed(5.0, within=Range(0.0, 3600.0))  # 0: no health checks
+    ping_timeout_s: float = fixed(5.0, within=Range(0.1, 600.0))
+    probe_every: int = fixed(6, within=Range(0, 1_000_000))  # every Nth check is the kind's probe; 0: none
+    probe_timeout_s: float = fixed(60.0, within=Range(0.1, 3600.0))
+    max_failures: int = fixed(3, within=Range(1, 1000))  # failed checks in a row that make an actor unhealthy
+    # work in hand and nothing finished for this long: stuck (0: not checked); above the longest step
+    stuck_s: float = fixed(900.0, within=Range(0.0, 7 * 24 * 3600.0))
+    start_grace_s: float = fixed(600.0, within=Range(1.0, 86_400.0))  # to be running after it is started
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "health")
+
+
+@dataclass(frozen=True)
 class DashboardSection:
     """Where the run's dashboard (an actor kind the run file may name, e.g. ops.dashboard) serves."""
 
@@ -136,6 +153,7 @@ class RuntimeConfig:
     bus: BusSection = BusSection()
     storage: StorageSection = StorageSection()
     supervisor: SupervisorSection = SupervisorSection()
+    health: HealthSection = HealthSection()
     log: EventLogConfig = EventLogConfig()
     dashboard: DashboardSection = DashboardSection()
     actors: dict[str, ActorSpec] = field(default_factory=dict)

@@ -29,6 +29,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
+from runtime import health
 from runtime.bus import Bus
 from runtime.procutil import die_with_parent
 from runtime.run_config import RuntimeConfig
@@ -52,7 +53,8 @@ class ActorProcess:
     actor_id: str
     proc: asyncio.subprocess.Process
     started_at: float = field(default_factory=time.time)
-    retiring: bool = False  # drained on purpose (swap, stop): its exit is not a crash
+    retiring: bool = False  # drained on purpose (swap, stop, unhealthy): its exit is not a crash
+    health: asyncio.Task[None] | None = None  # its health checks (runtime.health), while it runs
 
     @property
     def pid(self) -> int:
@@ -126,11 +128,15 @@ class Supervisor:
         self.procs[actor_id] = ap
         log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid)
         self._tg.create_task(self._watch(ap))
+        if self.config.health.interval_s > 0:
+            ap.health = self._tg.create_task(self._check_health(ap))
         return ap
 
     async def _watch(self, ap: ActorProcess) -> None:
         rc = await ap.proc.wait()
         self.procs.pop(ap.actor_id, None)
+        if ap.health is not None:
+            ap.health.cancel()
         bus_down = self.bus.health.down.is_set()
         if rc != 0 and not bus_down:  # a killed process cannot unregister itself: drop its entry for it
             await self._deregister(ap)
@@ -144,28 +150,60 @@ class Supervisor:
         if bus_down:
             await self._restart_after_outage(ap, rc)
             return
-        now = time.monotonic()
-        recent = self._restarts[ap.kind]
-        recent.append(now)
-        while recent and now - recent[0] > self.config.supervisor.restart_window_s:
-            recent.popleft()
+        num_recent = self._count_restart(ap)
         log.error("actor_crashed", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc,
-                  num_recent_restarts=len(recent), log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
-        sup = self.config.supervisor
-        if len(recent) > sup.max_restarts:
-            reason = (f"{ap.kind} crashed {len(recent)} times within {sup.restart_window_s}s "
-                      f"(limit {sup.max_restarts}); see {self.run_dir / 'logs' / (ap.actor_id + '.out')}")
-            log.error("restart_intensity_exceeded", actor_kind=ap.kind, num_restarts=len(recent),
-                      window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
-            self.request_stop(Outcome.FAILED, reason)
+                  num_recent_restarts=num_recent, log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+        if self._stop.is_set():
             return
-        delay = sup.backoff(len(recent))
+        delay = self.config.supervisor.backoff(num_recent)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), delay)
         if self._stop.is_set():
             return
         new = await self._spawn(ap.kind)
         log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay)
+
+    def _count_restart(self, ap: ActorProcess) -> int:
+        """One more restart of ``ap``'s kind within the window; past the intensity limit the run fails
+        (it stops: the caller sees ``_stop`` set). Returns the number of recent restarts."""
+        now = time.monotonic()
+        recent = self._restarts[ap.kind]
+        recent.append(now)
+        sup = self.config.supervisor
+        while recent and now - recent[0] > sup.restart_window_s:
+            recent.popleft()
+        if len(recent) > sup.max_restarts:
+            reason = (f"{ap.kind} crashed or was unhealthy {len(recent)} times within {sup.restart_window_s}s "
+                      f"(limit {sup.max_restarts}); see {self.run_dir / 'logs' / (ap.actor_id + '.out')}")
+            log.error("restart_intensity_exceeded", actor_kind=ap.kind, num_restarts=len(recent),
+                      window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
+            self.request_stop(Outcome.FAILED, reason)
+        return len(recent)
+
+    async def _check_health(self, ap: ActorProcess) -> None:
+        """Health checks while ``ap`` runs; an unhealthy one is replaced: its successor is started first
+        (capacity comes back as soon as it can), then it is killed at once if it answers nothing or its
+        work never ends, else drained, signalled, killed as on a stop. Its work in hand goes back to the
+        queue when it dies unacknowledged, or is re-issued when its lease lapses."""
+        verdict = await health.watch(self.bus, ap.actor_id, self.config.health)
+        if ap.retiring or self._stop.is_set() or ap.actor_id not in self.procs:
+            return
+        num_recent = self._count_restart(ap)
+        log.error("actor_unhealthy", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, check=verdict.check,
+                  reason=verdict.reason, num_recent_restarts=num_recent)
+        if self._stop.is_set():
+            return
+        new = await self._spawn(ap.kind)
+        log.info("actor_replaced", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id,
+                 check=verdict.check)
+        if verdict.check in ("liveness", "progress"):  # it answers nothing, or its work never ends: no drain
+            ap.retiring = True
+            log.error("actor_killed", actor_id=ap.actor_id, pid=ap.pid, reason=verdict.check)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(ap.proc.pid, signal.SIGKILL)
+            await ap.proc.wait()
+        else:
+            await self._retire(ap)
 
     async def _restart_after_outage(self, ap: ActorProcess, rc: int) -> None:
         """An actor that died while the bus was down (most likely of it) is restarted once the bus is back,
