@@ -1,6 +1,6 @@
 """The Actor base class: a durable JetStream consumer with an explicit lifecycle.
 
-    CREATED -> STARTING -> RUNNING -> DRAINING -> STOPPED
+    CREATED -> STARTING -> [STANDBY ->] RUNNING -> DRAINING -> STOPPED
 
 An actor kind declares the queues it consumes, the message types it accepts, and (optionally) the
 configuration dataclass of its section. The base feeds at most ``max_concurrency`` handlers from the
@@ -43,6 +43,7 @@ PROBE_TIMEOUT_S = 60.0  # a probe that takes longer is a failed one (runtime.hea
 class ActorState(enum.Enum):
     CREATED = "created"
     STARTING = "starting"
+    STANDBY = "standby"  # set up (model loaded, sandboxes warm), not consuming: a warm spare
     RUNNING = "running"
     DRAINING = "draining"
     STOPPED = "stopped"
@@ -146,6 +147,7 @@ class Actor:
         self.state = ActorState.CREATED
         self.exit_stack = contextlib.AsyncExitStack()
         self._drain_requested = asyncio.Event()
+        self._activated = asyncio.Event()
         self._inflight = 0
         self._capacity = asyncio.Condition()
         self.num_handled = 0
@@ -195,9 +197,34 @@ class Actor:
         await self.setup()
         await self._register()
 
+    async def stand_by(self) -> None:
+        """A warm spare: set up and registered as ``standby``, answering control requests, renewing its
+        lease, consuming nothing, until ``ctl.<id>.activate`` (the supervisor promotes it in place of an
+        actor that died) or a drain request. ``run`` follows either way (a drained standby just stops)."""
+        self._expect(ActorState.STARTING)
+        self.state = ActorState.STANDBY
+        await self._register()
+        self._log.info("actor_standing_by", pid=self.identity.pid, host=self.identity.host)
+        ctl = await self.bus.nc.subscribe(f"ctl.{self.identity.actor_id}.*", cb=self._on_ctl)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                lease = tg.create_task(self._renew_lease())
+                activated = tg.create_task(self._activated.wait())
+                drained = tg.create_task(self._drain_requested.wait())
+                await asyncio.wait({activated, drained}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (lease, activated, drained):
+                    task.cancel()
+        finally:
+            await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
+
     async def run(self) -> None:
         """Runs until a drain is requested (ctl drain, SIGTERM), then drains and stops."""
-        self._expect(ActorState.STARTING)
+        self._expect(ActorState.STARTING, ActorState.STANDBY)
+        if self.state is ActorState.STANDBY and not self._activated.is_set():  # drained as a spare
+            await self._stop()
+            return
+        if self.state is ActorState.STANDBY:
+            self._log.info("actor_activated", standby_s=round(time.time() - self._started_at, 3))
         ctl = await self.bus.nc.subscribe(f"ctl.{self.identity.actor_id}.*", cb=self._on_ctl)
         async with asyncio.TaskGroup() as tg:
             config_watch = tg.create_task(self._watch_config())
@@ -417,10 +444,17 @@ class Actor:
         elif verb == "drain":
             self.request_drain()
             reply = {"ok": True, "state": ActorState.DRAINING.value}
+        elif verb == "activate":
+            ok = self.state is ActorState.STANDBY and not self._drain_requested.is_set()
+            if ok:
+                self._activated.set()
+            reply = {"ok": ok, "state": self.state.value} if ok else {
+                "ok": False, "error": f"not a standby that can be activated (state {self.state.value})"}
         elif verb == "metrics":
             reply = {"ok": True, "text": actor_metrics.exposition(self).decode()}
         else:
-            reply = {"ok": False, "error": f"unknown verb {verb!r}; use ping, probe, status, metrics or drain"}
+            reply = {"ok": False,
+                     "error": f"unknown verb {verb!r}; use ping, probe, status, metrics, activate or drain"}
         if raw.reply:
             await raw.respond(msgpack.packb(reply, use_bin_type=True))
 

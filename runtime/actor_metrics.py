@@ -59,7 +59,7 @@ def metric_name(*parts: str) -> str:
 class ActorCollector(Collector):
     """Reads an actor's figures at scrape time into metric families."""
 
-    STATES = ("created", "starting", "running", "draining", "stopped")
+    STATES = ("created", "starting", "standby", "running", "draining", "stopped")
 
     def __init__(self, actor: Observable) -> None:
         self._actor = actor

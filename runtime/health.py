@@ -86,15 +86,15 @@ async def watch(bus: Bus, actor_id: str, cfg: HealthSection) -> Verdict:
 
 
 async def _until_running(bus: Bus, actor_id: str, grace_s: float) -> bool:
-    """Whether the actor's registry entry says it is running within ``grace_s`` (loading a model takes a
-    while: checks start once it consumes). Event-driven: a watch of its registry entry."""
+    """Whether the actor's registry entry says it is running (or standing by) within ``grace_s`` (loading a
+    model takes a while: checks start once it is ready). Event-driven: a watch of its registry entry."""
     try:
         async with asyncio.timeout(grace_s):
             async for entry in bus.watch_kv("actors", actor_id):
                 if entry is None or not entry.value:
                     continue
                 try:
-                    if decode_registration(actor_id, entry.value).get("state") == "running":
+                    if decode_registration(actor_id, entry.value).get("state") in ("running", "standby"):
                         return True
                 except ValueError:  # not (yet) an entry this reads: wait for the next write
                     continue

@@ -129,6 +129,9 @@ class ActorSpec:
     max_concurrency: int = fixed(8, within=Range(1, 100_000))
     heartbeat_s: float = fixed(5.0, within=Range(0.0, 3600.0, lo_open=True))
     drain_timeout_s: float = fixed(60.0, within=Range(0.0, 86_400.0))
+    # warm spares: started and set up (model loaded) but consuming nothing; one takes a dead or
+    # unhealthy actor's place at once, and a new spare is started behind it
+    standby: int = fixed(0, within=Range(0, 1000))
     threads: int = fixed(0, within=Range(0, 1024))  # torch intra-op threads in the process; 0 leaves the default
     # CPU priority below the others' (0 to 19; 0: the same as every other actor): a side job gives way
     nice: int = fixed(0, within=Range(0, 19))

@@ -5,6 +5,10 @@ Restart strategy is OTP's one_for_one: a crashed process is restarted alone, aft
 backoff; more than ``max_restarts`` restarts within ``restart_window_s`` means something is wrong
 beyond a restart's reach, so the run is reported failed and stopped cleanly.
 
+Warm standby (``actors.<kind>.standby = N``): N more processes per kind are started and set up but
+consume nothing; when an actor of the kind dies or is found unhealthy, a standby is activated in its
+place at once (no backoff: it is ready) and a new standby is started behind it.
+
 Stop order for one process: ``ctl.<id>.drain`` (finish in-flight work, ack, hand over), then SIGTERM,
 then SIGKILL. Children run in their own sessions with a parent-death signal: no orphans, ever.
 """
@@ -38,6 +42,7 @@ log = structlog.get_logger(__name__)
 
 SUPERVISOR_SUBJECT = "ctl.supervisor"
 BUS_STEP_TIMEOUT_S = 5.0  # one registry write of the supervisor's; past it the bus is taken as down
+ACTIVATE_TIMEOUT_S = 2.0  # a ready standby answers at once; one that does not is still loading
 
 
 class Outcome(enum.Enum):
@@ -55,6 +60,7 @@ class ActorProcess:
     started_at: float = field(default_factory=time.time)
     retiring: bool = False  # drained on purpose (swap, stop, unhealthy): its exit is not a crash
     health: asyncio.Task[None] | None = None  # its health checks (runtime.health), while it runs
+    standby: bool = False  # a warm spare, not consuming until activated
 
     @property
     def pid(self) -> int:
@@ -86,6 +92,9 @@ class Supervisor:
                 for kind, spec in self.config.actors.items():
                     for _ in range(spec.count):
                         await self._spawn(kind)
+                for kind, spec in self.config.actors.items():
+                    for _ in range(spec.standby):
+                        await self._spawn(kind, standby=True)
                 await self._stop.wait()
                 await self._shutdown()
         finally:
@@ -108,7 +117,7 @@ class Supervisor:
                 tg.create_task(self._retire(p))
 
     # --- processes ------------------------------------------------------------------------------------
-    async def _spawn(self, kind: str) -> ActorProcess:
+    async def _spawn(self, kind: str, standby: bool = False) -> ActorProcess:
         assert self._tg is not None
         spec = self.config.actors[kind]
         self._counter[kind] += 1
@@ -121,12 +130,13 @@ class Supervisor:
         with open(out_path, "ab") as out:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "runtime.actor_process", "--run-dir", str(self.run_dir),
-                "--kind", kind, "--id", actor_id, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                "--kind", kind, "--id", actor_id, *(["--standby"] if standby else []),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
                 env=env)
-        ap = ActorProcess(kind, actor_id, proc)
+        ap = ActorProcess(kind, actor_id, proc, standby=standby)
         self.procs[actor_id] = ap
-        log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid)
+        log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid, standby=standby)
         self._tg.create_task(self._watch(ap))
         if self.config.health.interval_s > 0:
             ap.health = self._tg.create_task(self._check_health(ap))
@@ -155,13 +165,34 @@ class Supervisor:
                   num_recent_restarts=num_recent, log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
         if self._stop.is_set():
             return
+        if not ap.standby and await self._promote(ap.kind, ap.actor_id):
+            return
         delay = self.config.supervisor.backoff(num_recent)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), delay)
         if self._stop.is_set():
             return
-        new = await self._spawn(ap.kind)
-        log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay)
+        new = await self._spawn(ap.kind, standby=ap.standby)
+        log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay,
+                 standby=ap.standby)
+
+    async def _promote(self, kind: str, replaces: str) -> ActorProcess | None:
+        """A ready standby of ``kind`` activated in place of ``replaces`` (and a new standby started behind
+        it), or None when the kind has none ready (the caller starts a process cold)."""
+        for ap in [p for p in self.procs.values() if p.kind == kind and p.standby and not p.retiring]:
+            try:
+                reply = await self.bus.nc.request(f"ctl.{ap.actor_id}.activate", b"", timeout=ACTIVATE_TIMEOUT_S)
+                ok = bool(msgpack.unpackb(reply.data, raw=False).get("ok"))
+            except (nats.errors.Error, OSError, ValueError) as e:  # not ready yet (still loading), or gone
+                log.info("standby_not_activated", actor_kind=kind, actor_id=ap.actor_id, error=repr(e))
+                continue
+            if not ok:
+                continue
+            ap.standby = False
+            log.info("standby_promoted", actor_kind=kind, actor_id=ap.actor_id, replaces=replaces)
+            await self._spawn(kind, standby=True)
+            return ap
+        return None
 
     def _count_restart(self, ap: ActorProcess) -> int:
         """One more restart of ``ap``'s kind within the window; past the intensity limit the run fails
@@ -193,7 +224,8 @@ class Supervisor:
                   reason=verdict.reason, num_recent_restarts=num_recent)
         if self._stop.is_set():
             return
-        new = await self._spawn(ap.kind)
+        new = (None if ap.standby else await self._promote(ap.kind, ap.actor_id)) or await self._spawn(
+            ap.kind, standby=ap.standby)
         log.info("actor_replaced", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id,
                  check=verdict.check)
         if verdict.check in ("liveness", "progress"):  # it answers nothing, or its work never ends: no drain
@@ -221,7 +253,7 @@ class Supervisor:
         if self._stop.is_set():
             return
         await self._deregister(ap)
-        new = await self._spawn(ap.kind)
+        new = await self._spawn(ap.kind, standby=ap.standby)
         log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after="bus outage")
 
     async def _deregister(self, ap: ActorProcess) -> None:
@@ -261,7 +293,8 @@ class Supervisor:
         if kind not in self.config.actors:
             raise ValueError(f"unknown actor kind {kind!r}; this run has {sorted(self.config.actors)}")
         async with self._swap_lock:
-            old = [p for p in self.procs.values() if p.kind == kind and not p.retiring]
+            old = [p for p in self.procs.values() if p.kind == kind and not p.retiring and not p.standby]
+            old_spares = [p for p in self.procs.values() if p.kind == kind and not p.retiring and p.standby]
             registry = await self.bus.kv("actors")
             old_info = [await _registry_entry(registry, p.actor_id) for p in old]
             log.info("swap_started", actor_kind=kind, old=[p.actor_id for p in old])
@@ -269,6 +302,9 @@ class Supervisor:
             new_info = [await self._wait_running(registry, p) for p in new]
             for p in old:
                 await self._retire(p)
+            for p in old_spares:  # spares run the old code too: new ones take their place
+                await self._retire(p)
+                await self._spawn(kind, standby=True)
             report = {"kind": kind, "old": _hashes(old, old_info), "new": _hashes(new, new_info)}
             log.info("swap_finished", actor_kind=kind, old=report["old"], new=report["new"])
             return report
@@ -309,7 +345,7 @@ class Supervisor:
             return
         if verb == "status":
             reply: dict[str, Any] = {"ok": True, "outcome": self.outcome.value, "actors": [
-                {"id": p.actor_id, "kind": p.kind, "pid": p.pid, "retiring": p.retiring,
+                {"id": p.actor_id, "kind": p.kind, "pid": p.pid, "retiring": p.retiring, "standby": p.standby,
                  "uptime_s": round(time.time() - p.started_at, 1)} for p in self.procs.values()]}
         elif verb == "stop":
             self.request_stop(Outcome.STOPPED)

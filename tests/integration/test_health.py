@@ -105,3 +105,33 @@ async def test_an_actor_whose_probe_fails_while_it_serves_is_replaced(tmp_path: 
 
 async def test_an_actor_whose_work_never_ends_is_replaced(tmp_path: Path) -> None:
     await _run_with_fault(tmp_path, "progress", "ail-hang")
+
+
+async def test_a_warm_standby_takes_a_dead_actors_place_and_a_new_one_stands_by(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "run.toml", AILING_RUN + "standby = 1\n")
+    run = await LiveRun(tmp_path / "run", cfg, "--set", "bus.ack_wait_s=3.0").start()
+    try:
+        (victim,) = await run.wait_actors("ailing", 1)
+        (spare,) = await run.wait_actors_in("ailing", "standby", 1)
+        keys = [f"k{i}" for i in range(40)]
+        await _publish(run, keys[:20], sleep_s=0.02)
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        async def promoted() -> bool:
+            return any(e["actor_id"] == spare["id"] for e in run_events(run.run_dir, "standby_promoted"))
+
+        await _wait_for(promoted, 30, "the standby promoted")
+        await _publish(run, keys[20:], sleep_s=0.02)
+        effects: dict[str, dict] = {}
+
+        async def all_done() -> bool:
+            effects.update(await _effects(run))
+            return set(effects) >= set(keys)
+
+        await _wait_for(all_done, 90, "every message's effect")
+        assert any(e["actor"] == spare["id"] for e in effects.values()), "the promoted spare serves"
+        (new_spare,) = await run.wait_actors_in("ailing", "standby", 1)
+        assert new_spare["id"] not in (victim["id"], spare["id"]), "a new spare stands by behind it"
+        assert not [e for e in run_events(run.run_dir, "actor_restarted")], "no cold restart was needed"
+    finally:
+        assert await run.stop() == 0
