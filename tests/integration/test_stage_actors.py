@@ -61,8 +61,10 @@ async def test_one_batch_through_every_stage(tmp_path: Path) -> None:
     run = await LiveRun(tmp_path / "run", cfg).start()
     try:
         assert run.bus is not None
-        for kind in ("rollout", "reward", "grouping", "trainer"):
-            await run.wait_actors(kind, 1, timeout_s=120)
+        entries = {kind: (await run.wait_actors(kind, 1, timeout_s=120))[0]
+                   for kind in ("rollout", "reward", "grouping", "trainer")}
+        for kind in ("rollout", "reward"):  # the health probes: one token decoded, one sandboxed command run
+            assert (await run.request(f"ctl.{entries[kind]['id']}.probe", timeout=60)) == {"ok": True}, kind
         await run.bus.ensure_queue(DONE_QUEUE)
         orders = Codec(all_order_types())
         done = Codec(COMPLETION_TYPES)
