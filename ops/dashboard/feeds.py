@@ -62,10 +62,10 @@ async def follow_events(bus: Bus, view: RunView, samples: SampleFetcher | None =
     messages = aiter(bus.follow("log.>", ConsumerConfig(deliver_policy=DeliverPolicy.ALL)))
     try:
         async for msg in messages:
-            if (event := parse_event(msg.data.decode(errors="replace"))) is not None:
-                view.add_event(event)
-                if samples is not None:
-                    samples.notice(event)
+            line = msg.data.decode(errors="replace")
+            view.add_line(line, msg.subject.rsplit(".", 1)[-1])  # log.<kind>.<level>
+            if samples is not None and SampleFetcher.EVENT in line and (event := parse_event(line)) is not None:
+                samples.notice(event)
     finally:
         await messages.aclose()  # type: ignore[attr-defined]
 
@@ -76,7 +76,7 @@ class SampleFetcher:
     decompressing and decoding is CPU work) and offers them to the shelf. At most ``max_pending`` keys
     wait: a burst beyond that is skipped and counted (the viewer samples; it never holds the run up)."""
 
-    EVENT = "group_checkpointed"
+    EVENT = "group_checkpointed"  # the event that names a stored group record (with its key)
 
     def __init__(self, blob: BlobStore, views: SampleViews, shelf: RolloutShelf, max_pending: int = 256) -> None:
         self.shelf = shelf

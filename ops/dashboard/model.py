@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ TRAIN_FIELDS = (
     "trainer_utilisation", "lag_min", "lag_max", "num_versions_in_batch", "step_s", "skipped",
 )
 EVAL_FIELDS = ("version", "time", "pass_at_1", "mean_reward", "num_tasks", "duration_s")
+FOLDED = ('"train_step"', '"heldout_evaluated"')  # the events curves are made of (a substring test first)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class RunView:
         self.limits = limits
         self.train: collections.deque[dict[str, Any]] = collections.deque(maxlen=limits.train_rows)
         self.eval: collections.deque[dict[str, Any]] = collections.deque(maxlen=limits.eval_rows)
-        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=limits.events)
+        # events as their JSON lines: the page parses them; the dashboard parses only those it folds
+        self.events: collections.deque[str] = collections.deque(maxlen=limits.events)
         self.slots_history: collections.deque[dict[str, Any]] = collections.deque(maxlen=limits.status_history)
         self.status: dict[str, Any] = {}
         self.config: dict[str, Any] = {}
@@ -68,10 +71,24 @@ class RunView:
         self._subscribers: set[Subscriber] = set()
 
     # --- what goes in ---------------------------------------------------------------------------
+    def add_line(self, line: str, level: str) -> None:
+        """One event as its JSON line (as the log stream carries it) at ``level`` (its subject says which).
+        A run logs thousands of events a second; only the few that make curves are parsed here."""
+        self.events.append(line)
+        self.event_counts[level] += 1
+        self._publish("event", line)
+        if any(name in line for name in FOLDED):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                return
+            self._fold(event)
+
     def add_event(self, event: dict[str, Any]) -> None:
-        self.events.append(event)
-        self.event_counts[str(event.get("level", "info"))] += 1
-        self._publish("event", event)
+        """One event already parsed (an event file's line)."""
+        self.add_line(json.dumps(event, default=str), str(event.get("level", "info")))
+
+    def _fold(self, event: dict[str, Any]) -> None:
         name = event.get("event")
         if name == "train_step":
             row = {k: event[k] for k in TRAIN_FIELDS if k in event}

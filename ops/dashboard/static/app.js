@@ -251,19 +251,28 @@ function redrawSoon() {  // many updates in one burst (a replayed log) redraw on
   requestAnimationFrame(() => { pending = false; drawCharts(); });
 }
 
+function parseEvent(line) { try { return JSON.parse(line); } catch (e) { return null; } }
+
+function applyEvent(data) {
+  state.events.push(data);
+  if (state.events.length > 2000) state.events.shift();
+  state.counts[data.level] = (state.counts[data.level] || 0) + 1;
+  if (eventShown(data)) {
+    const body = document.querySelector("#event-table tbody");
+    eventRow(body, data, true);
+    while (body.rows.length > MAX_EVENT_ROWS) body.deleteRow(-1);
+  }
+  if (data.kind && !document.querySelector(`#event-kind option[value="${CSS.escape(data.kind)}"]`)) renderEventKinds();
+}
+
 function apply(update) {
   const { kind, data } = update;
   if (kind === "event") {
-    state.events.push(data);
-    if (state.events.length > 2000) state.events.shift();
-    state.counts[data.level] = (state.counts[data.level] || 0) + 1;
-    if (eventShown(data)) {
-      const body = document.querySelector("#event-table tbody");
-      eventRow(body, data, true);
-      while (body.rows.length > MAX_EVENT_ROWS) body.deleteRow(-1);
-    }
-    if (data.kind && !document.querySelector(`#event-kind option[value="${CSS.escape(data.kind)}"]`)) renderEventKinds();
+    const parsed = parseEvent(data);
+    if (!parsed) return;
+    applyEvent(parsed);
   } else if (kind === "train") { state.train.push(data); redrawSoon(); }
+
   else if (kind === "eval") { state.eval.push(data); redrawSoon(); }
   else if (kind === "slots") { state.slots.push(data); if (state.slots.length > 3600) state.slots.shift(); redrawSoon(); }
   else if (kind === "status") { state.status = data; renderStatus(); }
@@ -271,7 +280,8 @@ function apply(update) {
 }
 
 function load(snapshot) {
-  Object.assign(state, { train: snapshot.train, eval: snapshot.eval, slots: snapshot.slots, events: snapshot.events,
+  Object.assign(state, { train: snapshot.train, eval: snapshot.eval, slots: snapshot.slots,
+                         events: snapshot.events.map(parseEvent).filter(e => e),
                          status: snapshot.status, config: snapshot.config, counts: snapshot.event_counts });
   document.getElementById("run-name").textContent = `run ${snapshot.run}`;
   document.title = `${snapshot.run} · dashboard`;
