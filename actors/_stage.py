@@ -19,9 +19,9 @@ import torch
 import zstandard
 
 from actors.config import RLConfig
-from actors.lifecycle_events import StageFailed, bound_to
 from actors.messages import COMPLETION_TYPES, WorkHeartbeat, done_subject, order_types, work_queue_of
-from actors.slots import Stage
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import StageFailed, bound_to
 from runtime.actor import Actor, ActorContext, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec

@@ -24,12 +24,12 @@ import msgpack
 import structlog
 
 from actors.config import RLConfig
-from actors.data_exhaustion import why_not_exhausted
 from actors.evaluation import evaluate, greedy, sampled
-from actors.kv_slot_store import KVSlotStore
 from actors.messages import DataExhausted, data_exhausted_subject
 from actors.metrics_log import read_metrics
 from actors.policy import load_policy, weights_run_name
+from actors.reconciler.data_exhaustion import why_not_exhausted
+from actors.reconciler.kv_store import KVSlotStore
 from actors.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from actors.trainer import append_metrics

@@ -13,8 +13,8 @@ import structlog
 import torch
 
 from actors._stage import StageActor, WorkRefused
-from actors.lifecycle_events import GroupDone, GroupOrder
-from actors.slots import Stage
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import GroupDone, GroupOrder
 from model.loss import advantages_dr_grpo
 from runtime.actor import Delivery
 

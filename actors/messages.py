@@ -1,13 +1,14 @@
 """Wire names of everything the RL actors say to each other over NATS (through the reconciler).
 
-The work orders and completions are the lifecycle core's own dataclasses (actors.lifecycle_events);
+The work orders and completions are the lifecycle core's own dataclasses (actors.reconciler.work);
 this module only names them on the wire. One codec type set per direction keeps decoding strict: a
 rollout actor that receives a train order dead-letters it instead of guessing.
 """
 
 from __future__ import annotations
 
-from actors.lifecycle_events import (
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardDone,
@@ -18,7 +19,6 @@ from actors.lifecycle_events import (
     TrainDone,
     TrainOrder,
 )
-from actors.slots import Stage
 from runtime.bus import DONE_QUEUE, Queue, work_queue
 from runtime.codec import message
 

@@ -1,10 +1,10 @@
 """The reconciler actor: owns the slot table and moves every sample through its lifecycle.
 
-It wraps the transport-free core (actors.lifecycle.Lifecycle) with NATS: completions arrive on
+It wraps the transport-free core (actors.reconciler.lifecycle.Lifecycle) with NATS: completions arrive on
 ``done.<stage>`` (a durable stream, acked only after the core has recorded them), work orders go out
 on ``work.<stage>`` with the order's (stage, key, attempt) as the message id, stage actors' liveness
 arrives on ``heartbeat.<stage>``, the live rollout-actor count comes from the actor registry, and a
-tick re-checks timeouts and admission. Registry entries are leases (`actors.registry_view`): an
+tick re-checks timeouts and admission. Registry entries are leases (`actors.reconciler.registry_view`): an
 actor whose lease runs out, or whose entry is removed while it was not stopped, is lost, and the
 work it was last seen on is re-issued at once (``on_actor_lost``), not after its stage's timeout.
 Each weights announcement moves the core's trainer version (``on_trainer_version``). The table lives
@@ -15,19 +15,14 @@ run) continues where this one stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any, ClassVar
 
 import msgpack
 import structlog
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
 from actors.blob_collector import BlobCollector
 from actors.config import RLConfig
-from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore
-from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
-from actors.lifecycle_events import WorkOrder
 from actors.messages import (
     COMPLETION_TYPES,
     DONE_QUEUE,
@@ -39,8 +34,11 @@ from actors.messages import (
     work_queue_of,
 )
 from actors.policy import weights_run_name
-from actors.registry_view import LostActor, RegistryView
-from actors.slots import Stage
+from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore
+from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
+from actors.reconciler.registry_view import LostActor, RegistryView
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import WorkOrder
 from actors.task_catalog import TaskCatalog
 from actors.weights_follower import weights_subject, why_not_published
 from runtime import config as config_mod
@@ -116,7 +114,7 @@ class ReconcilerActor(Actor):
     async def _open_store(self) -> KVSlotStore:
         kv = await self.bus.kv("slots")
         if self.pipelined_writes:
-            return await PipelinedKVSlotStore.open(self.bus.nc, kv, "slots")
+            return await PipelinedKVSlotStore.open(self.bus, "slots")
         return KVSlotStore(kv)
 
     async def _resume(self) -> None:
@@ -275,14 +273,11 @@ class ReconcilerActor(Actor):
 
     async def _count_rollout_actors(self) -> int:
         kv = await self.bus.kv("actors")
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return 0
         count = 0
-        for key in keys:
-            with contextlib.suppress(KeyNotFoundError, KeyDeletedError):  # deregistered since the listing
-                count += self._is_running_rollout(key, (await kv.get(key)).value)
+        for key in await kv.live_keys():
+            entry = await kv.entry(key)
+            if entry is not None:  # else deregistered since the listing
+                count += self._is_running_rollout(key, entry.value)
         return count
 
     async def _watch_rollout_actors(self) -> None:

@@ -125,7 +125,7 @@ class Slot:
         failure_reason: why the sample failed (FAILED only).
         token: issuance token of the current attempt, drawn afresh each time the slot enters a working
             state or is retried (empty otherwise); a group's or a batch's orders carry the token of
-            their first member (see `actors._slot_table.SlotTable`).
+            their first member (see `actors.reconciler.table.SlotTable`).
     """
 
     index: int

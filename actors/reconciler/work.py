@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from actors.slots import SlotDecodeError, Stage
+from actors.reconciler.slot import SlotDecodeError, Stage
 
 __all__ = [
     "Completion",

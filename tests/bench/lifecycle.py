@@ -17,7 +17,7 @@ G samples; train per B groups, one batch at a time, under the same staleness bou
 Lifecycles/s = trained samples / seconds from the first admission to the last trained batch (NATS:
 read from the trainer's ledger, whose entries carry their time, and the reconciler's own counters).
 Latency = per stage, from issuing the work to accepting its completion (queue time included); the
-NATS side reports the reconciler's own p50/p99 (`actors.lifecycle_metrics`). Prints ONE JSON line.
+NATS side reports the reconciler's own p50/p99 (`actors.reconciler.metrics`). Prints ONE JSON line.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 import msgpack
 import structlog
 
-from actors.reconciler import ReconcilerActor
+from actors.reconciler.actor import ReconcilerActor
 from runtime.bus import Bus
 from runtime.bus_auth import SUPERVISOR
 from runtime.rundir import RunInfo

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.kv_slot_store import KVSlotStore
-from actors.slot_store import CURSOR_KEY, SLOT_PREFIX
-from actors.slots import Slot, SlotState
-from actors.task_cursor import CursorRecord
+from actors.reconciler.kv_store import KVSlotStore
+from actors.reconciler.slot import Slot, SlotState
+from actors.reconciler.store import CURSOR_KEY, SLOT_PREFIX
+from actors.reconciler.task_cursor import CursorRecord
 from runtime.blob import open_store
 from tests.integration.harness import LiveRun, write_config
 from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
