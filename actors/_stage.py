@@ -4,6 +4,13 @@ telling the reconciler it is alive, report the completion (or the failure) on ``
 Completions carry the order's issuance token and are published durably with a message id of (stage,
 key, attempt, token), so a redelivered order that is handled again reports the same completion and the
 stream deduplicates it, and nobody who has not seen the order can pre-empt that id.
+
+A group order (`RolloutGroupOrder`, `RewardGroupOrder`: one message for a group's samples) is split here
+into one ``work`` call per item, at most ``max_concurrency`` items at a time across the actor, and their
+results gathered into one group completion, so a stage actor only ever sees single orders. Each item
+keeps its own semantics: a refusal (`WorkRefused`) is that item's `StageFailed` (a counted retry of that
+sample alone); a plain failure of any item fails the message as a single order's would (nak, redelivered
+with the same attempts, every item done again: its results are keyed by attempt, so that is idempotent).
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ import torch
 import zstandard
 
 from actors.config import RLConfig
-from actors.messages import COMPLETION_TYPES, WorkHeartbeat, done_subject, order_types, work_queue_of
+from actors.messages import COMPLETION_TYPES, WorkHeartbeat, WorkHeartbeats, done_subject, order_types, work_queue_of
 from actors.reconciler.slot import Stage
-from actors.reconciler.work import StageFailed, bound_to
+from actors.reconciler.work import RewardGroupOrder, RolloutGroupOrder, StageFailed, bound_to, group_done
 from runtime.actor import Actor, ActorContext, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
@@ -57,7 +64,8 @@ class StageActor(Actor):
         super().__init__(ctx)
         self.config: RLConfig
         self.done_codec = Codec(COMPLETION_TYPES)
-        self.heartbeat_codec = Codec([WorkHeartbeat])
+        self.heartbeat_codec = Codec([WorkHeartbeat, WorkHeartbeats])
+        self._item_slots = asyncio.Semaphore(self.settings.max_concurrency)  # items of group orders at once
         torch.set_num_threads(self.config.policy.torch_threads)
 
     async def work(self, order: Any, delivery: Delivery) -> Any:
@@ -65,6 +73,9 @@ class StageActor(Actor):
         raise NotImplementedError
 
     async def handle(self, msg: Any, delivery: Delivery) -> None:
+        if isinstance(msg, RolloutGroupOrder | RewardGroupOrder):
+            await self._handle_group(msg, delivery)
+            return
         # Only a redelivery can be an attempt the table has since superseded (its actor was lost and the work
         # re-issued): a first delivery starts without the round trip; a stale completion is ignored anyway.
         if delivery.num_delivered > 1 and not await self._still_wanted(msg):  # acked by the base
@@ -83,6 +94,33 @@ class StageActor(Actor):
         await self.bus.publish_durable(done_subject(self.stage), await self.done_codec.encode(done),
                                        msg_id=f"done.{self.stage.value}.{msg.key}.{msg.attempt}.{msg.token}")
 
+    async def _handle_group(self, order: RolloutGroupOrder | RewardGroupOrder, delivery: Delivery) -> None:
+        if delivery.num_delivered > 1 and not await self._still_wanted(order):  # acked by the base
+            log.info("superseded_order_skipped", stage=self.stage.value, key=order.key,
+                     num_items=len(order.items), num_delivered=delivery.num_delivered)
+            return
+        beat = delivery.task_group.create_task(self._report_alive(order))
+        try:
+            results = await asyncio.gather(*(self._work_item(item, delivery) for item in order.items),
+                                           return_exceptions=True)
+        finally:
+            beat.cancel()
+        for result in results:
+            if isinstance(result, BaseException):  # as a single order's plain failure: nak, redelivered
+                raise result
+        done = group_done(order, results)  # type: ignore[arg-type]
+        await self.bus.publish_durable(done_subject(self.stage), await self.done_codec.encode(done),
+                                       msg_id=f"done.{order.msg_id}")
+
+    async def _work_item(self, item: Any, delivery: Delivery) -> Any:
+        async with self._item_slots:
+            try:
+                done = await self.work(item, delivery)
+            except WorkRefused as e:
+                log.warning("work_refused", stage=self.stage.value, key=item.key, attempt=item.attempt, reason=str(e))
+                done = StageFailed(self.stage, item.key, item.attempt, str(e))
+        return bound_to(done, item)
+
     async def _still_wanted(self, order: Any) -> bool:
         """The first heartbeat, as a question to the reconciler: a lost actor's orders are re-issued as new
         attempts at once, and the old ones, redelivered after the bus's ack wait, would be done twice.
@@ -97,7 +135,11 @@ class StageActor(Actor):
         return not (isinstance(answer, dict) and answer.get("current") is False)
 
     async def _work_heartbeat(self, order: Any) -> bytes:
-        """A heartbeat for `order`, with its issuance token: the reconciler believes no other."""
+        """A heartbeat for `order` (for each item of a group order), with its issuance token: the
+        reconciler believes no other."""
+        if isinstance(order, RolloutGroupOrder | RewardGroupOrder):
+            return await self.heartbeat_codec.encode(WorkHeartbeats(tuple(
+                WorkHeartbeat(self.stage, o.key, o.attempt, self.identity.actor_id, o.token) for o in order.items)))
         return await self.heartbeat_codec.encode(
             WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id, order.token))
 

@@ -29,6 +29,7 @@ from actors.messages import (
     DataExhausted,
     WeightsPublished,
     WorkHeartbeat,
+    WorkHeartbeats,
     all_order_types,
     data_exhausted_subject,
     work_queue_of,
@@ -38,7 +39,7 @@ from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.registry_view import LostActor, RegistryView
 from actors.reconciler.slot import Stage
-from actors.reconciler.work import WorkOrder
+from actors.reconciler.work import RewardGroupDone, RolloutGroupDone, WorkOrder, group_orders
 from actors.task_catalog import TaskCatalog
 from actors.weights_follower import weights_subject, why_not_published
 from runtime import config as config_mod
@@ -69,7 +70,7 @@ class ReconcilerActor(Actor):
             await self.bus.ensure_queue(work_queue_of(stage))
         self.source = TaskCatalog.build(self.config.tasks)
         self.order_codec = Codec(all_order_types())
-        self.heartbeat_codec = Codec([WorkHeartbeat])
+        self.heartbeat_codec = Codec([WorkHeartbeat, WorkHeartbeats])
         self.exhausted_codec = Codec([DataExhausted])
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.announced_exhausted = False
@@ -199,26 +200,31 @@ class ReconcilerActor(Actor):
         flight), and a re-published attempt is deduplicated by its message id. So the reconciler
         pays neither a reply nor a round trip per order.
         """
-        for order in orders:
+        for order in group_orders(list(orders)):  # a group's rollout (reward) orders in one message
             data = await self.order_codec.encode(order)
             await self.bus.publish_unconfirmed(f"work.{order.STAGE.value}", data, msg_id=order.msg_id)
 
     # --- inputs -------------------------------------------------------------------------------
     async def handle(self, msg: Any, delivery: Delivery) -> None:
         # Acked by the base only after the core recorded it; a broken core did not: nak, redeliver.
-        if not await self._call("on_completion", msg):
+        call = ("on_completions", msg.events) if isinstance(msg, RolloutGroupDone | RewardGroupDone) else (
+            "on_completion", msg)
+        if not await self._call(*call):
             raise RuntimeError("the reconciler's core broke while recording this completion (rebuilt from the "
                                "store); it is nak'ed and the rebuilt core judges its redelivery")
 
     async def _on_heartbeat(self, raw: Any) -> None:
         try:
-            beat = await self.heartbeat_codec.decode(raw.data)
+            msg = await self.heartbeat_codec.decode(raw.data)
         except ValueError as e:
             log.warning("heartbeat_rejected", error=str(e))
             return
-        self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time(), beat.token)
-        if raw.reply:  # a stage actor asks before it starts: is this attempt still wanted?
-            current = self.core.is_current(beat.stage, beat.key, beat.attempt)
+        beats = msg.beats if isinstance(msg, WorkHeartbeats) else (msg,)  # a group order's items beat together
+        now = time.time()
+        for beat in beats:
+            self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, now, beat.token)
+        if raw.reply:  # a stage actor asks before it starts: is this attempt (any of these items) still wanted?
+            current = any(self.core.is_current(b.stage, b.key, b.attempt) for b in beats)
             await raw.respond(msgpack.packb({"current": current}, use_bin_type=True))
 
     async def _on_weights(self, raw: Any) -> None:

@@ -17,7 +17,7 @@ from actors.reconciler.scheduling import BatchWait, FailedGroupPolicy, GroupView
 from actors.reconciler.slot import Slot, SlotState, Stage
 from actors.reconciler.table import SlotTable, TableGroup, TrainBatch
 from actors.reconciler.task_cursor import TaskCursor
-from actors.reconciler.work import GroupDone, GroupOutcome, RewardDone, RolloutDone, StageFailed, TrainDone
+from actors.reconciler.work import Completion, GroupDone, GroupOutcome, RewardDone, RolloutDone, StageFailed, TrainDone
 
 if TYPE_CHECKING:
     from actors.reconciler.lifecycle import LifecycleConfig
@@ -77,6 +77,19 @@ class LifecycleFlow:
         await self.pump()
 
     # ------------------------------------------------------------------ completions
+    async def apply(self, event: Completion) -> None:
+        match event:
+            case RolloutDone():
+                await self.on_rollout_done(event)
+            case RewardDone():
+                await self.on_reward_done(event)
+            case GroupDone():
+                await self.on_group_done(event)
+            case TrainDone():
+                await self.on_train_done(event)
+            case StageFailed():
+                await self.on_failed(event)
+
     def _current_sample(self, stage: Stage, event: RolloutDone | RewardDone) -> Slot | None:
         if not self.issuance.is_issued(stage, event.sample_id, event.attempt, event.token, "completion"):
             return None

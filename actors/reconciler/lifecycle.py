@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import structlog
@@ -61,12 +61,7 @@ from actors.reconciler.table import SlotTable, load_slots
 from actors.reconciler.task_cursor import TaskCursor, TaskSource
 from actors.reconciler.work import (
     Completion,
-    GroupDone,
     MetaRecord,
-    RewardDone,
-    RolloutDone,
-    StageFailed,
-    TrainDone,
     WorkOrder,
 )
 
@@ -200,19 +195,22 @@ class Lifecycle:
     # ------------------------------------------------------------------ public events
     async def on_completion(self, event: Completion, now: float) -> list[WorkOrder]:
         """Apply a ``done.<stage>`` message; duplicates and stale attempts are ignored (and counted)."""
-        flow = self._flow
-        match event:
-            case RolloutDone():
-                return await self._run(now, lambda: flow.on_rollout_done(event))
-            case RewardDone():
-                return await self._run(now, lambda: flow.on_reward_done(event))
-            case GroupDone():
-                return await self._run(now, lambda: flow.on_group_done(event))
-            case TrainDone():
-                return await self._run(now, lambda: flow.on_train_done(event))
-            case StageFailed():
-                return await self._run(now, lambda: flow.on_failed(event))
-        raise TypeError(f"on_completion takes a Completion, got {type(event).__name__}")
+        if not isinstance(event, Completion):
+            raise TypeError(f"on_completion takes a Completion, got {type(event).__name__}")
+        return await self._run(now, lambda: self._flow.apply(event))
+
+    async def on_completions(self, events: Iterable[Completion], now: float) -> list[WorkOrder]:
+        """Apply several completions in one call (a group order's answers), each judged on its own."""
+        events = tuple(events)
+        for event in events:
+            if not isinstance(event, Completion):
+                raise TypeError(f"on_completions takes Completions, got {type(event).__name__}")
+
+        async def body() -> None:
+            for event in events:
+                await self._flow.apply(event)
+
+        return await self._run(now, body)
 
     def on_heartbeat(self, stage: Stage, key: str, attempt: int, actor_id: str, now: float, token: str = "") -> None:
         """An actor is still working on (stage, key, attempt) issued with `token`: push its timeout back.
