@@ -95,13 +95,19 @@ class StageActor(Actor):
                                        msg_id=f"done.{self.stage.value}.{msg.key}.{msg.attempt}.{msg.token}")
 
     async def _handle_group(self, order: RolloutGroupOrder | RewardGroupOrder, delivery: Delivery) -> None:
-        if delivery.num_delivered > 1 and not await self._still_wanted(order):  # acked by the base
-            log.info("superseded_order_skipped", stage=self.stage.value, key=order.key,
-                     num_items=len(order.items), num_delivered=delivery.num_delivered)
-            return
+        items = order.items
+        if delivery.num_delivered > 1:  # as for a single order, per item: skip the superseded ones
+            wanted = await self._wanted_items(order)
+            for item, is_wanted in zip(order.items, wanted, strict=True):
+                if not is_wanted:
+                    log.info("superseded_order_skipped", stage=self.stage.value, key=item.key, attempt=item.attempt,
+                             num_delivered=delivery.num_delivered)
+            items = tuple(item for item, is_wanted in zip(order.items, wanted, strict=True) if is_wanted)
+            if not items:
+                return  # acked by the base
         beat = delivery.task_group.create_task(self._report_alive(order))
         try:
-            results = await asyncio.gather(*(self._work_item(item, delivery) for item in order.items),
+            results = await asyncio.gather(*(self._work_item(item, delivery) for item in items),
                                            return_exceptions=True)
         finally:
             beat.cancel()
@@ -120,6 +126,22 @@ class StageActor(Actor):
                 log.warning("work_refused", stage=self.stage.value, key=item.key, attempt=item.attempt, reason=str(e))
                 done = StageFailed(self.stage, item.key, item.attempt, str(e))
         return bound_to(done, item)
+
+    async def _wanted_items(self, order: RolloutGroupOrder | RewardGroupOrder) -> list[bool]:
+        """`_still_wanted` for each item of a group order (the reconciler answers each; without an answer
+        in time, every item is done)."""
+        num = len(order.items)
+        try:
+            beat = await self._work_heartbeat(order)
+            reply = await self.bus.nc.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
+                                              timeout=self.still_wanted_timeout_s)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return [True] * num
+        answer = msgpack.unpackb(reply.data, raw=False)
+        items = answer.get("current_items") if isinstance(answer, dict) else None
+        if isinstance(items, list) and len(items) == num:
+            return [item is not False for item in items]
+        return [not (isinstance(answer, dict) and answer.get("current") is False)] * num
 
     async def _still_wanted(self, order: Any) -> bool:
         """The first heartbeat, as a question to the reconciler: a lost actor's orders are re-issued as new

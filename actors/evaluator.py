@@ -75,7 +75,7 @@ class EvaluatorActor(Actor):
         self.exhausted_at: int | None = None  # the last version, once the reconciler says the data ran out
         self.finish_requested = False
         self.exhausted_codec = Codec([DataExhausted])
-        self.slot_store = KVSlotStore(await self.bus.kv("slots"))  # read only: claims are checked against it
+        self.slot_store = KVSlotStore(self.bus, "slots")  # read only: claims are checked against it
         self.num_rejected_claims = 0
         sub = await self.bus.nc.subscribe(data_exhausted_subject(self.run_name), cb=self._on_data_exhausted)
         self.exit_stack.push_async_callback(sub.unsubscribe)

@@ -17,7 +17,7 @@ import heapq
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from runtime.bus_auth import BusCredentials
-from runtime.errors import BusError
+from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 
 log = structlog.get_logger(__name__)
 
@@ -80,6 +80,31 @@ DONE_QUEUE = Queue("done", ("done.>",))
 
 
 @dataclass(frozen=True)
+class KVEntry:
+    """One key's record in a KV bucket; ``deleted``: a delete or purge marker (a watch sees them)."""
+
+    key: str
+    value: bytes
+    revision: int
+    deleted: bool = False
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """nats-py's errors as the runtime's: callers never import nats (docs/ARCHITECTURE.md, "Layers")."""
+    try:
+        yield
+    except KeyWrongLastSequenceError as e:
+        raise RevisionMismatch(f"{what}: {e.description or e}") from e
+    except nats.errors.NoRespondersError as e:
+        raise NoResponders(f"{what}: no responder") from e
+    except nats.errors.TimeoutError as e:
+        raise BusTimeout(f"{what}: no answer in time") from e
+    except nats.errors.Error as e:
+        raise BusError(f"{what}: {e!r}") from e
+
+
+@dataclass(frozen=True)
 class BusLimits:
     """Stream and consumer limits, chosen deliberately (see each comment)."""
 
@@ -100,26 +125,6 @@ class BusLimits:
     def __post_init__(self) -> None:
         if self.ack_wait_s < 1.0:
             raise ValueError(f"ack_wait_s={self.ack_wait_s} is too small for in_progress heartbeats; use >= 1")
-
-
-class KVConflict(BusError):
-    """A compare-and-set write on a KV bucket found another revision of its key (or an existing key on create)."""
-
-    def __init__(self, bucket: str, key: str, expected: int | None) -> None:
-        super().__init__(f"compare-and-set on {bucket}/{key} expected revision {expected}; another writer wrote it")
-        self.bucket = bucket
-        self.key = key
-        self.expected = expected
-
-
-class KVWriteFailed(BusError):
-    """A chained KV write was refused or not acknowledged in time; the bucket holds a prefix of the chain."""
-
-
-@dataclass(frozen=True, slots=True)
-class KVEntry:
-    value: bytes
-    revision: int
 
 
 class Bucket(KeyValue):
@@ -171,37 +176,18 @@ class Bucket(KeyValue):
             return False
         return True
 
-    # --- the narrow compare-and-set API (typed errors, no nats-py types) ---------------------------
-    async def entry(self, key: str) -> KVEntry | None:
-        """The current value and revision of `key`; None if it is missing or deleted."""
-        try:
-            entry = await self.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
-            return None
-        if entry.value is None or entry.revision is None:
-            return None
-        return KVEntry(entry.value, entry.revision)
 
-    async def create_entry(self, key: str, value: bytes) -> int:
-        """Create `key`; its revision. Raises `KVConflict` if it exists."""
-        try:
-            return await self.create(key, value)
-        except KeyWrongLastSequenceError:
-            raise KVConflict(self.bucket, key, None) from None
+class KVWriteFailed(BusError):
+    """A chained KV write was refused or not acknowledged in time; the bucket holds a prefix of the chain."""
 
-    async def update_entry(self, key: str, value: bytes, revision: int) -> int:
-        """Replace `key` if its revision is `revision`; the new revision. Raises `KVConflict` otherwise."""
-        try:
-            return await self.update(key, value, last=revision)
-        except KeyWrongLastSequenceError:
-            raise KVConflict(self.bucket, key, revision) from None
 
-    async def live_keys(self) -> list[str]:
-        """Every live key ([] if none)."""
-        try:
-            return await self.keys()
-        except NoKeysError:
-            return []
+class ChainedWriteConflict(RevisionMismatch):
+    """A chained write's expected revision was not its key's (or another writer broke the chain)."""
+
+    def __init__(self, bucket: str, key: str, expected: int | None) -> None:
+        super().__init__(f"compare-and-set on {bucket}/{key} expected revision {expected}; another writer wrote it")
+        self.key = key
+        self.expected = expected
 
 
 class ChainedKVWriter:
@@ -235,7 +221,7 @@ class ChainedKVWriter:
         self._buffer: list[tuple[str, bytes, int | None]] = []  # (key, value, expected revision), not sent
         self._writes: dict[int, tuple[str, int | None]] = {}  # acknowledgement asked: sequence -> (key, expected)
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (sequence, id, future)
-        self.broken: BusError | None = None
+        self.broken: Exception | None = None
         self._inbox = f"{nc.new_inbox()}."
         self._sub: Any = None
 
@@ -290,7 +276,7 @@ class ChainedKVWriter:
         """Send the buffered writes and wait until every write made so far is acknowledged.
 
         Raises:
-            KVConflict: a write found another revision (or the chain was broken by another writer).
+            ChainedWriteConflict: a write found another revision (or the chain was broken by another writer).
             KVWriteFailed: an earlier write failed, the connection failed, or no acknowledgement came
                 within the timeout.
         """
@@ -326,7 +312,7 @@ class ChainedKVWriter:
             return
         error = reply.get("error")
         if error and error.get("err_code") in (10071, 10164):  # wrong last (subject) sequence
-            self._fail(KVConflict(self.bucket, key, expected))
+            self._fail(ChainedWriteConflict(self.bucket, key, expected))
         elif error:
             self._fail(KVWriteFailed(f"write of {key!r} failed: {error}"))
         elif reply.get("seq") != sequence:
@@ -339,7 +325,7 @@ class ChainedKVWriter:
                 if not done.done():
                     done.set_result(None)
 
-    def _fail(self, error: BusError) -> None:
+    def _fail(self, error: Exception) -> None:
         self.broken = self.broken or error
         for _, _, waiter in self._waiters:
             if not waiter.done():
@@ -507,6 +493,45 @@ class Bus:
                 info = await self.js.stream_info(f"KV_{bucket}")
             self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
         return self._kv[bucket]
+
+    async def kv_get(self, bucket: str, key: str) -> KVEntry | None:
+        """The key's current record; None when there is none (never written, deleted or purged)."""
+        with _translated(f"get {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            try:
+                entry = await kv.get(key)
+            except (KeyNotFoundError, KeyDeletedError):
+                return None
+        return KVEntry(key, entry.value or b"", entry.revision or 0)
+
+    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
+        """Writes the key only if it has no live value; returns the revision.
+
+        Raises:
+            RevisionMismatch: the key has a value.
+        """
+        with _translated(f"create {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            return await kv.create(key, value)
+
+    async def kv_cas(self, bucket: str, key: str, value: bytes, revision: int) -> int:
+        """Writes the key only if its revision is still ``revision``; returns the new one.
+
+        Raises:
+            RevisionMismatch: the key changed since that revision was read.
+        """
+        with _translated(f"update {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            return await kv.update(key, value, last=revision)
+
+    async def kv_keys(self, bucket: str) -> list[str]:
+        """The bucket's live keys (none: an empty list)."""
+        with _translated(f"list the keys of {bucket}"):
+            kv = await self.kv(bucket)
+            try:
+                return await kv.keys()
+            except NoKeysError:
+                return []
 
     async def watch_kv(self, bucket: str, keys: str = ">") -> AsyncIterator[Any]:
         """Entries of ``bucket``: the current values, then None, then every change; across outages.

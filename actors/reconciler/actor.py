@@ -113,10 +113,9 @@ class ReconcilerActor(Actor):
         )
 
     async def _open_store(self) -> KVSlotStore:
-        kv = await self.bus.kv("slots")
         if self.pipelined_writes:
             return await PipelinedKVSlotStore.open(self.bus, "slots")
-        return KVSlotStore(kv)
+        return KVSlotStore(self.bus, "slots")
 
     async def _resume(self) -> None:
         old = getattr(self, "store", None)
@@ -223,9 +222,9 @@ class ReconcilerActor(Actor):
         now = time.time()
         for beat in beats:
             self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, now, beat.token)
-        if raw.reply:  # a stage actor asks before it starts: is this attempt (any of these items) still wanted?
-            current = any(self.core.is_current(b.stage, b.key, b.attempt) for b in beats)
-            await raw.respond(msgpack.packb({"current": current}, use_bin_type=True))
+        if raw.reply:  # a stage actor asks before it starts: is this attempt (each of these items) still wanted?
+            items = [self.core.is_current(b.stage, b.key, b.attempt) for b in beats]
+            await raw.respond(msgpack.packb({"current": any(items), "current_items": items}, use_bin_type=True))
 
     async def _on_weights(self, raw: Any) -> None:
         try:
@@ -278,10 +277,9 @@ class ReconcilerActor(Actor):
         await self.bus.nc.publish(data_exhausted_subject(self.run_name), data)
 
     async def _count_rollout_actors(self) -> int:
-        kv = await self.bus.kv("actors")
         count = 0
-        for key in await kv.live_keys():
-            entry = await kv.entry(key)
+        for key in await self.bus.kv_keys("actors"):
+            entry = await self.bus.kv_get("actors", key)
             if entry is not None:  # else deregistered since the listing
                 count += self._is_running_rollout(key, entry.value)
         return count

@@ -166,7 +166,7 @@ class LifecycleFlow:
         members = table.batch_members(batch)
         self._finish(Stage.TRAIN, batch.batch_id, max(s.entered_at[SlotState.TRAIN] for s in members))
         await table.save_meta(max(table.version, event.trainer_version), None)
-        await table.write_all(s.moved_to(SlotState.EMPTY, table.now) for s in members)
+        table.release(members)  # the admissions this call makes next take these slots: one write each, not two
         for group in groups:
             del table.groups[group.group_id]
         for s in members:

@@ -3,14 +3,16 @@
 `KVSlotStore` waits for each write's acknowledgement; `PipelinedKVSlotStore` buffers writes, sends
 them back to back in `sync` and waits for one acknowledgement that covers them all (group commit,
 `runtime.bus.ChainedKVWriter`), for a reconciler that must not pay one round trip, nor one reply,
-per transition. Both speak to the bus through its narrow KV API only (`runtime.bus.Bucket`).
+per transition. Both speak to the bus through its KV API only (`Bus.kv_get`, `kv_create`, `kv_cas`,
+`kv_keys`, `ChainedKVWriter`), never to nats-py.
 """
 
 from __future__ import annotations
 
 from actors.reconciler.slot import SampleLifecycleError
 from actors.reconciler.store import CasConflict, Entry
-from runtime.bus import Bucket, Bus, ChainedKVWriter, KVConflict, KVWriteFailed
+from runtime.bus import Bus, ChainedKVWriter, ChainedWriteConflict, KVWriteFailed
+from runtime.errors import RevisionMismatch
 
 __all__ = ["KVSlotStore", "PipelinedKVSlotStore", "StoreBroken"]
 
@@ -20,29 +22,32 @@ class StoreBroken(SampleLifecycleError, ConnectionError):
 
 
 class KVSlotStore:
-    def __init__(self, bucket: Bucket) -> None:
+    """The store on the bus's KV bucket `bucket` (the reconciler's: ``slots``); each write waits for its ack."""
+
+    def __init__(self, bus: Bus, bucket: str = "slots") -> None:
+        self._bus = bus
         self._bucket = bucket
 
     async def get(self, key: str) -> Entry | None:
-        entry = await self._bucket.entry(key)
+        entry = await self._bus.kv_get(self._bucket, key)
         return Entry(entry.value, entry.revision) if entry is not None else None
 
     async def create(self, key: str, value: bytes) -> int:
         try:
-            return await self._bucket.create_entry(key, value)
-        except KVConflict:
+            return await self._bus.kv_create(self._bucket, key, value)
+        except RevisionMismatch:
             current = await self.get(key)
             raise CasConflict(key, None, current.revision if current else None) from None
 
     async def update(self, key: str, value: bytes, expected_revision: int) -> int:
         try:
-            return await self._bucket.update_entry(key, value, expected_revision)
-        except KVConflict:
+            return await self._bus.kv_cas(self._bucket, key, value, expected_revision)
+        except RevisionMismatch:
             current = await self.get(key)
             raise CasConflict(key, expected_revision, current.revision if current else None) from None
 
     async def keys(self) -> list[str]:
-        return await self._bucket.live_keys()
+        return await self._bus.kv_keys(self._bucket)
 
     async def sync(self) -> None:
         """Every write made so far is durable (here: already, each write waited for its ack)."""
@@ -61,13 +66,13 @@ class PipelinedKVSlotStore(KVSlotStore):
     every call raises `StoreBroken` and the owner must open a new store and resume from it.
     """
 
-    def __init__(self, bucket: Bucket, writer: ChainedKVWriter) -> None:
-        super().__init__(bucket)
+    def __init__(self, bus: Bus, bucket: str, writer: ChainedKVWriter) -> None:
+        super().__init__(bus, bucket)
         self._writer = writer
 
     @classmethod
-    async def open(cls, bus: Bus, bucket: str, ack_timeout_s: float = 10.0) -> PipelinedKVSlotStore:
-        return cls(await bus.kv(bucket), await ChainedKVWriter.open(bus, bucket, ack_timeout_s))
+    async def open(cls, bus: Bus, bucket: str = "slots", ack_timeout_s: float = 10.0) -> PipelinedKVSlotStore:
+        return cls(bus, bucket, await ChainedKVWriter.open(bus, bucket, ack_timeout_s))
 
     async def close(self) -> None:
         """Stop listening for acknowledgements; writes not yet synced stay unconfirmed (or unsent)."""
@@ -95,7 +100,7 @@ class PipelinedKVSlotStore(KVSlotStore):
         """
         try:
             await self._writer.flush()
-        except KVConflict as e:
+        except ChainedWriteConflict as e:
             raise CasConflict(e.key, e.expected, None) from None
         except KVWriteFailed as e:
             raise StoreBroken(str(e)) from None

@@ -69,6 +69,7 @@ class SlotTable:
         self._by_sample = {s.sample_id: s.index for s in slots if s.is_live}
         self._free = [s.index for s in slots if not s.is_live]
         heapq.heapify(self._free)
+        self._released: list[int] = []  # freed in memory, their stored record not yet overwritten (see release)
         self._log = _TransitionLog(transition_events_per_s)
         self.now = 0.0
         self.version = meta.trainer_version
@@ -94,10 +95,13 @@ class SlotTable:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._released)
 
     def take_free(self) -> int:
-        """The lowest free slot index (it is written by the caller next)."""
+        """A free slot index (it is written by the caller next): a released one first, whose stored record
+        the caller's write then replaces (one write instead of two), else the lowest free one."""
+        if self._released:
+            return self._released.pop()
         return heapq.heappop(self._free)
 
     def members(self, group: TableGroup) -> list[Slot]:
@@ -114,6 +118,11 @@ class SlotTable:
         i = new.index
         old = self._slots[i]
         self._revs[i] = await self._store.update(slot_key(i), new.encode(), self._revs[i])
+        self._metrics.counters["slot_writes"] += 1
+        self._set(old, new)
+
+    def _set(self, old: Slot, new: Slot, *, released: bool = False) -> None:
+        i = new.index
         self._slots[i] = new
         self._counts[old.state] -= 1
         self._counts[new.state] += 1
@@ -121,10 +130,27 @@ class SlotTable:
             self._by_sample.pop(old.sample_id, None)
         if new.sample_id:
             self._by_sample[new.sample_id] = i
-        if old.is_live and not new.is_live:
+        if old.is_live and not new.is_live and not released:
             heapq.heappush(self._free, i)
         self._metrics.counters["transitions"] += 1
         self._log.transition(old, new, self.now, self.version)
+
+    def release(self, trained: Iterable[Slot]) -> None:
+        """Free the slots of a trained batch in memory; their stored records (TRAIN, of a batch the meta
+        record no longer names) are overwritten by the next admissions of this core call, and the rest
+        written EMPTY at its end (`write_released`). Until then a resume frees them as trained slots."""
+        for slot in trained:
+            self._set(slot, slot.moved_to(SlotState.EMPTY, self.now), released=True)
+            self._released.append(slot.index)
+        self._released.sort(reverse=True)  # take_free pops the lowest first
+
+    async def write_released(self) -> None:
+        """Write EMPTY over every released slot no admission reused (the end of each core call)."""
+        while self._released:
+            i = self._released.pop()
+            self._revs[i] = await self._store.update(slot_key(i), self._slots[i].encode(), self._revs[i])
+            self._metrics.counters["slot_writes"] += 1
+            heapq.heappush(self._free, i)
 
     async def write_all(self, slots: Iterable[Slot]) -> None:
         # One after another: with the reconciler's group-commit store a write only joins a buffer,

@@ -200,7 +200,7 @@ async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[
         "cpu_ms_per_lifecycle": cpu_ms_per_lifecycle(before[1], after[1], in_window),
         "stage_p50_ms": {k: 1e3 * v["p50_s"] for k, v in lc["stage_latency"].items()},
         "stage_p99_ms": {k: 1e3 * v["p99_s"] for k, v in lc["stage_latency"].items()},
-        "slot_writes_per_sample": lc["counters"]["transitions"] / max(1, lc["counters"]["trained_samples"]),
+        "slot_writes_per_sample": lc["counters"]["slot_writes"] / max(1, lc["counters"]["trained_samples"]),
         "retries": lc["counters"].get("retries", 0),
         "ignored_completions": lc["counters"].get("ignored_completions", 0),
     }

@@ -62,7 +62,7 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
 
         await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
         os.kill(victim["pid"], signal.SIGSTOP)
-        slots = KVSlotStore(await run.bus.kv("slots"))
+        slots = KVSlotStore(run.bus, "slots")
 
         async def finished() -> bool:
             cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)
@@ -109,7 +109,7 @@ async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_n
 
         await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
         os.kill(victim["pid"], signal.SIGKILL)
-        slots = KVSlotStore(await run.bus.kv("slots"))
+        slots = KVSlotStore(run.bus, "slots")
 
         async def finished() -> bool:
             cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)

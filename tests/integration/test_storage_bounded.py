@@ -37,7 +37,7 @@ async def test_the_blobs_of_finished_groups_are_collected_and_storage_stays_boun
     counts: list[int] = []
     try:
         assert run.bus is not None
-        slots = KVSlotStore(await run.bus.kv("slots"))
+        slots = KVSlotStore(run.bus, "slots")
         async with open_store((run_dir / "blobs").as_uri()) as store:
 
             async def num_blobs() -> int:

@@ -78,7 +78,6 @@ LISTED = {  # (file, callee as written) -> its bound, where the callee's name al
     ("actors/reconciler/kv_store.py", "super().get"): SLOT_STORE,
     ("actors/reconciler/kv_store.py", "self.sync"): PIPELINE_SYNC,
     ("actors/reconciler/kv_store.py", "self._writer.flush"): PIPELINE_SYNC,
-    ("runtime/bus.py", "self.create"): JS_API,
     ("actors/reconciler/actor.py", "self.store.sync"): PIPELINE_SYNC,
     ("actors/reconciler/actor.py", "store.sync"): PIPELINE_SYNC,
     ("actors/weights_follower.py", "self.subscriber.fetch"): "WeightSubscriber.fetch: blob store calls (" + BLOB + ")",
