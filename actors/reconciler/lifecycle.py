@@ -32,8 +32,9 @@ Durability rules: state is written before the work it implies is returned (so pu
 always in the table); an admitted group's slots are written before the cursor moves past its
 prompt (a resume rolls back slots at or past the cursor); a dropped group's outcome record is
 written before its slots are freed; the trainer version is written before a trained batch's slots
-are freed (each by the admission that reuses it in the same call, the rest written EMPTY at the call's
-end: a resume frees TRAIN slots of a batch the meta record no longer names). See `actors.reconciler.scheduling` for admission and batch selection.
+are freed (each by the admission that reuses it in the same call, the rest written EMPTY at the
+call's end: a resume frees TRAIN slots of a batch the meta record no longer names). See
+`actors.reconciler.scheduling` for admission and batch selection.
 
 Parts, one concept each, composed (not inherited): `actors.reconciler.table.SlotTable` (the
 in-memory mirror of the store and its write discipline), `actors.reconciler.issuance.Issuance` (the

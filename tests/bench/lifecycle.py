@@ -7,7 +7,8 @@ G samples; train per B groups, one batch at a time, under the same staleness bou
 
 - NATS: a real run (``python -m runtime.up``) of the real `actors.reconciler.ReconcilerActor`, its
   table in the ``slots`` JetStream KV bucket (file storage, every transition a compare-and-set), work
-  orders and completions on JetStream streams, and the simulated stage actors of
+  orders and completions on JetStream streams (a group's rollout and reward orders, and their
+  completions, one message each: `actors.reconciler.work.RolloutGroupOrder`), and the simulated stage actors of
   tests/integration/sim_stages.py with zero work time and no blob records, one process per kind.
   Durability on: everything the reconciler decides is in JetStream before it is acted on.
 - Ray: the design verl and OpenRLHF use: a driver loop (this process) calling rollout, reward, group
