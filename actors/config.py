@@ -11,7 +11,7 @@ from pathlib import Path
 
 from actors.agent import AgentConfig
 from actors.lr_schedule import LRSchedule
-from actors.scheduling import SchedulingConfig
+from actors.reconciler.scheduling import SchedulingConfig
 from runtime.config import Range, check_ranges, fixed, live
 from sandbox.tasks import count_tasks
 

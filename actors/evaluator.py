@@ -24,12 +24,12 @@ import msgpack
 import structlog
 
 from actors.config import RLConfig
-from actors.data_exhaustion import why_not_exhausted
 from actors.evaluation import evaluate, greedy, sampled
-from actors.kv_slot_store import KVSlotStore
 from actors.messages import DataExhausted, data_exhausted_subject
 from actors.metrics_log import read_metrics
 from actors.policy import load_policy, weights_run_name
+from actors.reconciler.data_exhaustion import why_not_exhausted
+from actors.reconciler.kv_store import KVSlotStore
 from actors.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from actors.trainer import append_metrics
@@ -75,7 +75,7 @@ class EvaluatorActor(Actor):
         self.exhausted_at: int | None = None  # the last version, once the reconciler says the data ran out
         self.finish_requested = False
         self.exhausted_codec = Codec([DataExhausted])
-        self.slot_store = KVSlotStore(await self.bus.kv("slots"))  # read only: claims are checked against it
+        self.slot_store = KVSlotStore(self.bus, "slots")  # read only: claims are checked against it
         self.num_rejected_claims = 0
         sub = await self.bus.nc.subscribe(data_exhausted_subject(self.run_name), cb=self._on_data_exhausted)
         self.exit_stack.push_async_callback(sub.unsubscribe)

@@ -13,9 +13,9 @@ import structlog
 import torch
 
 from actors._stage import StageActor, WorkRefused
-from actors.lifecycle_events import GroupDone, GroupOrder
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import GroupDone, GroupOrder
 from actors.records import GroupRecord, GroupSample, RewardRecord, RolloutRecord
-from actors.slots import Stage
 from model.loss import advantages_dr_grpo
 from runtime.actor import Delivery
 

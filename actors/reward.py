@@ -13,10 +13,10 @@ import structlog
 from actors._stage import StageActor, WorkRefused
 from actors.agent import Trajectory
 from actors.config import RewardSection
-from actors.lifecycle_events import RewardDone, RewardOrder
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import RewardDone, RewardOrder
 from actors.records import RewardBreakdown, RewardRecord, RolloutRecord, TestResult
 from actors.scratch import open_sandbox_store
-from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from runtime.actor import Delivery
 from sandbox import import_snapshot_bytes, score

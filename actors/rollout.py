@@ -18,11 +18,11 @@ import structlog
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent import run_episode
-from actors.lifecycle_events import RolloutDone, RolloutOrder
 from actors.policy import load_policy, weights_run_name
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import RolloutDone, RolloutOrder
 from actors.records import RolloutRecord
 from actors.scratch import open_sandbox_store
-from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
 from actors.weights_follower import WeightsFollower, WeightsUnavailable
 from model.engine import EngineStatus, GenerationEngine

@@ -27,7 +27,7 @@ class TaskCatalog:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_id", {t.id: t for t in (*self.train, *self.heldout)})
 
-    # TaskSource protocol (actors.task_cursor): prompts by stable position.
+    # TaskSource protocol (actors.reconciler.task_cursor): prompts by stable position.
     def __len__(self) -> int:
         return len(self.train)
 

@@ -33,12 +33,12 @@ import structlog
 
 from actors._stage import StageActor, WorkRefused
 from actors.learner import Learner, StepMetrics
-from actors.lifecycle_events import TrainDone, TrainOrder
 from actors.messages import WeightsPublished
 from actors.metrics_log import read_metrics
 from actors.policy import load_policy, use_training_precision, weights_run_name
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import TrainDone, TrainOrder
 from actors.records import GroupRecord
-from actors.slots import Stage
 from actors.weights_follower import weights_subject
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
 from model.weight_sync.manifest import manifest_key

@@ -11,11 +11,13 @@ Subjects (see DESIGN.md):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import heapq
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +32,24 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    Header,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, KeyDeletedError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from runtime.bus_auth import BusCredentials
-from runtime.errors import BusError
+from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +77,31 @@ def work_queue(stage: str) -> Queue:
 
 
 DONE_QUEUE = Queue("done", ("done.>",))
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    """One key's record in a KV bucket; ``deleted``: a delete or purge marker (a watch sees them)."""
+
+    key: str
+    value: bytes
+    revision: int
+    deleted: bool = False
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """nats-py's errors as the runtime's: callers never import nats (docs/ARCHITECTURE.md, "Layers")."""
+    try:
+        yield
+    except KeyWrongLastSequenceError as e:
+        raise RevisionMismatch(f"{what}: {e.description or e}") from e
+    except nats.errors.NoRespondersError as e:
+        raise NoResponders(f"{what}: no responder") from e
+    except nats.errors.TimeoutError as e:
+        raise BusTimeout(f"{what}: no answer in time") from e
+    except nats.errors.Error as e:
+        raise BusError(f"{what}: {e!r}") from e
 
 
 @dataclass(frozen=True)
@@ -140,6 +175,167 @@ class Bucket(KeyValue):
         except (KeyNotFoundError, KeyDeletedError):
             return False
         return True
+
+
+class KVWriteFailed(BusError):
+    """A chained KV write was refused or not acknowledged in time; the bucket holds a prefix of the chain."""
+
+
+class ChainedWriteConflict(RevisionMismatch):
+    """A chained write's expected revision was not its key's (or another writer broke the chain)."""
+
+    def __init__(self, bucket: str, key: str, expected: int | None) -> None:
+        super().__init__(f"compare-and-set on {bucket}/{key} expected revision {expected}; another writer wrote it")
+        self.key = key
+        self.expected = expected
+
+
+class ChainedKVWriter:
+    """Writes to one KV bucket sent back to back, each conditional on the one before (group commit).
+
+    (nats-py's ``publish_async`` is not used: its futures never resolve when the server refuses a
+    write, nats-py 2.16 raising inside its reply handler instead.)
+
+    Every write carries two conditions the server checks: the key's last revision (the
+    compare-and-set) and the bucket stream's last sequence (the previous write of this writer). So
+    the writes apply in the order they were made, each only if all before it applied: the bucket
+    always holds a prefix of them, as if the writer had crashed there. A write's revision is known
+    before it is sent (the stream's last sequence + 1, this writer being the bucket's only writer),
+    so the caller runs on without a round trip per write.
+
+    Because of that chain, only the last write of each `flush` asks for an acknowledgement: the
+    server stores it only if every write before it was stored, so its acknowledgement confirms them
+    all, and its refusal (its own conflict, or the broken chain of an earlier one) reports theirs.
+    After any failed write the writer is broken: every later call raises the first error's kind.
+    """
+
+    def __init__(self, nc: NatsClient, bucket: str, last_sequence: int, ack_timeout_s: float) -> None:
+        self._nc = nc
+        self.bucket = bucket
+        self._subject_prefix = f"$KV.{bucket}."
+        self._last = last_sequence  # sequence of the newest write made (buffered or sent)
+        self._sent = last_sequence  # sequence of the newest write sent
+        self._durable = last_sequence  # every write up to this one is acknowledged
+        self._ack_timeout_s = ack_timeout_s
+        self._order = asyncio.Lock()  # FIFO: buffers reach the connection in the order of their sequence
+        self._buffer: list[tuple[str, bytes, int | None]] = []  # (key, value, expected revision), not sent
+        self._writes: dict[int, tuple[str, int | None]] = {}  # acknowledgement asked: sequence -> (key, expected)
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (sequence, id, future)
+        self.broken: Exception | None = None
+        self._inbox = f"{nc.new_inbox()}."
+        self._sub: Any = None
+
+    @classmethod
+    async def open(cls, bus: Bus, bucket: str, ack_timeout_s: float = 10.0) -> ChainedKVWriter:
+        await bus.kv(bucket)
+        info = await bus.js.stream_info(f"KV_{bucket}")
+        writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s)
+        writer._sub = await bus.nc.subscribe(f"{writer._inbox}*", cb=writer._on_ack)
+        return writer
+
+    async def close(self) -> None:
+        """Stop listening for acknowledgements; writes not yet flushed stay unconfirmed (or unsent)."""
+        self._fail(KVWriteFailed(f"the writer of bucket {self.bucket!r} was closed"))
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    def write(self, key: str, value: bytes, expected_revision: int | None) -> int:
+        """Buffer a write (`expected_revision` None: create); the revision it will have once flushed."""
+        self._check()
+        self._buffer.append((key, value, expected_revision))
+        self._last += 1
+        return self._last
+
+    @property
+    def pending(self) -> bool:
+        """Some write made is not acknowledged yet."""
+        return self._last > self._durable
+
+    async def _send(self) -> None:
+        async with self._order:
+            buffer, self._buffer = self._buffer, []
+            if not buffer:
+                return
+            self._check()
+            last = len(buffer) - 1
+            for i, (key, value, expected) in enumerate(buffer):
+                sequence = self._sent + 1
+                headers = {
+                    Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected or 0),
+                    Header.EXPECTED_LAST_SEQUENCE: str(self._sent),
+                }
+                reply = ""
+                if i == last:
+                    self._writes[sequence] = (key, expected)
+                    reply = f"{self._inbox}{sequence}"
+                await self._nc.publish(self._subject_prefix + key, value, reply=reply, headers=headers)
+                self._sent = sequence
+
+    async def flush(self) -> None:
+        """Send the buffered writes and wait until every write made so far is acknowledged.
+
+        Raises:
+            ChainedWriteConflict: a write found another revision (or the chain was broken by another writer).
+            KVWriteFailed: an earlier write failed, the connection failed, or no acknowledgement came
+                within the timeout.
+        """
+        self._check()
+        target = self._last
+        if target <= self._durable:
+            return
+        await asyncio.sleep(0)  # let the other ready callers buffer their writes: one send, one reply for all
+        await self._send()
+        if target <= self._durable:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (target, id(waiter), waiter))
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self._ack_timeout_s)
+        except TimeoutError:
+            self._fail(KVWriteFailed(f"writes to {self.bucket!r} up to sequence {target} not acknowledged "
+                                     f"within {self._ack_timeout_s}s"))
+            self._check()
+
+    async def _on_ack(self, msg: Msg) -> None:
+        sequence = int(msg.subject[len(self._inbox) :])
+        key, expected = self._writes.pop(sequence, ("?", None))
+        if self.broken is not None:
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            self._fail(KVWriteFailed(f"no JetStream stream answered the write of {key!r}"))
+            return
+        try:
+            reply = json.loads(msg.data)
+        except ValueError as e:
+            self._fail(KVWriteFailed(f"unreadable acknowledgement of the write of {key!r}: {e}"))
+            return
+        error = reply.get("error")
+        if error and error.get("err_code") in (10071, 10164):  # wrong last (subject) sequence
+            self._fail(ChainedWriteConflict(self.bucket, key, expected))
+        elif error:
+            self._fail(KVWriteFailed(f"write of {key!r} failed: {error}"))
+        elif reply.get("seq") != sequence:
+            self._fail(KVWriteFailed(f"write of {key!r} landed at sequence {reply.get('seq')}, not {sequence}: "
+                                     "another writer is using this bucket"))
+        else:  # the chain: every write up to this one is stored
+            self._durable = max(self._durable, sequence)
+            while self._waiters and self._waiters[0][0] <= self._durable:
+                done = heapq.heappop(self._waiters)[2]
+                if not done.done():
+                    done.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        self.broken = self.broken or error
+        for _, _, waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(self.broken)
+                waiter.exception()  # retrieved: a waiter that timed out meanwhile must not warn
+        self._waiters.clear()
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise KVWriteFailed(f"an earlier write to {self.bucket!r} failed ({self.broken!r}); open a new writer")
 
 
 class ConnectionHealth:
@@ -297,6 +493,45 @@ class Bus:
                 info = await self.js.stream_info(f"KV_{bucket}")
             self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
         return self._kv[bucket]
+
+    async def kv_get(self, bucket: str, key: str) -> KVEntry | None:
+        """The key's current record; None when there is none (never written, deleted or purged)."""
+        with _translated(f"get {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            try:
+                entry = await kv.get(key)
+            except (KeyNotFoundError, KeyDeletedError):
+                return None
+        return KVEntry(key, entry.value or b"", entry.revision or 0)
+
+    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
+        """Writes the key only if it has no live value; returns the revision.
+
+        Raises:
+            RevisionMismatch: the key has a value.
+        """
+        with _translated(f"create {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            return await kv.create(key, value)
+
+    async def kv_cas(self, bucket: str, key: str, value: bytes, revision: int) -> int:
+        """Writes the key only if its revision is still ``revision``; returns the new one.
+
+        Raises:
+            RevisionMismatch: the key changed since that revision was read.
+        """
+        with _translated(f"update {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            return await kv.update(key, value, last=revision)
+
+    async def kv_keys(self, bucket: str) -> list[str]:
+        """The bucket's live keys (none: an empty list)."""
+        with _translated(f"list the keys of {bucket}"):
+            kv = await self.kv(bucket)
+            try:
+                return await kv.keys()
+            except NoKeysError:
+                return []
 
     async def watch_kv(self, bucket: str, keys: str = ">") -> AsyncIterator[Any]:
         """Entries of ``bucket``: the current values, then None, then every change; across outages.

@@ -16,8 +16,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from actors import Lifecycle, ListTaskSource
-from actors.data_exhaustion import why_not_exhausted
 from actors.messages import DataExhausted, WeightsPublished
+from actors.reconciler.data_exhaustion import why_not_exhausted
 from actors.weights_follower import WeightsFollower, weights_subject
 from model.engine import GenerationEngine
 from model.weight_sync import manifest_key

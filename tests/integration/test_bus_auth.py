@@ -15,7 +15,7 @@ import nats
 import pytest
 
 from actors.evaluator import EvaluatorActor
-from actors.reconciler import ReconcilerActor
+from actors.reconciler.actor import ReconcilerActor
 from runtime.bus import Bus
 from runtime.bus_auth import (
     OPERATOR,

@@ -23,7 +23,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from actors.lifecycle_events import (
+from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, WorkHeartbeat, all_order_types
+from actors.policy import weights_run_name
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardDone,
@@ -34,9 +37,6 @@ from actors.lifecycle_events import (
     TrainDone,
     TrainOrder,
 )
-from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, WorkHeartbeat, all_order_types
-from actors.policy import weights_run_name
-from actors.slots import Stage
 from runtime.bus_auth import OPERATOR
 from runtime.codec import SCHEMA_VERSION, Codec
 from tests.integration.bus_clients import RoleClient, connect_anonymously, connect_as

@@ -18,10 +18,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from actors.lifecycle_events import MetaRecord, RolloutDone, TrainDone, TrainOrder
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, all_order_types
 from actors.policy import weights_run_name
-from actors.slot_store import META_KEY
+from actors.reconciler.store import META_KEY
+from actors.reconciler.work import MetaRecord, RolloutDone, TrainDone, TrainOrder
 from runtime.bus_auth import OPERATOR
 from runtime.codec import Codec
 from tests.integration.bus_clients import connect_anonymously, connect_as

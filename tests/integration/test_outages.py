@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from actors.lifecycle import CoreBroken
-from actors.reconciler import ReconcilerActor
+from actors.reconciler.actor import ReconcilerActor
+from actors.reconciler.lifecycle import CoreBroken
 from ops import status as ops_status
 from runtime.actor import Actor, ActorContext, ActorIdentity, ActorSettings
 from runtime.bus import Bus

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from actors.config import TasksSection
-from actors.lifecycle_events import RolloutOrder
 from actors.messages import all_order_types
+from actors.reconciler.work import RolloutOrder
 from actors.scratch import scratch_root
 from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from actors.config import TasksSection
-from actors.lifecycle_events import (
+from actors.messages import COMPLETION_TYPES, all_order_types
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardDone,
@@ -19,7 +20,6 @@ from actors.lifecycle_events import (
     TrainDone,
     TrainOrder,
 )
-from actors.messages import COMPLETION_TYPES, all_order_types
 from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint
 from model.config import tiny

@@ -21,7 +21,9 @@ import pytest
 import zstandard
 
 from actors.config import TasksSection
-from actors.lifecycle_events import (
+from actors.messages import COMPLETION_TYPES, all_order_types
+from actors.metrics_log import read_metrics
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardDone,
@@ -31,8 +33,6 @@ from actors.lifecycle_events import (
     TrainDone,
     TrainOrder,
 )
-from actors.messages import COMPLETION_TYPES, all_order_types
-from actors.metrics_log import read_metrics
 from actors.scratch import scratch_root
 from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint

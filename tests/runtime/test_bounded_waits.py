@@ -68,17 +68,18 @@ HELPERS = {
     "request_bus": "ops._client.request: nc.request(timeout=timeout_s)",
 }
 SLOT_STORE = "a slot store call: one KV request (JetStream API, 5 s)"
-PIPELINE_SYNC = "PipelinedKVSlotStore.sync: asyncio.wait_for(ack_timeout_s) on the acknowledgements"
+PIPELINE_SYNC = "ChainedKVWriter.flush: asyncio.wait_for(ack_timeout_s) on the acknowledgements"
 LISTED = {  # (file, callee as written) -> its bound, where the callee's name alone does not tell
-    ("actors/_slot_table.py", "self._store.create"): SLOT_STORE,
-    ("actors/_slot_table.py", "store.create"): SLOT_STORE,
-    ("actors/lifecycle.py", "store.create"): SLOT_STORE,
-    ("actors/task_cursor.py", "store.create"): SLOT_STORE,
-    ("actors/kv_slot_store.py", "self.get"): SLOT_STORE,
-    ("actors/kv_slot_store.py", "super().get"): SLOT_STORE,
-    ("actors/kv_slot_store.py", "self.sync"): PIPELINE_SYNC,
-    ("actors/reconciler.py", "self.store.sync"): PIPELINE_SYNC,
-    ("actors/reconciler.py", "store.sync"): PIPELINE_SYNC,
+    ("actors/reconciler/table.py", "self._store.create"): SLOT_STORE,
+    ("actors/reconciler/table.py", "store.create"): SLOT_STORE,
+    ("actors/reconciler/lifecycle.py", "store.create"): SLOT_STORE,
+    ("actors/reconciler/task_cursor.py", "store.create"): SLOT_STORE,
+    ("actors/reconciler/kv_store.py", "self.get"): SLOT_STORE,
+    ("actors/reconciler/kv_store.py", "super().get"): SLOT_STORE,
+    ("actors/reconciler/kv_store.py", "self.sync"): PIPELINE_SYNC,
+    ("actors/reconciler/kv_store.py", "self._writer.flush"): PIPELINE_SYNC,
+    ("actors/reconciler/actor.py", "self.store.sync"): PIPELINE_SYNC,
+    ("actors/reconciler/actor.py", "store.sync"): PIPELINE_SYNC,
     ("actors/weights_follower.py", "self.subscriber.fetch"): "WeightSubscriber.fetch: blob store calls (" + BLOB + ")",
     ("model/weight_sync/publisher.py", "self._encoded.put"): "an asyncio.Queue between encoder and uploader: no I/O",
     ("model/weight_sync/publisher.py", "self._encoded.get"): "an asyncio.Queue between encoder and uploader: no I/O",

@@ -125,7 +125,7 @@ class Slot:
         failure_reason: why the sample failed (FAILED only).
         token: issuance token of the current attempt, drawn afresh each time the slot enters a working
             state or is retried (empty otherwise); a group's or a batch's orders carry the token of
-            their first member (see `actors._slot_table.SlotTable`).
+            their first member (see `actors.reconciler.table.SlotTable`).
     """
 
     index: int
@@ -211,11 +211,11 @@ class Slot:
         if state is SlotState.EMPTY:
             return Slot(index=self.index)
         entered = dict(self.entered_at)
-        entered[state.value] = now
+        entered[state] = now  # a StrEnum: the same key as its value, and packed as it
         token = new_issuance_token() if state in WORKING_STATES else ""
         fields: dict[str, Any] = {"state": state, "attempt": 0, "num_retries": 0, "entered_at": entered, "token": token}
         fields.update(changes)
-        return dataclasses.replace(self, **fields)
+        return self._evolve(fields)
 
     def retried(self, now: float, *, count_retry: bool, attempt: int | None = None, **changes: Any) -> Slot:
         """This slot with its current stage re-issued: attempt + 1 (and num_retries + 1 if counted).
@@ -230,18 +230,24 @@ class Slot:
         if new_attempt <= self.attempt:
             raise ValueError(f"slot {self.index}: retry attempt {new_attempt} must exceed {self.attempt}")
         entered = dict(self.entered_at)
-        entered[self.state.value] = now
-        return dataclasses.replace(
-            self,
-            attempt=new_attempt,
-            num_retries=self.num_retries + (1 if count_retry else 0),
-            entered_at=entered,
-            token=new_issuance_token(),
+        entered[self.state] = now
+        return self._evolve({
+            "attempt": new_attempt,
+            "num_retries": self.num_retries + (1 if count_retry else 0),
+            "entered_at": entered,
+            "token": new_issuance_token(),
             **changes,
-        )
+        })
+
+    def _evolve(self, changes: Mapping[str, Any]) -> Slot:
+        """This slot with `changes` (validated as any new slot; cheaper than ``dataclasses.replace``, which
+        the reconciler paid on every transition)."""
+        values = {name: getattr(self, name) for name in _FIELD_NAMES}
+        values.update(changes)
+        return Slot(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"v": SLOT_SCHEMA_VERSION, "index": self.index, "state": self.state.value}
+        out: dict[str, Any] = {"v": SLOT_SCHEMA_VERSION, "index": self.index, "state": self.state}  # packs as its value
         if self.state is SlotState.EMPTY:
             return out
         for name in _SCALAR_FIELDS:
@@ -285,6 +291,7 @@ class Slot:
         return cls.from_dict(data)
 
 
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Slot))
 _SCALAR_FIELDS = tuple(
     f.name for f in dataclasses.fields(Slot) if f.name not in ("index", "state", "entered_at", "blob_keys")
 )

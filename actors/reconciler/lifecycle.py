@@ -1,6 +1,6 @@
 """The lifecycle core: the reconciler's slot table, transport-independent.
 
-`Lifecycle` owns S slots (`actors.slots.Slot`), the dataset cursor and the trainer version, all
+`Lifecycle` owns S slots (`actors.reconciler.slot.Slot`), the dataset cursor and the trainer version, all
 durable in a `SlotStore`, every write a compare-and-set. It takes events and returns the work to
 issue; it never talks to NATS and never reads a clock.
 
@@ -21,7 +21,7 @@ How an actor drives it
     ops status:                core.snapshot(now)
 
 Publish each order on ``work.<order.STAGE>`` with ``order.msg_id`` as the JetStream message id; a
-completion (or heartbeat) counts only with the order's issuance token (`actors.lifecycle_events`).
+completion (or heartbeat) counts only with the order's issuance token (`actors.reconciler.work`).
 Call the core from one task at a time (it also holds a lock). Acknowledge a ``done`` message only
 after `on_completion` returned: the durable state then already reflects it, and a redelivery is
 ignored idempotently. If any call raises (a `CasConflict` means another reconciler owns the
@@ -32,41 +32,49 @@ Durability rules: state is written before the work it implies is returned (so pu
 always in the table); an admitted group's slots are written before the cursor moves past its
 prompt (a resume rolls back slots at or past the cursor); a dropped group's outcome record is
 written before its slots are freed; the trainer version is written before a trained batch's slots
-are freed. See `actors.scheduling` for admission and batch selection.
+are freed (each by the admission that reuses it in the same call, the rest written EMPTY at the
+call's end: a resume frees TRAIN slots of a batch the meta record no longer names). See
+`actors.reconciler.scheduling` for admission and batch selection.
 
-Parts, one concept each, stacked by inheritance: `actors._slot_table.SlotTable` (the in-memory
-mirror of the store and its write discipline), `actors.lifecycle_flow.LifecycleFlow` (completions,
-retries, drops, batches, admission), `actors.lifecycle_recovery.LifecycleRecovery` (resume), and
-this module's `Lifecycle` (construction and the public events).
+Parts, one concept each, composed (not inherited): `actors.reconciler.table.SlotTable` (the
+in-memory mirror of the store and its write discipline), `actors.reconciler.issuance.Issuance` (the
+work in flight and its tokens), `actors.reconciler.flow.LifecycleFlow` (completions, retries, drops,
+batches, admission), `actors.reconciler.recovery` (resume), and this module's `Lifecycle` (construction,
+the call discipline and the public events).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 import structlog
 
-from actors._slot_table import CoreBroken, load_slots
-from actors.lifecycle_events import (
+from actors.reconciler.flow import LifecycleFlow
+from actors.reconciler.issuance import Issuance
+from actors.reconciler.metrics import LifecycleMetrics, LifecycleSnapshot
+from actors.reconciler.recovery import recover
+from actors.reconciler.scheduling import SchedulingConfig
+from actors.reconciler.slot import SampleLifecycleError, Slot, SlotState, Stage
+from actors.reconciler.store import META_KEY, SlotStore
+from actors.reconciler.table import SlotTable, load_slots
+from actors.reconciler.task_cursor import TaskCursor, TaskSource
+from actors.reconciler.work import (
     Completion,
-    GroupDone,
     MetaRecord,
-    RewardDone,
-    RolloutDone,
-    StageFailed,
-    TrainDone,
     WorkOrder,
 )
-from actors.lifecycle_metrics import LifecycleSnapshot
-from actors.lifecycle_recovery import LifecycleRecovery
-from actors.scheduling import SchedulingConfig
-from actors.slot_store import META_KEY, SlotStore
-from actors.slots import Slot, SlotState, Stage
-from actors.task_cursor import TaskCursor, TaskSource
 
 __all__ = ["CoreBroken", "Lifecycle", "LifecycleConfig", "Resumption"]
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+class CoreBroken(SampleLifecycleError, RuntimeError):
+    """An earlier call failed part-way; this core may disagree with the store. Resume a new one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +126,20 @@ class Resumption:
     num_reissued: int
 
 
-class Lifecycle(LifecycleRecovery):
+class Lifecycle:
     """The slot table and its scheduling. Build with `Lifecycle.resume` (fresh runs too)."""
+
+    def __init__(
+        self, config: LifecycleConfig, table: SlotTable, cursor: TaskCursor, metrics: LifecycleMetrics
+    ) -> None:
+        self._config = config
+        self._table = table
+        self._cursor = cursor
+        self.metrics = metrics
+        self._issuance = Issuance(metrics)
+        self._flow = LifecycleFlow(config, table, self._issuance, cursor, metrics)
+        self._lock = asyncio.Lock()
+        self._broken = False
 
     # ------------------------------------------------------------------ construction and resume
     @classmethod
@@ -149,61 +169,78 @@ class Lifecycle(LifecycleRecovery):
         else:
             meta, meta_rev = MetaRecord.decode(entry.value), entry.revision
         slots, revisions = await load_slots(store, config.num_slots)
-        core = cls(config, store, cursor, slots, revisions, meta, meta_rev)
-        core._num_rollout_actors = num_rollout_actors
-        counts = await core._guarded(now, core._recover)
-        orders = tuple(core._out)
-        core._out.clear()
-        log.info("lifecycle_resumed", trainer_version=core._version, cursor=cursor.record, **counts)
+        metrics = LifecycleMetrics(window_s=config.metrics_window_s)
+        table = SlotTable(store, slots, revisions, meta, meta_rev, metrics, config.transition_events_per_s)
+        core = cls(config, table, cursor, metrics)
+        core._flow.num_rollout_actors = num_rollout_actors
+        counts = await core._guarded(now, lambda: recover(core._flow))
+        orders = tuple(core._issuance.take_orders())
+        log.info("lifecycle_resumed", trainer_version=table.version, cursor=cursor.record, **counts)
         return Resumption(core, orders, **counts)
+
+    # ------------------------------------------------------------------ call discipline
+    async def _run(self, now: float, body: Callable[[], Awaitable[None]]) -> list[WorkOrder]:
+        await self._guarded(now, body)
+        return self._issuance.take_orders()
+
+    async def _guarded(self, now: float, body: Callable[[], Awaitable[T]]) -> T:
+        if self._broken:
+            raise CoreBroken("an earlier call on this lifecycle core failed; resume a new core from the store")
+        async with self._lock:
+            self._table.now = max(self._table.now, now)
+            try:
+                result = await body()
+                await self._table.write_released()
+                return result
+            except BaseException:
+                self._broken = True
+                raise
 
     # ------------------------------------------------------------------ public events
     async def on_completion(self, event: Completion, now: float) -> list[WorkOrder]:
         """Apply a ``done.<stage>`` message; duplicates and stale attempts are ignored (and counted)."""
-        match event:
-            case RolloutDone():
-                return await self._run(now, lambda: self._on_rollout_done(event))
-            case RewardDone():
-                return await self._run(now, lambda: self._on_reward_done(event))
-            case GroupDone():
-                return await self._run(now, lambda: self._on_group_done(event))
-            case TrainDone():
-                return await self._run(now, lambda: self._on_train_done(event))
-            case StageFailed():
-                return await self._run(now, lambda: self._on_failed(event))
-        raise TypeError(f"on_completion takes a Completion, got {type(event).__name__}")
+        if not isinstance(event, Completion):
+            raise TypeError(f"on_completion takes a Completion, got {type(event).__name__}")
+        return await self._run(now, lambda: self._flow.apply(event))
+
+    async def on_completions(self, events: Iterable[Completion], now: float) -> list[WorkOrder]:
+        """Apply several completions in one call (a group order's answers), each judged on its own."""
+        events = tuple(events)
+        for event in events:
+            if not isinstance(event, Completion):
+                raise TypeError(f"on_completions takes Completions, got {type(event).__name__}")
+
+        async def body() -> None:
+            for event in events:
+                await self._flow.apply(event)
+
+        return await self._run(now, body)
 
     def on_heartbeat(self, stage: Stage, key: str, attempt: int, actor_id: str, now: float, token: str = "") -> None:
         """An actor is still working on (stage, key, attempt) issued with `token`: push its timeout back.
         A heartbeat without the order's token keeps nothing alive (counted, logged)."""
-        stage = Stage(stage)
-        if self._is_issued(stage, key, attempt, token, "heartbeat"):
-            issued = self._work[(stage, key)]
-            issued.last_seen = max(issued.last_seen, now)
-            issued.actor_id = actor_id
+        self._issuance.heartbeat(Stage(stage), key, attempt, actor_id, token, now)
 
     def is_current(self, stage: Stage, key: str, attempt: int) -> bool:
         """Is (stage, key, attempt) the work the table waits for? Not an attempt superseded by a retry
         (after a loss, a timeout or a resume), nor work already completed."""
-        issued = self._work.get((Stage(stage), key))
-        return issued is not None and issued.attempt == attempt
+        return self._issuance.is_current(Stage(stage), key, attempt)
 
     async def on_actor_lost(self, actor_id: str, now: float) -> list[WorkOrder]:
         """Retry (counted) everything the actor was last seen working on."""
 
         async def lost() -> None:
-            held = [unit for unit, issued in self._work.items() if issued.actor_id == actor_id]
-            for stage, key in held:
-                if (stage, key) in self._work:
+            for stage, key in self._issuance.held_by(actor_id):
+                if self._issuance.is_pending(stage, key):
                     reason = f"actor {actor_id} lost"
-                    await self._retry(stage, key, reason=reason, count=stage is not Stage.TRAIN)
-            await self._pump()
+                    await self._flow.retry(stage, key, reason=reason, count=stage is not Stage.TRAIN)
+            await self._flow.pump()
 
         return await self._run(now, lost)
 
     async def on_trainer_version(self, version: int, now: float) -> list[WorkOrder]:
         """The trainer published weights `version` (never moves the version back)."""
-        return await self._run(now, lambda: self._set_version(version))
+        return await self._run(now, lambda: self._flow.set_version(version))
 
     async def set_rollout_actors(self, num_actors: int, now: float) -> list[WorkOrder]:
         """The number of live rollout actors (sets the in-flight rollout cap)."""
@@ -211,8 +248,8 @@ class Lifecycle(LifecycleRecovery):
             raise ValueError(f"num_actors must be >= 0, got {num_actors}")
 
         async def apply() -> None:
-            self._num_rollout_actors = num_actors
-            await self._pump()
+            self._flow.num_rollout_actors = num_actors
+            await self._flow.pump()
 
         return await self._run(now, apply)
 
@@ -221,39 +258,36 @@ class Lifecycle(LifecycleRecovery):
         scheduling.check_against(batch_size_groups=self._config.batch_size_groups, group_size=self._config.group_size)
 
         async def apply() -> None:
-            log.info("scheduling_updated", old=dataclasses.asdict(self._scheduling), new=dataclasses.asdict(scheduling))
-            self._scheduling = scheduling
-            await self._drop_stale()
-            await self._pump()
+            old = self._flow.scheduling
+            log.info("scheduling_updated", old=dataclasses.asdict(old), new=dataclasses.asdict(scheduling))
+            self._flow.scheduling = scheduling
+            await self._flow.drop_stale()
+            await self._flow.pump()
 
         return await self._run(now, apply)
 
     async def tick(self, now: float) -> list[WorkOrder]:
         """Retry timed-out work, drop groups past their deadline, hand out batches, admit groups."""
+        flow = self._flow
 
         async def body() -> None:
-            await self._drop_stale()
-            timed_out = [
-                (unit, now - issued.last_seen)
-                for unit, issued in self._work.items()
-                if now - issued.last_seen > self._timeout(unit[0])
-            ]
-            for (stage, key), idle in timed_out:
-                if (stage, key) in self._work:
+            await flow.drop_stale()
+            for stage, key, idle in list(self._issuance.timed_out(now, flow.timeout_s)):
+                if self._issuance.is_pending(stage, key):
                     reason = f"{stage} timed out after {idle:.1f}s"
-                    await self._retry(stage, key, reason=reason, count=stage is not Stage.TRAIN)
-            await self._pump()
+                    await flow.retry(stage, key, reason=reason, count=stage is not Stage.TRAIN)
+            await flow.pump()
 
         return await self._run(now, body)
 
     # ------------------------------------------------------------------ inspection
     @property
     def trainer_version(self) -> int:
-        return self._version
+        return self._table.version
 
     @property
     def scheduling(self) -> SchedulingConfig:
-        return self._scheduling
+        return self._flow.scheduling
 
     @property
     def cursor(self) -> TaskCursor:
@@ -261,17 +295,17 @@ class Lifecycle(LifecycleRecovery):
 
     @property
     def slots(self) -> tuple[Slot, ...]:
-        return tuple(self._slots)
+        return self._table.slots
 
     @property
     def is_finished(self) -> bool:
         """The dataset is exhausted and every admitted group was trained or dropped."""
-        return self._cursor.is_exhausted and not self._groups
+        return self._cursor.is_exhausted and not self._table.groups
 
     def snapshot(self, now: float) -> LifecycleSnapshot:
         return self.metrics.snapshot(
             now=now,
-            trainer_version=self._version,
+            trainer_version=self._table.version,
             cursor=(self._cursor.record.epoch, self._cursor.record.position),
-            slots_per_state={state.value: self._counts[state] for state in SlotState},
+            slots_per_state={state.value: self._table.count(state) for state in SlotState},
         )

@@ -9,11 +9,11 @@ run or another version, is refused with the reason; the table is only read, neve
 
 from __future__ import annotations
 
-from actors.lifecycle_events import MetaRecord
 from actors.messages import DataExhausted
-from actors.slot_store import CURSOR_KEY, META_KEY, SLOT_PREFIX, SlotStore
-from actors.slots import Slot, SlotDecodeError
-from actors.task_cursor import CursorRecord, TaskCursor, TaskSource
+from actors.reconciler.slot import Slot, SlotDecodeError
+from actors.reconciler.store import CURSOR_KEY, META_KEY, SLOT_PREFIX, SlotStore
+from actors.reconciler.task_cursor import CursorRecord, TaskCursor, TaskSource
+from actors.reconciler.work import MetaRecord
 
 __all__ = ["why_not_exhausted"]
 

@@ -16,12 +16,13 @@ seen the order can pre-empt either with a duplicate under a predictable id.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import msgpack
 
-from actors.slots import SlotDecodeError, Stage
+from actors.reconciler.slot import SlotDecodeError, Stage
 
 __all__ = [
     "Completion",
@@ -30,14 +31,22 @@ __all__ = [
     "GroupOutcome",
     "MetaRecord",
     "RewardDone",
+    "RewardGroupDone",
+    "RewardGroupOrder",
     "RewardOrder",
     "RolloutDone",
+    "RolloutGroupDone",
+    "RolloutGroupOrder",
     "RolloutOrder",
+    "SampleGroupDone",
+    "SampleGroupOrder",
     "StageFailed",
     "TrainDone",
     "TrainOrder",
     "WorkOrder",
     "bound_to",
+    "group_done",
+    "group_orders",
 ]
 
 
@@ -141,6 +150,53 @@ class TrainOrder:
 WorkOrder = RolloutOrder | RewardOrder | GroupOrder | TrainOrder
 
 
+def _items_digest(items: tuple[RolloutOrder, ...] | tuple[RewardOrder, ...]) -> str:
+    """A short digest of the items' (key, attempt, token): unguessable, as each token is."""
+    text = "|".join(f"{o.key}.{o.attempt}.{o.token}" for o in items)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolloutGroupOrder:
+    """The rollout orders of one group's samples, sent as one message (the wire form the reconciler uses).
+
+    Each item keeps its own attempt and issuance token and is judged on its own: the stage base
+    (`actors._stage.StageActor`) does every item and answers with one `RolloutGroupDone`.
+    """
+
+    STAGE: ClassVar[Stage] = Stage.ROLLOUT
+    group_id: str
+    items: tuple[RolloutOrder, ...]
+
+    @property
+    def key(self) -> str:
+        return self.group_id
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.STAGE}.{self.group_id}.g{_items_digest(self.items)}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RewardGroupOrder:
+    """The reward orders of one group's samples, sent as one message (see `RolloutGroupOrder`)."""
+
+    STAGE: ClassVar[Stage] = Stage.REWARD
+    group_id: str
+    items: tuple[RewardOrder, ...]
+
+    @property
+    def key(self) -> str:
+        return self.group_id
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.STAGE}.{self.group_id}.g{_items_digest(self.items)}"
+
+
+SampleGroupOrder = RolloutGroupOrder | RewardGroupOrder
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RolloutDone:
     STAGE: ClassVar[Stage] = Stage.ROLLOUT
@@ -199,6 +255,68 @@ class StageFailed:
 
 
 Completion = RolloutDone | RewardDone | GroupDone | TrainDone | StageFailed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolloutGroupDone:
+    """The answer to a `RolloutGroupOrder`: a completion or a failure per item, each with its token."""
+
+    STAGE: ClassVar[Stage] = Stage.ROLLOUT
+    group_id: str
+    done: tuple[RolloutDone, ...]
+    failed: tuple[StageFailed, ...] = ()
+
+    @property
+    def events(self) -> tuple[Completion, ...]:
+        return (*self.done, *self.failed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RewardGroupDone:
+    """The answer to a `RewardGroupOrder` (see `RolloutGroupDone`)."""
+
+    STAGE: ClassVar[Stage] = Stage.REWARD
+    group_id: str
+    done: tuple[RewardDone, ...]
+    failed: tuple[StageFailed, ...] = ()
+
+    @property
+    def events(self) -> tuple[Completion, ...]:
+        return (*self.done, *self.failed)
+
+
+SampleGroupDone = RolloutGroupDone | RewardGroupDone
+
+
+def group_orders(orders: list[WorkOrder]) -> list[WorkOrder | SampleGroupOrder]:
+    """The orders as they go on the wire: a group's rollout (reward) orders in one `RolloutGroupOrder`
+    (`RewardGroupOrder`), in the order of each group's first one; the other orders as they are."""
+    out: list[WorkOrder | SampleGroupOrder] = []
+    groups: dict[tuple[Stage, str], list[Any]] = {}
+    for order in orders:
+        if isinstance(order, RolloutOrder | RewardOrder):
+            items = groups.get((order.STAGE, order.group_id))
+            if items is None:
+                items = groups[(order.STAGE, order.group_id)] = []
+                out.append(order)  # a place holder, replaced below
+            items.append(order)
+        else:
+            out.append(order)
+    for i, order in enumerate(out):
+        if isinstance(order, RolloutOrder):
+            out[i] = RolloutGroupOrder(order.group_id, tuple(groups[(order.STAGE, order.group_id)]))
+        elif isinstance(order, RewardOrder):
+            out[i] = RewardGroupOrder(order.group_id, tuple(groups[(order.STAGE, order.group_id)]))
+    return out
+
+
+def group_done(order: SampleGroupOrder, results: list[Completion]) -> SampleGroupDone:
+    """The group completion answering `order` from its items' completions and failures."""
+    done = tuple(r for r in results if not isinstance(r, StageFailed))
+    failed = tuple(r for r in results if isinstance(r, StageFailed))
+    if isinstance(order, RolloutGroupOrder):
+        return RolloutGroupDone(order.group_id, done, failed)  # type: ignore[arg-type]
+    return RewardGroupDone(order.group_id, done, failed)  # type: ignore[arg-type]
 
 
 def bound_to(done: Completion, order: WorkOrder) -> Completion:

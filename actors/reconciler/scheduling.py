@@ -1,6 +1,6 @@
 """Scheduling policy of the lifecycle core: admission under the staleness bound, and batch selection.
 
-Pure functions over counts and group views; `actors.lifecycle.Lifecycle` feeds them and applies
+Pure functions over counts and group views; `actors.reconciler.lifecycle.Lifecycle` feeds them and applies
 their decisions. Everything here is live-configurable through `SchedulingConfig`.
 
 Staleness (REFERENCES.md, "Asynchronous RL"): lag = trainer version − version of the oldest token.
@@ -59,7 +59,7 @@ class SchedulingConfig:
         max_inflight_per_rollout_actor: rollouts in flight per live rollout actor.
         max_retries: retries per stage after a timeout, a lost actor or a failure; then FAILED.
             The train stage is different: timeouts are retried without bound and a rejection
-            drops the batch at once (see `actors.lifecycle_events.TrainOrder`).
+            drops the batch at once (see `actors.reconciler.work.TrainOrder`).
         failed_group_policy: what a group with a FAILED sample does.
         min_group_survivors: TRAIN_REST trains a group only if this many samples survived.
         rollout_timeout_s, reward_timeout_s, group_timeout_s, train_timeout_s: seconds without a

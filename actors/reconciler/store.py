@@ -6,9 +6,9 @@ that both believe they own the table cannot both succeed: the second gets `CasCo
 
 Key layout (all under one bucket):
 
-- ``slot.<index>``: one `actors.slots.Slot` record per table row.
-- ``cursor``: the dataset cursor (`actors.task_cursor.CursorRecord`).
-- ``meta``: trainer version and run counters (`actors.lifecycle.MetaRecord`).
+- ``slot.<index>``: one `actors.reconciler.slot.Slot` record per table row.
+- ``cursor``: the dataset cursor (`actors.reconciler.task_cursor.CursorRecord`).
+- ``meta``: trainer version and run counters (`actors.reconciler.lifecycle.MetaRecord`).
 - ``outcome.<group_id>``: a group that was dropped, or trained without its failed samples, with
   the reason (written before the group's slots are freed, so a resume can finish the job).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, runtime_checkable
 
-from actors.slots import SampleLifecycleError
+from actors.reconciler.slot import SampleLifecycleError
 
 __all__ = [
     "CURSOR_KEY",

@@ -1,10 +1,10 @@
 """The reconciler actor: owns the slot table and moves every sample through its lifecycle.
 
-It wraps the transport-free core (actors.lifecycle.Lifecycle) with NATS: completions arrive on
+It wraps the transport-free core (actors.reconciler.lifecycle.Lifecycle) with NATS: completions arrive on
 ``done.<stage>`` (a durable stream, acked only after the core has recorded them), work orders go out
 on ``work.<stage>`` with the order's (stage, key, attempt) as the message id, stage actors' liveness
 arrives on ``heartbeat.<stage>``, the live rollout-actor count comes from the actor registry, and a
-tick re-checks timeouts and admission. Registry entries are leases (`actors.registry_view`): an
+tick re-checks timeouts and admission. Registry entries are leases (`actors.reconciler.registry_view`): an
 actor whose lease runs out, or whose entry is removed while it was not stopped, is lost, and the
 work it was last seen on is re-issued at once (``on_actor_lost``), not after its stage's timeout.
 Each weights announcement moves the core's trainer version (``on_trainer_version``). The table lives
@@ -15,32 +15,31 @@ run) continues where this one stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any, ClassVar
 
 import msgpack
 import structlog
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
 from actors.blob_collector import BlobCollector
 from actors.config import RLConfig
-from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore
-from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
-from actors.lifecycle_events import WorkOrder
 from actors.messages import (
     COMPLETION_TYPES,
     DONE_QUEUE,
     DataExhausted,
     WeightsPublished,
     WorkHeartbeat,
+    WorkHeartbeats,
     all_order_types,
     data_exhausted_subject,
     work_queue_of,
 )
 from actors.policy import weights_run_name
-from actors.registry_view import LostActor, RegistryView
-from actors.slots import Stage
+from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore
+from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
+from actors.reconciler.registry_view import LostActor, RegistryView
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import RewardGroupDone, RolloutGroupDone, WorkOrder, group_orders
 from actors.task_catalog import TaskCatalog
 from actors.weights_follower import weights_subject, why_not_published
 from runtime import config as config_mod
@@ -71,7 +70,7 @@ class ReconcilerActor(Actor):
             await self.bus.ensure_queue(work_queue_of(stage))
         self.source = TaskCatalog.build(self.config.tasks)
         self.order_codec = Codec(all_order_types())
-        self.heartbeat_codec = Codec([WorkHeartbeat])
+        self.heartbeat_codec = Codec([WorkHeartbeat, WorkHeartbeats])
         self.exhausted_codec = Codec([DataExhausted])
         self.run_name = weights_run_name(self.ctx.run_dir)
         self.announced_exhausted = False
@@ -114,10 +113,9 @@ class ReconcilerActor(Actor):
         )
 
     async def _open_store(self) -> KVSlotStore:
-        kv = await self.bus.kv("slots")
         if self.pipelined_writes:
-            return await PipelinedKVSlotStore.open(self.bus.nc, kv, "slots")
-        return KVSlotStore(kv)
+            return await PipelinedKVSlotStore.open(self.bus, "slots")
+        return KVSlotStore(self.bus, "slots")
 
     async def _resume(self) -> None:
         old = getattr(self, "store", None)
@@ -201,27 +199,32 @@ class ReconcilerActor(Actor):
         flight), and a re-published attempt is deduplicated by its message id. So the reconciler
         pays neither a reply nor a round trip per order.
         """
-        for order in orders:
+        for order in group_orders(list(orders)):  # a group's rollout (reward) orders in one message
             data = await self.order_codec.encode(order)
             await self.bus.publish_unconfirmed(f"work.{order.STAGE.value}", data, msg_id=order.msg_id)
 
     # --- inputs -------------------------------------------------------------------------------
     async def handle(self, msg: Any, delivery: Delivery) -> None:
         # Acked by the base only after the core recorded it; a broken core did not: nak, redeliver.
-        if not await self._call("on_completion", msg):
+        call = ("on_completions", msg.events) if isinstance(msg, RolloutGroupDone | RewardGroupDone) else (
+            "on_completion", msg)
+        if not await self._call(*call):
             raise RuntimeError("the reconciler's core broke while recording this completion (rebuilt from the "
                                "store); it is nak'ed and the rebuilt core judges its redelivery")
 
     async def _on_heartbeat(self, raw: Any) -> None:
         try:
-            beat = await self.heartbeat_codec.decode(raw.data)
+            msg = await self.heartbeat_codec.decode(raw.data)
         except ValueError as e:
             log.warning("heartbeat_rejected", error=str(e))
             return
-        self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, time.time(), beat.token)
-        if raw.reply:  # a stage actor asks before it starts: is this attempt still wanted?
-            current = self.core.is_current(beat.stage, beat.key, beat.attempt)
-            await raw.respond(msgpack.packb({"current": current}, use_bin_type=True))
+        beats = msg.beats if isinstance(msg, WorkHeartbeats) else (msg,)  # a group order's items beat together
+        now = time.time()
+        for beat in beats:
+            self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, now, beat.token)
+        if raw.reply:  # a stage actor asks before it starts: is this attempt (each of these items) still wanted?
+            items = [self.core.is_current(b.stage, b.key, b.attempt) for b in beats]
+            await raw.respond(msgpack.packb({"current": any(items), "current_items": items}, use_bin_type=True))
 
     async def _on_weights(self, raw: Any) -> None:
         try:
@@ -274,15 +277,11 @@ class ReconcilerActor(Actor):
         await self.bus.nc.publish(data_exhausted_subject(self.run_name), data)
 
     async def _count_rollout_actors(self) -> int:
-        kv = await self.bus.kv("actors")
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return 0
         count = 0
-        for key in keys:
-            with contextlib.suppress(KeyNotFoundError, KeyDeletedError):  # deregistered since the listing
-                count += self._is_running_rollout(key, (await kv.get(key)).value)
+        for key in await self.bus.kv_keys("actors"):
+            entry = await self.bus.kv_get("actors", key)
+            if entry is not None:  # else deregistered since the listing
+                count += self._is_running_rollout(key, entry.value)
         return count
 
     async def _watch_rollout_actors(self) -> None:

@@ -18,8 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 
-from actors.slot_store import CURSOR_KEY, SlotStore
-from actors.slots import SlotDecodeError
+from actors.reconciler.slot import SlotDecodeError
+from actors.reconciler.store import CURSOR_KEY, SlotStore
 
 __all__ = ["CURSOR_SCHEMA_VERSION", "CursorRecord", "ListTaskSource", "Prompt", "TaskCursor", "TaskSource"]
 
