@@ -17,6 +17,7 @@ from typing import Any
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
 from ops._client import connect, fail, request, resolve_run_dir
+from runtime.bus_auth import control_subject
 from runtime.errors import BusError, ConfigError
 from runtime.registry import decode_registration, is_registration_key
 
@@ -35,7 +36,7 @@ async def collect(run_dir: Path) -> dict[str, Any]:
         for actor in actors:
             if actor["kind"] in ("reconciler", "trainer") and actor["live"] and actor.get("state") == "running":
                 try:
-                    status[actor["kind"]] = await request(bus, f"ctl.{actor['id']}.status")
+                    status[actor["kind"]] = await request(bus, control_subject(actor["kind"], actor["id"], "status"))
                 except BusError as e:  # restarting, or wedged: say so, keep the rest of the picture
                     status.setdefault("unanswered", []).append({"id": actor["id"], "error": str(e)})
         return status

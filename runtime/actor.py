@@ -30,9 +30,10 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits, Queue
-from runtime.bus_auth import BusAccess
+from runtime.bus_auth import BusAccess, control_subject
 from runtime.codec import Codec, Message
 from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError
+from runtime.registry import handover_key, registration_key
 
 log = structlog.get_logger(__name__)
 
@@ -190,7 +191,8 @@ class Actor:
     async def run(self) -> None:
         """Runs until a drain is requested (ctl drain, SIGTERM), then drains and stops."""
         self._expect(ActorState.STARTING)
-        ctl = await self.bus.nc.subscribe(f"ctl.{self.identity.actor_id}.*", cb=self._on_ctl)
+        ctl = await self.bus.nc.subscribe(control_subject(self.identity.kind, self.identity.actor_id),
+                                          cb=self._on_ctl)
         async with asyncio.TaskGroup() as tg:
             config_watch = tg.create_task(self._watch_config())
             lease = tg.create_task(self._renew_lease())
@@ -238,14 +240,15 @@ class Actor:
         state = await self.handover()
         if state is not None:
             await self._stop_step("save_handover", self._put_actors_key(
-                f"handover.{self.identity.kind}", msgpack.packb(state, use_bin_type=True)))
+                handover_key(self.identity.kind), msgpack.packb(state, use_bin_type=True)))
         await self.exit_stack.aclose()
         self.state = ActorState.STOPPED
         self._log.info("actor_stopped", num_handled=self.num_handled, num_failed=self.num_failed,
                        num_dead_lettered=self.num_dead_lettered)
         # "stopped" before the entry goes: a reader knows it ended cleanly, not lost
         await self._stop_step("register_stopped", self._register())
-        await self._stop_step("deregister", self._delete_actors_key(self.identity.actor_id))
+        await self._stop_step("deregister", self._delete_actors_key(
+            registration_key(self.identity.kind, self.identity.actor_id)))
         await self._stop_step("flush", self.bus.nc.flush(timeout=max(1, int(self.settings.stop_step_timeout_s))))
 
     async def _stop_step(self, step: str, call: Awaitable[Any]) -> bool:
@@ -278,7 +281,7 @@ class Actor:
             nats.errors.Error, OSError: the bus could not be read; not the same as "nothing handed over".
         """
         kv = await self.bus.kv("actors")
-        key = f"handover.{self.identity.kind}"
+        key = handover_key(self.identity.kind)
         try:
             entry = await kv.get(key)
         except (KeyNotFoundError, KeyDeletedError):
@@ -430,7 +433,8 @@ class Actor:
 
     async def _register(self) -> None:
         kv = await self.bus.kv("actors")
-        await kv.put(self.identity.actor_id, msgpack.packb(self.describe(), use_bin_type=True))
+        await kv.put(registration_key(self.identity.kind, self.identity.actor_id),
+                     msgpack.packb(self.describe(), use_bin_type=True))
 
     # --- live configuration -------------------------------------------------------------------------
     async def _watch_config(self) -> None:

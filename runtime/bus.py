@@ -5,7 +5,7 @@ Subjects (see DESIGN.md):
     done.<stage>        completions to the reconciler (one work-queue stream, subjects done.>)
     log.<kind>.<level>  structured events, kept by the LOG stream with age and size limits
     dlq.<queue>         dead letters: malformed, unknown or oversized messages, with the reason
-    ctl.<actor-id>.<verb>   core request/reply control (ping, status, drain)
+    ctl.<kind>.<id>.<verb>  core request/reply control (ping, status, drain)
 """
 
 from __future__ import annotations

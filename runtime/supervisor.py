@@ -5,7 +5,7 @@ Restart strategy is OTP's one_for_one: a crashed process is restarted alone, aft
 backoff; more than ``max_restarts`` restarts within ``restart_window_s`` means something is wrong
 beyond a restart's reach, so the run is reported failed and stopped cleanly.
 
-Stop order for one process: ``ctl.<id>.drain`` (finish in-flight work, ack, hand over), then SIGTERM,
+Stop order for one process: ``ctl.<kind>.<id>.drain`` (finish in-flight work, ack, hand over), then SIGTERM,
 then SIGKILL. Children run in their own sessions with a parent-death signal: no orphans, ever.
 """
 
@@ -30,7 +30,9 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime.bus import Bus
+from runtime.bus_auth import control_subject
 from runtime.procutil import die_with_parent
+from runtime.registry import registration_key
 from runtime.run_config import RuntimeConfig
 
 log = structlog.get_logger(__name__)
@@ -189,7 +191,7 @@ class Supervisor:
     async def _deregister(self, ap: ActorProcess) -> None:
         try:
             async with asyncio.timeout(BUS_STEP_TIMEOUT_S):
-                await (await self.bus.kv("actors")).delete(ap.actor_id)
+                await (await self.bus.kv("actors")).delete(registration_key(ap.kind, ap.actor_id))
         except (nats.errors.Error, OSError) as e:  # the bus dropped meanwhile: its entry stays, said
             log.warning("registry_entry_left", actor_id=ap.actor_id, error=repr(e))
 
@@ -201,7 +203,7 @@ class Supervisor:
         try:
             if self.bus.health.down.is_set():  # no request can reach it: go straight to the signal
                 raise nats.errors.ConnectionReconnectingError
-            await self.bus.nc.request(f"ctl.{ap.actor_id}.drain", b"", timeout=2.0)
+            await self.bus.nc.request(control_subject(ap.kind, ap.actor_id, "drain"), b"", timeout=2.0)
         except (nats.errors.Error, OSError):  # not listening (starting, wedged, bus down): SIGTERM drains too
             with contextlib.suppress(ProcessLookupError):
                 ap.proc.send_signal(signal.SIGTERM)
@@ -225,7 +227,7 @@ class Supervisor:
         async with self._swap_lock:
             old = [p for p in self.procs.values() if p.kind == kind and not p.retiring]
             registry = await self.bus.kv("actors")
-            old_info = [await _registry_entry(registry, p.actor_id) for p in old]
+            old_info = [await _registry_entry(registry, registration_key(p.kind, p.actor_id)) for p in old]
             log.info("swap_started", actor_kind=kind, old=[p.actor_id for p in old])
             new = [await self._spawn(kind) for _ in range(max(1, len(old)))]
             new_info = [await self._wait_running(registry, p) for p in new]
@@ -237,7 +239,7 @@ class Supervisor:
 
     async def _wait_running(self, registry: Any, ap: ActorProcess) -> dict[str, Any]:
         timeout = self.config.supervisor.ready_timeout_s
-        watcher = await registry.watch(ap.actor_id)
+        watcher = await registry.watch(registration_key(ap.kind, ap.actor_id))
         try:
             async with asyncio.timeout(timeout):
                 async for entry in watcher:
@@ -303,9 +305,9 @@ async def _wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
         return False
 
 
-async def _registry_entry(registry: Any, actor_id: str) -> dict[str, Any]:
+async def _registry_entry(registry: Any, key: str) -> dict[str, Any]:
     try:
-        entry = await registry.get(actor_id)
+        entry = await registry.get(key)
     except (KeyNotFoundError, KeyDeletedError):  # not registered (yet): no code hash to report
         return {}
     return msgpack.unpackb(entry.value, raw=False) if entry and entry.value else {}

@@ -186,7 +186,7 @@ def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resume
     access = f"one user per role in {credentials_dir} (ops: operator.json)" if credentials_dir else "no auth"
     print(f"{'resumed' if resumed else 'started'} run  {run_dir}\n"
           f"  bus        {url}, {access}\n"
-          "  control    ctl.supervisor.{status,swap,stop}, ctl.<actor-id>.{ping,status,drain}\n"
+          "  control    ctl.supervisor.{status,swap,stop}, ctl.<kind>.<actor-id>.{ping,status,drain}\n"
           f"  storage    {storage}\n"
           f"  event log  {run_dir / 'logs'}  (follow: python -m ops.tail {run_dir})\n"
           f"  status     python -m ops.status {run_dir}\n"

@@ -46,7 +46,7 @@ from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
-from runtime.registry import decode_registration, is_registration_key
+from runtime.registry import decode_registration, is_registration_key, parse_registration_key, registration_key
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +62,7 @@ class ReconcilerActor(Actor):
     # the only one to issue work, write the slot table and say the data ran out
     # and it follows weights announcements (the trainer's version)
     bus_access = BusAccess(publish=("work.*", "data_exhausted.*"), subscribe=("heartbeat.>", "weights.*"),
-                           kv_write=("slots",),
+                           kv_write=("slots",), kv_keys=(("actors", "reg.>"),),  # deletes lost actors' leases
                            streams=tuple((work_queue_of(s).stream, work_queue_of(s).durable) for s in Stage))
 
     async def setup(self) -> None:
@@ -260,7 +260,7 @@ class ReconcilerActor(Actor):
             for lost in self.registry.expire(time.monotonic()):
                 await self._lose(lost)
                 # ops.status must not show it running; a frozen actor that comes back registers again
-                await (await self.bus.kv("actors")).delete(lost.actor_id)
+                await (await self.bus.kv("actors")).delete(registration_key(lost.kind, lost.actor_id))
             await self._count_rollouts_from_registry()
             if self.core.is_finished:
                 await self._say_data_exhausted()
@@ -289,12 +289,14 @@ class ReconcilerActor(Actor):
         place where Python 3.11's ``wait_for`` can swallow the drain's cancellation): live rollout
         actors, and actors lost (their leases are also checked on every tick)."""
         async for entry in self.bus.watch_kv("actors"):  # renewed (current values replayed) after an outage
-            if entry is None:  # end of the initial values
+            if entry is None or not is_registration_key(entry.key):  # end of the initial values; a handover
                 continue
             value = entry.value if entry.operation is None and entry.value else None
             if value is not None and self._registration(entry.key, value) is None:
-                continue  # not an actor's own complete entry (a handover record, or a forgery): follows nothing
-            lost = self.registry.observe(entry.key, value, time.monotonic())
+                continue  # not an actor's own complete entry (a forgery): follows nothing
+            if (registered := parse_registration_key(entry.key)) is None:
+                continue  # the removal of a key no actor's lease is under: follows nothing
+            lost = self.registry.observe(registered[1], value, time.monotonic())
             if lost is not None:
                 await self._lose(lost)
             await self._count_rollouts_from_registry()

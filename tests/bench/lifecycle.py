@@ -44,7 +44,7 @@ import structlog
 
 from actors.reconciler.actor import ReconcilerActor
 from runtime.bus import Bus
-from runtime.bus_auth import SUPERVISOR
+from runtime.bus_auth import SUPERVISOR, control_subject
 from runtime.rundir import RunInfo
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
@@ -184,7 +184,7 @@ async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[
             if not reconciler:
                 continue
             try:
-                status = await _request(bus, f"ctl.{reconciler[0]}.status")
+                status = await _request(bus, control_subject("reconciler", reconciler[0], "status"))
             except Exception:  # not consuming yet
                 continue
             if status.get("finished"):

@@ -15,6 +15,7 @@ import msgpack
 import pytest
 from nats.js.errors import NoKeysError
 
+from runtime.bus_auth import control_subject
 from runtime.codec import Codec
 from tests.integration.harness import REPO, LiveRun, alive, descendants, write_config
 from tests.integration.workers import CountRequest
@@ -246,7 +247,7 @@ async def test_live_config_reaches_every_actor_within_a_second(tmp_path: Path, c
         while len(seen) < 3 and time.monotonic() - t_set < 5:
             for a in actors:
                 if a["id"] not in seen:
-                    status = await run.request(f"ctl.{a['id']}.status")
+                    status = await run.request(control_subject(a["kind"], a["id"], "status"))
                     if status["delay_scale"] == 0.25:
                         seen[a["id"]] = time.monotonic() - t_set
             await asyncio.sleep(0.02)

@@ -18,6 +18,7 @@ from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
+from runtime.bus_auth import control_subject
 from runtime.codec import Codec
 from sandbox._mount import mounts_under
 from tests.integration.harness import LiveRun, write_config
@@ -50,7 +51,7 @@ async def test_a_drain_gives_back_an_order_waiting_for_weights_that_never_come(t
         order = RolloutOrder("s0", 1, prompt, "g0", 0, 5)  # admitted under version 5: no trainer will make it
         await run.bus.publish_durable("work.rollout", await Codec(all_order_types()).encode(order))
         deadline = time.monotonic() + 60
-        while (await run.request(f"ctl.{actor['id']}.status"))["num_inflight"] < 1:
+        while (await run.request(control_subject(actor["kind"], actor["id"], "status")))["num_inflight"] < 1:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.2)
         started = time.monotonic()
