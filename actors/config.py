@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.agent import AgentConfig
-from actors.lr_schedule import LRSchedule
+from actors.agent.episode import AgentConfig
 from actors.scheduling import SchedulingConfig
+from actors.training.lr_schedule import LRSchedule
 from runtime.config import Range, check_ranges, fixed, live
 from sandbox.tasks import count_tasks
 

@@ -23,6 +23,8 @@ import msgpack
 import structlog
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
+from actors.agent.policy import weights_run_name
+from actors.agent.weights_follower import weights_subject, why_not_published
 from actors.blob_collector import BlobCollector
 from actors.config import RLConfig
 from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore
@@ -38,11 +40,9 @@ from actors.messages import (
     data_exhausted_subject,
     work_queue_of,
 )
-from actors.policy import weights_run_name
 from actors.registry_view import LostActor, RegistryView
 from actors.slots import Stage
 from actors.task_catalog import TaskCatalog
-from actors.weights_follower import weights_subject, why_not_published
 from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
 from runtime.bus_auth import BusAccess

@@ -23,17 +23,16 @@ from typing import Any
 import msgpack
 import structlog
 
+from actors.agent.policy import load_policy, weights_run_name
+from actors.agent.weights_follower import WeightsFollower
 from actors.config import RLConfig
 from actors.data_exhaustion import why_not_exhausted
-from actors.evaluation import evaluate, greedy, sampled
 from actors.kv_slot_store import KVSlotStore
 from actors.messages import DataExhausted, data_exhausted_subject
-from actors.metrics_log import read_metrics
-from actors.policy import load_policy, weights_run_name
-from actors.scratch import open_sandbox_store
+from actors.stages.scratch import open_sandbox_store
+from actors.stages.trainer import append_metrics
 from actors.task_catalog import TaskCatalog
-from actors.trainer import append_metrics
-from actors.weights_follower import WeightsFollower
+from actors.training.evaluation import evaluate, greedy, sampled
 from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
@@ -41,6 +40,7 @@ from model.weight_sync import WeightSyncError
 from runtime.actor import Actor
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.metrics_log import read_metrics
 from runtime.supervisor import SUPERVISOR_SUBJECT
 
 log = structlog.get_logger(__name__)

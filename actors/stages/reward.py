@@ -15,11 +15,11 @@ from typing import Any
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent import Trajectory
+from actors.agent.episode import Trajectory
 from actors.config import RewardSection
 from actors.lifecycle_events import RewardDone, RewardOrder
-from actors.scratch import open_sandbox_store
 from actors.slots import Stage
+from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from runtime.actor import Delivery
 from sandbox import import_snapshot_bytes, score

@@ -17,13 +17,13 @@ from typing import Any
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent import run_episode
+from actors.agent.episode import run_episode
+from actors.agent.policy import load_policy, weights_run_name
+from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.lifecycle_events import RolloutDone, RolloutOrder
-from actors.policy import load_policy, weights_run_name
-from actors.scratch import open_sandbox_store
 from actors.slots import Stage
+from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
-from actors.weights_follower import WeightsFollower, WeightsUnavailable
 from model.engine import EngineStatus, GenerationEngine
 from model.errors import EngineError, EngineStateError
 from model.generation import EngineConfig, Generation, KVPolicy

@@ -32,18 +32,18 @@ import msgpack
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.learner import Learner, StepMetrics
+from actors.agent.policy import load_policy, use_training_precision, weights_run_name
+from actors.agent.weights_follower import weights_subject
 from actors.lifecycle_events import TrainDone, TrainOrder
 from actors.messages import WeightsPublished
-from actors.metrics_log import read_metrics
-from actors.policy import load_policy, use_training_precision, weights_run_name
 from actors.slots import Stage
-from actors.weights_follower import weights_subject
+from actors.training.learner import Learner, StepMetrics
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
 from model.weight_sync.manifest import manifest_key
 from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.metrics_log import read_metrics
 
 log = structlog.get_logger(__name__)
 

@@ -15,10 +15,10 @@ temperature 1, with the digits still uncertain, and no task of difficulty 2-4: R
 sharpen and hard ones to discover. The result is evaluated on the whole held-out split with the RL sampling settings
 (temperature 1) and greedily, and saved as an HF-layout safetensors checkpoint with a JSON card.
 
-    python -m actors.starting_policy [--out DIR] [--steps N] [--seed S]
+    python -m actors.training.starting_policy [--out DIR] [--steps N] [--seed S]
 
 `ensure_starting_policy(cache_dir)` is what a run calls: it returns a checkpoint built by the current
-recipe (same recipe hash), from the cache, from the copy shipped in `actors/assets/`, or built now.
+recipe (same recipe hash), from the cache, from the copy shipped in `actors/training/assets/`, or built now.
 It blocks; from async code call it through `asyncio.to_thread`.
 """
 
@@ -41,8 +41,8 @@ from typing import Any
 import structlog
 import torch
 
-from actors.agent import AgentConfig, reference_episode_text
-from actors.evaluation import EvalResult, evaluate, greedy, sampled
+from actors.agent.episode import AgentConfig, reference_episode_text
+from actors.training.evaluation import EvalResult, evaluate, greedy, sampled
 from model.checkpoint import save_checkpoint
 from model.config import ModelConfig, tiny
 from model.pretrain import PretrainConfig, Segment, pretrain

@@ -43,6 +43,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors._stage import StageActor, WorkRefused
+from actors.agent.policy import weights_run_name
 from actors.lifecycle_events import (
     GroupDone,
     GroupOrder,
@@ -54,7 +55,6 @@ from actors.lifecycle_events import (
     TrainOrder,
 )
 from actors.messages import WeightsPublished
-from actors.policy import weights_run_name
 from actors.slots import Stage
 from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess

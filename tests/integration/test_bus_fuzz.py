@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from actors.agent.policy import weights_run_name
 from actors.lifecycle_events import (
     GroupDone,
     GroupOrder,
@@ -35,7 +36,6 @@ from actors.lifecycle_events import (
     TrainOrder,
 )
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, WorkHeartbeat, all_order_types
-from actors.policy import weights_run_name
 from actors.slots import Stage
 from runtime.bus_auth import OPERATOR
 from runtime.codec import SCHEMA_VERSION, Codec

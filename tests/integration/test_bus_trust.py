@@ -18,9 +18,9 @@ from typing import Any
 import msgpack
 import pytest
 
+from actors.agent.policy import weights_run_name
 from actors.lifecycle_events import MetaRecord, RolloutDone, TrainDone, TrainOrder
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, all_order_types
-from actors.policy import weights_run_name
 from actors.slot_store import META_KEY
 from runtime.bus_auth import OPERATOR
 from runtime.codec import Codec

@@ -15,8 +15,8 @@ import torch
 import zstandard
 from safetensors.torch import load_file
 
-from actors.metrics_log import read_metrics
-from actors.starting_policy import ensure_starting_policy
+from actors.training.starting_policy import ensure_starting_policy
+from runtime.metrics_log import read_metrics
 from runtime.up import default_config_files
 from tests.integration.harness import REPO, LiveRun, write_config
 

@@ -79,7 +79,8 @@ LISTED = {  # (file, callee as written) -> its bound, where the callee's name al
     ("actors/kv_slot_store.py", "self.sync"): PIPELINE_SYNC,
     ("actors/reconciler.py", "self.store.sync"): PIPELINE_SYNC,
     ("actors/reconciler.py", "store.sync"): PIPELINE_SYNC,
-    ("actors/weights_follower.py", "self.subscriber.fetch"): "WeightSubscriber.fetch: blob store calls (" + BLOB + ")",
+    ("actors/agent/weights_follower.py", "self.subscriber.fetch"):
+        "WeightSubscriber.fetch: blob store calls (" + BLOB + ")",
     ("model/weight_sync/publisher.py", "self._encoded.put"): "an asyncio.Queue between encoder and uploader: no I/O",
     ("model/weight_sync/publisher.py", "self._encoded.get"): "an asyncio.Queue between encoder and uploader: no I/O",
     ("model/weight_sync/publisher.py", "put"): "its local put: self._retry.run of one store.put (" + BLOB + ")",

@@ -12,13 +12,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable, weights_subject
 from actors.messages import WeightsPublished
-from actors.metrics_log import read_metrics
-from actors.weights_follower import WeightsFollower, WeightsUnavailable, weights_subject
 from model.engine import GenerationEngine
 from model.weight_sync import PublisherConfig, WeightPublisher, manifest_key
 from runtime.blob import BlobStore, open_store
 from runtime.codec import Codec
+from runtime.metrics_log import read_metrics
 from tests.model.helpers import seeded_model, small_config
 
 CONFIG = small_config(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)

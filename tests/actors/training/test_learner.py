@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from actors.agent import _tensor_to_wire
+from actors.agent.episode import _tensor_to_wire
 from actors.config import TrainerSection
-from actors.learner import Learner
-from actors.lr_schedule import LRSchedule
-from actors.step_guard import NonFiniteWeights
+from actors.training.learner import Learner
+from actors.training.lr_schedule import LRSchedule
+from actors.training.step_guard import NonFiniteWeights
 from kernels import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
 from model.loss import advantages_dr_grpo
