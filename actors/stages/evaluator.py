@@ -30,7 +30,6 @@ from actors.data_exhaustion import why_not_exhausted
 from actors.kv_slot_store import KVSlotStore
 from actors.messages import DataExhausted, data_exhausted_subject
 from actors.stages.scratch import open_sandbox_store
-from actors.stages.trainer import append_metrics
 from actors.task_catalog import TaskCatalog
 from actors.training.evaluation import evaluate, greedy, sampled
 from model.engine import GenerationEngine
@@ -40,7 +39,7 @@ from model.weight_sync import WeightSyncError
 from runtime.actor import Actor
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import append_metrics, read_metrics
 from runtime.supervisor import SUPERVISOR_SUBJECT
 
 log = structlog.get_logger(__name__)

@@ -43,23 +43,15 @@ from model.weight_sync.manifest import manifest_key
 from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import append_metrics, read_metrics
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["TrainerActor", "append_metrics"]
+__all__ = ["TrainerActor"]
 
 
 class StepBudgetReached(RuntimeError):
     """The run trained its ``run.steps``; further batches stay queued for a resumed run."""
-
-
-def append_metrics(path: Path, row: dict[str, Any]) -> None:
-    """One JSON line; a line a killed writer left unfinished is ended first, so it loses only itself."""
-    with open(path, "a+b") as fh:
-        fh.seek(0, 2)
-        cut = fh.tell() > 0 and (fh.seek(-1, 2), fh.read(1))[1] != b"\n"
-        fh.write(("\n" if cut else "").encode() + json.dumps(row).encode() + b"\n")
 
 
 PENDING_ROW = "pending-train-row.json"  # in the checkpoint directory: the last step's row until it is in metrics
