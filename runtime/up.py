@@ -4,7 +4,9 @@ Starts the bus (an embedded nats-server in the run directory unless ``bus.url`` 
 its streams and buckets, starts the supervisor and the actors the configuration lists, and shows
 progress until the run finishes, fails, or is stopped (Ctrl-C or SIGTERM: every actor drains first).
 
-With no ``--config`` the default run of the project is used (actors/run.toml, when present).
+The run files name everything the run starts (``actors.<kind>.entry = "package.module:Class"``): the
+runtime knows no application. An application's launcher passes its default run file through
+``main(default_config=...)`` (``python -m actors`` is the RL trainer's), used when no ``--config`` is given.
 Exit status: 0 finished or stopped cleanly, 1 failed, 2 bad configuration.
 """
 
@@ -17,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from importlib import resources
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,20 +45,11 @@ log = structlog.get_logger(__name__)
 PROGRESS_SUBJECT = "progress"
 
 
-def default_config_files() -> list[Path]:
-    """The project's default run, shipped beside the actors."""
-    with contextlib.suppress(ModuleNotFoundError):
-        path = Path(str(resources.files("actors") / "run.toml"))
-        if path.is_file():
-            return [path]
-    return []
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m runtime.up", description=__doc__,
+def parse_args(argv: list[str] | None, prog: str = "python -m runtime.up") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", type=Path, default=[], metavar="FILE",
-                   help="TOML run file; repeat to layer files (later wins). Default: the project's run")
+                   help="TOML run file; repeat to layer files (later wins). Default: the launcher's run, if any")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="override one key, e.g. --set rollout.temperature=0.7 (value read as TOML)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
@@ -68,14 +61,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
+def resolve_config(args: argparse.Namespace, default_config: Sequence[Path] = ()) -> tuple[RunConfig, Path | None]:
+    """The run's configuration: the resumed run's saved file, else ``--config`` files, else ``default_config``.
+
+    Raises:
+        ConfigError: a file is missing or invalid, or there is no run file at all.
+    """
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
     if args.resume:
         files = [args.resume / CONFIG_FILE]
     else:
-        files = args.config or default_config_files()
+        files = list(args.config or default_config)
+    if not files:
+        raise ConfigError("no run file: pass --config FILE (a TOML file whose [actors.<kind>] sections name the "
+                          "entry points), or start the application's launcher, e.g. python -m actors")
     return load_run_config(files, overrides), args.resume
 
 
@@ -217,10 +218,12 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
+         prog: str = "python -m runtime.up") -> int:
+    """Run ``python -m runtime.up`` with ``argv``; ``default_config``: the run files used when none is given."""
+    args = parse_args(argv, prog)
     try:
-        cfg, resume_dir = resolve_config(args)
+        cfg, resume_dir = resolve_config(args, default_config)
     except ConfigError as e:
         print(f"configuration error: {e}", file=sys.stderr)
         return 2

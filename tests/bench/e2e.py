@@ -49,12 +49,12 @@ from typing import Any
 
 import structlog
 
+from actors.__main__ import DEFAULT_RUN_FILE
 from runtime.metrics_log import read_metrics
-from runtime.up import default_config_files
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Layered on the default run (actors/run.toml: its actors), as `runtime.up --config A --config B` does.
+# Layered on the default run (actors/run.toml: its actors), as `python -m actors --config A --config B` does.
 RUN_FILE = """\
 [run]
 name = "bench-e2e-{mode}"
@@ -191,7 +191,7 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, wo
             max_new_tokens=args.max_new_tokens,
         )
     )
-    layered = [a for c in (*default_config_files(), config) for a in ("--config", str(c))]
+    layered = [a for c in (DEFAULT_RUN_FILE, config) for a in ("--config", str(c))]
     load_before = os.getloadavg()[0]
     with open(work_dir / f"{name}.out", "wb") as out:
         proc = subprocess.Popen(
