@@ -13,7 +13,7 @@ from actors.agent.episode import AgentConfig
 from actors.scheduling import SchedulingConfig
 from actors.training.lr_schedule import LRSchedule
 from runtime.config import Range, check_ranges, fixed, live
-from sandbox.tasks import count_tasks
+from sandbox.task_generator import count_tasks
 
 __all__ = [
     "EvalSection",

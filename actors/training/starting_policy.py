@@ -1,7 +1,7 @@
 """The starting policy of an RL run: the tiny model, supervised on perfect episodes of training tasks.
 
 RL improves what the policy already does sometimes, so the recipe is calibrated to leave room: the data
-are `reference_episode_text` of the difficulty-1 tasks of the train split of `sandbox.tasks.generate_tasks`
+are `reference_episode_text` of the difficulty-1 tasks of the train split of `sandbox.task_generator.generate_tasks`
 (integer arithmetic; the held-out split is never trained on), and training stops shortly after the tiny
 model starts copying the task's constant from the prompt into its answer. Measured on the way there: the
 episode format is learned within ~60 steps, but the constant stays a fixed guess ("x-11", "x*66") until
@@ -48,7 +48,8 @@ from model.config import ModelConfig, tiny
 from model.pretrain import PretrainConfig, Segment, pretrain
 from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
-from sandbox.tasks import Task, generate_tasks
+from sandbox.task_generator import generate_tasks
+from sandbox.tasks import Task
 
 __all__ = [
     "CARD_NAME",

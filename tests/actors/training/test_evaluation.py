@@ -16,7 +16,8 @@ from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
 from sandbox.errors import SandboxUnavailable
 from sandbox.layers import LayerStore
-from sandbox.tasks import Task, generate_tasks
+from sandbox.task_generator import generate_tasks
+from sandbox.tasks import Task
 
 TOKENIZER = ByteTokenizer()
 
