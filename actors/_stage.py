@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import msgpack
 import nats.errors
 import structlog
-import torch
 import zstandard
 
 from actors.config import RLConfig
@@ -58,7 +57,6 @@ class StageActor(Actor):
         self.config: RLConfig
         self.done_codec = Codec(COMPLETION_TYPES)
         self.heartbeat_codec = Codec([WorkHeartbeat])
-        torch.set_num_threads(self.config.policy.torch_threads)
 
     async def work(self, order: Any, delivery: Delivery) -> Any:
         """Do the order; tasks it starts in ``delivery.task_group`` finish before the order is acked."""

@@ -54,9 +54,6 @@ class EvaluatorActor(Actor):
     Config = RLConfig
 
     async def setup(self) -> None:
-        import torch
-
-        torch.set_num_threads(self.config.policy.torch_threads)
         catalog = TaskCatalog.build(self.config.tasks)
         self.tasks, self.train_source = catalog.heldout, catalog
         self.tokenizer = ByteTokenizer()
