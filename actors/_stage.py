@@ -13,7 +13,6 @@ import contextlib
 from typing import Any, ClassVar
 
 import msgpack
-import nats.errors
 import structlog
 import zstandard
 
@@ -24,6 +23,7 @@ from actors.slots import Stage
 from runtime.actor import Actor, ActorContext, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.errors import BusTimeout, NoResponders
 
 log = structlog.get_logger(__name__)
 
@@ -87,11 +87,11 @@ class StageActor(Actor):
         Without an answer in time (no reconciler, a slow one) the order is done."""
         beat = await self._work_heartbeat(order)
         try:
-            reply = await self.bus.nc.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
-                                              timeout=self.still_wanted_timeout_s)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            reply = await self.bus.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
+                                           timeout_s=self.still_wanted_timeout_s)
+        except (NoResponders, BusTimeout):
             return True
-        answer = msgpack.unpackb(reply.data, raw=False)
+        answer = msgpack.unpackb(reply, raw=False)
         return not (isinstance(answer, dict) and answer.get("current") is False)
 
     async def _work_heartbeat(self, order: Any) -> bytes:
@@ -103,7 +103,7 @@ class StageActor(Actor):
         beat = await self._work_heartbeat(order)
         while True:  # the first beat at once: the reconciler learns who holds the order (re-issued if it is lost)
             with contextlib.suppress(Exception):
-                await self.bus.nc.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
+                await self.bus.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
             await asyncio.sleep(self.heartbeat_every_s)
 
     # --- blobs: small msgpack records, zstd-compressed -----------------------------------------

@@ -24,15 +24,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgpack
-import nats.errors
 import structlog
 import uvloop
-from nats.js.errors import KeyWrongLastSequenceError
 
 from runtime import config as config_mod
-from runtime.bus import Bus, BusLimits
+from runtime.bus import Bus, BusLimits, Inbound
 from runtime.bus_auth import SUPERVISOR, Permissions, actor_permissions, generate_credentials
-from runtime.errors import BusError, ConfigError
+from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_config import RunConfig, RuntimeConfig, dump_toml, import_entry, load_run_config
@@ -111,10 +109,10 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.request_stop)
         _announce(terminal, run_dir, url, storage_url, resumed, credentials_dir)
-        progress = await bus.nc.subscribe(f"{PROGRESS_SUBJECT}.>", cb=_progress_printer(terminal))
-        stack.push_async_callback(_quietly, progress.unsubscribe)
+        progress = await bus.subscribe(f"{PROGRESS_SUBJECT}.>", _progress_printer(terminal))
+        stack.push_async_callback(progress.unsubscribe)  # bounded, and quiet on a closed connection
         async with asyncio.TaskGroup() as tg:
-            forwarder = tg.create_task(event_log.forward(bus.nc))
+            forwarder = tg.create_task(event_log.forward(bus))
             guard = tg.create_task(_guard_bus(supervisor, bus, server, url, rt.bus.max_outage_s, terminal))
             watchdog = tg.create_task(Watchdog(bus, rt.supervisor.stall_s, sys.stderr).run()) \
                 if rt.supervisor.stall_s else None
@@ -156,7 +154,7 @@ async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | None
 
 async def _quietly(step: Any) -> None:
     """An exit step that has nothing to undo on a connection that is closed or down."""
-    with contextlib.suppress(nats.errors.Error, OSError):
+    with contextlib.suppress(OSError):  # BusError included
         async with asyncio.timeout(5.0):
             await step()
 
@@ -171,13 +169,12 @@ async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> Non
     """Seeds the config bucket with live keys; a resumed run keeps what operators changed."""
     if cfg.app is None:
         return
-    kv = await bus.kv("config")
     for key, value in config_mod.live_items(cfg.app):
         if resumed:
-            with contextlib.suppress(KeyWrongLastSequenceError):  # set before: keep the operator's value
-                await kv.create(key, msgpack.packb(value, use_bin_type=True))
+            with contextlib.suppress(RevisionMismatch):  # set before: keep the operator's value
+                await bus.kv_create("config", key, msgpack.packb(value, use_bin_type=True))
         else:
-            await kv.put(key, msgpack.packb(value, use_bin_type=True))
+            await bus.kv_put("config", key, msgpack.packb(value, use_bin_type=True))
 
 
 def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resumed: bool,
@@ -198,7 +195,7 @@ def _progress_printer(out: IO[str] | None) -> Any:
     """One line with the latest figures every publisher reported on ``progress.<source>``."""
     latest: dict[str, Any] = {}
 
-    async def show(raw: Any) -> None:
+    async def show(raw: Inbound) -> None:
         if out is None:
             return
         try:

@@ -189,8 +189,8 @@ class TrainerActor(StageActor):
                  encode_s=round(published.encode_s, 4), upload_s=round(published.upload_s, 4))
 
     async def _announce(self, msg: WeightsPublished) -> None:
-        await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
-        await self.bus.nc.flush(timeout=5)  # sent now, not with the next batch of writes: rollouts may be waiting
+        await self.bus.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
+        await self.bus.flush(timeout_s=5.0)  # sent now, not with the next batch of writes: rollouts may be waiting
 
     def _row(self, m: StepMetrics, order: TrainOrder, *, busy_s: float) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at
@@ -206,7 +206,7 @@ class TrainerActor(StageActor):
         progress = {"step": row["version"], "reward": round(row["reward_mean"], 3), "pass": round(row["pass_rate"], 3),
                     "lag": lag, "samples/s": round(row["samples_per_s"], 2),
                     "util": round(row["trainer_utilisation"], 2)}
-        await self.bus.nc.publish("progress.train", msgpack.packb(progress, use_bin_type=True))
+        await self.bus.publish("progress.train", msgpack.packb(progress, use_bin_type=True))
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
