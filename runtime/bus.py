@@ -399,19 +399,20 @@ class Bus:
 
     # --- topology ----------------------------------------------------------------------------
     async def ensure_queue(self, q: Queue) -> None:
-        lim = self.limits
-        await self._ensure_stream(StreamConfig(
-            name=q.stream, subjects=list(q.subjects), retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE, max_bytes=lim.work_max_bytes, discard=DiscardPolicy.NEW,
-            duplicate_window=lim.duplicate_window_s))
-        cc = ConsumerConfig(durable_name=q.durable, ack_policy=AckPolicy.EXPLICIT,
-                            ack_wait=lim.ack_wait_s, max_deliver=lim.max_deliver,
-                            max_ack_pending=lim.max_ack_pending, deliver_policy=DeliverPolicy.ALL)
-        try:
-            await self.js.add_consumer(q.stream, cc)
-        except BadRequestError as e:  # exists with another config: update it
-            log.info("consumer_update", stream=q.stream, durable=q.durable, reason=str(e))
-            await self.js.add_consumer(q.stream, cc)
+        with _translated(f"create the queue {q.stream}"):
+            lim = self.limits
+            await self._ensure_stream(StreamConfig(
+                name=q.stream, subjects=list(q.subjects), retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE, max_bytes=lim.work_max_bytes, discard=DiscardPolicy.NEW,
+                duplicate_window=lim.duplicate_window_s))
+            cc = ConsumerConfig(durable_name=q.durable, ack_policy=AckPolicy.EXPLICIT,
+                                ack_wait=lim.ack_wait_s, max_deliver=lim.max_deliver,
+                                max_ack_pending=lim.max_ack_pending, deliver_policy=DeliverPolicy.ALL)
+            try:
+                await self.js.add_consumer(q.stream, cc)
+            except BadRequestError as e:  # exists with another config: update it
+                log.info("consumer_update", stream=q.stream, durable=q.durable, reason=str(e))
+                await self.js.add_consumer(q.stream, cc)
 
     async def pull_consumer(self, q: Queue) -> PullConsumer:
         """Binds to the queue's durable consumer (made by `ensure_queue`)."""
@@ -420,15 +421,16 @@ class Bus:
 
     async def ensure_base(self) -> None:
         """Streams and buckets every run has: LOG, DLQ, and the KV buckets."""
-        lim = self.limits
-        await self._ensure_stream(StreamConfig(
-            name="LOG", subjects=["log.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-            max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD))
-        await self._ensure_stream(StreamConfig(
-            name="DLQ", subjects=["dlq.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-            max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD))
-        for bucket in KV_BUCKETS:
-            await self.kv(bucket)
+        with _translated("create the base streams and buckets"):
+            lim = self.limits
+            await self._ensure_stream(StreamConfig(
+                name="LOG", subjects=["log.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD))
+            await self._ensure_stream(StreamConfig(
+                name="DLQ", subjects=["dlq.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD))
+            for bucket in KV_BUCKETS:
+                await self.kv(bucket)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -441,15 +443,16 @@ class Bus:
                 raise BusError(f"cannot create stream {cfg.name}: {e}") from e
 
     async def kv(self, bucket: str) -> Bucket:
-        if bucket not in self._kv:
-            try:
-                info = await self.js.stream_info(f"KV_{bucket}")
-            except NotFoundError:
-                await self.js.create_key_value(
-                    KeyValueConfig(bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE))
-                info = await self.js.stream_info(f"KV_{bucket}")
-            self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
-        return self._kv[bucket]
+        with _translated(f"open the bucket {bucket}"):
+            if bucket not in self._kv:
+                try:
+                    info = await self.js.stream_info(f"KV_{bucket}")
+                except NotFoundError:
+                    await self.js.create_key_value(
+                        KeyValueConfig(bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE))
+                    info = await self.js.stream_info(f"KV_{bucket}")
+                self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
+            return self._kv[bucket]
 
     async def kv_get(self, bucket: str, key: str) -> KVEntry | None:
         """The key's current record; None when there is none (never written, deleted or purged)."""
@@ -643,20 +646,23 @@ class Bus:
     # --- publishing -------------------------------------------------------------------------
     async def publish_durable(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window."""
-        await self.js.publish(subject, data, headers=_msg_id_headers(msg_id))
+        with _translated(f"publish on {subject}"):
+            await self.js.publish(subject, data, headers=_msg_id_headers(msg_id))
 
     async def publish_unconfirmed(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         """Publish into a stream without waiting for the server's acknowledgement (no reply, no
         round trip); ``msg_id`` dedups within the window. For senders that already recover a message
         the stream did not store (e.g. by re-issuing work on a timeout)."""
-        await self.nc.publish(subject, data, headers=_msg_id_headers(msg_id))
+        with _translated(f"publish on {subject}"):
+            await self.nc.publish(subject, data, headers=_msg_id_headers(msg_id))
 
     async def dead_letter(self, queue: str, reason: str, detail: str, data: bytes,
                           **context: Any) -> None:
         headers = {"Reason": reason, "Detail": detail[:1000]}
         headers.update({k: str(v) for k, v in context.items()})
         # An oversized message would be refused again: keep a bounded prefix for inspection.
-        await self.js.publish(f"dlq.{queue}", data[:64 * 1024], headers=headers)
+        with _translated(f"dead-letter to dlq.{queue}"):
+            await self.js.publish(f"dlq.{queue}", data[:64 * 1024], headers=headers)
 
 
 _END = object()  # a watcher that stopped
