@@ -6,7 +6,7 @@ import inspect
 import re
 from pathlib import Path
 
-from actors.slots import SlotState
+from actors import SlotState
 from runtime.bus import KV_BUCKETS, Bus, WorkMessage
 
 REPO = Path(__file__).resolve().parents[1]
