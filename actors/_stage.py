@@ -20,9 +20,7 @@ import contextlib
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
-import nats.errors
 import structlog
-import torch
 import zstandard
 
 from actors.config import RLConfig
@@ -33,6 +31,7 @@ from actors.records import RecordError, decode_record, encode_record
 from runtime.actor import Actor, ActorContext, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.errors import BusTimeout, NoResponders
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +67,6 @@ class StageActor(Actor):
         self.done_codec = Codec(COMPLETION_TYPES)
         self.heartbeat_codec = Codec([WorkHeartbeat, WorkHeartbeats])
         self._item_slots = asyncio.Semaphore(self.settings.max_concurrency)  # items of group orders at once
-        torch.set_num_threads(self.config.policy.torch_threads)
 
     async def work(self, order: Any, delivery: Delivery) -> Any:
         """Do the order; tasks it starts in ``delivery.task_group`` finish before the order is acked."""
@@ -135,11 +133,11 @@ class StageActor(Actor):
         num = len(order.items)
         try:
             beat = await self._work_heartbeat(order)
-            reply = await self.bus.nc.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
-                                              timeout=self.still_wanted_timeout_s)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            reply = await self.bus.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
+                                           timeout_s=self.still_wanted_timeout_s)
+        except (NoResponders, BusTimeout):
             return [True] * num
-        answer = msgpack.unpackb(reply.data, raw=False)
+        answer = msgpack.unpackb(reply, raw=False)
         items = answer.get("current_items") if isinstance(answer, dict) else None
         if isinstance(items, list) and len(items) == num:
             return [item is not False for item in items]
@@ -151,11 +149,11 @@ class StageActor(Actor):
         Without an answer in time (no reconciler, a slow one) the order is done."""
         beat = await self._work_heartbeat(order)
         try:
-            reply = await self.bus.nc.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
-                                              timeout=self.still_wanted_timeout_s)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            reply = await self.bus.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
+                                           timeout_s=self.still_wanted_timeout_s)
+        except (NoResponders, BusTimeout):
             return True
-        answer = msgpack.unpackb(reply.data, raw=False)
+        answer = msgpack.unpackb(reply, raw=False)
         return not (isinstance(answer, dict) and answer.get("current") is False)
 
     async def _work_heartbeat(self, order: Any) -> bytes:
@@ -171,7 +169,7 @@ class StageActor(Actor):
         beat = await self._work_heartbeat(order)
         while True:  # the first beat at once: the reconciler learns who holds the order (re-issued if it is lost)
             with contextlib.suppress(Exception):
-                await self.bus.nc.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
+                await self.bus.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
             await asyncio.sleep(self.heartbeat_every_s)
 
     # --- blobs: typed msgpack records (actors.records), zstd-compressed --------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.config import TasksSection
-from sandbox.tasks import Task, count_tasks, generate_tasks
+from sandbox.task_generator import count_tasks, generate_tasks
+from sandbox.tasks import Task
 
 __all__ = ["TaskCatalog"]
 

@@ -7,7 +7,7 @@ configuration dataclass of its section. The base feeds at most ``max_concurrency
 queue's durable pull consumer (shared by every actor of the kind), acks after success, naks with
 exponential backoff on failure, heartbeats ``in_progress`` while a handler runs, and dead-letters
 messages it cannot decode. Drain = stop fetching, finish in-flight handlers and every task they
-started, ack, flush, hand over state, stop.
+started, ack, flush, hand over state, stop (docs/ARCHITECTURE.md, "Actor lifecycle").
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
-import nats.errors
 import structlog
-from nats.aio.msg import Msg
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime import config as config_mod
-from runtime.bus import Bus, BusLimits, Queue
+from runtime.bus import Bus, BusLimits, Inbound, Queue, WorkMessage
 from runtime.bus_auth import BusAccess, control_subject
 from runtime.codec import Codec, Message
 from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError
@@ -191,8 +188,7 @@ class Actor:
     async def run(self) -> None:
         """Runs until a drain is requested (ctl drain, SIGTERM), then drains and stops."""
         self._expect(ActorState.STARTING)
-        ctl = await self.bus.nc.subscribe(control_subject(self.identity.kind, self.identity.actor_id),
-                                          cb=self._on_ctl)
+        ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
         async with asyncio.TaskGroup() as tg:
             config_watch = tg.create_task(self._watch_config())
             lease = tg.create_task(self._renew_lease())
@@ -249,7 +245,7 @@ class Actor:
         await self._stop_step("register_stopped", self._register())
         await self._stop_step("deregister", self._delete_actors_key(
             registration_key(self.identity.kind, self.identity.actor_id)))
-        await self._stop_step("flush", self.bus.nc.flush(timeout=max(1, int(self.settings.stop_step_timeout_s))))
+        await self._stop_step("flush", self.bus.flush(timeout_s=self.settings.stop_step_timeout_s))
 
     async def _stop_step(self, step: str, call: Awaitable[Any]) -> bool:
         """One bus step of stopping, bounded: with the bus unreachable it is said (what was not done and
@@ -262,36 +258,34 @@ class Actor:
         try:
             async with asyncio.timeout(self.settings.stop_step_timeout_s):
                 await call
-        except (nats.errors.Error, OSError) as e:  # TimeoutError is an OSError
+        except OSError as e:  # BusError and TimeoutError are OSErrors
             self._log.error("stop_step_skipped", step=step, error=repr(e),
                             reason=f"the bus did not answer within {self.settings.stop_step_timeout_s}s")
             return False
         return True
 
     async def _put_actors_key(self, key: str, value: bytes) -> None:
-        await (await self.bus.kv("actors")).put(key, value)
+        await self.bus.kv_put("actors", key, value)
 
     async def _delete_actors_key(self, key: str) -> None:
-        await (await self.bus.kv("actors")).delete(key)
+        await self.bus.kv_delete("actors", key)
 
     async def take_handover(self) -> dict[str, Any] | None:
         """The state a previous process of this kind handed over, consumed once (None: none was left).
 
         Raises:
-            nats.errors.Error, OSError: the bus could not be read; not the same as "nothing handed over".
+            BusError: the bus could not be read; not the same as "nothing handed over".
         """
-        kv = await self.bus.kv("actors")
         key = handover_key(self.identity.kind)
-        try:
-            entry = await kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
+        entry = await self.bus.kv_get("actors", key)
+        if entry is None:
             return None
-        await kv.delete(key)
+        await self.bus.kv_delete("actors", key)
         return msgpack.unpackb(entry.value, raw=False) if entry.value else None
 
     # --- consuming -----------------------------------------------------------------------------
     async def _consume(self, q: Queue, work_tg: asyncio.TaskGroup) -> None:
-        sub = await self.bus.js.pull_subscribe_bind(durable=q.durable, stream=q.stream)
+        sub = await self.bus.pull_consumer(q)
         try:
             while not self._drain_requested.is_set():
                 async with self._capacity:
@@ -299,26 +293,22 @@ class Actor:
                     free = self.settings.max_concurrency - self._inflight
                 if self._drain_requested.is_set():
                     break
-                try:
-                    msgs = await sub.fetch(batch=free, timeout=self.settings.fetch_timeout_s)
-                except TimeoutError:
-                    continue
+                msgs = await sub.fetch(free, timeout_s=self.settings.fetch_timeout_s)  # none in time: []
                 for raw in msgs:
                     self._inflight += 1
                     work_tg.create_task(self._process(q, raw))
         finally:
             await self._stop_step(f"unsubscribe_{q.name}", sub.unsubscribe())
 
-    async def _process(self, q: Queue, raw: Msg) -> None:
+    async def _process(self, q: Queue, raw: WorkMessage) -> None:
         """Decode, handle, settle. A message never loops: one that cannot decode is a dead letter at
         once; one whose handling failed ``max_deliveries`` times (or that came back that often
         unacknowledged: its handling crashed or hung the process) is a dead letter with its last error."""
         try:
-            meta = raw.metadata
             limit = self.settings.max_deliveries
-            if meta.num_delivered > limit:
+            if raw.num_delivered > limit:
                 await self._dead_letter(q, raw, "max_deliveries", (
-                    f"delivered {meta.num_delivered} times (limit {limit}) without an acknowledgement: "
+                    f"delivered {raw.num_delivered} times (limit {limit}) without an acknowledgement: "
                     "its handling crashed or hung the actor's process each time (see the actor logs)"))
                 return
             outages_before = self.bus.health.num_outages
@@ -333,8 +323,7 @@ class Actor:
             try:
                 async with asyncio.TaskGroup() as tg:
                     beat = tg.create_task(self._heartbeat(raw))
-                    delivery = Delivery(q.name, raw.subject, meta.sequence.stream, meta.num_delivered,
-                                        (raw.headers or {}).get("Nats-Msg-Id"), tg)
+                    delivery = Delivery(q.name, raw.subject, raw.stream_sequence, raw.num_delivered, raw.msg_id, tg)
                     try:
                         await self.handle(msg, delivery)
                     finally:
@@ -349,12 +338,13 @@ class Actor:
                 self._inflight -= 1
                 self._capacity.notify_all()
 
-    async def _failed(self, q: Queue, raw: Msg, msg_type: str, error: BaseException, outages_before: int) -> None:
+    async def _failed(self, q: Queue, raw: WorkMessage, msg_type: str, error: BaseException,
+                      outages_before: int) -> None:
         """A handling failed: nak it with backoff, or dead-letter it once it used its deliveries. A failure
         while the bus dropped is the outage's, not the message's: it is nak'ed (up to the consumer's own
         max_deliver), so that an outage longer than the backoff does not dead-letter good work."""
         self.num_failed += 1
-        num_delivered = raw.metadata.num_delivered
+        num_delivered = raw.num_delivered
         error = _leaf(error)
         health = self.bus.health
         during_outage = health.num_outages != outages_before or health.down.is_set()
@@ -368,27 +358,27 @@ class Actor:
                           num_delivered=num_delivered, retry_in_s=delay, during_bus_outage=during_outage)
         await self._settle(raw, "nak", delay=delay)
 
-    async def _settle(self, raw: Msg, verb: str, **kwargs: Any) -> bool:
+    async def _settle(self, raw: WorkMessage, verb: str, **kwargs: Any) -> bool:
         """Ack or nak; with the bus down the server redelivers after ``ack_wait`` (at-least-once), so a
         failed settlement is said and the actor goes on instead of crashing on an outage."""
         try:
             await getattr(raw, verb)(**kwargs)
-        except (nats.errors.Error, OSError) as e:
+        except OSError as e:  # BusError included
             self._log.warning("settle_failed", verb=verb, subject=raw.subject, error=repr(e))
             return False
         return True
 
-    async def _heartbeat(self, raw: Msg) -> None:
+    async def _heartbeat(self, raw: WorkMessage) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             await raw.in_progress()
 
-    async def _dead_letter(self, q: Queue, raw: Msg, reason: str, detail: str) -> None:
+    async def _dead_letter(self, q: Queue, raw: WorkMessage, reason: str, detail: str) -> None:
         try:
             await self.bus.dead_letter(q.name, reason, detail, raw.data, subject=raw.subject,
                                        actor=self.identity.actor_id,
-                                       num_delivered=raw.metadata.num_delivered)
-        except (nats.errors.Error, OSError) as e:  # not stored: leave it for redelivery, never lose it
+                                       num_delivered=raw.num_delivered)
+        except OSError as e:  # BusError included; not stored: leave it for redelivery, never lose it
             self._log.warning("dead_letter_failed", queue=q.name, reason=reason, error=repr(e))
             return
         self.num_dead_lettered += 1
@@ -397,7 +387,7 @@ class Actor:
         await self._settle(raw, "ack")  # never redeliver what can never be handled
 
     # --- control -------------------------------------------------------------------------------
-    async def _on_ctl(self, raw: Msg) -> None:
+    async def _on_ctl(self, raw: Inbound) -> None:
         verb = raw.subject.rsplit(".", 1)[-1]
         if verb == "ping":
             reply: dict[str, Any] = {"ok": True, "state": self.state.value}
@@ -408,8 +398,7 @@ class Actor:
             reply = {"ok": True, "state": ActorState.DRAINING.value}
         else:
             reply = {"ok": False, "error": f"unknown verb {verb!r}; use ping, status or drain"}
-        if raw.reply:
-            await raw.respond(msgpack.packb(reply, use_bin_type=True))
+        await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
 
     def describe(self) -> dict[str, Any]:
         i = self.identity
@@ -427,22 +416,21 @@ class Actor:
             await asyncio.sleep(self.settings.lease_s / 3)
             try:
                 await self._register()
-            except (nats.errors.Error, TimeoutError, OSError) as e:  # the bus is away: the lease lapses, as it should
+            except OSError as e:  # BusError, TimeoutError: the bus is away, the lease lapses, as it should
                 self._log.warning("lease_renewal_failed", error=repr(e))
             raise_if_cancelled()
 
     async def _register(self) -> None:
-        kv = await self.bus.kv("actors")
-        await kv.put(registration_key(self.identity.kind, self.identity.actor_id),
-                     msgpack.packb(self.describe(), use_bin_type=True))
+        await self.bus.kv_put("actors", registration_key(self.identity.kind, self.identity.actor_id),
+                              msgpack.packb(self.describe(), use_bin_type=True))
 
     # --- live configuration -------------------------------------------------------------------------
     async def _watch_config(self) -> None:
         if self.Config is None or self.config is None:
             return
-        async for entry in self.bus.watch_kv("config"):  # renewed across bus outages
+        async for entry in self.bus.kv_watch("config"):  # renewed across bus outages
             raise_if_cancelled()
-            if entry is None or entry.value is None or entry.operation is not None:
+            if entry is None or entry.deleted or not entry.value:
                 continue
             await self._apply_config(entry.key, entry.value)
 

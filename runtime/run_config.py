@@ -95,7 +95,9 @@ class ActorSpec:
     max_concurrency: int = fixed(8, within=Range(1, 100_000))
     heartbeat_s: float = fixed(5.0, within=Range(0.0, 3600.0, lo_open=True))
     drain_timeout_s: float = fixed(60.0, within=Range(0.0, 86_400.0))
-    threads: int = fixed(0, within=Range(0, 1024))  # torch intra-op threads in the process; 0 leaves the default
+    # The one setting of a process's compute threads (OMP_NUM_THREADS and MKL_NUM_THREADS in its environment, which
+    # torch reads for its intra-op threads): one, as several actors share a few cores; 0 leaves torch's default.
+    threads: int = fixed(1, within=Range(0, 1024))
     # CPU priority below the others' (0 to 19; 0: the same as every other actor): a side job gives way
     nice: int = fixed(0, within=Range(0, 19))
     # handlings of one message before it is dead-lettered with its last error

@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 import msgpack
 import structlog
 
+from actors.agent.policy import weights_run_name
+from actors.agent.weights_follower import weights_subject, why_not_published
 from actors.blob_collector import BlobCollector
 from actors.config import RLConfig
 from actors.messages import (
@@ -34,14 +36,12 @@ from actors.messages import (
     data_exhausted_subject,
     work_queue_of,
 )
-from actors.policy import weights_run_name
 from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.registry_view import LostActor, RegistryView
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RewardGroupDone, RolloutGroupDone, WorkOrder, group_orders
 from actors.task_catalog import TaskCatalog
-from actors.weights_follower import weights_subject, why_not_published
 from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
 from runtime.bus_auth import BusAccess
@@ -85,11 +85,11 @@ class ReconcilerActor(Actor):
         self.live_groups: set[str] = set()
         self._groups_left: tuple[int, ...] | None = None  # the core's trained/dropped counts at the last retire
         await self._resume()
-        sub = await self.bus.nc.subscribe("heartbeat.>", cb=self._on_heartbeat)
+        sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
         self.registry = RegistryView()
         self.weights_codec = Codec([WeightsPublished])
-        sub = await self.bus.nc.subscribe(weights_subject(self.run_name), cb=self._on_weights)
+        sub = await self.bus.subscribe(weights_subject(self.run_name), self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
     def _warn_if_steps_exceed_data(self) -> None:
@@ -224,7 +224,8 @@ class ReconcilerActor(Actor):
             self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, now, beat.token)
         if raw.reply:  # a stage actor asks before it starts: is this attempt (each of these items) still wanted?
             items = [self.core.is_current(b.stage, b.key, b.attempt) for b in beats]
-            await raw.respond(msgpack.packb({"current": any(items), "current_items": items}, use_bin_type=True))
+            await self.bus.respond(raw, msgpack.packb({"current": any(items), "current_items": items},
+                                                      use_bin_type=True))
 
     async def _on_weights(self, raw: Any) -> None:
         try:
@@ -274,7 +275,7 @@ class ReconcilerActor(Actor):
             log.info("dataset_exhausted", last_version=version, steps=self.ctx.run_steps)
             self.announced_exhausted = True
         data = await self.exhausted_codec.encode(DataExhausted(self.run_name, version))
-        await self.bus.nc.publish(data_exhausted_subject(self.run_name), data)
+        await self.bus.publish(data_exhausted_subject(self.run_name), data)
 
     async def _count_rollout_actors(self) -> int:
         count = 0

@@ -16,17 +16,17 @@ import pytest
 from structlog.testing import capture_logs
 
 from actors import Lifecycle, ListTaskSource
+from actors.agent.weights_follower import WeightsFollower, weights_subject
 from actors.messages import DataExhausted, WeightsPublished
 from actors.reconciler.data_exhaustion import why_not_exhausted
-from actors.weights_follower import WeightsFollower, weights_subject
 from model.engine import GenerationEngine
 from model.weight_sync import manifest_key
 from runtime.blob import open_store
 from runtime.codec import Codec
 from runtime.registry import decode_registration, parse_registration_key, registration_key
+from tests.actors.agent.test_weights_follower import CONFIG, RUN, FakeBus, publish, versions_of_model
 from tests.actors.lifecycle_world import World
 from tests.actors.test_lifecycle import config
-from tests.actors.test_weights_follower import CONFIG, RUN, FakeBus, publish, versions_of_model
 from tests.model.helpers import seeded_model
 
 
@@ -145,7 +145,7 @@ def test_registry_keys_name_their_actor_s_kind() -> None:
 async def test_the_evaluator_ends_the_run_only_on_a_confirmed_claim() -> None:
     """The evaluator's own handler: a false claim leaves the run's last version unknown; a true one sets it."""
     from actors.config import RLConfig
-    from actors.evaluator import EvaluatorActor
+    from actors.stages.evaluator import EvaluatorActor
 
     source = ListTaskSource.numbered(4)
     resumed = await Lifecycle.resume(store := _store(), source, config(), 0.0, num_rollout_actors=4)

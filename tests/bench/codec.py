@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import torch
 
-from actors.agent import EpisodeEnd, ToolUse, Trajectory
+from actors.agent.episode import EpisodeEnd, ToolUse, Trajectory
 from actors.messages import COMPLETION_TYPES, all_order_types
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import (

@@ -43,8 +43,8 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors._stage import StageActor, WorkRefused
+from actors.agent.policy import weights_run_name
 from actors.messages import WeightsPublished
-from actors.policy import weights_run_name
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import (
     GroupDone,

@@ -14,8 +14,8 @@ import msgpack
 import nats
 import pytest
 
-from actors.evaluator import EvaluatorActor
-from actors.reconciler.actor import ReconcilerActor
+from actors.reconciler import ReconcilerActor
+from actors.stages.evaluator import EvaluatorActor
 from runtime.bus import Bus
 from runtime.bus_auth import (
     OPERATOR,

@@ -19,6 +19,7 @@ on two cores. The generator is seeded, so a failure reproduces.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 from collections import Counter
@@ -29,9 +30,8 @@ from typing import Any
 import msgpack
 import pytest
 
+from actors.agent.policy import weights_run_name
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, WorkHeartbeat, all_order_types
-from actors.policy import weights_run_name
-from actors.reconciler.kv_store import KVSlotStore
 from actors.reconciler.slot import Slot, SlotState, Stage
 from actors.reconciler.store import SLOT_PREFIX
 from actors.reconciler.work import (
@@ -321,24 +321,29 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
         assert await run.stop() == 0
 
 
-async def forge_live_work(run: LiveRun, clients: dict[str, RoleClient], f: Fuzzer) -> int:
-    """Completions naming each rollout or reward in flight (read from the slots bucket), with a wrong token."""
+async def forge_live_work(run: LiveRun, clients: dict[str, RoleClient], f: Fuzzer, wanted: int = 5) -> int:
+    """Completions naming rollouts and rewards in flight, their key and attempt right, their token not: each
+    sent as the slots bucket shows the work issued (a watch), until ``wanted`` are sent (or 60 s pass)."""
     assert run.bus is not None
-    store = KVSlotStore(run.bus, "slots")
     completions = Codec(COMPLETION_TYPES)
     forged = 0
-    for key in await store.keys():
-        if not key.startswith(SLOT_PREFIX) or (entry := await store.get(key)) is None:
-            continue
-        slot = Slot.decode(entry.value)
-        stage = {SlotState.ROLLOUT: Stage.ROLLOUT, SlotState.REWARD: Stage.REWARD}.get(slot.state)
-        if stage is None:
-            continue
-        wrong = f.token()
-        msg = (RolloutDone(slot.sample_id, slot.attempt, "forged", 0, 0, wrong) if stage is Stage.ROLLOUT
-               else RewardDone(slot.sample_id, slot.attempt, "forged", wrong))
-        await clients[STAGE_ROLE[stage]].js_publish(f"done.{stage.value}", await completions.encode(msg))
-        forged += 1
+    entries = run.bus.kv_watch("slots")
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(60), contextlib.aclosing(entries):
+            async for entry in entries:
+                if entry is None or entry.deleted or not entry.key.startswith(SLOT_PREFIX):
+                    continue
+                slot = Slot.decode(entry.value)
+                stage = {SlotState.ROLLOUT: Stage.ROLLOUT, SlotState.REWARD: Stage.REWARD}.get(slot.state)
+                if stage is None:
+                    continue
+                wrong = f.token()
+                msg = (RolloutDone(slot.sample_id, slot.attempt, "forged", 0, 0, wrong) if stage is Stage.ROLLOUT
+                       else RewardDone(slot.sample_id, slot.attempt, "forged", wrong))
+                await clients[STAGE_ROLE[stage]].js_publish(f"done.{stage.value}", await completions.encode(msg))
+                forged += 1
+                if forged >= wanted:
+                    break
     return forged
 
 

@@ -19,8 +19,8 @@ import msgpack
 import nats.errors
 import pytest
 
+from actors.agent.policy import weights_run_name
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, all_order_types
-from actors.policy import weights_run_name
 from actors.reconciler.store import META_KEY
 from actors.reconciler.work import MetaRecord, RolloutDone, TrainDone, TrainOrder
 from runtime.bus_auth import OPERATOR, control_subject

@@ -136,14 +136,14 @@ async def test_a_handling_failed_by_a_bus_outage_is_not_the_messages_fault(tmp_p
         queue = work_queue("outage")
         await bus.ensure_queue(queue)
         actor = Actor(ActorContext(ActorIdentity.here("x", "x-1", "h"), bus, ActorSettings(max_deliveries=1), None))
-        sub = await bus.js.pull_subscribe_bind(durable=queue.durable, stream=queue.stream)
+        sub = await bus.pull_consumer(queue)
         await bus.publish_durable("work.outage", b"m1")
-        (raw,) = await sub.fetch(1, timeout=5)
+        (raw,) = await sub.fetch(1, timeout_s=5)
         outages_before = bus.health.num_outages - 1  # the bus dropped (and came back) while it was handled
         await actor._failed(queue, raw, "T", ConnectionError("publish timed out"), outages_before)
         assert actor.num_dead_lettered == 0
-        (again,) = await sub.fetch(1, timeout=10)  # nak'ed: redelivered
-        assert again.data == b"m1" and again.metadata.num_delivered == 2
+        (again,) = await sub.fetch(1, timeout_s=10)  # nak'ed: redelivered
+        assert again.data == b"m1" and again.num_delivered == 2
         await actor._failed(queue, again, "T", ValueError("bad"), bus.health.num_outages)
         assert actor.num_dead_lettered == 1
         dlq = await bus.js.subscribe("dlq.>", ordered_consumer=True, deliver_policy=None)

@@ -13,7 +13,7 @@ import pytest
 from actors.config import TasksSection
 from actors.messages import all_order_types
 from actors.reconciler.work import RolloutOrder
-from actors.scratch import scratch_root
+from actors.stages.scratch import scratch_root
 from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint
 from model.config import tiny
@@ -29,7 +29,7 @@ RUN = """
 [supervisor]
 drain_timeout_s = 60.0
 [actors.rollout]
-entry = "actors.rollout:RolloutActor"
+entry = "actors.stages.rollout:RolloutActor"
 max_concurrency = 4
 [policy]
 checkpoint = "{checkpoint}"

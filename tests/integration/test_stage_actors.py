@@ -32,14 +32,14 @@ pytestmark = pytest.mark.timeout(300)
 
 STAGES_RUN = """
 [actors.rollout]
-entry = "actors.rollout:RolloutActor"
+entry = "actors.stages.rollout:RolloutActor"
 max_concurrency = 8
 [actors.reward]
-entry = "actors.reward:RewardActor"
+entry = "actors.stages.reward:RewardActor"
 [actors.grouping]
-entry = "actors.grouping:GroupingActor"
+entry = "actors.stages.grouping:GroupingActor"
 [actors.trainer]
-entry = "actors.trainer:TrainerActor"
+entry = "actors.stages.trainer:TrainerActor"
 max_concurrency = 1
 
 [policy]

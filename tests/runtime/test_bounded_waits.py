@@ -65,7 +65,13 @@ HELPERS = {
              "put (JetStream requests), then the kind's setup, whose own awaits this check covers",
     "stop": "NatsServer.stop: wait_for(stop_timeout_s), then SIGKILL; a KV watcher's stop: an unsubscribe",
     "create_multipart": "one S3 request through S3BlobStore._call",
-    "request_bus": "ops._client.request: nc.request(timeout=timeout_s)",
+    "request_bus": "ops._client.request: Bus.request(timeout_s=timeout_s)",
+    **dict.fromkeys(("kv_get", "kv_put", "kv_create", "kv_cas", "kv_delete"),
+                    "Bus.kv_*: one JetStream KV request (5 s), after Bus.kv's"),
+    "kv_keys": "Bus.kv_keys: Bucket.keys, stream-info pages (5 s each) and one get per key (5 s each)",
+    "kv_watch": "Bus.kv_watch: Bus.watch_kv's entries as typed records",
+    "stream_states": "Bus.stream_states: one JetStream API request (5 s)",
+    "pull_consumer": "Bus.pull_consumer: a pull_subscribe_bind (core subscribe, no round trip)",
 }
 SLOT_STORE = "a slot store call: one KV request (JetStream API, 5 s)"
 PIPELINE_SYNC = "ChainedKVWriter.flush: asyncio.wait_for(ack_timeout_s) on the acknowledgements"
@@ -80,7 +86,8 @@ LISTED = {  # (file, callee as written) -> its bound, where the callee's name al
     ("actors/reconciler/kv_store.py", "self._writer.flush"): PIPELINE_SYNC,
     ("actors/reconciler/actor.py", "self.store.sync"): PIPELINE_SYNC,
     ("actors/reconciler/actor.py", "store.sync"): PIPELINE_SYNC,
-    ("actors/weights_follower.py", "self.subscriber.fetch"): "WeightSubscriber.fetch: blob store calls (" + BLOB + ")",
+    ("actors/agent/weights_follower.py", "self.subscriber.fetch"):
+        "WeightSubscriber.fetch: blob store calls (" + BLOB + ")",
     ("model/weight_sync/publisher.py", "self._encoded.put"): "an asyncio.Queue between encoder and uploader: no I/O",
     ("model/weight_sync/publisher.py", "self._encoded.get"): "an asyncio.Queue between encoder and uploader: no I/O",
     ("model/weight_sync/publisher.py", "put"): "its local put: self._retry.run of one store.put (" + BLOB + ")",

@@ -1,4 +1,4 @@
-"""Reading a run's ``metrics.jsonl``: one JSON object per line, each with a ``kind`` ("train", "eval").
+"""A run's ``metrics.jsonl``: one JSON object per line, each with a ``kind`` ("train", "eval").
 
 The trainer and the evaluator append rows; the evaluator reads back which versions it evaluated
 (so a restarted evaluator does not repeat them) and ``ops.plot`` draws learning curves. A line cut
@@ -11,7 +11,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_metrics"]
+__all__ = ["append_metrics", "read_metrics"]
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    """One JSON line; a line a killed writer left unfinished is ended first, so it loses only itself."""
+    with open(path, "a+b") as fh:
+        fh.seek(0, 2)
+        cut = fh.tell() > 0 and (fh.seek(-1, 2), fh.read(1))[1] != b"\n"
+        fh.write(("\n" if cut else "").encode() + json.dumps(row).encode() + b"\n")
 
 
 def read_metrics(path: Path, *, kind: str | None = None, missing_ok: bool = True) -> list[dict[str, Any]]:

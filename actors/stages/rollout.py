@@ -17,14 +17,14 @@ from typing import Any
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent import run_episode
-from actors.policy import load_policy, weights_run_name
+from actors.agent.episode import run_episode
+from actors.agent.policy import load_policy, weights_run_name
+from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RolloutDone, RolloutOrder
 from actors.records import RolloutRecord
-from actors.scratch import open_sandbox_store
+from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
-from actors.weights_follower import WeightsFollower, WeightsUnavailable
 from model.engine import EngineStatus, GenerationEngine
 from model.errors import EngineError, EngineStateError
 from model.generation import EngineConfig, Generation, KVPolicy

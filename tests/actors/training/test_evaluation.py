@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
-from actors.agent import TOOL, AgentConfig, EpisodeEnd, reference_episode_text
-from actors.evaluation import EpisodeResult, EvalResult, evaluate, greedy, sampled
+from actors.agent.episode import TOOL, AgentConfig, EpisodeEnd, reference_episode_text
+from actors.training.evaluation import EpisodeResult, EvalResult, evaluate, greedy, sampled
 from model.config import ModelConfig
 from model.generation import FinishReason, Generation
 from model.sampling import SamplingParams
@@ -16,7 +16,8 @@ from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
 from sandbox.errors import SandboxUnavailable
 from sandbox.layers import LayerStore
-from sandbox.tasks import Task, generate_tasks
+from sandbox.task_generator import generate_tasks
+from sandbox.tasks import Task
 
 TOKENIZER = ByteTokenizer()
 

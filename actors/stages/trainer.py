@@ -32,35 +32,27 @@ import msgpack
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.learner import Learner, StepMetrics
+from actors.agent.policy import load_policy, use_training_precision, weights_run_name
+from actors.agent.weights_follower import weights_subject
 from actors.messages import WeightsPublished
-from actors.metrics_log import read_metrics
-from actors.policy import load_policy, use_training_precision, weights_run_name
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import TrainDone, TrainOrder
 from actors.records import GroupRecord
-from actors.weights_follower import weights_subject
+from actors.training.learner import Learner, StepMetrics
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
 from model.weight_sync.manifest import manifest_key
 from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.metrics_log import append_metrics, read_metrics
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["TrainerActor", "append_metrics"]
+__all__ = ["TrainerActor"]
 
 
 class StepBudgetReached(RuntimeError):
     """The run trained its ``run.steps``; further batches stay queued for a resumed run."""
-
-
-def append_metrics(path: Path, row: dict[str, Any]) -> None:
-    """One JSON line; a line a killed writer left unfinished is ended first, so it loses only itself."""
-    with open(path, "a+b") as fh:
-        fh.seek(0, 2)
-        cut = fh.tell() > 0 and (fh.seek(-1, 2), fh.read(1))[1] != b"\n"
-        fh.write(("\n" if cut else "").encode() + json.dumps(row).encode() + b"\n")
 
 
 PENDING_ROW = "pending-train-row.json"  # in the checkpoint directory: the last step's row until it is in metrics
@@ -198,8 +190,8 @@ class TrainerActor(StageActor):
                  encode_s=round(published.encode_s, 4), upload_s=round(published.upload_s, 4))
 
     async def _announce(self, msg: WeightsPublished) -> None:
-        await self.bus.nc.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
-        await self.bus.nc.flush(timeout=5)  # sent now, not with the next batch of writes: rollouts may be waiting
+        await self.bus.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
+        await self.bus.flush(timeout_s=5.0)  # sent now, not with the next batch of writes: rollouts may be waiting
 
     def _row(self, m: StepMetrics, order: TrainOrder, *, busy_s: float) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at
@@ -215,7 +207,7 @@ class TrainerActor(StageActor):
         progress = {"step": row["version"], "reward": round(row["reward_mean"], 3), "pass": round(row["pass_rate"], 3),
                     "lag": lag, "samples/s": round(row["samples_per_s"], 2),
                     "util": round(row["trainer_utilisation"], 2)}
-        await self.bus.nc.publish("progress.train", msgpack.packb(progress, use_bin_type=True))
+        await self.bus.publish("progress.train", msgpack.packb(progress, use_bin_type=True))
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

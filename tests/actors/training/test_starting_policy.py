@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-import actors.starting_policy as sp
-from actors.agent import reference_episode_text
+import actors.training.starting_policy as sp
+from actors.agent.episode import reference_episode_text
 from model.checkpoint import load_checkpoint
 from model.config import ModelConfig
 from model.pretrain import PretrainConfig
@@ -126,7 +126,7 @@ def test_builds_are_deterministic(tmp_path: Path, sandbox_ok: None) -> None:
 @pytest.mark.skipif(not (sp.SHIPPED_DIR / sp.CARD_NAME).exists(), reason="no starting policy shipped")
 def test_shipped_checkpoint_matches_the_default_recipe() -> None:
     """A stale shipped checkpoint would make every run rebuild it: rebuild and re-ship after recipe changes
-    (python -m actors.starting_policy --out actors/assets/starting_policy)."""
+    (python -m actors.training.starting_policy --out actors/training/assets/starting_policy)."""
     card = sp.StartingPolicyCard.read(sp.SHIPPED_DIR)
     assert card.recipe_hash == sp.default_recipe().recipe_hash()
     assert 0.15 <= card.heldout_pass_at_1 <= 0.40

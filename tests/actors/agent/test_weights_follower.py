@@ -12,13 +12,14 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable, weights_subject
 from actors.messages import WeightsPublished
-from actors.metrics_log import read_metrics
-from actors.weights_follower import WeightsFollower, WeightsUnavailable, weights_subject
 from model.engine import GenerationEngine
 from model.weight_sync import PublisherConfig, WeightPublisher, manifest_key
 from runtime.blob import BlobStore, open_store
+from runtime.bus import Inbound
 from runtime.codec import Codec
+from runtime.metrics_log import read_metrics
 from tests.model.helpers import seeded_model, small_config
 
 CONFIG = small_config(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)
@@ -30,10 +31,9 @@ class FakeBus:
 
     def __init__(self) -> None:
         self.callbacks: dict[str, Any] = {}
-        self.nc = SimpleNamespace(subscribe=self._subscribe)
 
-    async def _subscribe(self, subject: str, cb: Any) -> Any:
-        self.callbacks[subject] = cb
+    async def subscribe(self, subject: str, handler: Any) -> Any:
+        self.callbacks[subject] = handler
 
         async def unsubscribe() -> None:
             self.callbacks.pop(subject)
@@ -43,7 +43,7 @@ class FakeBus:
     async def signal(self, version: int) -> None:
         signal = WeightsPublished(RUN, version, manifest_key("weights", RUN, version), 0)
         data = await Codec([WeightsPublished]).encode(signal)
-        await self.callbacks[weights_subject(RUN)](SimpleNamespace(data=data))
+        await self.callbacks[weights_subject(RUN)](Inbound(weights_subject(RUN), data))
 
 
 def versions_of_model(count: int) -> list[dict[str, torch.Tensor]]:

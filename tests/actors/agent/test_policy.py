@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from actors.agent.policy import load_policy, use_training_precision
 from actors.config import PolicySection
-from actors.policy import load_policy, use_training_precision
 from model.checkpoint import save_checkpoint
 from model.experts import reference_experts_forward
 from tests.model.helpers import seeded_model, small_config

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.metrics_log import read_metrics
-from actors.trainer import append_metrics
+from runtime.metrics_log import append_metrics, read_metrics
 
 
 def test_a_row_after_a_line_cut_by_a_kill_is_kept(tmp_path: Path) -> None:

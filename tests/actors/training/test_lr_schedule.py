@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from actors.config import TrainerSection
-from actors.lr_schedule import LRSchedule
+from actors.training.lr_schedule import LRSchedule
 
 
 def test_cosine_runs_from_the_peak_at_version_0_to_the_minimum_at_the_last_step() -> None:

@@ -5,14 +5,14 @@ Legend: T packed tokens, L layers, K experts per token.
 The loss is model.loss.policy_loss (Dr. GRPO advantages, truncated importance ratio against the
 behaviour log-probs, optional k1 KL against the starting policy, token sum over a constant). Router
 replay feeds the rollout's recorded experts into the forward. Each step's learning rate comes from
-actors.lr_schedule as a function of the version, set on the optimizer just before the step. The
+actors.training.lr_schedule as a function of the version, set on the optimizer just before the step. The
 state that makes a restart exact — weights, Adam moments, version, the batch ids already trained —
 is saved together, atomically.
 
 Each token is scored at the temperature its behaviour log-prob was recorded at (the trajectory's
 ``logprob_temperatures``; model.sampling states the rule, top-p included), so on-policy the importance
 ratio is exactly 1; every step reports the ratio's mean, median, min and max. A step whose inputs, loss,
-gradient or update holds a NaN or inf is not applied (actors.step_guard): the version still advances,
+gradient or update holds a NaN or inf is not applied (actors.training.step_guard): the version still advances,
 as for a batch without signal, the weights stay those of the last good step, and the step's metrics and
 a ``step_skipped_non_finite`` event name the offending samples.
 """
@@ -36,9 +36,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.config import TrainerSection
-from actors.lr_schedule import LRSchedule
 from actors.records import GroupRecord, GroupSample
-from actors.step_guard import (
+from actors.training.lr_schedule import LRSchedule
+from actors.training.step_guard import (
     NonFiniteStage,
     NonFiniteStep,
     NonFiniteWeights,

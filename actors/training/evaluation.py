@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from actors.agent import AgentConfig, EpisodeEnd, run_episode
+from actors.agent.episode import AgentConfig, EpisodeEnd, run_episode
 from model.engine import EngineConfig, GenerationEngine
 from model.generation import Generation
 from model.sampling import SamplingParams

@@ -18,29 +18,28 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import structlog
 
+from actors.agent.policy import load_policy, weights_run_name
+from actors.agent.weights_follower import WeightsFollower
 from actors.config import RLConfig
-from actors.evaluation import evaluate, greedy, sampled
 from actors.messages import DataExhausted, data_exhausted_subject
-from actors.metrics_log import read_metrics
-from actors.policy import load_policy, weights_run_name
 from actors.reconciler.data_exhaustion import why_not_exhausted
 from actors.reconciler.kv_store import KVSlotStore
-from actors.scratch import open_sandbox_store
+from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
-from actors.trainer import append_metrics
-from actors.weights_follower import WeightsFollower
+from actors.training.evaluation import evaluate, greedy, sampled
 from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
 from model.weight_sync import WeightSyncError
 from runtime.actor import Actor
+from runtime.bus import Inbound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.metrics_log import append_metrics, read_metrics
 from runtime.supervisor import SUPERVISOR_SUBJECT
 
 log = structlog.get_logger(__name__)
@@ -55,9 +54,6 @@ class EvaluatorActor(Actor):
     Config = RLConfig
 
     async def setup(self) -> None:
-        import torch
-
-        torch.set_num_threads(self.config.policy.torch_threads)
         catalog = TaskCatalog.build(self.config.tasks)
         self.tasks, self.train_source = catalog.heldout, catalog
         self.tokenizer = ByteTokenizer()
@@ -77,7 +73,7 @@ class EvaluatorActor(Actor):
         self.exhausted_codec = Codec([DataExhausted])
         self.slot_store = KVSlotStore(self.bus, "slots")  # read only: claims are checked against it
         self.num_rejected_claims = 0
-        sub = await self.bus.nc.subscribe(data_exhausted_subject(self.run_name), cb=self._on_data_exhausted)
+        sub = await self.bus.subscribe(data_exhausted_subject(self.run_name), self._on_data_exhausted)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
     @property
@@ -91,7 +87,7 @@ class EvaluatorActor(Actor):
         last = self.last_version
         return version not in self.evaluated and (version % every == 0 or (last is not None and version >= last))
 
-    async def _on_data_exhausted(self, raw: Any) -> None:
+    async def _on_data_exhausted(self, raw: Inbound) -> None:
         try:
             msg = await self.exhausted_codec.decode(raw.data)
         except ValueError as e:
@@ -139,8 +135,8 @@ class EvaluatorActor(Actor):
             return
         reason = "steps" if last >= self.ctx.run_steps > 0 else "data exhausted"
         log.info("run_last_version_evaluated", version=last, steps=self.ctx.run_steps, reason=reason)
-        await self.bus.nc.request(f"{SUPERVISOR_SUBJECT}.finish",
-                                  msgpack.packb({"by": self.identity.actor_id, "reason": reason}), timeout=5.0)
+        await self.bus.request(f"{SUPERVISOR_SUBJECT}.finish",
+                               msgpack.packb({"by": self.identity.actor_id, "reason": reason}), timeout_s=5.0)
         self.finish_requested = True
 
     async def _evaluate(self, version: int) -> None:
@@ -155,5 +151,5 @@ class EvaluatorActor(Actor):
         self.evaluated.add(version)
         log.info("heldout_evaluated", version=version, **{k: v for k, v in summary.items() if k != "by_difficulty"})
         progress = {"heldout_pass@1": round(summary["pass_at_1"], 3), "eval_version": version}
-        await self.bus.nc.publish("progress.eval", msgpack.packb(progress, use_bin_type=True))
+        await self.bus.publish("progress.eval", msgpack.packb(progress, use_bin_type=True))
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent import Trajectory
+from actors.agent.episode import Trajectory
 from actors.config import RewardSection
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RewardDone, RewardOrder
 from actors.records import RewardBreakdown, RewardRecord, RolloutRecord, TestResult
-from actors.scratch import open_sandbox_store
+from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from runtime.actor import Delivery
 from sandbox import import_snapshot_bytes, score

@@ -23,7 +23,7 @@ _PRECISION = {"reference": ExpertsPrecision.REFERENCE, "emulated": ExpertsPrecis
 def checkpoint_dir(section: PolicySection) -> Path:
     if section.checkpoint:
         return Path(section.checkpoint)
-    from actors.starting_policy import ensure_starting_policy  # builds it on the first run only
+    from actors.training.starting_policy import ensure_starting_policy  # builds it on the first run only
 
     return ensure_starting_policy(section.cache_dir)
 

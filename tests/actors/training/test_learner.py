@@ -13,12 +13,12 @@ import msgspec
 import pytest
 import torch
 
-from actors.agent import EpisodeEnd, Trajectory
+from actors.agent.episode import EpisodeEnd, Trajectory
 from actors.config import TrainerSection
-from actors.learner import Learner
-from actors.lr_schedule import LRSchedule
 from actors.records import GroupRecord, GroupSample, RewardBreakdown, decode_record, encode_record
-from actors.step_guard import NonFiniteWeights
+from actors.training.learner import Learner
+from actors.training.lr_schedule import LRSchedule
+from actors.training.step_guard import NonFiniteWeights
 from kernels import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
 from model.loss import advantages_dr_grpo

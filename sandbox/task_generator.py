@@ -1,4 +1,4 @@
-"""Parameterised families of tiny Python tasks for `sandbox.tasks.generate_tasks`.
+"""The built-in task generator: parameterised families of tiny Python tasks, split into train and held-out.
 
 Every task asks for a one-line function ``f`` in ``solution.py``; prompts stay under 150 bytes
 and reference solutions under 120 bytes so a tiny byte-level policy can learn them. Difficulty
@@ -14,13 +14,13 @@ import hashlib
 import json
 import random
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from sandbox.tasks import Task
 
-__all__ = ["FAMILIES", "Family", "all_tasks", "split_of"]
+__all__ = ["FAMILIES", "Family", "all_tasks", "count_tasks", "generate_tasks", "split_of"]
 
 HIDDEN_TESTS_PATH = "tests/hidden_cases.json"
 NUM_CASES = 5
@@ -177,3 +177,30 @@ def _every_task() -> tuple[Task, ...]:
 def all_tasks(split: str) -> list[Task]:
     """Every generated task of ``split``, in a fixed order."""
     return [t for t in _every_task() if split_of(t.id) == split]
+
+
+def count_tasks(split: str = "train", difficulties: Iterable[int] | None = None) -> int:
+    """How many generated tasks ``split`` holds (of these difficulties): the largest ``n`` for `generate_tasks`."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    wanted = None if difficulties is None else set(difficulties)
+    return sum(1 for t in all_tasks(split) if wanted is None or t.difficulty in wanted)
+
+
+def generate_tasks(seed: int, n: int, split: str = "train", difficulties: Iterable[int] | None = None) -> list[Task]:
+    """``n`` distinct generated tasks of ``split`` ("train" or "heldout"), shuffled by ``seed``.
+
+    The splits are disjoint by task identity (family and parameters). See `all_tasks`.
+
+    Raises:
+        ValueError: unknown split, or more tasks requested than the split holds.
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    wanted = None if difficulties is None else set(difficulties)
+    pool = [t for t in all_tasks(split) if wanted is None or t.difficulty in wanted]
+    if not 0 <= n <= len(pool):
+        raise ValueError(f"asked for n={n} tasks but split {split!r} holds {len(pool)}; lower n")
+    rng = random.Random(seed)
+    rng.shuffle(pool)
+    return pool[:n]

@@ -1,7 +1,7 @@
 """The starting policy of an RL run: the tiny model, supervised on perfect episodes of training tasks.
 
 RL improves what the policy already does sometimes, so the recipe is calibrated to leave room: the data
-are `reference_episode_text` of the difficulty-1 tasks of the train split of `sandbox.tasks.generate_tasks`
+are `reference_episode_text` of the difficulty-1 tasks of the train split of `sandbox.task_generator.generate_tasks`
 (integer arithmetic; the held-out split is never trained on), and training stops shortly after the tiny
 model starts copying the task's constant from the prompt into its answer. Measured on the way there: the
 episode format is learned within ~60 steps, but the constant stays a fixed guess ("x-11", "x*66") until
@@ -15,10 +15,10 @@ temperature 1, with the digits still uncertain, and no task of difficulty 2-4: R
 sharpen and hard ones to discover. The result is evaluated on the whole held-out split with the RL sampling settings
 (temperature 1) and greedily, and saved as an HF-layout safetensors checkpoint with a JSON card.
 
-    python -m actors.starting_policy [--out DIR] [--steps N] [--seed S]
+    python -m actors.training.starting_policy [--out DIR] [--steps N] [--seed S]
 
 `ensure_starting_policy(cache_dir)` is what a run calls: it returns a checkpoint built by the current
-recipe (same recipe hash), from the cache, from the copy shipped in `actors/assets/`, or built now.
+recipe (same recipe hash), from the cache, from the copy shipped in `actors/training/assets/`, or built now.
 It blocks; from async code call it through `asyncio.to_thread`.
 """
 
@@ -41,14 +41,15 @@ from typing import Any
 import structlog
 import torch
 
-from actors.agent import AgentConfig, reference_episode_text
-from actors.evaluation import EvalResult, evaluate, greedy, sampled
+from actors.agent.episode import AgentConfig, reference_episode_text
+from actors.training.evaluation import EvalResult, evaluate, greedy, sampled
 from model.checkpoint import save_checkpoint
 from model.config import ModelConfig, tiny
 from model.pretrain import PretrainConfig, Segment, pretrain
 from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
-from sandbox.tasks import Task, generate_tasks
+from sandbox.task_generator import generate_tasks
+from sandbox.tasks import Task
 
 __all__ = [
     "CARD_NAME",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import structlog
 
@@ -28,7 +27,7 @@ from model.engine import GenerationEngine
 from model.generation import KVPolicy
 from model.weight_sync import BlobStoreLike, Manifest, SubscriberConfig, WeightSubscriber, WeightSyncError
 from model.weight_sync.manifest import parse_key, run_prefix
-from runtime.bus import Bus
+from runtime.bus import Bus, Inbound
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
@@ -90,7 +89,7 @@ class WeightsFollower:
     async def start(self, exit_stack: contextlib.AsyncExitStack) -> None:
         """Subscribe to the signal and learn the newest version already published."""
         exit_stack.callback(self.subscriber.close)
-        sub = await self.bus.nc.subscribe(weights_subject(self.run), cb=self._on_signal)
+        sub = await self.bus.subscribe(weights_subject(self.run), self._on_signal)
         exit_stack.push_async_callback(sub.unsubscribe)
         self.announce(await self.subscriber.latest_version() or 0)
         self._changed.set()  # the first pass of follow() looks at the version known now
@@ -160,7 +159,7 @@ class WeightsFollower:
             log.info("weights_swapped", version=version, kv_policy=self.kv_policy.value,
                      engine=self.engine.stats().__dict__)  # fmt: skip
 
-    async def _on_signal(self, raw: Any) -> None:
+    async def _on_signal(self, raw: Inbound) -> None:
         try:
             msg = await self._codec.decode(raw.data)
         except ValueError as e:
