@@ -2,8 +2,9 @@
 
 The peer is what a user gets from ``Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)``:
 transformers picks SDPA attention and its ``grouped_mm`` experts (``torch.nn.functional.grouped_mm``,
-which has a CPU kernel in the installed torch), also its fastest on CPU here (one probe, tiny config,
-training, load ~20: eager attention and experts at 0.59x the defaults' tokens/s, ``batched_mm`` at 0.12x).
+which has a CPU kernel in the installed torch), also its fastest on CPU here (two probes, tiny config,
+training, loads 8 and 25: eager attention and experts at 0.76x and 0.59x the defaults' tokens/s,
+``batched_mm`` experts at 0.12x).
 The line names the implementations transformers actually resolved; ``--peer-attn`` / ``--peer-experts``
 choose others (``eager`` reproduces the previous figures). Before timing, a parity check on the same
 weights and inputs: the largest logit difference and the training losses of both, refused past
