@@ -3,8 +3,13 @@
 The core (`Lifecycle` and its parts) is re-exported here; actor classes live in their own modules.
 """
 
-from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig, Resumption
-from actors.lifecycle_events import (
+from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig, Resumption
+from actors.reconciler.metrics import LifecycleSnapshot, StageLatency
+from actors.reconciler.scheduling import FailedGroupPolicy, SchedulingConfig
+from actors.reconciler.slot import IllegalTransition, SampleLifecycleError, Slot, SlotDecodeError, SlotState, Stage
+from actors.reconciler.store import CasConflict, Entry, SlotStore
+from actors.reconciler.task_cursor import CursorRecord, ListTaskSource, TaskCursor, TaskSource
+from actors.reconciler.work import (
     Completion,
     GroupDone,
     GroupOrder,
@@ -19,11 +24,6 @@ from actors.lifecycle_events import (
     TrainOrder,
     WorkOrder,
 )
-from actors.lifecycle_metrics import LifecycleSnapshot, StageLatency
-from actors.scheduling import FailedGroupPolicy, SchedulingConfig
-from actors.slot_store import CasConflict, Entry, SlotStore
-from actors.slots import IllegalTransition, SampleLifecycleError, Slot, SlotDecodeError, SlotState, Stage
-from actors.task_cursor import CursorRecord, ListTaskSource, TaskCursor, TaskSource
 
 __all__ = [
     "CasConflict",

@@ -4,6 +4,13 @@ telling the reconciler it is alive, report the completion (or the failure) on ``
 Completions carry the order's issuance token and are published durably with a message id of (stage,
 key, attempt, token), so a redelivered order that is handled again reports the same completion and the
 stream deduplicates it, and nobody who has not seen the order can pre-empt that id.
+
+A group order (`RolloutGroupOrder`, `RewardGroupOrder`: one message for a group's samples) is split here
+into one ``work`` call per item, at most ``max_concurrency`` items at a time across the actor, and their
+results gathered into one group completion, so a stage actor only ever sees single orders. Each item
+keeps its own semantics: a refusal (`WorkRefused`) is that item's `StageFailed` (a counted retry of that
+sample alone); a plain failure of any item fails the message as a single order's would (nak, redelivered
+with the same attempts, every item done again: its results are keyed by attempt, so that is idempotent).
 """
 
 from __future__ import annotations
@@ -13,19 +20,18 @@ import contextlib
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
-import nats.errors
 import structlog
-import torch
 import zstandard
 
 from actors.config import RLConfig
-from actors.lifecycle_events import StageFailed, bound_to
-from actors.messages import COMPLETION_TYPES, WorkHeartbeat, done_subject, order_types, work_queue_of
+from actors.messages import COMPLETION_TYPES, WorkHeartbeat, WorkHeartbeats, done_subject, order_types, work_queue_of
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import RewardGroupOrder, RolloutGroupOrder, StageFailed, bound_to, group_done
 from actors.records import RecordError, decode_record, encode_record
-from actors.slots import Stage
 from runtime.actor import Actor, ActorContext, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.errors import BusTimeout, NoResponders
 
 log = structlog.get_logger(__name__)
 
@@ -59,14 +65,17 @@ class StageActor(Actor):
         super().__init__(ctx)
         self.config: RLConfig
         self.done_codec = Codec(COMPLETION_TYPES)
-        self.heartbeat_codec = Codec([WorkHeartbeat])
-        torch.set_num_threads(self.config.policy.torch_threads)
+        self.heartbeat_codec = Codec([WorkHeartbeat, WorkHeartbeats])
+        self._item_slots = asyncio.Semaphore(self.settings.max_concurrency)  # items of group orders at once
 
     async def work(self, order: Any, delivery: Delivery) -> Any:
         """Do the order; tasks it starts in ``delivery.task_group`` finish before the order is acked."""
         raise NotImplementedError
 
     async def handle(self, msg: Any, delivery: Delivery) -> None:
+        if isinstance(msg, RolloutGroupOrder | RewardGroupOrder):
+            await self._handle_group(msg, delivery)
+            return
         # Only a redelivery can be an attempt the table has since superseded (its actor was lost and the work
         # re-issued): a first delivery starts without the round trip; a stale completion is ignored anyway.
         if delivery.num_delivered > 1 and not await self._still_wanted(msg):  # acked by the base
@@ -85,21 +94,74 @@ class StageActor(Actor):
         await self.bus.publish_durable(done_subject(self.stage), await self.done_codec.encode(done),
                                        msg_id=f"done.{self.stage.value}.{msg.key}.{msg.attempt}.{msg.token}")
 
+    async def _handle_group(self, order: RolloutGroupOrder | RewardGroupOrder, delivery: Delivery) -> None:
+        items = order.items
+        if delivery.num_delivered > 1:  # as for a single order, per item: skip the superseded ones
+            wanted = await self._wanted_items(order)
+            for item, is_wanted in zip(order.items, wanted, strict=True):
+                if not is_wanted:
+                    log.info("superseded_order_skipped", stage=self.stage.value, key=item.key, attempt=item.attempt,
+                             num_delivered=delivery.num_delivered)
+            items = tuple(item for item, is_wanted in zip(order.items, wanted, strict=True) if is_wanted)
+            if not items:
+                return  # acked by the base
+        beat = delivery.task_group.create_task(self._report_alive(order))
+        try:
+            results = await asyncio.gather(*(self._work_item(item, delivery) for item in items),
+                                           return_exceptions=True)
+        finally:
+            beat.cancel()
+        for result in results:
+            if isinstance(result, BaseException):  # as a single order's plain failure: nak, redelivered
+                raise result
+        done = group_done(order, results)  # type: ignore[arg-type]
+        await self.bus.publish_durable(done_subject(self.stage), await self.done_codec.encode(done),
+                                       msg_id=f"done.{order.msg_id}")
+
+    async def _work_item(self, item: Any, delivery: Delivery) -> Any:
+        async with self._item_slots:
+            try:
+                done = await self.work(item, delivery)
+            except WorkRefused as e:
+                log.warning("work_refused", stage=self.stage.value, key=item.key, attempt=item.attempt, reason=str(e))
+                done = StageFailed(self.stage, item.key, item.attempt, str(e))
+        return bound_to(done, item)
+
+    async def _wanted_items(self, order: RolloutGroupOrder | RewardGroupOrder) -> list[bool]:
+        """`_still_wanted` for each item of a group order (the reconciler answers each; without an answer
+        in time, every item is done)."""
+        num = len(order.items)
+        try:
+            beat = await self._work_heartbeat(order)
+            reply = await self.bus.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
+                                           timeout_s=self.still_wanted_timeout_s)
+        except (NoResponders, BusTimeout):
+            return [True] * num
+        answer = msgpack.unpackb(reply, raw=False)
+        items = answer.get("current_items") if isinstance(answer, dict) else None
+        if isinstance(items, list) and len(items) == num:
+            return [item is not False for item in items]
+        return [not (isinstance(answer, dict) and answer.get("current") is False)] * num
+
     async def _still_wanted(self, order: Any) -> bool:
         """The first heartbeat, as a question to the reconciler: a lost actor's orders are re-issued as new
         attempts at once, and the old ones, redelivered after the bus's ack wait, would be done twice.
         Without an answer in time (no reconciler, a slow one) the order is done."""
         beat = await self._work_heartbeat(order)
         try:
-            reply = await self.bus.nc.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
-                                              timeout=self.still_wanted_timeout_s)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            reply = await self.bus.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
+                                           timeout_s=self.still_wanted_timeout_s)
+        except (NoResponders, BusTimeout):
             return True
-        answer = msgpack.unpackb(reply.data, raw=False)
+        answer = msgpack.unpackb(reply, raw=False)
         return not (isinstance(answer, dict) and answer.get("current") is False)
 
     async def _work_heartbeat(self, order: Any) -> bytes:
-        """A heartbeat for `order`, with its issuance token: the reconciler believes no other."""
+        """A heartbeat for `order` (for each item of a group order), with its issuance token: the
+        reconciler believes no other."""
+        if isinstance(order, RolloutGroupOrder | RewardGroupOrder):
+            return await self.heartbeat_codec.encode(WorkHeartbeats(tuple(
+                WorkHeartbeat(self.stage, o.key, o.attempt, self.identity.actor_id, o.token) for o in order.items)))
         return await self.heartbeat_codec.encode(
             WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id, order.token))
 
@@ -107,7 +169,7 @@ class StageActor(Actor):
         beat = await self._work_heartbeat(order)
         while True:  # the first beat at once: the reconciler learns who holds the order (re-issued if it is lost)
             with contextlib.suppress(Exception):
-                await self.bus.nc.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
+                await self.bus.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
             await asyncio.sleep(self.heartbeat_every_s)
 
     # --- blobs: typed msgpack records (actors.records), zstd-compressed --------------------------

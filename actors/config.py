@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.agent import AgentConfig
-from actors.lr_schedule import LRSchedule
-from actors.scheduling import SchedulingConfig
+from actors.agent.episode import AgentConfig
+from actors.reconciler.scheduling import SchedulingConfig
+from actors.training.lr_schedule import LRSchedule
 from runtime.config import Range, check_ranges, fixed, live
-from sandbox.tasks import count_tasks
+from sandbox.task_generator import count_tasks
 
 __all__ = [
     "EvalSection",
@@ -32,8 +32,6 @@ class PolicySection:
     checkpoint: str = ""  # a local HF-layout directory; empty: the built-in starting policy
     cache_dir: Path = Path("runs/_cache")  # where the built-in starting policy is built once and kept
     experts_precision: str = "reference"  # reference | emulated | triton (kernels/)
-    # intra-op threads per actor process: 2 cores are shared by every actor
-    torch_threads: int = fixed(1, within=Range(1, 256))
 
     def __post_init__(self) -> None:
         check_ranges(self, "policy")

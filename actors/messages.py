@@ -1,24 +1,28 @@
 """Wire names of everything the RL actors say to each other over NATS (through the reconciler).
 
-The work orders and completions are the lifecycle core's own dataclasses (actors.lifecycle_events);
+The work orders and completions are the lifecycle core's own dataclasses (actors.reconciler.work);
 this module only names them on the wire. One codec type set per direction keeps decoding strict: a
 rollout actor that receives a train order dead-letters it instead of guessing.
 """
 
 from __future__ import annotations
 
-from actors.lifecycle_events import (
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardDone,
+    RewardGroupDone,
+    RewardGroupOrder,
     RewardOrder,
     RolloutDone,
+    RolloutGroupDone,
+    RolloutGroupOrder,
     RolloutOrder,
     StageFailed,
     TrainDone,
     TrainOrder,
 )
-from actors.slots import Stage
 from runtime.bus import DONE_QUEUE, Queue, work_queue
 from runtime.codec import message
 
@@ -28,9 +32,17 @@ ORDER_TYPES: dict[Stage, tuple[str, type]] = {
     Stage.GROUP: ("order.group", GroupOrder),
     Stage.TRAIN: ("order.train", TrainOrder),
 }
+# A group's rollout (reward) orders travel as one message: the form the reconciler sends and the
+# stage base fans out; the single orders above stay accepted (the stage base does either).
+GROUP_ORDER_TYPES: dict[Stage, tuple[str, type]] = {
+    Stage.ROLLOUT: ("order.rollout_group", RolloutGroupOrder),
+    Stage.REWARD: ("order.reward_group", RewardGroupOrder),
+}
 COMPLETION_TYPES: dict[str, type] = {
     "done.rollout": RolloutDone,
     "done.reward": RewardDone,
+    "done.rollout_group": RolloutGroupDone,
+    "done.reward_group": RewardGroupDone,
     "done.group": GroupDone,
     "done.train": TrainDone,
     "done.failed": StageFailed,
@@ -43,11 +55,12 @@ def work_queue_of(stage: Stage) -> Queue:
 
 def order_types(stage: Stage) -> dict[str, type]:
     name, cls = ORDER_TYPES[stage]
-    return {name: cls}
+    grouped = [GROUP_ORDER_TYPES[stage]] if stage in GROUP_ORDER_TYPES else []
+    return {name: cls, **dict(grouped)}
 
 
 def all_order_types() -> dict[str, type]:
-    return {name: cls for name, cls in ORDER_TYPES.values()}
+    return {name: cls for name, cls in (*ORDER_TYPES.values(), *GROUP_ORDER_TYPES.values())}
 
 
 def done_subject(stage: Stage) -> str:
@@ -90,13 +103,22 @@ class WorkHeartbeat:
     token: str
 
 
+@message("heartbeat.work_group")
+class WorkHeartbeats:
+    """Heartbeats of the items of one group order, in one message (each judged on its own token)."""
+
+    beats: tuple[WorkHeartbeat, ...]
+
+
 __all__ = [
     "COMPLETION_TYPES",
     "DONE_QUEUE",
+    "GROUP_ORDER_TYPES",
     "ORDER_TYPES",
     "DataExhausted",
     "WeightsPublished",
     "WorkHeartbeat",
+    "WorkHeartbeats",
     "all_order_types",
     "data_exhausted_subject",
     "done_subject",

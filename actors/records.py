@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
-from actors.agent import Trajectory
+from actors.agent.episode import Trajectory
 from runtime.validation import split_error, strict_shape, value_at
 
 __all__ = [

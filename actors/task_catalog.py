@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.config import TasksSection
-from sandbox.tasks import Task, count_tasks, generate_tasks
+from sandbox.task_generator import count_tasks, generate_tasks
+from sandbox.tasks import Task
 
 __all__ = ["TaskCatalog"]
 
@@ -27,7 +28,7 @@ class TaskCatalog:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_id", {t.id: t for t in (*self.train, *self.heldout)})
 
-    # TaskSource protocol (actors.task_cursor): prompts by stable position.
+    # TaskSource protocol (actors.reconciler.task_cursor): prompts by stable position.
     def __len__(self) -> int:
         return len(self.train)
 

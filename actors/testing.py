@@ -7,7 +7,7 @@ revision semantics (one global, increasing sequence, as a JetStream stream does)
 
 from __future__ import annotations
 
-from actors.slot_store import CasConflict, Entry
+from actors.reconciler.store import CasConflict, Entry
 
 __all__ = ["InMemorySlotStore", "InjectedStoreFailure"]
 

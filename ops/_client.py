@@ -42,10 +42,10 @@ async def request(bus: Bus, subject: str, body: dict[str, Any] | None = None,
                   timeout_s: float = 5.0) -> dict[str, Any]:
     payload = msgpack.packb(body or {}, use_bin_type=True)
     try:
-        reply = await bus.nc.request(subject, payload, timeout=timeout_s)
-    except Exception as e:
-        raise BusError(f"no reply on {subject} within {timeout_s}s ({e!r}); is the run still up?") from e
-    return msgpack.unpackb(reply.data, raw=False)
+        reply = await bus.request(subject, payload, timeout_s=timeout_s)
+    except OSError as e:  # BusError (no responder, timeout, refused) or the connection's own failure
+        raise BusError(f"no reply on {subject} within {timeout_s}s ({e}); is the run still up?") from e
+    return msgpack.unpackb(reply, raw=False)
 
 
 def fail(message: str) -> int:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
 
 from ops._client import connect, fail, resolve_run_dir
 from runtime import config as config_mod
@@ -52,25 +51,19 @@ async def _set(run_dir: Path, key: str, value: Any) -> None:
 
 async def put_value(bus: Bus, key: str, value: Any) -> None:
     """Write a live key (already validated by `validate`): every actor watching the bucket applies it."""
-    await (await bus.kv("config")).put(key, msgpack.packb(value, use_bin_type=True))
+    await bus.kv_put("config", key, msgpack.packb(value, use_bin_type=True))
 
 
 async def _items(run_dir: Path) -> dict[str, Any]:
     bus = await connect(run_dir, "ops-config")
     try:
-        kv = await bus.kv("config")
-        try:
-            keys = await kv.keys()
-        except NoKeysError:  # nothing set: a run without live keys
-            return {}
         out: dict[str, Any] = {}
-        for key in keys:
-            try:
-                raw = (await kv.get(key)).value
-            except (KeyNotFoundError, KeyDeletedError):  # deleted since the listing
+        for key in await bus.kv_keys("config"):  # none set: a run without live keys
+            entry = await bus.kv_get("config", key)
+            if entry is None:  # deleted since the listing
                 continue
             try:
-                out[key] = msgpack.unpackb(raw or b"", raw=False)
+                out[key] = msgpack.unpackb(entry.value, raw=False)
             except (ValueError, TypeError) as e:  # one bad value is shown as such, beside the others
                 out[key] = Malformed(f"not msgpack: {e}")
         return out

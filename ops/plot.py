@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from actors import metrics_log
 from ops._client import fail
+from runtime import metrics_log
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

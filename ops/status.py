@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
-
 from ops._client import connect, fail, request, resolve_run_dir
+from runtime.bus import Bus
+from runtime.bus_auth import control_subject
 from runtime.errors import BusError, ConfigError
 from runtime.registry import decode_registration, is_registration_key
 
@@ -29,7 +29,7 @@ async def collect(run_dir: Path) -> dict[str, Any]:
         await bus.close()
 
 
-async def snapshot(bus: Any) -> dict[str, Any]:
+async def snapshot(bus: Bus) -> dict[str, Any]:
     """The actors (registry entries, each marked live or not) and the reconciler's and trainer's status."""
     actors, malformed = await registered(bus)
     live = await _live_ids(bus)
@@ -42,36 +42,30 @@ async def snapshot(bus: Any) -> dict[str, Any]:
     for actor in actors:
         if actor["kind"] in ("reconciler", "trainer") and actor["live"] and actor.get("state") == "running":
             try:
-                status[actor["kind"]] = await request(bus, f"ctl.{actor['id']}.status")
+                status[actor["kind"]] = await request(bus, control_subject(actor["kind"], actor["id"], "status"))
             except BusError as e:  # restarting, or wedged: say so, keep the rest of the picture
                 status.setdefault("unanswered", []).append({"id": actor["id"], "error": str(e)})
     return status
 
 
-async def registered(bus: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+async def registered(bus: Bus) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """The registered actors, and the entries that are not actor records (each with what is wrong):
     one malformed entry is reported beside the others, never a traceback instead of all of them."""
-    kv = await bus.kv("actors")
-    try:
-        keys = await kv.keys()
-    except NoKeysError:  # nothing registered
-        return [], []
     actors, malformed = [], []
-    for key in keys:
+    for key in await bus.kv_keys("actors"):  # none: nothing registered
         if not is_registration_key(key):  # state a stopped process left for its replacement
             continue
-        try:
-            entry = await kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):  # deregistered since the listing
+        entry = await bus.kv_get("actors", key)
+        if entry is None:  # deregistered since the listing
             continue
         try:
-            actors.append(decode_registration(key, entry.value or b""))
+            actors.append(decode_registration(key, entry.value))
         except ValueError as e:
             malformed.append({"key": key, "error": str(e)})
     return actors, malformed
 
 
-async def _live_ids(bus: Any) -> set[str] | None:
+async def _live_ids(bus: Bus) -> set[str] | None:
     """Ids of the processes the supervisor runs now; None if it does not answer."""
     try:
         reply = await request(bus, "ctl.supervisor.status", timeout_s=2.0)

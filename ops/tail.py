@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from ops._client import connect_or_none, fail, resolve_run_dir
-from runtime.bus import Bus
+from runtime.bus import Bus, FollowStart
 from runtime.errors import ConfigError
 from runtime.events import LEVELS, parse_event
 
@@ -169,16 +168,12 @@ async def read_bus(
     bus: Bus, start: datetime | None, from_start: bool, follow: bool, show: Callable[[str, dict[str, Any]], None]
 ) -> None:
     """Events from the LOG stream: new ones, from ``start`` or from the beginning; ``show`` each."""
+    where: FollowStart = "new"
     if from_start:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        where = "all"
     elif start is not None:
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            opt_start_time=(start - timedelta(seconds=SKEW_MARGIN_S)).isoformat(),
-        )
-    else:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
-    messages = aiter(bus.follow("log.>", config))  # renewed after a bus outage, from where it stopped
+        where = start - timedelta(seconds=SKEW_MARGIN_S)
+    messages = aiter(bus.follow("log.>", where))  # renewed after a bus outage, from where it stopped
     try:
         while True:
             try:
@@ -189,7 +184,7 @@ async def read_bus(
             line = msg.data.decode(errors="replace")
             if (event := parse_event(line)) is not None:
                 show(line, event)
-            if not follow and msg.metadata.num_pending == 0:
+            if not follow and msg.num_pending == 0:
                 return
     finally:
         await messages.aclose()  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ configuration dataclass of its section. The base feeds at most ``max_concurrency
 queue's durable pull consumer (shared by every actor of the kind), acks after success, naks with
 exponential backoff on failure, heartbeats ``in_progress`` while a handler runs, and dead-letters
 messages it cannot decode. Drain = stop fetching, finish in-flight handlers and every task they
-started, ack, flush, hand over state, stop.
+started, ack, flush, hand over state, stop (docs/ARCHITECTURE.md, "Actor lifecycle").
 """
 
 from __future__ import annotations
@@ -23,17 +23,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
-import nats.errors
 import structlog
-from nats.aio.msg import Msg
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime import actor_metrics
 from runtime import config as config_mod
-from runtime.bus import Bus, BusLimits, Queue
-from runtime.bus_auth import BusAccess
+from runtime.bus import Bus, BusLimits, Inbound, Queue, WorkMessage
+from runtime.bus_auth import BusAccess, control_subject
 from runtime.codec import Codec, Message
 from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError
+from runtime.registry import handover_key, registration_key
 
 log = structlog.get_logger(__name__)
 
@@ -199,13 +197,13 @@ class Actor:
 
     async def stand_by(self) -> None:
         """A warm spare: set up and registered as ``standby``, answering control requests, renewing its
-        lease, consuming nothing, until ``ctl.<id>.activate`` (the supervisor promotes it in place of an
+        lease, consuming nothing, until ``ctl.<kind>.<id>.activate`` (the supervisor promotes it in place of an
         actor that died) or a drain request. ``run`` follows either way (a drained standby just stops)."""
         self._expect(ActorState.STARTING)
         self.state = ActorState.STANDBY
         await self._register()
         self._log.info("actor_standing_by", pid=self.identity.pid, host=self.identity.host)
-        ctl = await self.bus.nc.subscribe(f"ctl.{self.identity.actor_id}.*", cb=self._on_ctl)
+        ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
         try:
             async with asyncio.TaskGroup() as tg:
                 lease = tg.create_task(self._renew_lease())
@@ -225,7 +223,7 @@ class Actor:
             return
         if self.state is ActorState.STANDBY:
             self._log.info("actor_activated", standby_s=round(time.time() - self._started_at, 3))
-        ctl = await self.bus.nc.subscribe(f"ctl.{self.identity.actor_id}.*", cb=self._on_ctl)
+        ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
         async with asyncio.TaskGroup() as tg:
             config_watch = tg.create_task(self._watch_config())
             lease = tg.create_task(self._renew_lease())
@@ -273,15 +271,16 @@ class Actor:
         state = await self.handover()
         if state is not None:
             await self._stop_step("save_handover", self._put_actors_key(
-                f"handover.{self.identity.kind}", msgpack.packb(state, use_bin_type=True)))
+                handover_key(self.identity.kind), msgpack.packb(state, use_bin_type=True)))
         await self.exit_stack.aclose()
         self.state = ActorState.STOPPED
         self._log.info("actor_stopped", num_handled=self.num_handled, num_failed=self.num_failed,
                        num_dead_lettered=self.num_dead_lettered)
         # "stopped" before the entry goes: a reader knows it ended cleanly, not lost
         await self._stop_step("register_stopped", self._register())
-        await self._stop_step("deregister", self._delete_actors_key(self.identity.actor_id))
-        await self._stop_step("flush", self.bus.nc.flush(timeout=max(1, int(self.settings.stop_step_timeout_s))))
+        await self._stop_step("deregister", self._delete_actors_key(
+            registration_key(self.identity.kind, self.identity.actor_id)))
+        await self._stop_step("flush", self.bus.flush(timeout_s=self.settings.stop_step_timeout_s))
 
     async def _stop_step(self, step: str, call: Awaitable[Any]) -> bool:
         """One bus step of stopping, bounded: with the bus unreachable it is said (what was not done and
@@ -294,36 +293,34 @@ class Actor:
         try:
             async with asyncio.timeout(self.settings.stop_step_timeout_s):
                 await call
-        except (nats.errors.Error, OSError) as e:  # TimeoutError is an OSError
+        except OSError as e:  # BusError and TimeoutError are OSErrors
             self._log.error("stop_step_skipped", step=step, error=repr(e),
                             reason=f"the bus did not answer within {self.settings.stop_step_timeout_s}s")
             return False
         return True
 
     async def _put_actors_key(self, key: str, value: bytes) -> None:
-        await (await self.bus.kv("actors")).put(key, value)
+        await self.bus.kv_put("actors", key, value)
 
     async def _delete_actors_key(self, key: str) -> None:
-        await (await self.bus.kv("actors")).delete(key)
+        await self.bus.kv_delete("actors", key)
 
     async def take_handover(self) -> dict[str, Any] | None:
         """The state a previous process of this kind handed over, consumed once (None: none was left).
 
         Raises:
-            nats.errors.Error, OSError: the bus could not be read; not the same as "nothing handed over".
+            BusError: the bus could not be read; not the same as "nothing handed over".
         """
-        kv = await self.bus.kv("actors")
-        key = f"handover.{self.identity.kind}"
-        try:
-            entry = await kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
+        key = handover_key(self.identity.kind)
+        entry = await self.bus.kv_get("actors", key)
+        if entry is None:
             return None
-        await kv.delete(key)
+        await self.bus.kv_delete("actors", key)
         return msgpack.unpackb(entry.value, raw=False) if entry.value else None
 
     # --- consuming -----------------------------------------------------------------------------
     async def _consume(self, q: Queue, work_tg: asyncio.TaskGroup) -> None:
-        sub = await self.bus.js.pull_subscribe_bind(durable=q.durable, stream=q.stream)
+        sub = await self.bus.pull_consumer(q)
         try:
             while not self._drain_requested.is_set():
                 async with self._capacity:
@@ -331,10 +328,7 @@ class Actor:
                     free = self.settings.max_concurrency - self._inflight
                 if self._drain_requested.is_set():
                     break
-                try:
-                    msgs = await sub.fetch(batch=free, timeout=self.settings.fetch_timeout_s)
-                except TimeoutError:
-                    continue
+                msgs = await sub.fetch(free, timeout_s=self.settings.fetch_timeout_s)  # none in time: []
                 for raw in msgs:
                     if self._inflight == 0:  # idle until now: the time without progress starts here
                         self._progress_at = time.monotonic()
@@ -343,16 +337,15 @@ class Actor:
         finally:
             await self._stop_step(f"unsubscribe_{q.name}", sub.unsubscribe())
 
-    async def _process(self, q: Queue, raw: Msg) -> None:
+    async def _process(self, q: Queue, raw: WorkMessage) -> None:
         """Decode, handle, settle. A message never loops: one that cannot decode is a dead letter at
         once; one whose handling failed ``max_deliveries`` times (or that came back that often
         unacknowledged: its handling crashed or hung the process) is a dead letter with its last error."""
         try:
-            meta = raw.metadata
             limit = self.settings.max_deliveries
-            if meta.num_delivered > limit:
+            if raw.num_delivered > limit:
                 await self._dead_letter(q, raw, "max_deliveries", (
-                    f"delivered {meta.num_delivered} times (limit {limit}) without an acknowledgement: "
+                    f"delivered {raw.num_delivered} times (limit {limit}) without an acknowledgement: "
                     "its handling crashed or hung the actor's process each time (see the actor logs)"))
                 return
             outages_before = self.bus.health.num_outages
@@ -367,8 +360,7 @@ class Actor:
             try:
                 async with asyncio.TaskGroup() as tg:
                     beat = tg.create_task(self._heartbeat(raw))
-                    delivery = Delivery(q.name, raw.subject, meta.sequence.stream, meta.num_delivered,
-                                        (raw.headers or {}).get("Nats-Msg-Id"), tg)
+                    delivery = Delivery(q.name, raw.subject, raw.stream_sequence, raw.num_delivered, raw.msg_id, tg)
                     try:
                         await self.handle(msg, delivery)
                     finally:
@@ -384,12 +376,13 @@ class Actor:
                 self._inflight -= 1
                 self._capacity.notify_all()
 
-    async def _failed(self, q: Queue, raw: Msg, msg_type: str, error: BaseException, outages_before: int) -> None:
+    async def _failed(self, q: Queue, raw: WorkMessage, msg_type: str, error: BaseException,
+                      outages_before: int) -> None:
         """A handling failed: nak it with backoff, or dead-letter it once it used its deliveries. A failure
         while the bus dropped is the outage's, not the message's: it is nak'ed (up to the consumer's own
         max_deliver), so that an outage longer than the backoff does not dead-letter good work."""
         self.num_failed += 1
-        num_delivered = raw.metadata.num_delivered
+        num_delivered = raw.num_delivered
         error = _leaf(error)
         health = self.bus.health
         during_outage = health.num_outages != outages_before or health.down.is_set()
@@ -403,27 +396,27 @@ class Actor:
                           num_delivered=num_delivered, retry_in_s=delay, during_bus_outage=during_outage)
         await self._settle(raw, "nak", delay=delay)
 
-    async def _settle(self, raw: Msg, verb: str, **kwargs: Any) -> bool:
+    async def _settle(self, raw: WorkMessage, verb: str, **kwargs: Any) -> bool:
         """Ack or nak; with the bus down the server redelivers after ``ack_wait`` (at-least-once), so a
         failed settlement is said and the actor goes on instead of crashing on an outage."""
         try:
             await getattr(raw, verb)(**kwargs)
-        except (nats.errors.Error, OSError) as e:
+        except OSError as e:  # BusError included
             self._log.warning("settle_failed", verb=verb, subject=raw.subject, error=repr(e))
             return False
         return True
 
-    async def _heartbeat(self, raw: Msg) -> None:
+    async def _heartbeat(self, raw: WorkMessage) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             await raw.in_progress()
 
-    async def _dead_letter(self, q: Queue, raw: Msg, reason: str, detail: str) -> None:
+    async def _dead_letter(self, q: Queue, raw: WorkMessage, reason: str, detail: str) -> None:
         try:
             await self.bus.dead_letter(q.name, reason, detail, raw.data, subject=raw.subject,
                                        actor=self.identity.actor_id,
-                                       num_delivered=raw.metadata.num_delivered)
-        except (nats.errors.Error, OSError) as e:  # not stored: leave it for redelivery, never lose it
+                                       num_delivered=raw.num_delivered)
+        except OSError as e:  # BusError included; not stored: leave it for redelivery, never lose it
             self._log.warning("dead_letter_failed", queue=q.name, reason=reason, error=repr(e))
             return
         self.num_dead_lettered += 1
@@ -432,7 +425,7 @@ class Actor:
         await self._settle(raw, "ack")  # never redeliver what can never be handled
 
     # --- control -------------------------------------------------------------------------------
-    async def _on_ctl(self, raw: Msg) -> None:
+    async def _on_ctl(self, raw: Inbound) -> None:
         verb = raw.subject.rsplit(".", 1)[-1]
         if verb == "ping":
             reply: dict[str, Any] = {"ok": True, "state": self.state.value,
@@ -455,8 +448,7 @@ class Actor:
         else:
             reply = {"ok": False,
                      "error": f"unknown verb {verb!r}; use ping, probe, status, metrics, activate or drain"}
-        if raw.reply:
-            await raw.respond(msgpack.packb(reply, use_bin_type=True))
+        await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
 
     async def _probe(self) -> dict[str, Any]:
         try:
@@ -505,21 +497,21 @@ class Actor:
             await asyncio.sleep(self.settings.lease_s / 3)
             try:
                 await self._register()
-            except (nats.errors.Error, TimeoutError, OSError) as e:  # the bus is away: the lease lapses, as it should
+            except OSError as e:  # BusError, TimeoutError: the bus is away, the lease lapses, as it should
                 self._log.warning("lease_renewal_failed", error=repr(e))
             raise_if_cancelled()
 
     async def _register(self) -> None:
-        kv = await self.bus.kv("actors")
-        await kv.put(self.identity.actor_id, msgpack.packb(self.describe(), use_bin_type=True))
+        await self.bus.kv_put("actors", registration_key(self.identity.kind, self.identity.actor_id),
+                              msgpack.packb(self.describe(), use_bin_type=True))
 
     # --- live configuration -------------------------------------------------------------------------
     async def _watch_config(self) -> None:
         if self.Config is None or self.config is None:
             return
-        async for entry in self.bus.watch_kv("config"):  # renewed across bus outages
+        async for entry in self.bus.kv_watch("config"):  # renewed across bus outages
             raise_if_cancelled()
-            if entry is None or entry.value is None or entry.operation is not None:
+            if entry is None or entry.deleted or not entry.value:
                 continue
             await self._apply_config(entry.key, entry.value)
 

@@ -45,7 +45,7 @@ async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog, s
         loop.add_signal_handler(sig, actor.request_drain)
     try:
         async with asyncio.TaskGroup() as tg:
-            forwarder = tg.create_task(event_log.forward(bus.nc))
+            forwarder = tg.create_task(event_log.forward(bus))
             try:
                 await actor.start()
                 if standby:

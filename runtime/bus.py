@@ -1,23 +1,23 @@
 """The NATS bus: connection, JetStream streams and consumers, KV buckets, all created idempotently.
 
-Subjects (see DESIGN.md):
-    work.<stage>        one work-queue stream per stage; one durable pull consumer shared by an actor kind
-    done.<stage>        completions to the reconciler (one work-queue stream, subjects done.>)
-    log.<kind>.<level>  structured events, kept by the LOG stream with age and size limits
-    dlq.<queue>         dead letters: malformed, unknown or oversized messages, with the reason
-    ctl.<actor-id>.<verb>   core request/reply control (ping, status, drain)
+The only module that talks to nats-py: the rest of the project uses `Bus`'s typed API (KV records,
+core messages, work-queue messages, stream follows) and the runtime's errors. The subjects, streams and
+buckets it carries are in docs/ARCHITECTURE.md ("Subjects", "Buckets"); its API in "Bus API".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import heapq
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, Literal
 
 import nats
 import nats.errors
@@ -30,16 +30,24 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    Header,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, KeyDeletedError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from runtime.bus_auth import BusCredentials
-from runtime.errors import BusError
+from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +75,141 @@ def work_queue(stage: str) -> Queue:
 
 
 DONE_QUEUE = Queue("done", ("done.>",))
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    """One key's record in a KV bucket; ``deleted``: a delete or purge marker (a watch sees them)."""
+
+    key: str
+    value: bytes
+    revision: int
+    deleted: bool = False
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A core NATS message a subscription received; `Bus.respond` answers it when it has a ``reply`` subject."""
+
+    subject: str
+    data: bytes
+    reply: str = ""
+
+
+@dataclass(frozen=True)
+class StreamMessage:
+    """A message of a stream read by `Bus.follow`; ``num_pending``: how many the stream held after it then."""
+
+    subject: str
+    data: bytes
+    stream_sequence: int
+    num_pending: int
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """A stream's counters: ``last_sequence - num_messages`` messages have left it (acknowledged, for a work queue)."""
+
+    name: str
+    subjects: tuple[str, ...]
+    num_messages: int
+    last_sequence: int
+
+
+class Subscription:
+    """A core subscription made by `Bus.subscribe`; `unsubscribe` is bounded and quiet on a closed connection."""
+
+    def __init__(self, sub: Any) -> None:
+        self._sub = sub
+
+    async def unsubscribe(self) -> None:
+        with contextlib.suppress(nats.errors.Error, OSError):  # closed or reconnecting: nothing to undo
+            async with asyncio.timeout(5.0):
+                await self._sub.unsubscribe()
+
+
+class WorkMessage:
+    """A message of a work queue, from `PullConsumer.fetch`; settled once with `ack` or `nak`, kept alive
+    meanwhile with `in_progress` (each one core write: no round trip)."""
+
+    __slots__ = ("_msg",)
+
+    def __init__(self, msg: Msg) -> None:
+        self._msg = msg
+
+    @property
+    def subject(self) -> str:
+        return self._msg.subject
+
+    @property
+    def data(self) -> bytes:
+        return self._msg.data
+
+    @property
+    def stream_sequence(self) -> int:
+        return self._msg.metadata.sequence.stream
+
+    @property
+    def num_delivered(self) -> int:
+        """1 on the first delivery, more on a redelivery (after a nak, or an ack wait that ran out)."""
+        return self._msg.metadata.num_delivered
+
+    @property
+    def msg_id(self) -> str | None:
+        """The publisher's ``Nats-Msg-Id`` (the stream's dedup key), if it gave one."""
+        return (self._msg.headers or {}).get("Nats-Msg-Id")
+
+    async def ack(self) -> None:
+        with _translated(f"ack on {self.subject}"):
+            await self._msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Redeliver it, after ``delay`` seconds if given."""
+        with _translated(f"nak on {self.subject}"):
+            await self._msg.nak(delay=delay)
+
+    async def in_progress(self) -> None:
+        """Restart its ack wait: the handler is still at work."""
+        with _translated(f"in_progress on {self.subject}"):
+            await self._msg.in_progress()
+
+
+class PullConsumer:
+    """A queue's durable pull consumer, shared by every actor of its kind (`Bus.pull_consumer`)."""
+
+    def __init__(self, sub: Any) -> None:
+        self._sub = sub
+
+    async def fetch(self, batch: int, timeout_s: float) -> list[WorkMessage]:
+        """Up to ``batch`` messages; waits at most ``timeout_s`` for the first (none came: an empty list)."""
+        try:
+            with _translated("fetch"):
+                msgs = await self._sub.fetch(batch=batch, timeout=timeout_s)
+        except BusTimeout:  # nothing came in time
+            return []
+        return [WorkMessage(m) for m in msgs]
+
+    async def unsubscribe(self) -> None:
+        with _translated("unsubscribe"):
+            await self._sub.unsubscribe()
+
+
+FollowStart = Literal["all", "new"] | datetime  # where `Bus.follow` starts: everything kept, new ones, or a time
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """nats-py's errors as the runtime's: callers never import nats (docs/ARCHITECTURE.md, "Layers")."""
+    try:
+        yield
+    except KeyWrongLastSequenceError as e:
+        raise RevisionMismatch(f"{what}: {e.description or e}") from e
+    except nats.errors.NoRespondersError as e:
+        raise NoResponders(f"{what}: no responder") from e
+    except TimeoutError as e:  # nats-py's own, or asyncio's that some of its calls raise (a pull fetch)
+        raise BusTimeout(f"{what}: no answer in time") from e
+    except nats.errors.Error as e:
+        raise BusError(f"{what}: {e!r}") from e
 
 
 @dataclass(frozen=True)
@@ -142,6 +285,167 @@ class Bucket(KeyValue):
         return True
 
 
+class KVWriteFailed(BusError):
+    """A chained KV write was refused or not acknowledged in time; the bucket holds a prefix of the chain."""
+
+
+class ChainedWriteConflict(RevisionMismatch):
+    """A chained write's expected revision was not its key's (or another writer broke the chain)."""
+
+    def __init__(self, bucket: str, key: str, expected: int | None) -> None:
+        super().__init__(f"compare-and-set on {bucket}/{key} expected revision {expected}; another writer wrote it")
+        self.key = key
+        self.expected = expected
+
+
+class ChainedKVWriter:
+    """Writes to one KV bucket sent back to back, each conditional on the one before (group commit).
+
+    (nats-py's ``publish_async`` is not used: its futures never resolve when the server refuses a
+    write, nats-py 2.16 raising inside its reply handler instead.)
+
+    Every write carries two conditions the server checks: the key's last revision (the
+    compare-and-set) and the bucket stream's last sequence (the previous write of this writer). So
+    the writes apply in the order they were made, each only if all before it applied: the bucket
+    always holds a prefix of them, as if the writer had crashed there. A write's revision is known
+    before it is sent (the stream's last sequence + 1, this writer being the bucket's only writer),
+    so the caller runs on without a round trip per write.
+
+    Because of that chain, only the last write of each `flush` asks for an acknowledgement: the
+    server stores it only if every write before it was stored, so its acknowledgement confirms them
+    all, and its refusal (its own conflict, or the broken chain of an earlier one) reports theirs.
+    After any failed write the writer is broken: every later call raises the first error's kind.
+    """
+
+    def __init__(self, nc: NatsClient, bucket: str, last_sequence: int, ack_timeout_s: float) -> None:
+        self._nc = nc
+        self.bucket = bucket
+        self._subject_prefix = f"$KV.{bucket}."
+        self._last = last_sequence  # sequence of the newest write made (buffered or sent)
+        self._sent = last_sequence  # sequence of the newest write sent
+        self._durable = last_sequence  # every write up to this one is acknowledged
+        self._ack_timeout_s = ack_timeout_s
+        self._order = asyncio.Lock()  # FIFO: buffers reach the connection in the order of their sequence
+        self._buffer: list[tuple[str, bytes, int | None]] = []  # (key, value, expected revision), not sent
+        self._writes: dict[int, tuple[str, int | None]] = {}  # acknowledgement asked: sequence -> (key, expected)
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (sequence, id, future)
+        self.broken: Exception | None = None
+        self._inbox = f"{nc.new_inbox()}."
+        self._sub: Any = None
+
+    @classmethod
+    async def open(cls, bus: Bus, bucket: str, ack_timeout_s: float = 10.0) -> ChainedKVWriter:
+        await bus.kv(bucket)
+        info = await bus.js.stream_info(f"KV_{bucket}")
+        writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s)
+        writer._sub = await bus.nc.subscribe(f"{writer._inbox}*", cb=writer._on_ack)
+        return writer
+
+    async def close(self) -> None:
+        """Stop listening for acknowledgements; writes not yet flushed stay unconfirmed (or unsent)."""
+        self._fail(KVWriteFailed(f"the writer of bucket {self.bucket!r} was closed"))
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    def write(self, key: str, value: bytes, expected_revision: int | None) -> int:
+        """Buffer a write (`expected_revision` None: create); the revision it will have once flushed."""
+        self._check()
+        self._buffer.append((key, value, expected_revision))
+        self._last += 1
+        return self._last
+
+    @property
+    def pending(self) -> bool:
+        """Some write made is not acknowledged yet."""
+        return self._last > self._durable
+
+    async def _send(self) -> None:
+        async with self._order:
+            buffer, self._buffer = self._buffer, []
+            if not buffer:
+                return
+            self._check()
+            last = len(buffer) - 1
+            for i, (key, value, expected) in enumerate(buffer):
+                sequence = self._sent + 1
+                headers = {
+                    Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected or 0),
+                    Header.EXPECTED_LAST_SEQUENCE: str(self._sent),
+                }
+                reply = ""
+                if i == last:
+                    self._writes[sequence] = (key, expected)
+                    reply = f"{self._inbox}{sequence}"
+                await self._nc.publish(self._subject_prefix + key, value, reply=reply, headers=headers)
+                self._sent = sequence
+
+    async def flush(self) -> None:
+        """Send the buffered writes and wait until every write made so far is acknowledged.
+
+        Raises:
+            ChainedWriteConflict: a write found another revision (or the chain was broken by another writer).
+            KVWriteFailed: an earlier write failed, the connection failed, or no acknowledgement came
+                within the timeout.
+        """
+        self._check()
+        target = self._last
+        if target <= self._durable:
+            return
+        await asyncio.sleep(0)  # let the other ready callers buffer their writes: one send, one reply for all
+        await self._send()
+        if target <= self._durable:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (target, id(waiter), waiter))
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self._ack_timeout_s)
+        except TimeoutError:
+            self._fail(KVWriteFailed(f"writes to {self.bucket!r} up to sequence {target} not acknowledged "
+                                     f"within {self._ack_timeout_s}s"))
+            self._check()
+
+    async def _on_ack(self, msg: Msg) -> None:
+        sequence = int(msg.subject[len(self._inbox) :])
+        key, expected = self._writes.pop(sequence, ("?", None))
+        if self.broken is not None:
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            self._fail(KVWriteFailed(f"no JetStream stream answered the write of {key!r}"))
+            return
+        try:
+            reply = json.loads(msg.data)
+        except ValueError as e:
+            self._fail(KVWriteFailed(f"unreadable acknowledgement of the write of {key!r}: {e}"))
+            return
+        error = reply.get("error")
+        if error and error.get("err_code") in (10071, 10164):  # wrong last (subject) sequence
+            self._fail(ChainedWriteConflict(self.bucket, key, expected))
+        elif error:
+            self._fail(KVWriteFailed(f"write of {key!r} failed: {error}"))
+        elif reply.get("seq") != sequence:
+            self._fail(KVWriteFailed(f"write of {key!r} landed at sequence {reply.get('seq')}, not {sequence}: "
+                                     "another writer is using this bucket"))
+        else:  # the chain: every write up to this one is stored
+            self._durable = max(self._durable, sequence)
+            while self._waiters and self._waiters[0][0] <= self._durable:
+                done = heapq.heappop(self._waiters)[2]
+                if not done.done():
+                    done.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        self.broken = self.broken or error
+        for _, _, waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(self.broken)
+                waiter.exception()  # retrieved: a waiter that timed out meanwhile must not warn
+        self._waiters.clear()
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise KVWriteFailed(f"an earlier write to {self.bucket!r} failed ({self.broken!r}); open a new writer")
+
+
 class ConnectionHealth:
     """Whether a client is connected now, fed by nats-py's disconnect/reconnect callbacks, so that an
     outage is a state one can wait on (event-driven) instead of a flood of reconnect warnings."""
@@ -185,7 +489,14 @@ class ConnectionHealth:
 
 
 class Bus:
-    """One NATS connection with JetStream; the only object in the project that talks to NATS."""
+    """One NATS connection with JetStream; the only object in the project that talks to NATS.
+
+    What callers use: KV buckets (`kv_get`, `kv_put`, `kv_create`, `kv_cas`, `kv_delete`, `kv_keys`,
+    `kv_watch`), core messages (`publish`, `request`, `subscribe`, `respond`, `flush`), streams
+    (`publish_durable`, `follow`, `stream_states`). Every wait is bounded (a request's or flush's own
+    timeout, or a JetStream API request's 5 s), and nats-py's errors come out as the runtime's:
+    `BusError` (and its `BusTimeout`, `NoResponders`), `RevisionMismatch`.
+    """
 
     def __init__(self, nc: NatsClient, limits: BusLimits, health: ConnectionHealth | None = None) -> None:
         self.nc = nc
@@ -251,31 +562,38 @@ class Bus:
 
     # --- topology ----------------------------------------------------------------------------
     async def ensure_queue(self, q: Queue) -> None:
-        lim = self.limits
-        await self._ensure_stream(StreamConfig(
-            name=q.stream, subjects=list(q.subjects), retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE, max_bytes=lim.work_max_bytes, discard=DiscardPolicy.NEW,
-            duplicate_window=lim.duplicate_window_s))
-        cc = ConsumerConfig(durable_name=q.durable, ack_policy=AckPolicy.EXPLICIT,
-                            ack_wait=lim.ack_wait_s, max_deliver=lim.max_deliver,
-                            max_ack_pending=lim.max_ack_pending, deliver_policy=DeliverPolicy.ALL)
-        try:
-            await self.js.add_consumer(q.stream, cc)
-        except BadRequestError as e:  # exists with another config: update it
-            log.info("consumer_update", stream=q.stream, durable=q.durable, reason=str(e))
-            await self.js.add_consumer(q.stream, cc)
+        with _translated(f"create the queue {q.stream}"):
+            lim = self.limits
+            await self._ensure_stream(StreamConfig(
+                name=q.stream, subjects=list(q.subjects), retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE, max_bytes=lim.work_max_bytes, discard=DiscardPolicy.NEW,
+                duplicate_window=lim.duplicate_window_s))
+            cc = ConsumerConfig(durable_name=q.durable, ack_policy=AckPolicy.EXPLICIT,
+                                ack_wait=lim.ack_wait_s, max_deliver=lim.max_deliver,
+                                max_ack_pending=lim.max_ack_pending, deliver_policy=DeliverPolicy.ALL)
+            try:
+                await self.js.add_consumer(q.stream, cc)
+            except BadRequestError as e:  # exists with another config: update it
+                log.info("consumer_update", stream=q.stream, durable=q.durable, reason=str(e))
+                await self.js.add_consumer(q.stream, cc)
+
+    async def pull_consumer(self, q: Queue) -> PullConsumer:
+        """Binds to the queue's durable consumer (made by `ensure_queue`)."""
+        with _translated(f"bind to {q.stream}/{q.durable}"):
+            return PullConsumer(await self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream))
 
     async def ensure_base(self) -> None:
         """Streams and buckets every run has: LOG, DLQ, and the KV buckets."""
-        lim = self.limits
-        await self._ensure_stream(StreamConfig(
-            name="LOG", subjects=["log.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-            max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD))
-        await self._ensure_stream(StreamConfig(
-            name="DLQ", subjects=["dlq.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-            max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD))
-        for bucket in KV_BUCKETS:
-            await self.kv(bucket)
+        with _translated("create the base streams and buckets"):
+            lim = self.limits
+            await self._ensure_stream(StreamConfig(
+                name="LOG", subjects=["log.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD))
+            await self._ensure_stream(StreamConfig(
+                name="DLQ", subjects=["dlq.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD))
+            for bucket in KV_BUCKETS:
+                await self.kv(bucket)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -288,15 +606,72 @@ class Bus:
                 raise BusError(f"cannot create stream {cfg.name}: {e}") from e
 
     async def kv(self, bucket: str) -> Bucket:
-        if bucket not in self._kv:
+        with _translated(f"open the bucket {bucket}"):
+            if bucket not in self._kv:
+                try:
+                    info = await self.js.stream_info(f"KV_{bucket}")
+                except NotFoundError:
+                    await self.js.create_key_value(
+                        KeyValueConfig(bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE))
+                    info = await self.js.stream_info(f"KV_{bucket}")
+                self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
+            return self._kv[bucket]
+
+    async def kv_get(self, bucket: str, key: str) -> KVEntry | None:
+        """The key's current record; None when there is none (never written, deleted or purged)."""
+        with _translated(f"get {bucket}/{key}"):
+            kv = await self.kv(bucket)
             try:
-                info = await self.js.stream_info(f"KV_{bucket}")
-            except NotFoundError:
-                await self.js.create_key_value(
-                    KeyValueConfig(bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE))
-                info = await self.js.stream_info(f"KV_{bucket}")
-            self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
-        return self._kv[bucket]
+                entry = await kv.get(key)
+            except (KeyNotFoundError, KeyDeletedError):
+                return None
+        return KVEntry(key, entry.value or b"", entry.revision or 0)
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
+        """Writes the key whatever it held; returns the new revision."""
+        with _translated(f"put {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            return await kv.put(key, value)
+
+    async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
+        """Writes the key only if it has no live value; returns the revision.
+
+        Raises:
+            RevisionMismatch: the key has a value.
+        """
+        with _translated(f"create {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            return await kv.create(key, value)
+
+    async def kv_cas(self, bucket: str, key: str, value: bytes, revision: int) -> int:
+        """Writes the key only if its revision is still ``revision``; returns the new one.
+
+        Raises:
+            RevisionMismatch: the key changed since that revision was read.
+        """
+        with _translated(f"update {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            return await kv.update(key, value, last=revision)
+
+    async def kv_delete(self, bucket: str, key: str) -> None:
+        with _translated(f"delete {bucket}/{key}"):
+            kv = await self.kv(bucket)
+            await kv.delete(key)
+
+    async def kv_keys(self, bucket: str) -> list[str]:
+        """The bucket's live keys (none: an empty list)."""
+        with _translated(f"list the keys of {bucket}"):
+            kv = await self.kv(bucket)
+            try:
+                return await kv.keys()
+            except NoKeysError:
+                return []
+
+    async def kv_watch(self, bucket: str, keys: str = ">") -> AsyncIterator[KVEntry | None]:
+        """As `watch_kv`, as `KVEntry` records: the current values, then None, then every change."""
+        async for entry in self.watch_kv(bucket, keys):
+            yield None if entry is None else KVEntry(entry.key, entry.value or b"", entry.revision or 0,
+                                                    deleted=entry.operation is not None)
 
     async def watch_kv(self, bucket: str, keys: str = ">") -> AsyncIterator[Any]:
         """Entries of ``bucket``: the current values, then None, then every change; across outages.
@@ -333,10 +708,16 @@ class Bus:
                     pass  # the connection is gone: so is the subscription
             log.info("kv_watch_renewed", bucket=bucket, keys=keys, client=self.health.client)
 
-    async def follow(self, subject: str, config: ConsumerConfig) -> AsyncIterator[Msg]:
-        """The messages of a stream's ``subject`` through an ordered consumer (``config`` says where to
-        start), across outages: as for ``watch_kv``, the consumer is made again once the connection is
-        back, from the stream sequence after the last message delivered, so none is lost or repeated."""
+    async def follow(self, subject: str, start: FollowStart = "new") -> AsyncIterator[StreamMessage]:
+        """The messages of a stream's ``subject`` through an ordered consumer, from ``start``, across
+        outages: as for ``watch_kv``, the consumer is made again once the connection is back, from the
+        stream sequence after the last message delivered, so none is lost or repeated."""
+        if isinstance(start, datetime):
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())
+        elif start in ("all", "new"):
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL if start == "all" else DeliverPolicy.NEW)
+        else:
+            raise ValueError(f"start={start!r}: expected 'all', 'new' or a datetime")
         next_seq: int | None = None
         while True:
             await self.health.up.wait()
@@ -356,7 +737,8 @@ class Bus:
                     if msg is _OUTAGE:
                         break
                     next_seq = msg.metadata.sequence.stream + 1
-                    yield msg
+                    yield StreamMessage(msg.subject, msg.data, msg.metadata.sequence.stream,
+                                        msg.metadata.num_pending)
             finally:
                 try:
                     async with asyncio.timeout(5.0):
@@ -377,23 +759,73 @@ class Bus:
                 task.cancel()
         return entry.result() if entry.done() and not entry.cancelled() else _OUTAGE
 
+    async def stream_states(self) -> list[StreamState]:
+        """Every stream's counters (one JetStream API request)."""
+        with _translated("list the streams"):
+            streams = await self.js.streams_info()
+        return [StreamState(s.config.name or "", tuple(s.config.subjects or ()), s.state.messages, s.state.last_seq)
+                for s in streams]
+
+    # --- core messages ----------------------------------------------------------------------
+    async def publish(self, subject: str, data: bytes) -> None:
+        """A core publish (no stream, no acknowledgement): signals and progress that nothing stores."""
+        with _translated(f"publish on {subject}"):
+            await self.nc.publish(subject, data)
+
+    async def request(self, subject: str, data: bytes, timeout_s: float) -> bytes:
+        """The reply's data.
+
+        Raises:
+            NoResponders: nobody subscribes to ``subject``.
+            BusTimeout: no reply within ``timeout_s``.
+        """
+        with _translated(f"request on {subject}"):
+            reply = await self.nc.request(subject, data, timeout_s)
+        return reply.data
+
+    async def subscribe(self, subject: str, handler: Callable[[Inbound], Awaitable[None]]) -> Subscription:
+        """Calls ``handler`` with each message on ``subject`` (one at a time, in order of arrival)."""
+        async def deliver(msg: Msg) -> None:
+            await handler(Inbound(msg.subject, msg.data, msg.reply or ""))
+
+        with _translated(f"subscribe to {subject}"):
+            return Subscription(await self.nc.subscribe(subject, cb=deliver))
+
+    async def respond(self, msg: Inbound, data: bytes) -> None:
+        """Answers a request (nothing to answer without a reply subject)."""
+        if msg.reply:
+            with _translated(f"reply to {msg.subject}"):
+                await self.nc.publish(msg.reply, data)
+
+    async def flush(self, timeout_s: float) -> None:
+        """Waits until the server has everything published so far.
+
+        Raises:
+            BusTimeout: not within ``timeout_s``.
+        """
+        with _translated("flush"):
+            await self.nc.flush(max(1, round(timeout_s)))  # nats-py takes whole seconds
+
     # --- publishing -------------------------------------------------------------------------
     async def publish_durable(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window."""
-        await self.js.publish(subject, data, headers=_msg_id_headers(msg_id))
+        with _translated(f"publish on {subject}"):
+            await self.js.publish(subject, data, headers=_msg_id_headers(msg_id))
 
     async def publish_unconfirmed(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         """Publish into a stream without waiting for the server's acknowledgement (no reply, no
         round trip); ``msg_id`` dedups within the window. For senders that already recover a message
         the stream did not store (e.g. by re-issuing work on a timeout)."""
-        await self.nc.publish(subject, data, headers=_msg_id_headers(msg_id))
+        with _translated(f"publish on {subject}"):
+            await self.nc.publish(subject, data, headers=_msg_id_headers(msg_id))
 
     async def dead_letter(self, queue: str, reason: str, detail: str, data: bytes,
                           **context: Any) -> None:
         headers = {"Reason": reason, "Detail": detail[:1000]}
         headers.update({k: str(v) for k, v in context.items()})
         # An oversized message would be refused again: keep a bounded prefix for inspection.
-        await self.js.publish(f"dlq.{queue}", data[:64 * 1024], headers=headers)
+        with _translated(f"dead-letter to dlq.{queue}"):
+            await self.js.publish(f"dlq.{queue}", data[:64 * 1024], headers=headers)
 
 
 _END = object()  # a watcher that stopped

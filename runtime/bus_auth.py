@@ -5,10 +5,16 @@ Roles:
     operator    ops commands: control requests (ctl.>), live configuration (writes to ``config``),
                 reading the registry, the event log and progress; nothing else.
     <kind>      each actor kind of the run (reconciler, rollout, trainer, ...): what every actor does
-                (its own work queues and their JetStream API, its registry entry, the ``config``
-                watch, events, dead letters, control replies) plus what its class declares in
-                ``Actor.bus_access`` (subjects it publishes and subscribes to, buckets it reads and
-                writes). A kind that does not declare a subject cannot use it: the server refuses.
+                (its own work queues and their JetStream API, its own kind's registry entries and
+                handover record, the ``config`` watch, events, dead letters, its own kind's control
+                subjects and their replies) plus what its class declares in ``Actor.bus_access``
+                (subjects it publishes and subscribes to, buckets it reads and writes, keys of other
+                buckets it writes). A kind that does not declare a subject cannot use it: the server
+                refuses.
+
+Registry keys and control subjects name the kind (``reg.<kind>.<id>``, ``handover.<kind>``,
+``ctl.<kind>.<id>.<verb>``: `runtime.registry`, `control_subject`), so that a rollout actor can
+neither overwrite a trainer's lease nor listen to (and answer for) a trainer's control requests.
 
 Replies go to inboxes under ``_INBOX_<role>.``, which only that role may subscribe to, and a role
 may publish to a reply subject only in answer to a request it received (``allow_responses``).
@@ -31,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from runtime.errors import ConfigError
+from runtime.registry import handover_key, registration_key
 
 __all__ = [
     "OPERATOR",
@@ -41,6 +48,7 @@ __all__ = [
     "Permissions",
     "actor_permissions",
     "authorization_conf",
+    "control_subject",
     "generate_credentials",
     "inbox_prefix",
     "operator_permissions",
@@ -65,6 +73,8 @@ class BusAccess:
         kv_write: buckets it writes (reading them included).
         streams: work-queue streams (and their durable consumers, ``(stream, durable)``) it creates
             or consumes, beyond the queues it declares.
+        kv_keys: keys it writes or deletes in a bucket it may only read, ``(bucket, key pattern)``
+            (NATS wildcards over the key's dot-separated tokens), e.g. ``("actors", "reg.>")``.
     """
 
     publish: tuple[str, ...] = ()
@@ -72,6 +82,7 @@ class BusAccess:
     kv_read: tuple[str, ...] = ()
     kv_write: tuple[str, ...] = ()
     streams: tuple[tuple[str, str], ...] = ()
+    kv_keys: tuple[tuple[str, str], ...] = ()
 
     def __or__(self, other: BusAccess) -> BusAccess:
         return BusAccess(*(tuple(dict.fromkeys(getattr(self, f.name) + getattr(other, f.name)))
@@ -111,6 +122,12 @@ def inbox_prefix(role: str) -> str:
     return f"_INBOX_{role}"
 
 
+def control_subject(kind: str, actor_id: str, verb: str = "*") -> str:
+    """Where actor ``actor_id`` of ``kind`` takes control requests (ping, status, drain): under its
+    kind, so that a role may listen to its own actors' control and no other's."""
+    return f"ctl.{kind}.{actor_id}.{verb}"
+
+
 def _stream_api(stream: str, durable: str) -> list[str]:
     """A work queue's stream and durable consumer: create/update them, fetch, acknowledge."""
     return [
@@ -134,7 +151,13 @@ def _kv_read(bucket: str) -> list[str]:
 
 def _kv_write(bucket: str) -> list[str]:
     """Read and write a bucket; create it if it does not exist yet (its first writer makes it)."""
-    return [*_kv_read(bucket), f"$KV.{bucket}.>", f"{_API}.STREAM.CREATE.KV_{bucket}"]
+    return _kv_keys(bucket, (">",))
+
+
+def _kv_keys(bucket: str, keys: Iterable[str]) -> list[str]:
+    """Read a bucket and write (put, delete, purge: each a publish to ``$KV.<bucket>.<key>``) the
+    keys matching ``keys``; create the bucket if it does not exist yet."""
+    return [*_kv_read(bucket), *(f"$KV.{bucket}.{key}" for key in keys), f"{_API}.STREAM.CREATE.KV_{bucket}"]
 
 
 def stream_reader(stream: str) -> tuple[str, ...]:
@@ -147,17 +170,20 @@ def stream_reader(stream: str) -> tuple[str, ...]:
 def actor_permissions(role: str, access: BusAccess) -> Permissions:
     """An actor kind's permissions: what every actor does, plus its declared `access`."""
     # its own events (log.<kind>.<level>) and dead letters of its own queues only: no one writes
-    # another kind's events into the log ops.tail shows
-    publish = [f"log.{role}.*", *_kv_write("actors"), *_kv_read("config"), *access.publish]
+    # another kind's events into the log ops.tail shows; in the registry, its own kind's leases and
+    # handover record only
+    own_keys = (registration_key(role, "*"), handover_key(role))
+    publish = [f"log.{role}.*", *_kv_keys("actors", own_keys), *_kv_read("config"), *access.publish]
     for bucket in access.kv_read:
         publish += _kv_read(bucket)
     for bucket in access.kv_write:
         publish += _kv_write(bucket)
+    for bucket, pattern in access.kv_keys:
+        publish += _kv_keys(bucket, (pattern,))
     for stream, durable in access.streams:
         publish += [*_stream_api(stream, durable), f"dlq.{durable}"]
-    subscribe = [f"{inbox_prefix(role)}.>", "ctl.*.*", *access.subscribe]
-    return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)),
-                       subscribe_deny=("ctl.supervisor.*",))
+    subscribe = [f"{inbox_prefix(role)}.>", control_subject(role, "*"), *access.subscribe]
+    return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)))
 
 
 def operator_permissions() -> Permissions:
@@ -176,6 +202,8 @@ def generate_credentials(directory: Path, roles: Mapping[str, Permissions]) -> l
     ``directory/<role>.json`` readable by the run's user only; returns the server's users."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     directory.chmod(0o700)
+    if reserved := {SUPERVISOR, OPERATOR} & set(roles):
+        raise ConfigError(f"actor kinds {sorted(reserved)} are bus roles of the runtime: name the kinds otherwise")
     everyone = {SUPERVISOR: _supervisor_permissions(), OPERATOR: operator_permissions(), **roles}
     for role in everyone:
         if not _ROLE_RE.match(role):

@@ -6,7 +6,19 @@ class RuntimeFailure(RuntimeError):
 
 
 class BusError(ConnectionError):
-    """The NATS server could not be started, reached or configured."""
+    """The NATS server could not be started, reached or configured, or refused a request."""
+
+
+class BusTimeout(BusError, TimeoutError):
+    """A request or flush got no answer within its timeout (the responder is slow, wedged or gone)."""
+
+
+class NoResponders(BusError):
+    """A request's subject has no subscriber: nobody is there to answer (not started, or stopped)."""
+
+
+class RevisionMismatch(ValueError):
+    """A KV write's expected revision was not the key's: it exists (create) or changed since it was read."""
 
 
 class MessageError(ValueError):

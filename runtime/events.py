@@ -26,7 +26,9 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 class Publisher(Protocol):
-    async def publish(self, subject: str, payload: bytes = b"") -> None: ...
+    """Where events go on the bus: `runtime.bus.Bus` (a core publish)."""
+
+    async def publish(self, subject: str, data: bytes) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class EventLog:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._wakeup.set)
 
-    async def forward(self, nc: Publisher) -> None:
+    async def forward(self, bus: Publisher) -> None:
         """Publishes queued events to ``log.<kind>.<level>`` until cancelled.
 
         Drops are reported as a ``log_events_dropped`` warning at most once per
@@ -149,15 +151,15 @@ class EventLog:
                     async with asyncio.timeout(max(0.0, next_report - self._loop.time()) if pending else None):
                         await self._wakeup.wait()
                 self._wakeup.clear()
-                await self._flush(nc)
+                await self._flush(bus)
                 if self.num_dropped != reported and self._loop.time() >= next_report:
                     reported = self._report_drops(reported)
                     next_report = self._loop.time() + self.config.drop_report_interval_s
         finally:
-            await self._flush(nc)
+            await self._flush(bus)
             if self.num_dropped != reported:
                 self._report_drops(reported)
-                await self._flush(nc)
+                await self._flush(bus)
             self._loop = None
 
     def _report_drops(self, reported: int) -> int:
@@ -166,14 +168,14 @@ class EventLog:
                                                num_dropped_total=total)
         return total
 
-    async def _flush(self, nc: Publisher) -> None:
+    async def _flush(self, bus: Publisher) -> None:
         while True:
             with self._lock:
                 if not self._queue:
                     return
                 level, line = self._queue.popleft()
             try:
-                await nc.publish(f"log.{self.kind}.{level}", line.encode())
+                await bus.publish(f"log.{self.kind}.{level}", line.encode())
             except Exception:  # the bus is gone: the file keeps the event
                 with self._lock:
                     self.num_dropped += 1 + len(self._queue)

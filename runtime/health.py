@@ -4,8 +4,8 @@ A process can be running and useless: its event loop wedged (or the process stop
 while the process lives, a handler that never returns. The supervisor restarts what exits; this finds
 what does not exit, so that it is replaced too, and says why. Checks, on a clock of ``interval_s``:
 
-- **liveness**: ``ctl.<id>.ping`` answered within ``ping_timeout_s`` (the actor's event loop runs);
-- **readiness**: every ``probe_every``-th check is ``ctl.<id>.probe``: the kind's own probe (`Actor.probe`;
+- **liveness**: ``ctl.<kind>.<id>.ping`` answered within ``ping_timeout_s`` (the actor's event loop runs);
+- **readiness**: every ``probe_every``-th check is ``ctl.<kind>.<id>.probe``: the kind's own probe (`Actor.probe`;
   the rollout actor decodes one token, the reward actor runs one sandboxed command), within
   ``probe_timeout_s``;
 - **progress**: the ping's reply says how long the actor has held work without finishing any; more
@@ -20,16 +20,18 @@ too. Every decision is an event: ``health_check_failed`` per failure, ``actor_un
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import nats.errors
 import structlog
 
 from runtime.bus import Bus
-from runtime.registry import decode_registration
+from runtime.bus_auth import control_subject
+from runtime.errors import BusTimeout, NoResponders
+from runtime.registry import decode_registration, registration_key
 from runtime.run_config import HealthSection
 
 log = structlog.get_logger(__name__)
@@ -43,23 +45,24 @@ class Verdict:
     reason: str
 
 
-async def _ask(bus: Bus, actor_id: str, verb: str, timeout_s: float) -> dict[str, Any]:
+async def _ask(bus: Bus, kind: str, actor_id: str, verb: str, timeout_s: float) -> dict[str, Any]:
     """One control request; a reply that is not ``ok`` raises with the actor's own words."""
+    subject = control_subject(kind, actor_id, verb)
     try:
-        reply = await bus.nc.request(f"ctl.{actor_id}.{verb}", b"", timeout=timeout_s)
-    except nats.errors.TimeoutError:
+        reply = await bus.request(subject, b"", timeout_s=timeout_s)
+    except BusTimeout:
         raise TimeoutError(f"no answer to {verb} within {timeout_s}s") from None
-    except nats.errors.NoRespondersError:
-        raise ConnectionError(f"nothing listens on ctl.{actor_id}.{verb}") from None
-    body = msgpack.unpackb(reply.data, raw=False)
+    except NoResponders:
+        raise ConnectionError(f"nothing listens on {subject}") from None
+    body = msgpack.unpackb(reply, raw=False)
     if not isinstance(body, dict) or not body.get("ok", False):
         raise RuntimeError(str(body.get("error") if isinstance(body, dict) else body))
     return body
 
 
-async def watch(bus: Bus, actor_id: str, cfg: HealthSection) -> Verdict:
-    """Checks ``actor_id`` until it is unhealthy (the verdict is returned); cancel to stop watching."""
-    if not await _until_running(bus, actor_id, cfg.start_grace_s):
+async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> Verdict:
+    """Checks ``actor_id`` (of ``kind``) until it is unhealthy (the verdict is returned); cancel to stop."""
+    if not await _until_running(bus, kind, actor_id, cfg.start_grace_s):
         return Verdict("start", f"not running (registered as consuming) within {cfg.start_grace_s}s of starting")
     failures = {"liveness": 0, "readiness": 0}  # in a row, per check: a frozen process fails pings first
     for tick in itertools.count(1):
@@ -69,9 +72,9 @@ async def watch(bus: Bus, actor_id: str, cfg: HealthSection) -> Verdict:
         is_probe = cfg.probe_every > 0 and tick % cfg.probe_every == 0
         check = "readiness" if is_probe else "liveness"
         try:
-            reply = await _ask(bus, actor_id, "probe" if is_probe else "ping",
+            reply = await _ask(bus, kind, actor_id, "probe" if is_probe else "ping",
                                cfg.probe_timeout_s if is_probe else cfg.ping_timeout_s)
-        except (TimeoutError, ConnectionError, RuntimeError, nats.errors.Error, ValueError) as e:
+        except (OSError, RuntimeError, ValueError) as e:  # timeout, no responder, the bus; a refusal; not msgpack
             failures[check] += 1
             log.warning("health_check_failed", actor_id=actor_id, check=check, error=str(e) or repr(e),
                         num_failures=failures[check], max_failures=cfg.max_failures)
@@ -85,16 +88,18 @@ async def watch(bus: Bus, actor_id: str, cfg: HealthSection) -> Verdict:
     raise AssertionError("itertools.count does not end")
 
 
-async def _until_running(bus: Bus, actor_id: str, grace_s: float) -> bool:
+async def _until_running(bus: Bus, kind: str, actor_id: str, grace_s: float) -> bool:
     """Whether the actor's registry entry says it is running (or standing by) within ``grace_s`` (loading a
     model takes a while: checks start once it is ready). Event-driven: a watch of its registry entry."""
+    key = registration_key(kind, actor_id)
+    entries = bus.kv_watch("actors", key)
     try:
-        async with asyncio.timeout(grace_s):
-            async for entry in bus.watch_kv("actors", actor_id):
-                if entry is None or not entry.value:
+        async with asyncio.timeout(grace_s), contextlib.aclosing(entries):
+            async for entry in entries:
+                if entry is None or entry.deleted or not entry.value:
                     continue
                 try:
-                    if decode_registration(actor_id, entry.value).get("state") in ("running", "standby"):
+                    if decode_registration(key, entry.value).get("state") in ("running", "standby"):
                         return True
                 except ValueError:  # not (yet) an entry this reads: wait for the next write
                     continue

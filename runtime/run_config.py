@@ -132,7 +132,9 @@ class ActorSpec:
     # warm spares: started and set up (model loaded) but consuming nothing; one takes a dead or
     # unhealthy actor's place at once, and a new spare is started behind it
     standby: int = fixed(0, within=Range(0, 1000))
-    threads: int = fixed(0, within=Range(0, 1024))  # torch intra-op threads in the process; 0 leaves the default
+    # The one setting of a process's compute threads (OMP_NUM_THREADS and MKL_NUM_THREADS in its environment, which
+    # torch reads for its intra-op threads): one, as several actors share a few cores; 0 leaves torch's default.
+    threads: int = fixed(1, within=Range(0, 1024))
     # CPU priority below the others' (0 to 19; 0: the same as every other actor): a side job gives way
     nice: int = fixed(0, within=Range(0, 19))
     # handlings of one message before it is dead-lettered with its last error

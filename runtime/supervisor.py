@@ -9,7 +9,7 @@ Warm standby (``actors.<kind>.standby = N``): N more processes per kind are star
 consume nothing; when an actor of the kind dies or is found unhealthy, a standby is activated in its
 place at once (no backoff: it is ready) and a new standby is started behind it.
 
-Stop order for one process: ``ctl.<id>.drain`` (finish in-flight work, ack, hand over), then SIGTERM,
+Stop order for one process: ``ctl.<kind>.<id>.drain`` (finish in-flight work, ack, hand over), then SIGTERM,
 then SIGKILL. Children run in their own sessions with a parent-death signal: no orphans, ever.
 """
 
@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import nats.errors
 import structlog
-from nats.aio.msg import Msg
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from runtime import health
-from runtime.bus import Bus
+from runtime.bus import Bus, Inbound
+from runtime.bus_auth import control_subject
+from runtime.errors import BusError
 from runtime.procutil import die_with_parent
+from runtime.registry import registration_key
 from runtime.run_config import RuntimeConfig
 
 log = structlog.get_logger(__name__)
@@ -85,7 +85,7 @@ class Supervisor:
     # --- lifecycle ----------------------------------------------------------------------------------
     async def run(self) -> Outcome:
         """Starts every configured actor and supervises until stopped; returns how the run ended."""
-        ctl = await self.bus.nc.subscribe(f"{SUPERVISOR_SUBJECT}.*", cb=self._on_ctl)
+        ctl = await self.bus.subscribe(f"{SUPERVISOR_SUBJECT}.*", self._on_ctl)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -98,8 +98,7 @@ class Supervisor:
                 await self._stop.wait()
                 await self._shutdown()
         finally:
-            with contextlib.suppress(nats.errors.Error):  # closed or reconnecting: nothing to undo
-                await ctl.unsubscribe()
+            await ctl.unsubscribe()  # bounded, and quiet on a closed connection: nothing to undo
         log.info("supervisor_stopped", outcome=self.outcome.value, failure=self.failure)
         return self.outcome
 
@@ -181,9 +180,10 @@ class Supervisor:
         it), or None when the kind has none ready (the caller starts a process cold)."""
         for ap in [p for p in self.procs.values() if p.kind == kind and p.standby and not p.retiring]:
             try:
-                reply = await self.bus.nc.request(f"ctl.{ap.actor_id}.activate", b"", timeout=ACTIVATE_TIMEOUT_S)
-                ok = bool(msgpack.unpackb(reply.data, raw=False).get("ok"))
-            except (nats.errors.Error, OSError, ValueError) as e:  # not ready yet (still loading), or gone
+                reply = await self.bus.request(control_subject(kind, ap.actor_id, "activate"), b"",
+                                               timeout_s=ACTIVATE_TIMEOUT_S)
+                ok = bool(msgpack.unpackb(reply, raw=False).get("ok"))
+            except (OSError, ValueError) as e:  # BusError included: not ready yet (still loading), or gone
                 log.info("standby_not_activated", actor_kind=kind, actor_id=ap.actor_id, error=repr(e))
                 continue
             if not ok:
@@ -216,7 +216,7 @@ class Supervisor:
         (capacity comes back as soon as it can), then it is killed at once if it answers nothing or its
         work never ends, else drained, signalled, killed as on a stop. Its work in hand goes back to the
         queue when it dies unacknowledged, or is re-issued when its lease lapses."""
-        verdict = await health.watch(self.bus, ap.actor_id, self.config.health)
+        verdict = await health.watch(self.bus, ap.kind, ap.actor_id, self.config.health)
         if ap.retiring or self._stop.is_set() or ap.actor_id not in self.procs:
             return
         num_recent = self._count_restart(ap)
@@ -259,8 +259,8 @@ class Supervisor:
     async def _deregister(self, ap: ActorProcess) -> None:
         try:
             async with asyncio.timeout(BUS_STEP_TIMEOUT_S):
-                await (await self.bus.kv("actors")).delete(ap.actor_id)
-        except (nats.errors.Error, OSError) as e:  # the bus dropped meanwhile: its entry stays, said
+                await self.bus.kv_delete("actors", registration_key(ap.kind, ap.actor_id))
+        except OSError as e:  # BusError included; the bus dropped meanwhile: its entry stays, said
             log.warning("registry_entry_left", actor_id=ap.actor_id, error=repr(e))
 
     async def _retire(self, ap: ActorProcess) -> None:
@@ -270,9 +270,9 @@ class Supervisor:
         drain_timeout = self.config.actors[ap.kind].drain_timeout_s
         try:
             if self.bus.health.down.is_set():  # no request can reach it: go straight to the signal
-                raise nats.errors.ConnectionReconnectingError
-            await self.bus.nc.request(f"ctl.{ap.actor_id}.drain", b"", timeout=2.0)
-        except (nats.errors.Error, OSError):  # not listening (starting, wedged, bus down): SIGTERM drains too
+                raise BusError("the bus is reconnecting")
+            await self.bus.request(control_subject(ap.kind, ap.actor_id, "drain"), b"", timeout_s=2.0)
+        except OSError:  # BusError included: not listening (starting, wedged, bus down): SIGTERM drains too
             with contextlib.suppress(ProcessLookupError):
                 ap.proc.send_signal(signal.SIGTERM)
         if await _wait_exit(ap.proc, drain_timeout):
@@ -295,11 +295,10 @@ class Supervisor:
         async with self._swap_lock:
             old = [p for p in self.procs.values() if p.kind == kind and not p.retiring and not p.standby]
             old_spares = [p for p in self.procs.values() if p.kind == kind and not p.retiring and p.standby]
-            registry = await self.bus.kv("actors")
-            old_info = [await _registry_entry(registry, p.actor_id) for p in old]
+            old_info = [await self._registry_entry(p) for p in old]
             log.info("swap_started", actor_kind=kind, old=[p.actor_id for p in old])
             new = [await self._spawn(kind) for _ in range(max(1, len(old)))]
-            new_info = [await self._wait_running(registry, p) for p in new]
+            new_info = [await self._wait_running(p) for p in new]
             for p in old:
                 await self._retire(p)
             for p in old_spares:  # spares run the old code too: new ones take their place
@@ -309,35 +308,38 @@ class Supervisor:
             log.info("swap_finished", actor_kind=kind, old=report["old"], new=report["new"])
             return report
 
-    async def _wait_running(self, registry: Any, ap: ActorProcess) -> dict[str, Any]:
+    async def _registry_entry(self, ap: ActorProcess) -> dict[str, Any]:
+        entry = await self.bus.kv_get("actors", registration_key(ap.kind, ap.actor_id))
+        if entry is None or not entry.value:  # not registered (yet): no code hash to report
+            return {}
+        return msgpack.unpackb(entry.value, raw=False)
+
+    async def _wait_running(self, ap: ActorProcess) -> dict[str, Any]:
         timeout = self.config.supervisor.ready_timeout_s
-        watcher = await registry.watch(ap.actor_id)
         try:
-            async with asyncio.timeout(timeout):
-                async for entry in watcher:
+            entries = self.bus.kv_watch("actors", registration_key(ap.kind, ap.actor_id))
+            async with asyncio.timeout(timeout), contextlib.aclosing(entries):
+                async for entry in entries:
                     if ap.proc.returncode is not None:
                         raise RuntimeError(f"replacement {ap.actor_id} exited with {ap.proc.returncode}")
-                    if entry is None or not entry.value:
+                    if entry is None or entry.deleted or not entry.value:
                         continue
                     info = msgpack.unpackb(entry.value, raw=False)
                     if info.get("state") == "running":
                         return info
         except TimeoutError:
             raise RuntimeError(f"replacement {ap.actor_id} was not consuming within {timeout}s") from None
-        finally:
-            await watcher.stop()
         raise RuntimeError(f"registry watch for {ap.actor_id} ended early")
 
     # --- control -----------------------------------------------------------------------------------------
-    async def _on_ctl(self, raw: Msg) -> None:
+    async def _on_ctl(self, raw: Inbound) -> None:
         verb = raw.subject.rsplit(".", 1)[-1]
         try:
             body = msgpack.unpackb(raw.data, raw=False) if raw.data else {}
         except Exception:  # msgpack raises several unrelated types
             body = None
         if not isinstance(body, dict):  # a malformed request gets an answer, not an exception in a callback
-            if raw.reply:
-                await raw.respond(msgpack.packb({"ok": False, "error": "the request body must be a msgpack map"}))
+            await self.bus.respond(raw, msgpack.packb({"ok": False, "error": "the request body must be a msgpack map"}))
             return
         if verb == "swap":
             assert self._tg is not None
@@ -356,17 +358,15 @@ class Supervisor:
             reply = {"ok": True}
         else:
             reply = {"ok": False, "error": f"unknown verb {verb!r}; use swap, status, stop or finish"}
-        if raw.reply:
-            await raw.respond(msgpack.packb(reply, use_bin_type=True))
+        await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
 
-    async def _reply_swap(self, raw: Msg, kind: str) -> None:
+    async def _reply_swap(self, raw: Inbound, kind: str) -> None:
         try:
             reply: dict[str, Any] = {"ok": True, **await self.swap(kind)}
         except (ValueError, RuntimeError) as e:
             log.error("swap_failed", actor_kind=kind, error=str(e))
             reply = {"ok": False, "error": str(e)}
-        if raw.reply:
-            await self.bus.nc.publish(raw.reply, msgpack.packb(reply, use_bin_type=True))
+        await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
 
 
 async def _wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
@@ -375,14 +375,6 @@ async def _wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
         return True
     except TimeoutError:
         return False
-
-
-async def _registry_entry(registry: Any, actor_id: str) -> dict[str, Any]:
-    try:
-        entry = await registry.get(actor_id)
-    except (KeyNotFoundError, KeyDeletedError):  # not registered (yet): no code hash to report
-        return {}
-    return msgpack.unpackb(entry.value, raw=False) if entry and entry.value else {}
 
 
 def _hashes(procs: list[ActorProcess], infos: list[dict[str, Any]]) -> list[dict[str, Any]]:

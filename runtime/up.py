@@ -4,7 +4,9 @@ Starts the bus (an embedded nats-server in the run directory unless ``bus.url`` 
 its streams and buckets, starts the supervisor and the actors the configuration lists, and shows
 progress until the run finishes, fails, or is stopped (Ctrl-C or SIGTERM: every actor drains first).
 
-With no ``--config`` the default run of the project is used (actors/run.toml, when present).
+The run files name everything the run starts (``actors.<kind>.entry = "package.module:Class"``): the
+runtime knows no application. An application's launcher passes its default run file through
+``main(default_config=...)`` (``python -m actors`` is the RL trainer's), used when no ``--config`` is given.
 Exit status: 0 finished or stopped cleanly, 1 failed, 2 bad configuration.
 """
 
@@ -17,20 +19,18 @@ import os
 import signal
 import sys
 import time
-from importlib import resources
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import msgpack
-import nats.errors
 import structlog
 import uvloop
-from nats.js.errors import KeyWrongLastSequenceError
 
 from runtime import config as config_mod
-from runtime.bus import Bus, BusLimits
+from runtime.bus import Bus, BusLimits, Inbound
 from runtime.bus_auth import SUPERVISOR, Permissions, actor_permissions, generate_credentials
-from runtime.errors import BusError, ConfigError
+from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_config import RunConfig, RuntimeConfig, dump_toml, import_entry, load_run_config
@@ -43,20 +43,11 @@ log = structlog.get_logger(__name__)
 PROGRESS_SUBJECT = "progress"
 
 
-def default_config_files() -> list[Path]:
-    """The project's default run, shipped beside the actors."""
-    with contextlib.suppress(ModuleNotFoundError):
-        path = Path(str(resources.files("actors") / "run.toml"))
-        if path.is_file():
-            return [path]
-    return []
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m runtime.up", description=__doc__,
+def parse_args(argv: list[str] | None, prog: str = "python -m runtime.up") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", type=Path, default=[], metavar="FILE",
-                   help="TOML run file; repeat to layer files (later wins). Default: the project's run")
+                   help="TOML run file; repeat to layer files (later wins). Default: the launcher's run, if any")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="override one key, e.g. --set rollout.temperature=0.7 (value read as TOML)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
@@ -68,14 +59,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
+def resolve_config(args: argparse.Namespace, default_config: Sequence[Path] = ()) -> tuple[RunConfig, Path | None]:
+    """The run's configuration: the resumed run's saved file, else ``--config`` files, else ``default_config``.
+
+    Raises:
+        ConfigError: a file is missing or invalid, or there is no run file at all.
+    """
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
     if args.resume:
         files = [args.resume / CONFIG_FILE]
     else:
-        files = args.config or default_config_files()
+        files = list(args.config or default_config)
+    if not files:
+        raise ConfigError("no run file: pass --config FILE (a TOML file whose [actors.<kind>] sections name the "
+                          "entry points), or start the application's launcher, e.g. python -m actors")
     return load_run_config(files, overrides), args.resume
 
 
@@ -110,10 +109,10 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.request_stop)
         _announce(terminal, run_dir, url, storage_url, resumed, credentials_dir)
-        progress = await bus.nc.subscribe(f"{PROGRESS_SUBJECT}.>", cb=_progress_printer(terminal))
-        stack.push_async_callback(_quietly, progress.unsubscribe)
+        progress = await bus.subscribe(f"{PROGRESS_SUBJECT}.>", _progress_printer(terminal))
+        stack.push_async_callback(progress.unsubscribe)  # bounded, and quiet on a closed connection
         async with asyncio.TaskGroup() as tg:
-            forwarder = tg.create_task(event_log.forward(bus.nc))
+            forwarder = tg.create_task(event_log.forward(bus))
             guard = tg.create_task(_guard_bus(supervisor, bus, server, url, rt.bus.max_outage_s, terminal))
             watchdog = tg.create_task(Watchdog(bus, rt.supervisor.stall_s, sys.stderr).run()) \
                 if rt.supervisor.stall_s else None
@@ -155,7 +154,7 @@ async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | None
 
 async def _quietly(step: Any) -> None:
     """An exit step that has nothing to undo on a connection that is closed or down."""
-    with contextlib.suppress(nats.errors.Error, OSError):
+    with contextlib.suppress(OSError):  # BusError included
         async with asyncio.timeout(5.0):
             await step()
 
@@ -170,13 +169,12 @@ async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> Non
     """Seeds the config bucket with live keys; a resumed run keeps what operators changed."""
     if cfg.app is None:
         return
-    kv = await bus.kv("config")
     for key, value in config_mod.live_items(cfg.app):
         if resumed:
-            with contextlib.suppress(KeyWrongLastSequenceError):  # set before: keep the operator's value
-                await kv.create(key, msgpack.packb(value, use_bin_type=True))
+            with contextlib.suppress(RevisionMismatch):  # set before: keep the operator's value
+                await bus.kv_create("config", key, msgpack.packb(value, use_bin_type=True))
         else:
-            await kv.put(key, msgpack.packb(value, use_bin_type=True))
+            await bus.kv_put("config", key, msgpack.packb(value, use_bin_type=True))
 
 
 def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resumed: bool,
@@ -186,7 +184,7 @@ def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resume
     access = f"one user per role in {credentials_dir} (ops: operator.json)" if credentials_dir else "no auth"
     print(f"{'resumed' if resumed else 'started'} run  {run_dir}\n"
           f"  bus        {url}, {access}\n"
-          "  control    ctl.supervisor.{status,swap,stop}, ctl.<actor-id>.{ping,status,drain}\n"
+          "  control    ctl.supervisor.{status,swap,stop}, ctl.<kind>.<actor-id>.{ping,status,drain}\n"
           f"  storage    {storage}\n"
           f"  event log  {run_dir / 'logs'}  (follow: python -m ops.tail {run_dir})\n"
           f"  status     python -m ops.status {run_dir}\n"
@@ -197,7 +195,7 @@ def _progress_printer(out: IO[str] | None) -> Any:
     """One line with the latest figures every publisher reported on ``progress.<source>``."""
     latest: dict[str, Any] = {}
 
-    async def show(raw: Any) -> None:
+    async def show(raw: Inbound) -> None:
         if out is None:
             return
         try:
@@ -217,10 +215,12 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
+         prog: str = "python -m runtime.up") -> int:
+    """Run ``python -m runtime.up`` with ``argv``; ``default_config``: the run files used when none is given."""
+    args = parse_args(argv, prog)
     try:
-        cfg, resume_dir = resolve_config(args)
+        cfg, resume_dir = resolve_config(args, default_config)
     except ConfigError as e:
         print(f"configuration error: {e}", file=sys.stderr)
         return 2

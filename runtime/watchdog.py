@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
-import nats.errors
 import structlog
 
 from runtime.bus import Bus
@@ -72,12 +71,11 @@ class Watchdog:
         self._reported = asyncio.Event()
 
     async def run(self) -> None:
-        sub = await self.bus.nc.subscribe(PROGRESS_SUBJECTS, cb=self._on_progress)
+        sub = await self.bus.subscribe(PROGRESS_SUBJECTS, self._on_progress)
         try:
             await self._watch()
         finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+            await sub.unsubscribe()  # bounded, and quiet on a closed connection
 
     async def _on_progress(self, _msg: object) -> None:
         self._reported.set()
@@ -111,14 +109,13 @@ class Watchdog:
     async def _queues(self) -> tuple[QueueState, ...] | None:
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                streams = await self.bus.js.streams_info()
-        except (nats.errors.Error, OSError) as e:
+                streams = await self.bus.stream_states()
+        except OSError as e:  # BusError included
             log.debug("watchdog_no_reading", error=repr(e))
             return None
         return tuple(
-            QueueState(",".join(s.config.subjects or [s.config.name]), s.state.last_seq - s.state.messages,
-                       s.state.messages)
-            for s in streams if (s.config.name or "").startswith(QUEUE_STREAM_PREFIX))
+            QueueState(",".join(s.subjects or [s.name]), s.last_sequence - s.num_messages, s.num_messages)
+            for s in streams if s.name.startswith(QUEUE_STREAM_PREFIX))
 
     def _say(self, stall: Stall) -> None:
         holder = stall.holder

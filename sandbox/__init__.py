@@ -13,7 +13,8 @@ from sandbox.errors import (
 from sandbox.layers import LayerStore, Snapshot
 from sandbox.pool import EnvironmentPool, PoolConfig
 from sandbox.reward import TestCaseResult, TestOutcome, score
-from sandbox.tasks import Task, dump_tasks_jsonl, generate_tasks, load_tasks_dir, load_tasks_jsonl
+from sandbox.task_generator import generate_tasks
+from sandbox.tasks import Task, dump_tasks_jsonl, load_tasks_dir, load_tasks_jsonl
 from sandbox.tools import ToolBox, ToolResult
 
 __all__ = [

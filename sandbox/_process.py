@@ -1,4 +1,4 @@
-"""Process plumbing for one sandboxed command: limits prelude, capped output, termination."""
+"""Process plumbing for one sandboxed command: limits prelude, its pipes, termination."""
 
 from __future__ import annotations
 
@@ -10,36 +10,47 @@ import resource
 import select
 import signal
 
-import structlog
-
+from sandbox._pipes import PipeReader, PipeWriter, close_all
 from sandbox._spawner import SpawnedProcess
 from sandbox.config import SandboxLimits
 
-__all__ = ["CappedReader", "RunningCommand", "ulimit_prelude"]
+__all__ = ["CommandPipes", "RunningCommand", "ulimit_prelude"]
 
-log = structlog.get_logger(__name__)
-
-_READ_CHUNK = 1 << 16
+_INFO_CAP = 1 << 12  # bwrap's info is one small JSON object
 _REAP_TIMEOUT_S = 5.0
 _CHILD_PID_RE = re.compile(rb'"child-pid"\s*:\s*(\d+)')
 
 
-class CappedReader:
-    """Drains a pipe to EOF, keeping the first ``cap`` bytes."""
+class CommandPipes:
+    """One command's pipes: stdout and stderr (kept up to ``output_cap`` bytes each), stdin (fed
+    ``stdin``, when given) and bwrap's info pipe (``--info-fd``). The child's ends go to the spawn."""
 
-    def __init__(self, stream: asyncio.StreamReader, cap: int) -> None:
-        self.stream, self.cap = stream, cap
-        self.data = bytearray()
-        self.truncated = False
+    def __init__(self, output_cap: int, stdin: bytes | None) -> None:
+        with contextlib.ExitStack() as undo:  # a pipe that cannot be made closes those made before it
+            self.info = PipeReader(_INFO_CAP)
+            undo.callback(self.info.close)
+            self.stdout = PipeReader(output_cap)
+            undo.callback(self.stdout.close)
+            self.stderr = PipeReader(output_cap)
+            undo.callback(self.stderr.close)
+            self.stdin = PipeWriter(stdin) if stdin is not None else None
+            undo.pop_all()
+        self._all = tuple(p for p in (self.info, self.stdout, self.stderr, self.stdin) if p is not None)
 
-    async def drain(self) -> None:
-        while chunk := await self.stream.read(_READ_CHUNK):
-            room = self.cap - len(self.data)
-            if len(chunk) > room:
-                self.truncated = True
-                self.data += chunk[: max(room, 0)]
-            else:
-                self.data += chunk
+    async def wait(self) -> None:
+        """Until the command closed its stdout and stderr and took all of its stdin."""
+        await asyncio.gather(*(pipe.wait() for pipe in (self.stdout, self.stderr, self.stdin) if pipe is not None))
+
+    def close(self) -> None:
+        """Close every pipe's ends still held here (idempotent; each is tried, the first error raised)."""
+        error: BaseException | None = None
+        for pipe in self._all:
+            try:
+                pipe.close()
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise error
 
 
 def _clamp_to_hard(resource_id: int, value: int) -> int:
@@ -88,58 +99,48 @@ def _send(pidfd: int | None, sig: int) -> None:
 class RunningCommand:
     """A started bwrap and its sandbox's init, both held by pidfds (never signalled by number).
 
-    bwrap reports its child's host pid (the sandbox's pid 1) on ``info_fd`` right after cloning
+    bwrap reports its child's host pid (the sandbox's pid 1) on its info pipe right after cloning
     it; the pidfd is opened as soon as the report arrives, and kept only if that process's
     parent is our bwrap, which we have not reaped, so a recycled pid is never the target.
     Killing the init (pid 1 of its pid namespace) makes the kernel kill every process in the
-    namespace; before the init is known, killing bwrap does it (``--die-with-parent``).
+    namespace; a kill asked for before the init is known happens when bwrap reports it.
     """
 
-    def __init__(self, proc: SpawnedProcess, info_fd: int) -> None:
+    def __init__(self, proc: SpawnedProcess, pipes: CommandPipes) -> None:
         self.proc = proc
+        self.pipes = pipes  # this command's now: closed by `terminate` or `close`
         self._bwrap_pidfd = _pidfd(proc.pid)  # our unreaped child: its pid is still its own
         self._init_pidfd: int | None = None
-        self._info_fd: int | None = info_fd
-        self._info = b""
+        self._kill_wanted = False
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(info_fd, self._read_info)
+        # the info pipe closes itself at end of file, not before: bwrap writes more after the pid,
+        # and a closed pipe would SIGPIPE it
+        pipes.info.on_data = self._find_init
+        self._find_init()  # what arrived while the fork returned
 
-    def _read_info(self) -> None:
-        if self._info_fd is None:
-            return
-        eof = False
-        try:
-            while chunk := os.read(self._info_fd, 4096):  # bwrap may write it in pieces
-                self._info += chunk
-            eof = True
-        except BlockingIOError:
-            pass
-        except OSError:
-            eof = True
-        match = _CHILD_PID_RE.search(self._info)
+    def _find_init(self) -> None:
+        match = _CHILD_PID_RE.search(self.pipes.info.data)  # bwrap may write it in pieces
         if match and self._init_pidfd is None:
             pid = int(match.group(1))
             pidfd = _pidfd(pid)
             if pidfd is not None and _parent_pid(pidfd, pid) == self.proc.pid:
                 self._init_pidfd = pidfd
+                if self._kill_wanted:
+                    _send(pidfd, signal.SIGKILL)
             elif pidfd is not None:
                 os.close(pidfd)
-        if eof:  # not before: bwrap writes more after the pid, and a closed pipe would SIGPIPE it
-            self._close_info()
-
-    def _close_info(self) -> None:
-        if self._info_fd is not None:
-            self._loop.remove_reader(self._info_fd)
-            os.close(self._info_fd)
-            self._info_fd = None
 
     def kill(self) -> None:
-        """SIGKILL the sandbox's init (and so its pid namespace); before it is known, bwrap."""
-        self._read_info()
+        """SIGKILL the sandbox's init, and so its pid namespace.
+
+        Before bwrap has reported the init, the kill waits for the report: bwrap killed then
+        could leave the init it had just cloned alive (not yet bound to bwrap's death), orphaned
+        and out of reach. `terminate` bounds the wait.
+        """
+        self._kill_wanted = True
+        self.pipes.info.read_available()  # a report already in the pipe kills at once
         if self._init_pidfd is not None:
             _send(self._init_pidfd, signal.SIGKILL)
-        elif self.proc.returncode is None:
-            _send(self._bwrap_pidfd, signal.SIGKILL)
 
     def init_exited(self) -> bool:
         """Whether the sandbox's init is known to be gone (its pid namespace then is empty)."""
@@ -175,7 +176,7 @@ class RunningCommand:
             self.kill()
             try:
                 await asyncio.wait_for(self.proc.wait(), _REAP_TIMEOUT_S)
-            except TimeoutError:
+            except TimeoutError:  # no init reported, or it does not die: bwrap as the last resort
                 _send(self._bwrap_pidfd, signal.SIGKILL)
                 try:
                     await asyncio.wait_for(self.proc.wait(), _REAP_TIMEOUT_S)
@@ -183,16 +184,17 @@ class RunningCommand:
                     return False  # (reaped whenever it exits: its pidfd stays watched)
             return await self._wait_init_exit()
         finally:
-            self._close_info()
+            self.pipes.close()
 
     def close(self) -> None:
-        """Release the pidfds (after `terminate`, or for a command given up on)."""
-        self._close_info()
-        for fd in (self._init_pidfd, self._bwrap_pidfd):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError as e:  # seen once in CI (EBADF): said, not raised into the command's caller
-                    log.error("sandbox_pidfd_close_failed", fd=fd, error=repr(e),
-                              note="a pidfd was closed elsewhere first; please report with this log")
+        """Release the pipes and pidfds (after `terminate`, or for a command given up on; idempotent).
+
+        Each fd here is this command's alone, so a failing close (EBADF) is a bug elsewhere that
+        closed a number it did not own: raised, never hidden.
+        """
+        pidfds = tuple(fd for fd in (self._init_pidfd, self._bwrap_pidfd) if fd is not None)
         self._init_pidfd = self._bwrap_pidfd = None
+        try:
+            self.pipes.close()
+        finally:
+            close_all(pidfds)

@@ -99,8 +99,8 @@ def open_dir(root: str, parts: tuple[str, ...], *, create: bool = False, uid: in
                 os.mkdir(name, 0o755, dir_fd=fd)
                 os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
             child = _open_child_dir(fd, name, root_dev)
-            os.close(fd)
-            fd = child
+            fd, parent = child, fd  # held by `fd` before the close: never closed twice
+            os.close(parent)
     except BaseException:
         os.close(fd)
         raise
@@ -180,8 +180,8 @@ def write_atomic(
                     os.mkdir(name, 0o755, dir_fd=fd)
                     os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
                 child = _open_child_dir(fd, name, os.fstat(fd).st_dev)
-                os.close(fd)
-                fd = child
+                fd, parent = child, fd
+                os.close(parent)
             st = _lstat_or_none(fd, parts[-1])
             if st is not None and stat.S_ISDIR(st.st_mode):
                 remove_entry(fd, parts[-1])

@@ -8,9 +8,12 @@ one spawner thread, moved into its cgroup once (cgroup v1 places threads one by 
 command is forked there: no migration per command. On cgroup v2 a memory cgroup holds whole
 processes only, so there the forked child still joins in ``preexec_fn`` (`sandbox._child`).
 
-The child is a plain `subprocess.Popen` driven from the event loop: its pipes through
-``connect_read_pipe``/``connect_write_pipe``, its exit through a pidfd, reaped with ``waitpid``
-(no child watcher involved, so it works the same under asyncio's loop and uvloop).
+The child is a plain `subprocess.Popen` driven from the event loop: its exit through a pidfd,
+reaped with ``waitpid`` (no child watcher involved, so it works the same under asyncio's loop and
+uvloop). Its standard streams are pipe ends the caller made (`sandbox._pipes`): Popen holds no file
+object of them, so nothing but their owners ever closes them. The child's ends are the spawn's
+own until the fork has used them: closed when Popen returns, also when the caller was cancelled
+meanwhile (closed earlier, their numbers could be reused and handed to the child in their place).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from sandbox._pipes import close_all
+
 __all__ = ["SpawnedProcess", "Spawner"]
 
 
@@ -37,24 +42,29 @@ def _kill(popen: subprocess.Popen[bytes]) -> None:
             os.close(pidfd)
 
 
-def _kill_started(started: asyncio.Future[subprocess.Popen[bytes]]) -> None:
-    if not started.cancelled() and started.exception() is None:
-        _kill(started.result())
+def _watched(popen: subprocess.Popen[bytes]) -> SpawnedProcess:
+    try:
+        return SpawnedProcess(popen)
+    except BaseException:
+        _kill(popen)  # no pidfd to watch it by: nothing better left than killing it now
+        raise
+
+
+def _hand_over(
+    on_abandoned: Callable[[SpawnedProcess | None], None], started: asyncio.Future[subprocess.Popen[bytes]]
+) -> None:
+    if started.cancelled() or started.exception() is not None:
+        on_abandoned(None)
+    else:
+        on_abandoned(_watched(started.result()))
 
 
 class SpawnedProcess:
     """The parts of `asyncio.subprocess.Process` a sandbox command uses, for a Popen child."""
 
-    def __init__(
-        self,
-        popen: subprocess.Popen[bytes],
-        stdin: asyncio.StreamWriter | None,
-        stdout: asyncio.StreamReader,
-        stderr: asyncio.StreamReader,
-    ) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self._popen = popen
         self.pid = popen.pid
-        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: int | None = None
         self._loop = asyncio.get_running_loop()
         self._pidfd = os.pidfd_open(self.pid)  # unreaped child: the pid is still its own
@@ -107,45 +117,48 @@ class Spawner:
         self,
         argv: Sequence[str],
         *,
-        with_stdin: bool,
+        stdin: int | None,
+        stdout: int,
+        stderr: int,
         env: Mapping[str, str],
         preexec_fn: Callable[[], None],
         pass_fds: tuple[int, ...],
+        on_abandoned: Callable[[SpawnedProcess | None], None],
     ) -> SpawnedProcess:
+        """Fork ``argv`` with these fds as its stdin (None: /dev/null), stdout, stderr and extra fds.
+
+        Takes ownership of every fd given: each is closed once the fork has used it (or failed),
+        also when the caller is cancelled meanwhile. The fork happens all the same then: what it
+        started (None if nothing) goes to ``on_abandoned``, to be ended like any command.
+        """
         loop = asyncio.get_running_loop()
-        started = loop.run_in_executor(
-            self._executor,
-            functools.partial(
-                subprocess.Popen,
-                list(argv),
-                stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=dict(env),
-                cwd="/",
-                preexec_fn=preexec_fn,
-                start_new_session=True,
-                pass_fds=pass_fds,
-            ),
-        )
+        child_fds = (*((stdin,) if stdin is not None else ()), stdout, stderr, *pass_fds)
+        try:
+            started = loop.run_in_executor(
+                self._executor,
+                functools.partial(
+                    subprocess.Popen,
+                    list(argv),
+                    stdin=subprocess.DEVNULL if stdin is None else stdin,
+                    stdout=stdout,
+                    stderr=stderr,
+                    env=dict(env),
+                    cwd="/",
+                    preexec_fn=preexec_fn,
+                    start_new_session=True,
+                    pass_fds=pass_fds,
+                ),
+            )
+        except BaseException:
+            close_all(child_fds)
+            raise
+        started.add_done_callback(lambda _: close_all(child_fds))  # runs before this coroutine resumes
         try:
             popen = await asyncio.shield(started)
-        except asyncio.CancelledError:  # the fork happens all the same: kill what it starts
-            started.add_done_callback(_kill_started)
+        except asyncio.CancelledError:
+            started.add_done_callback(functools.partial(_hand_over, on_abandoned))
             raise
-        try:
-            stdout, stderr = asyncio.StreamReader(), asyncio.StreamReader()
-            assert popen.stdout is not None and popen.stderr is not None
-            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), popen.stdout)
-            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stderr), popen.stderr)
-            stdin = None
-            if popen.stdin is not None:
-                transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
-                stdin = asyncio.StreamWriter(transport, protocol, None, loop)
-            return SpawnedProcess(popen, stdin, stdout, stderr)
-        except BaseException:
-            _kill(popen)
-            raise
+        return _watched(popen)
 
     def close(self) -> None:
         """Let the thread end (it holds nothing; its cgroup can be removed once it has)."""

@@ -157,7 +157,12 @@ def walk(root: str, max_depth: int) -> Iterator[Entry]:
                     "flatten the tree"
                 )
             child_fd, child_st = _open_dir_at(fd, name, st, child_rel)
-            stack.append((child_fd, child_st, child_rel, sorted(os.listdir(child_fd), reverse=True), fd, name))
+            try:
+                child_names = sorted(os.listdir(child_fd), reverse=True)
+            except BaseException:  # not on the stack yet: closed here
+                os.close(child_fd)
+                raise
+            stack.append((child_fd, child_st, child_rel, child_names, fd, name))
             yield Entry(fd, name, child_st, child_rel, fd=child_fd)
     finally:
         for frame in stack:
@@ -283,8 +288,10 @@ def copy_tree(
         for entry in walk(src, budget.max_depth):
             if entry.leaving:
                 dst_fd = dst_fds.pop()
-                _copy_dir_metadata(entry.fd, dst_fd, entry.st, keep_whiteouts, owner)
-                os.close(dst_fd)
+                try:
+                    _copy_dir_metadata(entry.fd, dst_fd, entry.st, keep_whiteouts, owner)
+                finally:
+                    os.close(dst_fd)
                 continue
             parent = dst_fds[-1]
             mode = entry.st.st_mode
@@ -336,9 +343,9 @@ def remove_entry(parent_fd: int, name: str) -> None:
         os.unlink(name, dir_fd=parent_fd)
         return
     fd, st = _open_dir_at(parent_fd, name, st, (name,))
-    # one frame per level: (name in its parent, identity, subdirectories still to remove)
-    frames: list[tuple[str, os.stat_result, list[str]]] = [(name, st, _clear_files(fd, st))]
     try:
+        # one frame per level: (name in its parent, identity, subdirectories still to remove)
+        frames: list[tuple[str, os.stat_result, list[str]]] = [(name, st, _clear_files(fd, st))]
         while True:
             child_name, _, pending = frames[-1]
             if pending:
@@ -348,8 +355,8 @@ def remove_entry(parent_fd: int, name: str) -> None:
                     os.unlink(sub, dir_fd=fd)
                     continue
                 sub_fd, sub_st = _open_dir_at(fd, sub, sub_st, (sub,))
-                os.close(fd)
-                fd = sub_fd
+                fd, parent = sub_fd, fd  # held by `fd` before the close: never closed twice
+                os.close(parent)
                 frames.append((sub, sub_st, _clear_files(fd, sub_st)))
                 continue
             if len(frames) == 1:
@@ -358,8 +365,8 @@ def remove_entry(parent_fd: int, name: str) -> None:
             if not _same_inode(os.fstat(up), frames[-2][1]):
                 os.close(up)
                 raise _changed((child_name,))
-            os.close(fd)
-            fd = up
+            fd, child = up, fd
+            os.close(child)
             os.rmdir(child_name, dir_fd=fd)
             frames.pop()
     finally:

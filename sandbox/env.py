@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -39,7 +40,7 @@ from sandbox import _mount, _seccomp
 from sandbox._cgroup import EnvCgroup
 from sandbox._child import child_setup
 from sandbox._host import GRADER_NAME, INIT_NAME, system_binds
-from sandbox._process import CappedReader, RunningCommand, ulimit_prelude
+from sandbox._process import CommandPipes, RunningCommand, ulimit_prelude
 from sandbox._spawner import SpawnedProcess, Spawner
 from sandbox._tree import TreeBudget, copy_tree, discard_tree, remove_entry
 from sandbox.config import SandboxLimits
@@ -93,6 +94,7 @@ class Environment:
         self._procs: set[RunningCommand] = set()
         self._lingering: set[RunningCommand] = set()  # killed, but their init did not exit in time
         self._num_starting = 0
+        self._endings: set[asyncio.Task[None]] = set()  # ending commands whose run() was cancelled while forking
         self._closed = False
         self._cgroup: EnvCgroup | None = None
         self._spawner: Spawner | None = None
@@ -205,19 +207,16 @@ class Environment:
         start = time.monotonic()
         self._num_starting += 1  # busy from the call on, not only once bwrap exists
         try:
-            running = await self._spawn(cmd, extra_ro_binds, with_stdin=stdin is not None)
+            running = await self._spawn(cmd, extra_ro_binds, stdin)
         finally:
             self._num_starting -= 1
         if self._closed:  # closed while it started: it must not outlive the environment
             running.kill()
-        proc = running.proc
-        assert proc.stdout is not None and proc.stderr is not None
-        out = CappedReader(proc.stdout, self.limits.output_bytes)
-        err = CappedReader(proc.stderr, self.limits.output_bytes)
+        proc, out, err = running.proc, running.pipes.stdout, running.pipes.stderr
         timed_out = False
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.gather(out.drain(), err.drain(), self._feed(proc, stdin), proc.wait())
+                await asyncio.gather(running.pipes.wait(), proc.wait())
         except TimeoutError:
             timed_out = True
         finally:
@@ -256,42 +255,54 @@ class Environment:
             raise SandboxStateError(f"Environment {self.id} has {busy} running command(s); expected idle to {action}")
 
     async def _spawn(
-        self, cmd: str, extra_ro_binds: tuple[tuple[str, str], ...], *, with_stdin: bool
+        self, cmd: str, extra_ro_binds: tuple[tuple[str, str], ...], stdin: bytes | None
     ) -> RunningCommand:
         cfg = self.store.config
         assert self._spawner is not None
         cgroup_procs = None  # born in the cgroup when forked by the spawner thread placed in it
         if self._cgroup is not None and not await self._spawner.in_cgroup():
             cgroup_procs = self._cgroup.procs_path
-        seccomp_r = _seccomp.filter_fd()
-        info_r, info_w = os.pipe()  # bwrap reports its sandbox init's pid here
-        os.set_blocking(info_r, False)
+        pipes = CommandPipes(self.limits.output_bytes, stdin)
         try:
-            proc = await self._spawner.spawn(
-                self._argv(cmd, extra_ro_binds, info_fd=info_w, seccomp_fd=seccomp_r),
-                with_stdin=with_stdin,
+            seccomp_fd = _seccomp.filter_fd()
+            try:
+                argv = self._argv(cmd, extra_ro_binds, info_fd=pipes.info.child_fd, seccomp_fd=seccomp_fd)
+                preexec_fn = child_setup(cfg.sandbox_uid, cfg.sandbox_gid, cgroup_procs)
+            except BaseException:
+                os.close(seccomp_fd)
+                raise
+            proc = await self._spawner.spawn(  # owns the child's ends from the call on
+                argv,
+                stdin=pipes.stdin.take_child_fd() if pipes.stdin is not None else None,
+                stdout=pipes.stdout.take_child_fd(),
+                stderr=pipes.stderr.take_child_fd(),
                 env=_BWRAP_ENV,
-                preexec_fn=child_setup(cfg.sandbox_uid, cfg.sandbox_gid, cgroup_procs),
-                pass_fds=(info_w, seccomp_r),
+                preexec_fn=preexec_fn,
+                pass_fds=(pipes.info.take_child_fd(), seccomp_fd),  # bwrap reports its init's pid on info
+                on_abandoned=functools.partial(self._end_abandoned, pipes),
             )
-        except BaseException:
-            os.close(info_r)
+        except asyncio.CancelledError:  # still starting until the fork returns (`_end_abandoned`)
+            self._num_starting += 1
             raise
-        finally:
-            os.close(info_w)
-            os.close(seccomp_r)
-        running = RunningCommand(proc, info_r)
+        except BaseException:
+            pipes.close()
+            raise
+        running = RunningCommand(proc, pipes)
         self._procs.add(running)
         return running
 
-    @staticmethod
-    async def _feed(proc: SpawnedProcess, data: bytes | None) -> None:
-        if data is None or proc.stdin is None:
+    def _end_abandoned(self, pipes: CommandPipes, proc: SpawnedProcess | None) -> None:
+        """End what a fork started for a run() cancelled meanwhile, as any killed command ends."""
+        self._num_starting -= 1
+        if proc is None:
+            pipes.close()
             return
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            proc.stdin.write(data)
-            await proc.stdin.drain()
-            proc.stdin.close()
+        running = RunningCommand(proc, pipes)
+        self._procs.add(running)
+        running.kill()
+        ending = asyncio.get_running_loop().create_task(self._finish(running))
+        self._endings.add(ending)
+        ending.add_done_callback(self._endings.discard)
 
     @property
     def num_running(self) -> int:
@@ -396,16 +407,19 @@ class Environment:
         self._closed = True
         for running in list(self._procs | self._lingering):
             running.kill()
-        for running in list(self._lingering):
-            running.close()
-        self._lingering.clear()
-        _mount.umount_tree(self.dir)
-        discard_tree(self.dir)
-        if self._cgroup is not None and self._spawner is not None and self.store.cgroups is not None:
-            self.store.cgroups.release(self._cgroup, self._spawner)
-        elif self._spawner is not None:
-            self._spawner.close()
-        self.store.release(self._layers)
+        lingering, self._lingering = list(self._lingering), set()
+        try:
+            with contextlib.ExitStack() as releases:  # each released, a failure raised after the others
+                for running in lingering:
+                    releases.callback(running.close)
+        finally:
+            _mount.umount_tree(self.dir)
+            discard_tree(self.dir)
+            if self._cgroup is not None and self._spawner is not None and self.store.cgroups is not None:
+                self.store.cgroups.release(self._cgroup, self._spawner)
+            elif self._spawner is not None:
+                self._spawner.close()
+            self.store.release(self._layers)
 
     def __enter__(self) -> Environment:
         return self

@@ -1,4 +1,4 @@
-"""Coding tasks: the `Task` format, JSONL/directory loading, and a built-in generator.
+"""Coding tasks: the `Task` format and JSONL/directory loading (the built-in generator: `sandbox.task_generator`).
 
 A task gives the agent a prompt and starting files; its hidden tests are only copied into a fresh
 fork at grading time (see `sandbox.reward`). With ``test_command == ""`` the built-in grader runs
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +21,7 @@ from sandbox.errors import SandboxViolation
 
 __all__ = [
     "Task",
-    "count_tasks",
     "dump_tasks_jsonl",
-    "generate_tasks",
     "load_tasks_dir",
     "load_tasks_jsonl",
 ]
@@ -174,34 +171,3 @@ def load_tasks_dir(path: str | os.PathLike[str]) -> list[Task]:
         except (ValueError, TypeError) as e:
             raise ValueError(f"{task_dir}: {e}") from e
     return tasks
-
-
-def count_tasks(split: str = "train", difficulties: Iterable[int] | None = None) -> int:
-    """How many generated tasks ``split`` holds (of these difficulties): the largest ``n`` for `generate_tasks`."""
-    from sandbox._families import all_tasks
-
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    wanted = None if difficulties is None else set(difficulties)
-    return sum(1 for t in all_tasks(split) if wanted is None or t.difficulty in wanted)
-
-
-def generate_tasks(seed: int, n: int, split: str = "train", difficulties: Iterable[int] | None = None) -> list[Task]:
-    """``n`` distinct generated tasks of ``split`` ("train" or "heldout"), shuffled by ``seed``.
-
-    The splits are disjoint by task identity (family and parameters). See `sandbox._families`.
-
-    Raises:
-        ValueError: unknown split, or more tasks requested than the split holds.
-    """
-    from sandbox._families import all_tasks
-
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    wanted = None if difficulties is None else set(difficulties)
-    pool = [t for t in all_tasks(split) if wanted is None or t.difficulty in wanted]
-    if not 0 <= n <= len(pool):
-        raise ValueError(f"asked for n={n} tasks but split {split!r} holds {len(pool)}; lower n")
-    rng = random.Random(seed)
-    rng.shuffle(pool)
-    return pool[:n]

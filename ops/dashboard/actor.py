@@ -28,7 +28,7 @@ from runtime.rundir import CONFIG_FILE
 
 class DashboardActor(Actor):
     kind = "dashboard"
-    bus_access = BusAccess(publish=("ctl.*.status", "ctl.*.metrics", "ctl.supervisor.status", "progress.dashboard",
+    bus_access = BusAccess(publish=("ctl.*.*.status", "ctl.*.*.metrics", "ctl.supervisor.status", "progress.dashboard",
                                     *stream_reader("LOG")),
                            subscribe=("log.>",), kv_read=("actors",), kv_write=("config",))
 
@@ -59,7 +59,7 @@ class DashboardActor(Actor):
         return server
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
-        await self.bus.nc.publish("progress.dashboard", msgpack.packb({"dashboard": self.server.url}))
+        await self.bus.publish("progress.dashboard", msgpack.packb({"dashboard": self.server.url}))
         tg.create_task(feed_live(self.bus, self.view, self.settings_.sample_s, self.samples), name="dashboard-feeds")
 
     def status(self) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import msgpack
 import structlog
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from ops import config as ops_config
 from ops import status as ops_status
@@ -59,7 +58,7 @@ def sample_fetcher(settings: DashboardSection, blob: BlobStore | None) -> Sample
 async def follow_events(bus: Bus, view: RunView, samples: SampleFetcher | None = None) -> None:
     """The run's whole event log, then every new event, into ``view`` (and the groups it names to
     ``samples``). Runs until cancelled."""
-    messages = aiter(bus.follow("log.>", ConsumerConfig(deliver_policy=DeliverPolicy.ALL)))
+    messages = aiter(bus.follow("log.>", "all"))
     try:
         async for msg in messages:
             line = msg.data.decode(errors="replace")
@@ -113,10 +112,10 @@ async def watch_config(bus: Bus, view: RunView) -> None:
     """The live configuration (the ``config`` bucket) into ``view``: its values now, then each change."""
     items: dict[str, object] = {}
     caught_up = False
-    async for entry in bus.watch_kv("config"):
+    async for entry in bus.kv_watch("config"):
         if entry is None:  # the current values are all in: show them at once, then each change
             caught_up = True
-        elif entry.operation in ("DEL", "PURGE") or not entry.value:
+        elif entry.deleted or not entry.value:
             items.pop(entry.key, None)
         else:
             try:

@@ -1,6 +1,6 @@
 """One Prometheus scrape target for a whole run: every live actor's metrics, labelled run, kind, actor.
 
-A scrape asks each registered actor for its metrics on the bus (``ctl.<id>.metrics``, all at once, each
+A scrape asks each registered actor for its metrics on the bus (``ctl.<kind>.<id>.metrics``, all at once, each
 within a deadline), adds the labels, merges the families and answers in the text format. An actor that
 does not answer in time is said so by ``asyncrl_scrape_up{kind,actor} 0`` (as Prometheus's own ``up``),
 never by a scrape that hangs or fails whole.
@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from ops import status as ops_status
 from ops._client import request
 from runtime.bus import Bus
+from runtime.bus_auth import control_subject
 from runtime.errors import BusError
 
 # The families every live run has (README, "Operating a run"): each actor's own, and by kind from its status
@@ -41,9 +42,9 @@ SCRAPE_TIMEOUT_S = 2.0
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-async def _actor_metrics(bus: Bus, actor_id: str, timeout_s: float) -> str | None:
+async def _actor_metrics(bus: Bus, kind: str, actor_id: str, timeout_s: float) -> str | None:
     try:
-        body = await request(bus, f"ctl.{actor_id}.metrics", timeout_s=timeout_s)
+        body = await request(bus, control_subject(kind, actor_id, "metrics"), timeout_s=timeout_s)
     except (BusError, ValueError):  # no answer in time, or not msgpack: either way, not scraped
         return None
     text = body.get("text") if isinstance(body, dict) and body.get("ok") else None
@@ -62,7 +63,7 @@ async def scrape(bus: Bus, run_name: str, timeout_s: float = SCRAPE_TIMEOUT_S) -
     """Every registered, running actor's metrics, merged, in the Prometheus text format."""
     actors, _ = await ops_status.registered(bus)
     actors = [a for a in actors if a.get("state") in ("running", "draining")]
-    texts = await asyncio.gather(*(_actor_metrics(bus, a["id"], timeout_s) for a in actors))
+    texts = await asyncio.gather(*(_actor_metrics(bus, a["kind"], a["id"], timeout_s) for a in actors))
     merged: dict[str, Metric] = {}
     up = GaugeMetricFamily("asyncrl_scrape_up", "1 if the actor answered this scrape in time, else 0.",
                            labels=["run", "kind", "actor"])

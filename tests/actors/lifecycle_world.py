@@ -23,7 +23,7 @@ from actors import (
     TrainOrder,
     WorkOrder,
 )
-from actors.lifecycle_events import Completion, bound_to
+from actors.reconciler.work import Completion, bound_to
 
 
 class TrainedTwice(AssertionError):

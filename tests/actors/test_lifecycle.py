@@ -24,9 +24,9 @@ from actors import (
     StageFailed,
     TrainOrder,
 )
-from actors.lifecycle_events import MetaRecord
-from actors.slot_store import META_KEY, outcome_key
-from actors.slots import Stage
+from actors.reconciler.slot import Stage
+from actors.reconciler.store import META_KEY, outcome_key
+from actors.reconciler.work import MetaRecord
 from actors.testing import InMemorySlotStore
 from tests.actors.lifecycle_world import World
 

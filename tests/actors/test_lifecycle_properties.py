@@ -33,8 +33,8 @@ from actors import (
     SchedulingConfig,
     Slot,
 )
-from actors.slot_store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX
-from actors.task_cursor import CursorRecord
+from actors.reconciler.store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX
+from actors.reconciler.task_cursor import CursorRecord
 from actors.testing import InjectedStoreFailure, InMemorySlotStore
 from tests.actors.lifecycle_world import World
 

@@ -16,17 +16,17 @@ import pytest
 from structlog.testing import capture_logs
 
 from actors import Lifecycle, ListTaskSource
-from actors.data_exhaustion import why_not_exhausted
+from actors.agent.weights_follower import WeightsFollower, weights_subject
 from actors.messages import DataExhausted, WeightsPublished
-from actors.weights_follower import WeightsFollower, weights_subject
+from actors.reconciler.data_exhaustion import why_not_exhausted
 from model.engine import GenerationEngine
 from model.weight_sync import manifest_key
 from runtime.blob import open_store
 from runtime.codec import Codec
-from runtime.registry import decode_registration
+from runtime.registry import decode_registration, parse_registration_key, registration_key
+from tests.actors.agent.test_weights_follower import CONFIG, RUN, FakeBus, publish, versions_of_model
 from tests.actors.lifecycle_world import World
 from tests.actors.test_lifecycle import config
-from tests.actors.test_weights_follower import CONFIG, RUN, FakeBus, publish, versions_of_model
 from tests.model.helpers import seeded_model
 
 
@@ -109,7 +109,8 @@ def _entry(**changes) -> bytes:
 
 def test_registry_entries_must_be_complete_and_their_own() -> None:
     """The issue's spoof: an entry shaped like a registration counted as a rollout actor."""
-    assert decode_registration("rollout-1-abcd", _entry())["state"] == "running"
+    key = registration_key("rollout", "rollout-1-abcd")
+    assert decode_registration(key, _entry())["state"] == "running"
     bad = {
         "shaped like one": msgpack.packb({"kind": "rollout", "state": "running"}),
         "not msgpack": b"\xc1\xff",
@@ -120,19 +121,31 @@ def test_registry_entries_must_be_complete_and_their_own() -> None:
         "another id": _entry(id="rollout-2-ffff"),
         "unknown state": _entry(state="sprinting"),
         "negative count": _entry(num_handled=-1),
+        "another kind": _entry(kind="trainer"),
     }
     for what, raw in bad.items():
         with pytest.raises(ValueError):
-            decode_registration("rollout-1-abcd", raw)
+            decode_registration(key, raw)
         assert what
-    with pytest.raises(ValueError, match="kind"):
-        decode_registration("fake-1-abcd", _entry(id="fake-1-abcd"))  # id says fake, kind says rollout
+    with pytest.raises(ValueError, match="kind"):  # id says fake, kind says rollout
+        decode_registration(registration_key("rollout", "fake-1-abcd"), _entry(id="fake-1-abcd"))
+    with pytest.raises(ValueError, match="another actor"):  # the old key, the actor id alone
+        decode_registration("rollout-1-abcd", _entry())
+
+
+def test_registry_keys_name_their_actor_s_kind() -> None:
+    """A role writes only keys under its own kind (the bus enforces it); a key under one kind that
+    names an actor of another is nobody's lease (the reconciler follows no removal of it)."""
+    assert parse_registration_key(registration_key("trainer", "trainer-1-ab")) == ("trainer", "trainer-1-ab")
+    for key in ("reg.rollout.trainer-1-ab", "trainer-1-ab", "handover.trainer", "reg.trainer",
+                "reg.trainer.trainer-1.ab", "x.trainer.trainer-1-ab", "reg.trainer.trainer"):
+        assert parse_registration_key(key) is None, key
 
 
 async def test_the_evaluator_ends_the_run_only_on_a_confirmed_claim() -> None:
     """The evaluator's own handler: a false claim leaves the run's last version unknown; a true one sets it."""
     from actors.config import RLConfig
-    from actors.evaluator import EvaluatorActor
+    from actors.stages.evaluator import EvaluatorActor
 
     source = ListTaskSource.numbered(4)
     resumed = await Lifecycle.resume(store := _store(), source, config(), 0.0, num_rollout_actors=4)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent import EpisodeEnd, ToolUse, Trajectory
+from actors.agent.episode import EpisodeEnd, ToolUse, Trajectory
 from actors.records import (
     RECORD_SCHEMA,
     GroupRecord,

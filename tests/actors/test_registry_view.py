@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from actors.registry_view import RegistryView
+from actors.reconciler.registry_view import RegistryView
 
 
 def entry(kind: str, state: str, lease_s: float | None = 10.0) -> bytes:

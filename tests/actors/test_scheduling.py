@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.scheduling import AdmissionLimit, BatchWait, GroupView, SchedulingConfig, admission, select_batch
+from actors.reconciler.scheduling import AdmissionLimit, BatchWait, GroupView, SchedulingConfig, admission, select_batch
 
 
 def admit(config: SchedulingConfig, **counts: int):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.slots import IllegalTransition, Slot, SlotDecodeError, SlotState
+from actors.reconciler.slot import IllegalTransition, Slot, SlotDecodeError, SlotState
 
 
 def admitted(index: int = 3) -> Slot:

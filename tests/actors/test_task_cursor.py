@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.slot_store import CasConflict
-from actors.task_cursor import CursorRecord, ListTaskSource, TaskCursor
+from actors.reconciler.store import CasConflict
+from actors.reconciler.task_cursor import CursorRecord, ListTaskSource, TaskCursor
 from actors.testing import InMemorySlotStore
 
 SOURCE = ListTaskSource.numbered(3)

@@ -16,6 +16,10 @@ Metric: trained samples per simulated second, median over seeds; the ratio async
 lag distribution (trainer version − oldest token version at training) per eta. Rollout actors
 generate with the newest weights when they start (in-flight weight updates are not modelled).
 
+This is a simulation, not a measurement of the system: its line says so (``"simulation": true``)
+and names the bench that measures the real run, ``tests.bench.e2e`` (the same comparison with the
+real actors, sandboxes, model and NATS).
+
 Run: .venv/bin/python -m tests.bench.async_vs_sync   (prints one JSON line)
 """
 
@@ -166,7 +170,9 @@ def main() -> None:
     sync = statistics.median(r["samples_per_s"] for r in sync_runs)
     result: dict = {
         "bench": "async_vs_sync",
+        "simulation": True,
         "model": "discrete-event simulation driving actors.Lifecycle; equal rollout capacity and trainer",
+        "real_run_bench": "tests.bench.e2e",
         "params": {k: v for k, v in vars(args).items() if k != "etas"},
         "sync_samples_per_s": round(sync, 3),
         "sync_closed_form_samples_per_s": round(statistics.median(sync_closed_form(args, s) for s in seeds), 3),

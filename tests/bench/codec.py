@@ -36,8 +36,10 @@ from typing import Any
 import msgpack
 import torch
 
-from actors.agent import EpisodeEnd, ToolUse, Trajectory
-from actors.lifecycle_events import (
+from actors.agent.episode import EpisodeEnd, ToolUse, Trajectory
+from actors.messages import COMPLETION_TYPES, all_order_types
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardOrder,
@@ -47,9 +49,7 @@ from actors.lifecycle_events import (
     TrainDone,
     TrainOrder,
 )
-from actors.messages import COMPLETION_TYPES, all_order_types
 from actors.records import GroupRecord, GroupSample, RewardBreakdown, RolloutRecord, decode_record, encode_record
-from actors.slots import Stage
 from model.config import ModelConfig
 from runtime.codec import SCHEMA_VERSION, Codec
 

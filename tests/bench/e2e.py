@@ -49,12 +49,12 @@ from typing import Any
 
 import structlog
 
-from actors.metrics_log import read_metrics
-from runtime.up import default_config_files
+from actors.__main__ import DEFAULT_RUN_FILE
+from runtime.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Layered on the default run (actors/run.toml: its actors), as `runtime.up --config A --config B` does.
+# Layered on the default run (actors/run.toml: its actors), as `python -m actors --config A --config B` does.
 RUN_FILE = """\
 [run]
 name = "bench-e2e-{mode}"
@@ -128,7 +128,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --- the policy ------------------------------------------------------------------------------------
 def cached_starting_policy(cache_dir: Path) -> Path | None:
     """The starting policy of the current recipe if it is cached or shipped; never builds it."""
-    from actors.starting_policy import SHIPPED_DIR, StartingPolicyCard, default_recipe
+    from actors.training.starting_policy import SHIPPED_DIR, StartingPolicyCard, default_recipe
 
     recipe_hash = default_recipe().recipe_hash()
     for directory in (cache_dir / f"starting-policy-{recipe_hash[:16]}", SHIPPED_DIR):
@@ -157,7 +157,7 @@ def choose_policy(args: argparse.Namespace, work_dir: Path) -> tuple[str, Path]:
         return "given", args.checkpoint.resolve()
     cache = REPO / "runs" / "_cache"
     if args.policy == "starting":
-        from actors.starting_policy import ensure_starting_policy
+        from actors.training.starting_policy import ensure_starting_policy
 
         return "starting", ensure_starting_policy(cache)
     cached = cached_starting_policy(cache) if args.policy == "auto" else None
@@ -191,7 +191,7 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, wo
             max_new_tokens=args.max_new_tokens,
         )
     )
-    layered = [a for c in (*default_config_files(), config) for a in ("--config", str(c))]
+    layered = [a for c in (DEFAULT_RUN_FILE, config) for a in ("--config", str(c))]
     load_before = os.getloadavg()[0]
     with open(work_dir / f"{name}.out", "wb") as out:
         proc = subprocess.Popen(

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from actors.agent import task_prompt_text
+from actors.agent.episode import task_prompt_text
+from actors.agent.policy import checkpoint_dir
 from actors.config import PolicySection, TasksSection
-from actors.policy import checkpoint_dir
 from actors.task_catalog import TaskCatalog
 from model._engine_core import EngineCore
 from model.checkpoint import load_checkpoint

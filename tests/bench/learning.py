@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from actors.metrics_log import read_metrics
+from runtime.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 MIN_GAIN = 0.15

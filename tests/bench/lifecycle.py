@@ -7,7 +7,8 @@ G samples; train per B groups, one batch at a time, under the same staleness bou
 
 - NATS: a real run (``python -m runtime.up``) of the real `actors.reconciler.ReconcilerActor`, its
   table in the ``slots`` JetStream KV bucket (file storage, every transition a compare-and-set), work
-  orders and completions on JetStream streams, and the simulated stage actors of
+  orders and completions on JetStream streams (a group's rollout and reward orders, and their
+  completions, one message each: `actors.reconciler.work.RolloutGroupOrder`), and the simulated stage actors of
   tests/integration/sim_stages.py with zero work time and no blob records, one process per kind.
   Durability on: everything the reconciler decides is in JetStream before it is acted on.
 - Ray: the design verl and OpenRLHF use: a driver loop (this process) calling rollout, reward, group
@@ -17,7 +18,7 @@ G samples; train per B groups, one batch at a time, under the same staleness bou
 Lifecycles/s = trained samples / seconds from the first admission to the last trained batch (NATS:
 read from the trainer's ledger, whose entries carry their time, and the reconciler's own counters).
 Latency = per stage, from issuing the work to accepting its completion (queue time included); the
-NATS side reports the reconciler's own p50/p99 (`actors.lifecycle_metrics`). Prints ONE JSON line.
+NATS side reports the reconciler's own p50/p99 (`actors.reconciler.metrics`). Prints ONE JSON line.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from typing import Any
 import msgpack
 import structlog
 
-from actors.reconciler import ReconcilerActor
+from actors.reconciler.actor import ReconcilerActor
 from runtime.bus import Bus
-from runtime.bus_auth import SUPERVISOR
+from runtime.bus_auth import SUPERVISOR, control_subject
 from runtime.rundir import RunInfo
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
@@ -183,7 +184,7 @@ async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[
             if not reconciler:
                 continue
             try:
-                status = await _request(bus, f"ctl.{reconciler[0]}.status")
+                status = await _request(bus, control_subject("reconciler", reconciler[0], "status"))
             except Exception:  # not consuming yet
                 continue
             if status.get("finished"):
@@ -200,7 +201,7 @@ async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[
         "cpu_ms_per_lifecycle": cpu_ms_per_lifecycle(before[1], after[1], in_window),
         "stage_p50_ms": {k: 1e3 * v["p50_s"] for k, v in lc["stage_latency"].items()},
         "stage_p99_ms": {k: 1e3 * v["p99_s"] for k, v in lc["stage_latency"].items()},
-        "slot_writes_per_sample": lc["counters"]["transitions"] / max(1, lc["counters"]["trained_samples"]),
+        "slot_writes_per_sample": lc["counters"]["slot_writes"] / max(1, lc["counters"]["trained_samples"]),
         "retries": lc["counters"].get("retries", 0),
         "ignored_completions": lc["counters"].get("ignored_completions", 0),
     }

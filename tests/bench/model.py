@@ -1,11 +1,22 @@
-"""Benchmark: our MoE transformer vs HF transformers Qwen3MoeForCausalLM (eager), same config and weights.
+"""Benchmark: our MoE transformer vs HF transformers Qwen3MoeForCausalLM at its defaults, same config and weights.
+
+The peer is what a user gets from ``Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)``:
+transformers picks SDPA attention and its ``grouped_mm`` experts (``torch.nn.functional.grouped_mm``,
+which has a CPU kernel in the installed torch), also its fastest on CPU here (two probes, tiny config,
+training, loads 8 and 25: eager attention and experts at 0.76x and 0.59x the defaults' tokens/s,
+``batched_mm`` experts at 0.12x).
+The line names the implementations transformers actually resolved; ``--peer-attn`` / ``--peer-experts``
+choose others (``eager`` reproduces the previous figures). Before timing, a parity check on the same
+weights and inputs: the largest logit difference and the training losses of both, refused past
+``PARITY_TOLERANCE`` (they would not be computing the same model).
 
 Measures, for the tiny default and the ~100M configuration, in fp32 on CPU:
 - training tokens/s: forward + backward of next-token cross-entropy over a batch of equal-length
   sequences (ours packed, HF as a (B, L) batch with labels);
 - generation tokens/s: B prompts, greedy, fixed number of new tokens (ours: the async `GenerationEngine`
   with continuous batching and KV cache; HF: `generate` with its KV cache).
-Runs alternate between the two implementations; medians are reported. Prints ONE JSON line.
+Runs alternate between the two implementations; medians are reported, with the 1-minute load average
+before and after (the machine may be shared). Prints ONE JSON line.
 
     .venv/bin/python tests/bench/model.py [--quick]      (or: python -m tests.bench.model)
 """
@@ -15,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -33,6 +45,8 @@ from model.config import ModelConfig, medium_100m, tiny
 from model.engine import EngineConfig, GenerationEngine, SamplingParams
 from model.packing import pack_sequences
 from model.transformer import MoETransformer
+
+PARITY_TOLERANCE = 1e-3  # fp32, same weights and inputs: max |logit difference| and |loss difference|
 
 SHAPES = {
     # name: (config, train batch, train len, gen batch, prompt len, new tokens)
@@ -71,6 +85,23 @@ def _train_fns(ours: MoETransformer, hf: torch.nn.Module, ids_BL: torch.Tensor):
     return run_ours, run_hf
 
 
+def parity(ours: MoETransformer, hf: torch.nn.Module, ids_BL: torch.Tensor) -> dict[str, float]:
+    """Same weights, same tokens: the largest logit difference and both training losses (no grad)."""
+    batch = pack_sequences(list(ids_BL))
+    with torch.no_grad():
+        logits_BLV = ours(batch.input_ids_T, seq_lens=batch.seq_lens).logits.view(*ids_BL.shape, -1)
+        ours_loss = F.cross_entropy(logits_BLV[:, :-1].flatten(0, 1), ids_BL[:, 1:].flatten()).item()
+        hf_out = hf(ids_BL, labels=ids_BL)
+    result = {
+        "parity_max_abs_logit_diff": (logits_BLV - hf_out.logits).abs().max().item(),
+        "parity_loss": ours_loss,
+        "parity_hf_loss": hf_out.loss.item(),
+    }
+    if max(result["parity_max_abs_logit_diff"], abs(ours_loss - result["parity_hf_loss"])) > PARITY_TOLERANCE:
+        raise AssertionError(f"ours and transformers compute different models: {result}")
+    return result
+
+
 def _gen_fns(ours: MoETransformer, hf: torch.nn.Module, prompts_BP: torch.Tensor, new: int):
     b = prompts_BP.shape[0]
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
@@ -97,26 +128,41 @@ def _gen_fns(ours: MoETransformer, hf: torch.nn.Module, prompts_BP: torch.Tensor
     return lambda: asyncio.run(ours_async()), run_hf
 
 
-def bench_config(name: str, reps: int) -> dict[str, float]:
+def load_peer(checkpoint_dir: str, attn: str | None, experts: str | None) -> torch.nn.Module:
+    """transformers' Qwen3-MoE from our checkpoint; None keeps transformers' default implementation."""
     import transformers
 
+    chosen = {k: v for k, v in {"attn_implementation": attn, "experts_implementation": experts}.items() if v}
+    return transformers.Qwen3MoeForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32, **chosen)
+
+
+def peer_implementations(hf: torch.nn.Module) -> dict[str, str]:
+    """What transformers resolved (its defaults fall back to eager where a kernel cannot run)."""
+    return {"attn": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
+
+
+def bench_config(name: str, reps: int, attn: str | None, experts: str | None) -> dict[str, float | str]:
     make, tb, tl, gb, pl, new = SHAPES[name]
     config: ModelConfig = make()
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(MoETransformer(config).init_weights(0), tmp)
         _, ours = load_checkpoint(tmp)
-        hf = transformers.Qwen3MoeForCausalLM.from_pretrained(
-            tmp, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
-        )
+        hf = load_peer(tmp, attn, experts)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (tb, tl), generator=gen)
+    ours.eval(), hf.eval()
+    checked = parity(ours, hf, ids)
     ours.train(), hf.train()
     train_ours, train_hf = _median_pair(*_train_fns(ours, hf, ids), reps)
     ours.eval(), hf.eval()
     prompts = torch.randint(0, 256, (gb, pl), generator=gen)
     gen_ours, gen_hf = _median_pair(*_gen_fns(ours, hf, prompts, new), reps)
+    implementations = peer_implementations(hf)
     return {
         "params": config.num_parameters(),
+        "peer_attn": implementations["attn"],
+        "peer_experts": implementations["experts"],
+        **{k: round(v, 6) for k, v in checked.items()},
         "train_tokens": tb * tl,
         "train_tok_s": round(train_ours, 1),
         "hf_train_tok_s": round(train_hf, 1),
@@ -129,17 +175,29 @@ def bench_config(name: str, reps: int) -> dict[str, float]:
     }
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny config only, 2 repetitions")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--peer-attn", help="transformers attn_implementation (default: transformers' own, sdpa)")
+    parser.add_argument(
+        "--peer-experts", help="transformers experts_implementation (default: transformers' own, grouped_mm)"
+    )
     args = parser.parse_args()
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     names = ["tiny"] if args.quick else list(SHAPES)
     reps = 2 if args.quick else args.reps
-    results = {name: bench_config(name, reps) for name in names}
+    load_start = os.getloadavg()[0]
+    results = {name: bench_config(name, reps, args.peer_attn, args.peer_experts) for name in names}
+    peers = {f"{r['peer_attn']} attention, {r['peer_experts']} experts" for r in results.values()}
     print(
         json.dumps(
             {
@@ -147,7 +205,9 @@ def main() -> None:
                 "dtype": "float32",
                 "device": "cpu",
                 "threads": torch.get_num_threads(),
-                "peer": "transformers Qwen3MoeForCausalLM eager",
+                "peer": f"transformers {transformers_version()} Qwen3MoeForCausalLM, " + "; ".join(sorted(peers)),
+                "load_avg_1m_start": round(load_start, 2),
+                "load_avg_1m_end": round(os.getloadavg()[0], 2),
                 **{f"{n}_{k}": v for n, r in results.items() for k, v in r.items()},
             }
         )

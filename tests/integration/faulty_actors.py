@@ -11,10 +11,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from actors.evaluator import EvaluatorActor
 from actors.messages import WeightsPublished
-from actors.rollout import RolloutActor
-from actors.trainer import TrainerActor
+from actors.stages.evaluator import EvaluatorActor
+from actors.stages.rollout import RolloutActor
+from actors.stages.trainer import TrainerActor
 from runtime.actor import Delivery
 
 

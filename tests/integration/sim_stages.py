@@ -43,7 +43,10 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors._stage import StageActor, WorkRefused
-from actors.lifecycle_events import (
+from actors.agent.policy import weights_run_name
+from actors.messages import WeightsPublished
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardDone,
@@ -53,10 +56,7 @@ from actors.lifecycle_events import (
     TrainDone,
     TrainOrder,
 )
-from actors.messages import WeightsPublished
-from actors.policy import weights_run_name
 from actors.records import RECORD_SCHEMA
-from actors.slots import Stage
 from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec

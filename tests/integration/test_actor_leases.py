@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 
-from actors.kv_slot_store import KVSlotStore
-from actors.slot_store import CURSOR_KEY, SLOT_PREFIX
-from actors.slots import Slot, SlotState
-from actors.task_cursor import CursorRecord
+from actors.reconciler.kv_store import KVSlotStore
+from actors.reconciler.slot import Slot, SlotState
+from actors.reconciler.store import CURSOR_KEY, SLOT_PREFIX
+from actors.reconciler.task_cursor import CursorRecord
+from runtime.bus_auth import control_subject
 from tests.integration.harness import LiveRun, run_events, write_config
 from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
 
@@ -54,7 +55,7 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
         async def a_rollout_actor_holds_work() -> bool:
             for actor in await run.actors():
                 if actor["kind"] == "rollout":
-                    info = await run.request(f"ctl.{actor['id']}.status")
+                    info = await run.request(control_subject(actor["kind"], actor["id"], "status"))
                     if info["state"] == "running" and info["num_inflight"] >= 1:
                         victim.update(info)
                         return True
@@ -62,7 +63,7 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
 
         await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
         os.kill(victim["pid"], signal.SIGSTOP)
-        slots = KVSlotStore(await run.bus.kv("slots"))
+        slots = KVSlotStore(run.bus, "slots")
 
         async def finished() -> bool:
             cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)
@@ -101,7 +102,7 @@ async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_n
         async def a_rollout_actor_holds_work() -> bool:
             for actor in await run.actors():
                 if actor["kind"] == "rollout":
-                    info = await run.request(f"ctl.{actor['id']}.status")
+                    info = await run.request(control_subject(actor["kind"], actor["id"], "status"))
                     if info["state"] == "running" and info["num_inflight"] >= 1:
                         victim.update(info)
                         return True
@@ -109,7 +110,7 @@ async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_n
 
         await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
         os.kill(victim["pid"], signal.SIGKILL)
-        slots = KVSlotStore(await run.bus.kv("slots"))
+        slots = KVSlotStore(run.bus, "slots")
 
         async def finished() -> bool:
             cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)

@@ -15,6 +15,7 @@ import msgpack
 import pytest
 from nats.js.errors import NoKeysError
 
+from runtime.bus_auth import control_subject
 from runtime.codec import Codec
 from tests.integration.harness import REPO, LiveRun, alive, descendants, write_config
 from tests.integration.workers import CountRequest
@@ -211,6 +212,28 @@ async def test_an_actor_with_nice_gives_way_on_the_cpu(tmp_path: Path) -> None:
         assert await run.stop() == 0
 
 
+def _environment(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(e.split("=", 1) for e in entries if "=" in e)
+
+
+async def test_an_actor_kind_s_threads_are_the_one_setting_of_its_compute_threads(tmp_path: Path) -> None:
+    """``actors.<kind>.threads`` (default 1) is set in the process's environment, which torch follows."""
+    for threads, expected in (("", "1"), ("threads = 3\n", "3")):
+        config = write_config(tmp_path / "run.toml", COUNTER_RUN.format(count=1, concurrency=1) + threads)
+        run = await LiveRun(tmp_path / f"run{expected}", config).start()
+        try:
+            (actor,) = await run.wait_actors("counter", 1)
+            env = _environment(actor["pid"])
+            assert (env.get("OMP_NUM_THREADS"), env.get("MKL_NUM_THREADS")) == (expected, expected), threads
+        finally:
+            assert await run.stop() == 0
+    torch_threads = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert torch_threads.stdout.strip() == "1", torch_threads.stderr  # (torch caps it at the cores: not 3)
+
+
 async def test_restart_intensity_limit_fails_the_run(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "run.toml", """
 [supervisor]
@@ -246,7 +269,7 @@ async def test_live_config_reaches_every_actor_within_a_second(tmp_path: Path, c
         while len(seen) < 3 and time.monotonic() - t_set < 5:
             for a in actors:
                 if a["id"] not in seen:
-                    status = await run.request(f"ctl.{a['id']}.status")
+                    status = await run.request(control_subject(a["kind"], a["id"], "status"))
                     if status["delay_scale"] == 0.25:
                         seen[a["id"]] = time.monotonic() - t_set
             await asyncio.sleep(0.02)

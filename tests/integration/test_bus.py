@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 from nats.js.errors import NoKeysError
 
-from runtime.bus import Bus, work_queue
-from runtime.errors import BusError
+from runtime.bus import Bus, Inbound, KVEntry, work_queue
+from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 from runtime.natsserver import NatsServer, NatsServerConfig
 from tests.integration.harness import nats_bus
 
@@ -107,3 +108,89 @@ async def test_a_killed_server_is_restarted_and_clients_carry_on(tmp_path: Path)
         supervision.cancel()
         await bus.close()
         await server.stop()
+
+
+async def test_the_typed_kv_api_says_absent_and_conflict_in_the_runtimes_terms(tmp_path: Path) -> None:
+    async with nats_bus(tmp_path) as bus:
+        assert await bus.kv_keys("config") == []
+        assert await bus.kv_get("config", "a") is None
+        first = await bus.kv_create("config", "a", b"1")
+        with pytest.raises(RevisionMismatch):
+            await bus.kv_create("config", "a", b"2")  # exists: the caller keeps what is there
+        second = await bus.kv_cas("config", "a", b"2", first)
+        with pytest.raises(RevisionMismatch):
+            await bus.kv_cas("config", "a", b"3", first)  # changed since that revision was read
+        assert await bus.kv_get("config", "a") == KVEntry("a", b"2", second)
+        await bus.kv_put("config", "b", b"")
+        assert sorted(await bus.kv_keys("config")) == ["a", "b"]
+        await bus.kv_delete("config", "a")
+        assert await bus.kv_get("config", "a") is None and await bus.kv_keys("config") == ["b"]
+        await bus.kv_create("config", "a", b"again")  # a deleted key may be created anew
+        seen: list[KVEntry | None] = []
+        async with contextlib.aclosing(bus.kv_watch("config")) as entries:
+            async for entry in entries:
+                seen.append(entry)
+                if entry is None:
+                    await bus.kv_delete("config", "b")
+                elif entry.deleted:
+                    break
+        assert [(e.key, e.value) if e else None for e in seen[:3]] == [("b", b""), ("a", b"again"), None]
+        assert seen[-1] is not None and seen[-1].key == "b" and seen[-1].deleted
+
+
+async def test_requests_say_who_is_not_there_and_who_is_too_slow(tmp_path: Path) -> None:
+    async with nats_bus(tmp_path) as bus:
+        with pytest.raises(NoResponders):
+            await bus.request("nobody.here", b"", timeout_s=2.0)
+
+        async def echo(msg: Inbound) -> None:
+            await bus.respond(msg, msg.subject.encode() + b":" + msg.data)
+
+        async def silent(msg: Inbound) -> None:
+            pass
+
+        subs = [await bus.subscribe("echo.*", echo), await bus.subscribe("slow", silent)]
+        try:
+            assert await bus.request("echo.x", b"hi", timeout_s=2.0) == b"echo.x:hi"
+            with pytest.raises(BusTimeout) as slow:
+                await bus.request("slow", b"", timeout_s=0.3)
+            assert isinstance(slow.value, TimeoutError) and isinstance(slow.value, BusError)
+            await bus.flush(timeout_s=2.0)
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+        await subs[0].unsubscribe()  # twice: quiet
+
+
+async def test_a_work_queue_hands_out_typed_messages_and_follow_reads_a_stream(tmp_path: Path) -> None:
+    async with nats_bus(tmp_path) as bus:
+        queue = work_queue("typed")
+        await bus.ensure_queue(queue)
+        consumer = await bus.pull_consumer(queue)
+        assert await consumer.fetch(4, timeout_s=0.2) == []  # nothing there: empty, not an exception
+        for _ in range(30):  # nats-py raises asyncio's TimeoutError when its deadline runs out between requests
+            assert await consumer.fetch(4, timeout_s=0.001) == []
+        await bus.publish_durable("work.typed", b"a", msg_id="m-a")
+        await bus.publish_durable("work.typed", b"a", msg_id="m-a")  # deduplicated by its id
+        (msg,) = await consumer.fetch(4, timeout_s=2.0)
+        assert (msg.subject, msg.data, msg.num_delivered, msg.msg_id) == ("work.typed", b"a", 1, "m-a")
+        await msg.nak(delay=0.0)
+        (again,) = await consumer.fetch(4, timeout_s=5.0)
+        assert again.num_delivered == 2 and again.stream_sequence == msg.stream_sequence
+        await again.ack()
+        states = {s.name: s for s in await bus.stream_states()}
+        assert states[queue.stream].subjects == ("work.typed",)
+        await consumer.unsubscribe()
+
+        await bus.ensure_base()
+        for i in range(3):
+            await bus.publish_durable("log.test.info", str(i).encode())
+        got = []
+        async with contextlib.aclosing(bus.follow("log.>", "all")) as messages:
+            async for m in messages:
+                got.append((m.data, m.num_pending))
+                if m.num_pending == 0:
+                    break
+        assert got == [(b"0", 2), (b"1", 1), (b"2", 0)]
+        with pytest.raises(ValueError, match="start="):
+            await anext(bus.follow("log.>", "everything"))  # type: ignore[arg-type]

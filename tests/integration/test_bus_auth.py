@@ -14,13 +14,14 @@ import msgpack
 import nats
 import pytest
 
-from actors.evaluator import EvaluatorActor
 from actors.reconciler import ReconcilerActor
+from actors.stages.evaluator import EvaluatorActor
 from runtime.bus import Bus
 from runtime.bus_auth import (
     OPERATOR,
     SUPERVISOR,
     actor_permissions,
+    control_subject,
     generate_credentials,
     read_credentials,
     tls_context,
@@ -28,6 +29,7 @@ from runtime.bus_auth import (
 from runtime.codec import Codec
 from runtime.errors import BusError
 from runtime.natsserver import NatsServer, NatsServerConfig
+from runtime.registry import handover_key, registration_key
 from runtime.run_config import load_run_config
 from runtime.rundir import RunInfo
 from runtime.up import bus_roles
@@ -79,6 +81,9 @@ async def test_embedded_credentials_are_private_and_roles_are_confined(tmp_path:
             await evaluator.nc.subscribe("weights.r1")
             await evaluator.nc.subscribe("data_exhausted.r1")
             await evaluator.publish("progress.eval", msgpack.packb({"x": 1}))
+            await evaluator.nc.subscribe(control_subject("evaluator", "evaluator-1-abcd"))  # its own actors' control
+            own_lease = registration_key("evaluator", "evaluator-1-abcd")
+            assert await evaluator.js_publish(f"$KV.actors.{own_lease}", b"lease"), evaluator.errors
             with pytest.raises(nats.errors.NoRespondersError):
                 await evaluator.nc.request("ctl.supervisor.finish", b"", timeout=1)
             await asyncio.sleep(0.3)
@@ -92,6 +97,12 @@ async def test_embedded_credentials_are_private_and_roles_are_confined(tmp_path:
             assert await evaluator.refused("_inbox_reconciler"), "nobody reads another role's replies"
             await evaluator.nc.subscribe("ctl.supervisor.stop")
             assert await evaluator.refused("ctl.supervisor.stop"), "no actor answers for the supervisor"
+            await evaluator.nc.subscribe(control_subject("reconciler", "reconciler-1-abcd"))
+            assert await evaluator.refused("ctl.reconciler."), "nor for another kind's actors"
+            await evaluator.publish(f"$KV.actors.{registration_key('reconciler', 'reconciler-1-abcd')}", b"x")
+            assert await evaluator.refused("$kv.actors.reg.reconciler."), "nor writes their leases"
+            await evaluator.publish(f"$KV.actors.{handover_key('reconciler')}", b"x")
+            assert await evaluator.refused("$kv.actors.handover.reconciler"), "nor their handover"
         async with connect_as(info, OPERATOR) as operator:
             assert not await operator.js_publish("$KV.slots.meta", b"x", timeout=1.0)
             assert await operator.refused("$kv.slots.meta")

@@ -18,7 +18,7 @@ from typing import Any
 import nats.errors
 import pytest
 
-from actors.slots import SlotState
+from actors.reconciler.slot import SlotState
 from runtime.bus import Bus
 from runtime.events import parse_event
 from runtime.natsserver import NatsServer, NatsServerConfig

@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import nats.errors
 import pytest
 
-from actors.lifecycle_events import MetaRecord, RolloutDone, TrainDone, TrainOrder
+from actors.agent.policy import weights_run_name
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, all_order_types
-from actors.policy import weights_run_name
-from actors.slot_store import META_KEY
-from runtime.bus_auth import OPERATOR
+from actors.reconciler.store import META_KEY
+from actors.reconciler.work import MetaRecord, RolloutDone, TrainDone, TrainOrder
+from runtime.bus_auth import OPERATOR, control_subject
 from runtime.codec import Codec
+from runtime.registry import handover_key, registration_key
 from tests.integration.bus_clients import connect_anonymously, connect_as
 from tests.integration.harness import LiveRun, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
@@ -65,7 +67,7 @@ async def start_run(tmp_path: Path) -> LiveRun:
 
 async def reconciler_status(run: LiveRun) -> dict[str, Any]:
     (reconciler,) = await run.wait_actors("reconciler", 1)
-    return await run.request(f"ctl.{reconciler['id']}.status")
+    return await run.request(control_subject("reconciler", reconciler["id"], "status"))
 
 
 async def test_spoofs_on_a_live_run_are_refused_and_the_run_ends_as_undisturbed(tmp_path: Path) -> None:
@@ -135,11 +137,32 @@ async def test_spoofs_on_a_live_run_are_refused_and_the_run_ends_as_undisturbed(
             await trainer.publish(f"data_exhausted.{run_name}", claim)
             assert await trainer.refused("data_exhausted."), "only the reconciler says the data ran out"
 
-            # 6. a registry entry shaped like a registration
+            # 6. a registry entry shaped like a registration, under the rollout role's own keys
             shaped = msgpack.packb({"kind": "rollout", "state": "running"})
-            await operator.publish("$KV.actors.rollout-9-beef", shaped)
+            forged_key = registration_key("rollout", "rollout-9-beef")
+            await operator.publish(f"$KV.actors.{forged_key}", shaped)
             assert await operator.refused("$kv.actors"), "operator tools do not register actors"
-            await rollout.publish("$KV.actors.rollout-9-beef", shaped)
+            await rollout.publish(f"$KV.actors.{forged_key}", shaped)
+            # ... and over another kind's: a rollout actor neither overwrites nor deletes a trainer's
+            # lease, nor leaves it a handover, nor listens to (and answers) the trainer's control requests
+            (trainer_actor,) = await run.wait_actors("trainer", 1)
+            trainer_key = registration_key("trainer", trainer_actor["id"])
+            registry = await bus.kv("actors")
+            before = await registry.get(trainer_key)
+            stolen = msgpack.packb({**msgpack.unpackb(before.value), "state": "stopped"})
+            assert not await rollout.js_publish(f"$KV.actors.{trainer_key}", stolen, timeout=1.0)
+            assert await rollout.refused(f"$kv.actors.{trainer_key}")
+            registry_as_rollout = await rollout.nc.jetstream().key_value("actors")
+            with pytest.raises((TimeoutError, nats.errors.Error)):  # refused: never acknowledged
+                await registry_as_rollout.delete(trainer_key)
+            # under its own prefix it may delete anything, and a key naming the trainer is no trainer's lease
+            await registry_as_rollout.delete(registration_key("rollout", trainer_actor["id"]))
+            assert not await rollout.js_publish(f"$KV.actors.{handover_key('trainer')}", b"x", timeout=1.0)
+            await rollout.nc.subscribe(control_subject("trainer", trainer_actor["id"]))
+            assert await rollout.refused(f"ctl.trainer.{trainer_actor['id']}"), "no one answers for a trainer"
+            after = await registry.get(trainer_key)
+            assert msgpack.unpackb(after.value)["state"] == "running" and after.revision >= before.revision
+            assert not [k for k in await registry.keys() if k == handover_key("trainer")]
 
             # 7. well-typed garbage in the config bucket
             garbage = msgpack.packb(1)  # max_ready_groups=1 < batch_size_groups: no batch could ever form
@@ -168,10 +191,11 @@ async def test_spoofs_on_a_live_run_are_refused_and_the_run_ends_as_undisturbed(
         assert status["num_rejected_registrations"] >= 1
         assert {e["reason"] for e in events(run.run_dir, "report_rejected")} >= {
             "token does not match the issued one", "attempt never issued"}
-        assert any(e["key"] == "rollout-9-beef" for e in events(run.run_dir, "registry_entry_rejected"))
+        assert any(e["key"] == "reg.rollout.rollout-9-beef" for e in events(run.run_dir, "registry_entry_rejected"))
         assert any("no batch could ever form" in e["error"] for e in events(run.run_dir, "config_change_rejected"))
         assert any(e.get("version") == 10**9 for e in events(run.run_dir, "weights_signal_rejected"))
         assert not events(run.run_dir, "actor_crashed"), "no actor crashed"
         assert not events(run.run_dir, "bus_permission_denied"), "every actor's own subjects are declared"
+        assert not [e for e in events(run.run_dir, "actor_lost") if e.get("actor_id") == trainer_actor["id"]]
     finally:
         assert await run.stop() == 0

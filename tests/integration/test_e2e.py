@@ -14,15 +14,15 @@ import torch
 import zstandard
 from safetensors.torch import load_file
 
-from actors.metrics_log import read_metrics
+from actors.__main__ import DEFAULT_RUN_FILE
 from actors.records import RolloutRecord, decode_record
-from actors.starting_policy import ensure_starting_policy
-from runtime.up import default_config_files
+from actors.training.starting_policy import ensure_starting_policy
+from runtime.metrics_log import read_metrics
 from tests.integration.harness import REPO, LiveRun, write_config
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
-# Layered on the default run (actors/run.toml: its actors), as `runtime.up --config A --config B` does.
+# Layered on the default run (actors/run.toml: its actors), as `python -m actors --config A --config B` does.
 SHORT_RUN = """
 [run]
 name = "e2e"
@@ -56,7 +56,7 @@ def starting_policy() -> Path:
 
 def _short_run(tmp_path: Path, seed: int, steps: int, checkpoint: Path) -> list[Path]:
     overlay = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=seed, steps=steps, checkpoint=checkpoint))
-    return [*default_config_files(), overlay]
+    return [DEFAULT_RUN_FILE, overlay]
 
 
 def _rows(run_dir: Path, kind: str) -> list[dict]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from actors.config import TasksSection
-from actors.lifecycle_events import RolloutDone, RolloutOrder
 from actors.messages import COMPLETION_TYPES, all_order_types
+from actors.reconciler.work import RolloutDone, RolloutOrder
 from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint
 from model.config import tiny

@@ -13,12 +13,13 @@ from typing import Any
 import msgpack
 import pytest
 
-from actors.lifecycle import CoreBroken
-from actors.reconciler import ReconcilerActor
+from actors.reconciler.actor import ReconcilerActor
+from actors.reconciler.lifecycle import CoreBroken
 from ops import status as ops_status
 from runtime.actor import Actor, ActorContext, ActorIdentity, ActorSettings
 from runtime.bus import Bus
 from runtime.natsserver import NatsServer, NatsServerConfig
+from runtime.registry import registration_key
 from runtime.run_config import load_run_config
 from runtime.rundir import RunInfo
 from runtime.up import _publish_live_defaults
@@ -78,8 +79,9 @@ async def test_reconciler_counts_no_rollout_actor_only_when_there_is_none(tmp_pa
         reconciler.bus, reconciler.num_rejected_registrations = bus, 0
         assert await reconciler._count_rollout_actors() == 0
         kv = await bus.kv("actors")
-        await kv.put("rollout-1", msgpack.packb(_registration("rollout", "rollout-1")))
-        await kv.put("reward-1", msgpack.packb(_registration("reward", "reward-1")))
+        await kv.put(registration_key("rollout", "rollout-1"), msgpack.packb(_registration("rollout", "rollout-1")))
+        await kv.put(registration_key("reward", "reward-1"), msgpack.packb(_registration("reward", "reward-1")))
+        await kv.put("rollout-2", msgpack.packb(_registration("rollout", "rollout-2")))  # not under its own key
         assert await reconciler._count_rollout_actors() == 1
         await _closed(bus)
         with pytest.raises(Exception):  # noqa: B017 - whatever the client raises, not a count of 0
@@ -110,7 +112,8 @@ async def test_status_reports_a_malformed_registry_entry_beside_the_others(tmp_p
         bus = await Bus.connect(server.url, name="test")
         try:
             kv = await bus.kv("actors")
-            await kv.put("counter-1", msgpack.packb(_registration("counter", "counter-1")))
+            await kv.put(registration_key("counter", "counter-1"), msgpack.packb(_registration("counter", "counter-1")))
+            await kv.put("counter-2", msgpack.packb(_registration("counter", "counter-2")))  # the old key: refused
             await kv.put("garbage", b"\xc1\xc1")
             await kv.put("a-list", msgpack.packb([1, 2]))
             await kv.put("half", msgpack.packb({"kind": "counter", "id": 5}))
@@ -119,7 +122,7 @@ async def test_status_reports_a_malformed_registry_entry_beside_the_others(tmp_p
             await bus.close()
         status = await ops_status.collect(tmp_path)
         assert [a["id"] for a in status["actors"]] == ["counter-1"]
-        assert sorted(m["key"] for m in status["malformed_entries"]) == ["a-list", "garbage", "half"]
+        assert sorted(m["key"] for m in status["malformed_entries"]) == ["a-list", "counter-2", "garbage", "half"]
         text = ops_status.render(status)
         assert "malformed registry entry 'garbage' is not msgpack" in text and "counter-1" in text
 
@@ -133,14 +136,14 @@ async def test_a_handling_failed_by_a_bus_outage_is_not_the_messages_fault(tmp_p
         queue = work_queue("outage")
         await bus.ensure_queue(queue)
         actor = Actor(ActorContext(ActorIdentity.here("x", "x-1", "h"), bus, ActorSettings(max_deliveries=1), None))
-        sub = await bus.js.pull_subscribe_bind(durable=queue.durable, stream=queue.stream)
+        sub = await bus.pull_consumer(queue)
         await bus.publish_durable("work.outage", b"m1")
-        (raw,) = await sub.fetch(1, timeout=5)
+        (raw,) = await sub.fetch(1, timeout_s=5)
         outages_before = bus.health.num_outages - 1  # the bus dropped (and came back) while it was handled
         await actor._failed(queue, raw, "T", ConnectionError("publish timed out"), outages_before)
         assert actor.num_dead_lettered == 0
-        (again,) = await sub.fetch(1, timeout=10)  # nak'ed: redelivered
-        assert again.data == b"m1" and again.metadata.num_delivered == 2
+        (again,) = await sub.fetch(1, timeout_s=10)  # nak'ed: redelivered
+        assert again.data == b"m1" and again.num_delivered == 2
         await actor._failed(queue, again, "T", ValueError("bad"), bus.health.num_outages)
         assert actor.num_dead_lettered == 1
         dlq = await bus.js.subscribe("dlq.>", ordered_consumer=True, deliver_policy=None)

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from actors.messages import ORDER_TYPES
-from actors.slots import SlotState, Stage
+from actors.reconciler.slot import SlotState, Stage
 from tests.integration.harness import LiveRun, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 from tests.integration.test_bus_outage import _assert_clean_exit, _events

@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 
 from actors.config import TasksSection
-from actors.kv_slot_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
-from actors.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
-from actors.lifecycle_events import GroupOutcome, RolloutDone, RolloutOrder
-from actors.scheduling import SchedulingConfig
-from actors.slot_store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX, CasConflict, Entry
-from actors.slots import Slot, SlotState
+from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
+from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
+from actors.reconciler.scheduling import SchedulingConfig
+from actors.reconciler.slot import Slot, SlotState
+from actors.reconciler.store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX, CasConflict, Entry
+from actors.reconciler.task_cursor import CursorRecord, ListTaskSource
+from actors.reconciler.work import GroupOutcome, RolloutDone, RolloutOrder
 from actors.task_catalog import TaskCatalog
-from actors.task_cursor import CursorRecord, ListTaskSource
 from runtime.bus import Bus
 from tests.integration.harness import LiveRun, nats_bus, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
@@ -41,7 +41,7 @@ STAGE_KINDS = ("rollout", "reward", "grouping", "trainer")
 # ------------------------------------------------------------------------------ KVSlotStore
 async def test_kv_slot_store_compare_and_set(tmp_path: Path) -> None:
     async with nats_bus(tmp_path) as bus:
-        store = KVSlotStore(await bus.kv("slots"))
+        store = KVSlotStore(bus, "slots")
         assert await store.keys() == [] and await store.get("slot.0") is None
         r1 = await store.create("slot.0", b"a")
         with pytest.raises(CasConflict) as exists:
@@ -66,7 +66,7 @@ async def test_kv_slot_store_compare_and_set(tmp_path: Path) -> None:
 async def test_pipelined_store_applies_a_prefix_of_its_writes(tmp_path: Path) -> None:
     async with nats_bus(tmp_path) as bus:
         kv = await bus.kv("slots")
-        store = await PipelinedKVSlotStore.open(bus.nc, kv, "slots")
+        store = await PipelinedKVSlotStore.open(bus, "slots")
         r1 = await store.create("slot.0", b"a")
         r2 = await store.create("slot.1", b"b")
         r3 = await store.update("slot.0", b"c", r1)
@@ -78,9 +78,9 @@ async def test_pipelined_store_applies_a_prefix_of_its_writes(tmp_path: Path) ->
             await store.sync()
         with pytest.raises(StoreBroken):
             await store.update("slot.0", b"z", r3)
-        plain = KVSlotStore(kv)
+        plain = KVSlotStore(bus, "slots")
         assert await plain.get("slot.0") == Entry(b"c", r3) and await plain.get("slot.1") == Entry(b"b", r2)
-        again = await PipelinedKVSlotStore.open(bus.nc, kv, "slots")
+        again = await PipelinedKVSlotStore.open(bus, "slots")
         assert await again.update("slot.0", b"y", r3) == r3 + 1
         await again.sync()
         await kv.put("other", b"another writer")
@@ -94,7 +94,7 @@ async def test_a_second_reconciler_fences_the_first(tmp_path: Path) -> None:
     config = LifecycleConfig(num_slots=8, group_size=2, batch_size_groups=2, scheduling=SchedulingConfig(eta=1))
     source = ListTaskSource.numbered(10)
     async with nats_bus(tmp_path) as bus:
-        store = KVSlotStore(await bus.kv("slots"))
+        store = KVSlotStore(bus, "slots")
         first = await Lifecycle.resume(store, source, config, 0.0, num_rollout_actors=1)
         rollout = next(o for o in first.orders if isinstance(o, RolloutOrder))
         second = await Lifecycle.resume(store, source, config, 1.0, num_rollout_actors=1)
@@ -168,7 +168,7 @@ async def _chaos(run: LiveRun, rng: random.Random, stop: asyncio.Event, killed: 
 
 
 async def _durable_table(bus: Bus) -> tuple[CursorRecord, list[Slot], dict[str, GroupOutcome]]:
-    store = KVSlotStore(await bus.kv("slots"))
+    store = KVSlotStore(bus, "slots")
     keys = await store.keys()
     cursor = CursorRecord.decode((await store.get(CURSOR_KEY)).value)
     slots = [Slot.decode((await store.get(k)).value) for k in keys if k.startswith(SLOT_PREFIX)]

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from actors.config import TasksSection
-from actors.lifecycle_events import RolloutOrder
 from actors.messages import all_order_types
-from actors.scratch import scratch_root
+from actors.reconciler.work import RolloutOrder
+from actors.stages.scratch import scratch_root
 from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
+from runtime.bus_auth import control_subject
 from runtime.codec import Codec
 from sandbox._mount import mounts_under
 from tests.integration.harness import LiveRun, write_config
@@ -28,7 +29,7 @@ RUN = """
 [supervisor]
 drain_timeout_s = 60.0
 [actors.rollout]
-entry = "actors.rollout:RolloutActor"
+entry = "actors.stages.rollout:RolloutActor"
 max_concurrency = 4
 [policy]
 checkpoint = "{checkpoint}"
@@ -50,7 +51,7 @@ async def test_a_drain_gives_back_an_order_waiting_for_weights_that_never_come(t
         order = RolloutOrder("s0", 1, prompt, "g0", 0, 5)  # admitted under version 5: no trainer will make it
         await run.bus.publish_durable("work.rollout", await Codec(all_order_types()).encode(order))
         deadline = time.monotonic() + 60
-        while (await run.request(f"ctl.{actor['id']}.status"))["num_inflight"] < 1:
+        while (await run.request(control_subject(actor["kind"], actor["id"], "status")))["num_inflight"] < 1:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.2)
         started = time.monotonic()

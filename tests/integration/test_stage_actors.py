@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from actors.config import TasksSection
-from actors.lifecycle_events import (
+from actors.messages import COMPLETION_TYPES, all_order_types
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardDone,
@@ -19,7 +20,6 @@ from actors.lifecycle_events import (
     TrainDone,
     TrainOrder,
 )
-from actors.messages import COMPLETION_TYPES, all_order_types
 from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint
 from model.config import tiny
@@ -32,14 +32,14 @@ pytestmark = pytest.mark.timeout(300)
 
 STAGES_RUN = """
 [actors.rollout]
-entry = "actors.rollout:RolloutActor"
+entry = "actors.stages.rollout:RolloutActor"
 max_concurrency = 8
 [actors.reward]
-entry = "actors.reward:RewardActor"
+entry = "actors.stages.reward:RewardActor"
 [actors.grouping]
-entry = "actors.grouping:GroupingActor"
+entry = "actors.stages.grouping:GroupingActor"
 [actors.trainer]
-entry = "actors.trainer:TrainerActor"
+entry = "actors.stages.trainer:TrainerActor"
 max_concurrency = 1
 
 [policy]

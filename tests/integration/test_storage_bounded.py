@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.kv_slot_store import KVSlotStore
-from actors.slot_store import CURSOR_KEY, SLOT_PREFIX
-from actors.slots import Slot, SlotState
-from actors.task_cursor import CursorRecord
+from actors.reconciler.kv_store import KVSlotStore
+from actors.reconciler.slot import Slot, SlotState
+from actors.reconciler.store import CURSOR_KEY, SLOT_PREFIX
+from actors.reconciler.task_cursor import CursorRecord
 from runtime.blob import open_store
 from tests.integration.harness import LiveRun, write_config
 from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
@@ -37,7 +37,7 @@ async def test_the_blobs_of_finished_groups_are_collected_and_storage_stays_boun
     counts: list[int] = []
     try:
         assert run.bus is not None
-        slots = KVSlotStore(await run.bus.kv("slots"))
+        slots = KVSlotStore(run.bus, "slots")
         async with open_store((run_dir / "blobs").as_uri()) as store:
 
             async def num_blobs() -> int:

@@ -21,7 +21,8 @@ import pytest
 import zstandard
 
 from actors.config import TasksSection
-from actors.lifecycle_events import (
+from actors.messages import COMPLETION_TYPES, all_order_types
+from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
     RewardDone,
@@ -31,9 +32,7 @@ from actors.lifecycle_events import (
     TrainDone,
     TrainOrder,
 )
-from actors.messages import COMPLETION_TYPES, all_order_types
-from actors.metrics_log import read_metrics
-from actors.scratch import scratch_root
+from actors.stages.scratch import scratch_root
 from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint
 from model.config import tiny
@@ -42,6 +41,7 @@ from model.weight_sync import SubscriberConfig, WeightSubscriber
 from runtime.blob import open_store
 from runtime.bus import DONE_QUEUE
 from runtime.codec import Codec
+from runtime.metrics_log import read_metrics
 from sandbox._mount import mounts_under
 from tests.integration.faulty_actors import EVALUATOR_KILLED_AT, TRAINER_KILLS
 from tests.integration.harness import LiveRun, run_events, write_config
@@ -60,14 +60,14 @@ max_restarts = 10
 backoff_max_s = 1.0
 
 [actors.rollout]
-entry = "actors.rollout:RolloutActor"
+entry = "actors.stages.rollout:RolloutActor"
 max_concurrency = 4
 heartbeat_s = 1.0
 [actors.reward]
-entry = "actors.reward:RewardActor"
+entry = "actors.stages.reward:RewardActor"
 heartbeat_s = 1.0
 [actors.grouping]
-entry = "actors.grouping:GroupingActor"
+entry = "actors.stages.grouping:GroupingActor"
 heartbeat_s = 1.0
 [actors.trainer]
 entry = "tests.integration.faulty_actors:KilledTrainerActor"

@@ -150,7 +150,7 @@ def test_a_value_outside_its_range_is_refused_at_load_naming_the_key(override: s
 
 def test_a_section_built_in_code_is_range_checked_too() -> None:
     from actors.config import TrainerSection
-    from actors.scheduling import SchedulingConfig
+    from actors.reconciler.scheduling import SchedulingConfig
 
     with pytest.raises(ConfigError, match=r"'trainer.lr' = 126"):
         TrainerSection(lr=126.0)

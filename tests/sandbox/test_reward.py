@@ -143,7 +143,7 @@ async def test_a_workspace_over_its_budget_is_a_sample_that_fails_every_test(sto
     """The rollout actor's export of a workspace the policy took over the host budgets is no error of the
     actor (which would burn the sample's retries on the same behaviour): the sample stands, and the reward
     actor's outcome for it fails every test, saying why."""
-    from actors.rollout import _export_workspace
+    from actors.stages.rollout import _export_workspace
     from sandbox.reward import over_budget_outcome
 
     with Environment.create(store, PY_TASK.files, SandboxLimits(wall_time_s=10.0, max_dir_depth=16)) as env:

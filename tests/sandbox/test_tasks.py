@@ -17,8 +17,8 @@ from sandbox import (
     load_tasks_jsonl,
     score,
 )
-from sandbox._families import FAMILIES, all_tasks
 from sandbox.config import SandboxLimits
+from sandbox.task_generator import FAMILIES, all_tasks
 
 
 def test_generated_tasks_are_small_graded_and_deterministic() -> None:

@@ -1,0 +1,361 @@
+"""The reconciler actor: owns the slot table and moves every sample through its lifecycle.
+
+It wraps the transport-free core (actors.reconciler.lifecycle.Lifecycle) with NATS: completions arrive on
+``done.<stage>`` (a durable stream, acked only after the core has recorded them), work orders go out
+on ``work.<stage>`` with the order's (stage, key, attempt) as the message id, stage actors' liveness
+arrives on ``heartbeat.<stage>``, the live rollout-actor count comes from the actor registry, and a
+tick re-checks timeouts and admission. Registry entries are leases (`actors.reconciler.registry_view`): an
+actor whose lease runs out, or whose entry is removed while it was not stopped, is lost, and the
+work it was last seen on is re-issued at once (``on_actor_lost``), not after its stage's timeout.
+Each weights announcement moves the core's trainer version (``on_trainer_version``). The table lives
+in the ``slots`` KV bucket, every write a compare-and-set, so a restarted reconciler (or a resumed
+run) continues where this one stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, ClassVar
+
+import msgpack
+import structlog
+
+from actors.agent.policy import weights_run_name
+from actors.agent.weights_follower import weights_subject, why_not_published
+from actors.blob_collector import BlobCollector
+from actors.config import RLConfig
+from actors.messages import (
+    COMPLETION_TYPES,
+    DONE_QUEUE,
+    DataExhausted,
+    WeightsPublished,
+    WorkHeartbeat,
+    WorkHeartbeats,
+    all_order_types,
+    data_exhausted_subject,
+    work_queue_of,
+)
+from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore
+from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
+from actors.reconciler.registry_view import LostActor, RegistryView
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import RewardGroupDone, RolloutGroupDone, WorkOrder, group_orders
+from actors.task_catalog import TaskCatalog
+from runtime import config as config_mod
+from runtime.actor import Actor, Delivery, raise_if_cancelled
+from runtime.bus_auth import BusAccess
+from runtime.codec import Codec
+from runtime.registry import decode_registration, is_registration_key, parse_registration_key, registration_key
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["ReconcilerActor"]
+
+
+class ReconcilerActor(Actor):
+    kind = "reconciler"
+    queues = (DONE_QUEUE,)
+    messages = COMPLETION_TYPES
+    Config = RLConfig
+    pipelined_writes: ClassVar[bool] = True  # group commit (see _call); False: one round trip per write
+    # the only one to issue work, write the slot table and say the data ran out
+    # and it follows weights announcements (the trainer's version)
+    bus_access = BusAccess(publish=("work.*", "data_exhausted.*"), subscribe=("heartbeat.>", "weights.*"),
+                           kv_write=("slots",), kv_keys=(("actors", "reg.>"),),  # deletes lost actors' leases
+                           streams=tuple((work_queue_of(s).stream, work_queue_of(s).durable) for s in Stage))
+
+    async def setup(self) -> None:
+        for stage in Stage:
+            await self.bus.ensure_queue(work_queue_of(stage))
+        self.source = TaskCatalog.build(self.config.tasks)
+        self.order_codec = Codec(all_order_types())
+        self.heartbeat_codec = Codec([WorkHeartbeat, WorkHeartbeats])
+        self.exhausted_codec = Codec([DataExhausted])
+        self.run_name = weights_run_name(self.ctx.run_dir)
+        self.announced_exhausted = False
+        self._warn_if_steps_exceed_data()
+        self.core_lock = asyncio.Lock()  # the core is called from one task at a time
+        self.num_rejected_registrations = 0
+        self.num_rejected_announcements = 0
+        self.num_rollout_actors = await self._count_rollout_actors()
+        r = self.config.reconciler
+        self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,
+                                   is_live=lambda group_id: group_id in self._live_group_ids())
+        self.live_groups: set[str] = set()
+        self._groups_left: tuple[int, ...] | None = None  # the core's trained/dropped counts at the last retire
+        await self._resume()
+        sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
+        self.exit_stack.push_async_callback(sub.unsubscribe)
+        self.registry = RegistryView()
+        self.weights_codec = Codec([WeightsPublished])
+        sub = await self.bus.subscribe(weights_subject(self.run_name), self._on_weights)
+        self.exit_stack.push_async_callback(sub.unsubscribe)
+
+    def _warn_if_steps_exceed_data(self) -> None:
+        r, steps = self.config.reconciler, self.ctx.run_steps
+        if not steps:
+            return
+        num_batches = -(-len(self.source) * r.num_epochs // r.batch_size_groups)  # at most, with no group dropped
+        if steps > num_batches:
+            log.warning("run_steps_exceed_dataset", steps=steps, max_versions=num_batches,
+                        num_prompts=len(self.source), num_epochs=r.num_epochs,
+                        fix="the run ends at the dataset's last version; raise reconciler.num_epochs for more")
+
+    def _lifecycle_config(self) -> LifecycleConfig:
+        r = self.config.reconciler
+        return LifecycleConfig(
+            num_slots=r.num_slots,
+            group_size=r.group_size,
+            batch_size_groups=r.batch_size_groups,
+            num_epochs=r.num_epochs,
+            scheduling=r.scheduling,
+        )
+
+    async def _open_store(self) -> KVSlotStore:
+        if self.pipelined_writes:
+            return await PipelinedKVSlotStore.open(self.bus, "slots")
+        return KVSlotStore(self.bus, "slots")
+
+    async def _resume(self) -> None:
+        old = getattr(self, "store", None)
+        if isinstance(old, PipelinedKVSlotStore):
+            await old.close()
+        self.store = await self._open_store()  # a fresh one: a pipelined store that failed stays broken
+        resumed = await Lifecycle.resume(
+            self.store, self.source, self._lifecycle_config(), time.time(), num_rollout_actors=self.num_rollout_actors
+        )
+        await self.store.sync()  # the rebuilt table is durable before a re-issued order goes out
+        self.core = resumed.lifecycle
+        self.live_groups = self._live_group_ids()
+        self._groups_left = None  # a new core counts from zero
+        log.info(
+            "reconciler_resumed",
+            trainer_version=self.core.trainer_version,
+            num_reissued=resumed.num_reissued,
+            num_rolled_back_slots=resumed.num_rolled_back_slots,
+            num_discarded_groups=resumed.num_discarded_groups,
+            num_orders=len(resumed.orders),
+        )
+        await self._issue(resumed.orders)
+
+    async def _call(self, method: str, *args: Any) -> bool:
+        """Calls one core event method and publishes the orders it returns; a broken core is rebuilt.
+
+        Group commit: with a pipelined store the core's writes go out without waiting for their
+        acknowledgements, the lock is released, and this call then waits (`sync`) until its writes
+        and every earlier one are durable; only then are its orders published and (for a
+        completion) the message acknowledged by the base. Meanwhile the next events already run
+        through the core, so one round trip covers many transitions. If a write failed, the core
+        no longer matches the store: it is dropped and a new one resumed from the store, and the
+        call raises (a completion is then nak'ed, redelivered and judged by the new core). Returns
+        False if the core was broken and rebuilt: the event was not recorded.
+        """
+        async with self.core_lock:
+            core, store = self.core, self.store
+            try:
+                orders = await getattr(core, method)(*args, time.time())
+            except CoreBroken as e:
+                log.error("reconciler_core_broken", error=str(e))
+                await self._resume()
+                return False
+        try:
+            await store.sync()
+        except Exception as e:
+            await self._discard(core, e)
+            raise
+        await self._issue(orders)
+        self._retire_finished_groups()
+        return True
+
+    def _live_group_ids(self) -> set[str]:
+        return {s.group_id for s in self.core.slots if s.is_live}
+
+    def _retire_finished_groups(self) -> None:
+        """Groups that left the table (trained or dropped, durably: the call synced) go to the blob collector.
+        A group leaves only when trained or dropped, so the table is read again only after one of those."""
+        counters = self.core.metrics.counters
+        left = (counters["trained_groups"], counters["dropped_groups"], counters["stale_dropped_groups"])
+        if left == self._groups_left:
+            return
+        self._groups_left = left
+        live = self._live_group_ids()
+        self.blobs.retire(self.live_groups - live, self.core.trainer_version)
+        self.blobs.advance(self.core.trainer_version)
+        self.live_groups = live
+
+    async def _discard(self, core: Lifecycle, error: Exception) -> None:
+        async with self.core_lock:
+            if self.core is core:
+                log.error("reconciler_store_write_failed", error=repr(error))
+                await self._resume()
+
+    async def _issue(self, orders: list[WorkOrder] | tuple[WorkOrder, ...]) -> None:
+        """Publishes the orders into their work streams without waiting for acknowledgements.
+
+        The decision each order carries is already durable (`_call` synced the table first), and
+        an acknowledgement would change nothing: an order the stream did not store is re-issued
+        when its stage's timeout expires (as after a crash, a resume re-issues everything in
+        flight), and a re-published attempt is deduplicated by its message id. So the reconciler
+        pays neither a reply nor a round trip per order.
+        """
+        for order in group_orders(list(orders)):  # a group's rollout (reward) orders in one message
+            data = await self.order_codec.encode(order)
+            await self.bus.publish_unconfirmed(f"work.{order.STAGE.value}", data, msg_id=order.msg_id)
+
+    # --- inputs -------------------------------------------------------------------------------
+    async def handle(self, msg: Any, delivery: Delivery) -> None:
+        # Acked by the base only after the core recorded it; a broken core did not: nak, redeliver.
+        call = ("on_completions", msg.events) if isinstance(msg, RolloutGroupDone | RewardGroupDone) else (
+            "on_completion", msg)
+        if not await self._call(*call):
+            raise RuntimeError("the reconciler's core broke while recording this completion (rebuilt from the "
+                               "store); it is nak'ed and the rebuilt core judges its redelivery")
+
+    async def _on_heartbeat(self, raw: Any) -> None:
+        try:
+            msg = await self.heartbeat_codec.decode(raw.data)
+        except ValueError as e:
+            log.warning("heartbeat_rejected", error=str(e))
+            return
+        beats = msg.beats if isinstance(msg, WorkHeartbeats) else (msg,)  # a group order's items beat together
+        now = time.time()
+        for beat in beats:
+            self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, now, beat.token)
+        if raw.reply:  # a stage actor asks before it starts: is this attempt (each of these items) still wanted?
+            items = [self.core.is_current(b.stage, b.key, b.attempt) for b in beats]
+            await self.bus.respond(raw, msgpack.packb({"current": any(items), "current_items": items},
+                                                      use_bin_type=True))
+
+    async def _on_weights(self, raw: Any) -> None:
+        try:
+            msg = await self.weights_codec.decode(raw.data)
+        except ValueError as e:
+            log.warning("weights_announcement_rejected", error=str(e))
+            return
+        why_not = await why_not_published(msg, run=self.run_name, store=self.ctx.blob)
+        if why_not is not None:  # a forged or stale announcement must not move the trainer's version
+            self.num_rejected_announcements += 1
+            log.warning("weights_announcement_rejected", version=msg.version, reason=why_not)
+            return
+        try:
+            await self._call("on_trainer_version", msg.version)
+        except Exception as e:  # the store failed: _call rebuilt the core; the next TrainDone carries the version
+            log.error("trainer_version_not_recorded", version=msg.version, error=repr(e))
+
+    async def on_config_change(self, key: str, old: Any, new: Any) -> None:
+        if key.startswith("reconciler.scheduling."):
+            await self._call("update_scheduling", self.config.reconciler.scheduling)
+
+    async def background(self, tg: asyncio.TaskGroup) -> None:
+        tg.create_task(self._tick_loop())
+        tg.create_task(self._watch_rollout_actors())
+        if self.ctx.blob is not None:
+            tg.create_task(self.blobs.run())
+            tg.create_task(self.blobs.sweep(self.core.trainer_version))
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await self._call("tick")
+            raise_if_cancelled()
+            for lost in self.registry.expire(time.monotonic()):
+                await self._lose(lost)
+                # ops.status must not show it running; a frozen actor that comes back registers again
+                await (await self.bus.kv("actors")).delete(registration_key(lost.kind, lost.actor_id))
+            await self._count_rollouts_from_registry()
+            if self.core.is_finished:
+                await self._say_data_exhausted()
+            await asyncio.sleep(self.config.reconciler.tick_s)
+
+    async def _say_data_exhausted(self) -> None:
+        """The dataset's last epoch is done: no version after the trainer's current one will come, so
+        whoever ends the run (the evaluator, after its final evaluation) must not wait for ``run.steps``."""
+        version = self.core.trainer_version
+        if not self.announced_exhausted:
+            log.info("dataset_exhausted", last_version=version, steps=self.ctx.run_steps)
+            self.announced_exhausted = True
+        data = await self.exhausted_codec.encode(DataExhausted(self.run_name, version))
+        await self.bus.publish(data_exhausted_subject(self.run_name), data)
+
+    async def _count_rollout_actors(self) -> int:
+        count = 0
+        for key in await self.bus.kv_keys("actors"):
+            entry = await self.bus.kv_get("actors", key)
+            if entry is not None:  # else deregistered since the listing
+                count += self._is_running_rollout(key, entry.value)
+        return count
+
+    async def _watch_rollout_actors(self) -> None:
+        """Follows the registry's entries (no requests per event: each would be a round trip and a
+        place where Python 3.11's ``wait_for`` can swallow the drain's cancellation): live rollout
+        actors, and actors lost (their leases are also checked on every tick)."""
+        async for entry in self.bus.watch_kv("actors"):  # renewed (current values replayed) after an outage
+            if entry is None or not is_registration_key(entry.key):  # end of the initial values; a handover
+                continue
+            value = entry.value if entry.operation is None and entry.value else None
+            if value is not None and self._registration(entry.key, value) is None:
+                continue  # not an actor's own complete entry (a forgery): follows nothing
+            if (registered := parse_registration_key(entry.key)) is None:
+                continue  # the removal of a key no actor's lease is under: follows nothing
+            lost = self.registry.observe(registered[1], value, time.monotonic())
+            if lost is not None:
+                await self._lose(lost)
+            await self._count_rollouts_from_registry()
+            raise_if_cancelled()
+
+    async def _count_rollouts_from_registry(self) -> None:
+        count = self.registry.num_running("rollout")
+        if count != self.num_rollout_actors:
+            self.num_rollout_actors = count
+            log.info("rollout_actors_changed", num_rollout_actors=count)
+            await self._call("set_rollout_actors", count)
+
+    async def _lose(self, lost: LostActor) -> None:
+        """Re-issue at once what a lost actor was last seen working on (its heartbeats named it)."""
+        log.warning("actor_lost", actor_id=lost.actor_id, actor_kind=lost.kind, reason=lost.reason)
+        await self._call("on_actor_lost", lost.actor_id)
+
+    def _registration(self, key: str, raw: bytes) -> dict[str, Any] | None:
+        """The complete registry entry stored under `key`; anything else is None (a refused one counted)."""
+        if not is_registration_key(key):
+            return None
+        try:
+            return decode_registration(key, raw)
+        except ValueError as e:
+            self.num_rejected_registrations += 1
+            log.warning("registry_entry_rejected", key=key, reason=str(e),
+                        num_rejected=self.num_rejected_registrations)
+            return None
+
+    def _is_running_rollout(self, key: str, raw: bytes) -> bool:
+        """A complete registry entry of a running rollout actor; anything else counts for nothing."""
+        info = self._registration(key, raw)
+        return info is not None and info["kind"] == "rollout" and info["state"] == "running"
+
+    async def handover(self) -> dict[str, Any] | None:
+        """Nothing to hand over (the table is durable in KV); log the final accounting instead."""
+        snapshot = self.core.snapshot(time.time())
+        live_groups = sorted({s.group_id for s in self.core.slots if s.is_live})
+        log.info(
+            "reconciler_accounting",
+            cursor_epoch=snapshot.cursor_epoch,
+            cursor_position=snapshot.cursor_position,
+            trainer_version=self.core.trainer_version,
+            live_groups=live_groups,
+            counters=dict(snapshot.counters),
+            slots_per_state=dict(snapshot.slots_per_state),
+        )
+        return None
+
+    def status(self) -> dict[str, Any]:
+        snapshot = self.core.snapshot(time.time())
+        return {
+            "lifecycle": snapshot.to_dict(),
+            "trainer_version": self.core.trainer_version,
+            "finished": self.core.is_finished,
+            "scheduling": config_mod.to_dict(self.core.scheduling),
+            "num_rejected_registrations": self.num_rejected_registrations,
+            "num_rejected_announcements": self.num_rejected_announcements,
+        }
+
+

@@ -1,0 +1,121 @@
+"""Resume of the lifecycle core: bring a table loaded from the store back to a consistent, running state.
+
+A crash can cut any core call short after any of its writes; the durability rules of
+`actors.reconciler.lifecycle` make every such prefix recoverable: half-written admissions are rolled
+back, half-done drops, frees and moves are completed, the batch in training is rebuilt from the meta
+record, and in-flight work is re-issued with a new attempt (not counted as a retry). `recover` works
+through the flow's parts (`LifecycleFlow`, its table and issuance) like any other core call.
+"""
+
+from __future__ import annotations
+
+from actors.reconciler.flow import LifecycleFlow
+from actors.reconciler.slot import SlotState
+from actors.reconciler.table import TableGroup, TrainBatch
+
+__all__ = ["recover"]
+
+
+async def recover(flow: LifecycleFlow) -> dict[str, int]:
+    """Resume steps over a freshly loaded table; returns the counts `Resumption` reports."""
+    table, cursor = flow.table, flow.cursor
+    half_admitted = [s for s in table.slots if s.is_live and not cursor.admitted(s.epoch, s.position)]
+    await table.write_all(s.moved_to(SlotState.EMPTY, table.now) for s in half_admitted)
+    for s in table.slots:
+        if s.is_live:
+            group = table.groups.get(s.group_id)
+            if group is None:
+                group = table.groups[s.group_id] = TableGroup(s.group_id, s.prompt_id, s.epoch, s.position, [])
+            group.members.append(s.index)
+    num_dropped = await _finish_interrupted(flow)
+    await _restore_batch(flow)
+    training = table.batch.group_ids if table.batch is not None else ()
+    num_reissued = 0
+    for group in list(table.groups.values()):
+        if group.group_id not in training:
+            num_reissued += await _reissue(flow, group)
+    if table.batch is not None:
+        await flow.bump(table.batch_members(table.batch), count=False)
+        flow.issue_batch(table.batch)
+        num_reissued += 1
+    await flow.pump()
+    return {
+        "num_rolled_back_slots": len(half_admitted),
+        "num_discarded_groups": num_dropped,
+        "num_reissued": num_reissued,
+    }
+
+
+async def _finish_interrupted(flow: LifecycleFlow) -> int:
+    """Complete drops, frees and moves a crash cut short; discard groups now too stale to train."""
+    table = flow.table
+    num_dropped = 0
+    for group in list(table.groups.values()):
+        outcome = await table.outcome(group.group_id)
+        if outcome is not None and outcome.dropped:
+            await flow.drop_group(group, outcome.reason + " (completed on resume)")
+            continue
+        members = table.members(group)
+        states = {s.state for s in members}
+        if SlotState.TRAIN in states and group.group_id not in table.meta.batch_group_ids:
+            # the batch was trained (meta is cleared before a trained batch's slots are freed)
+            await table.write_all(s.moved_to(SlotState.EMPTY, table.now) for s in members)
+            del table.groups[group.group_id]
+            continue
+        if SlotState.READY in states and SlotState.GROUP in states:
+            keys = {"group": next(s.blob_keys["group"] for s in members if s.state is SlotState.READY)}
+            await table.write_all(
+                s.moved_to(SlotState.READY, table.now, blob_keys={**s.blob_keys, **keys})
+                for s in members
+                if s.state is SlotState.GROUP
+            )
+        alive = table.alive(group)
+        refreshed = [table.version if s.state is SlotState.ROLLOUT else s.version_floor for s in alive]
+        in_batch = group.group_id in table.meta.batch_group_ids
+        if not in_batch and alive and min(refreshed) + flow.scheduling.eta < table.version:
+            num_dropped += 1
+            flow.metrics.counters["discarded_on_resume"] += 1
+            await flow.drop_group(group, f"stale on resume: oldest token version {min(refreshed)}")
+    return num_dropped
+
+
+async def _restore_batch(flow: LifecycleFlow) -> None:
+    """Rebuild the batch in training from the meta record, finishing its READY → TRAIN moves."""
+    table = flow.table
+    meta = table.meta
+    if not meta.batch_id:
+        return
+    group_ids = tuple(g for g in meta.batch_group_ids if g in table.groups)
+    if not group_ids:
+        await table.save_meta(table.version, None)
+        return
+    for group_id in group_ids:
+        members = table.members(table.groups[group_id])
+        await table.write_all(
+            s.moved_to(SlotState.TRAIN, table.now, batch_id=meta.batch_id)
+            for s in members
+            if s.state is SlotState.READY
+        )
+    table.batch = TrainBatch(meta.batch_id, group_ids, meta.batch_version)
+
+
+async def _reissue(flow: LifecycleFlow, group: TableGroup) -> int:
+    """Re-issue a group's in-flight work with a new attempt (not counted as a retry)."""
+    table = flow.table
+    members = table.members(group)
+    if all(s.state is SlotState.READY for s in members):
+        table.ready.add(group.group_id)
+        return 0
+    num = 0
+    for slot in members:
+        if slot.state in (SlotState.ROLLOUT, SlotState.REWARD):
+            fresh = {"issued_version": table.version} if slot.state is SlotState.ROLLOUT else {}
+            (new,) = await flow.bump([slot], count=False, **fresh)
+            flow.issuance.issue_sample(new, table.now)
+            num += 1
+    alive = table.alive(group)
+    if alive and all(s.state is SlotState.GROUP for s in alive) and len(alive) == len(members):
+        await flow.bump(alive, count=False)
+        num += 1
+    await flow.advance_group(group)
+    return num

@@ -1,0 +1,92 @@
+"""The durable store the lifecycle core writes through: compare-and-set over string keys.
+
+The reconciler backs it with a JetStream KV bucket (``update(key, value, last=revision)``); tests use
+`actors.testing.InMemorySlotStore`. Every write names the revision it expects, so two reconcilers
+that both believe they own the table cannot both succeed: the second gets `CasConflict`.
+
+Key layout (all under one bucket):
+
+- ``slot.<index>``: one `actors.reconciler.slot.Slot` record per table row.
+- ``cursor``: the dataset cursor (`actors.reconciler.task_cursor.CursorRecord`).
+- ``meta``: trainer version and run counters (`actors.reconciler.lifecycle.MetaRecord`).
+- ``outcome.<group_id>``: a group that was dropped, or trained without its failed samples, with
+  the reason (written before the group's slots are freed, so a resume can finish the job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+from actors.reconciler.slot import SampleLifecycleError
+
+__all__ = [
+    "CURSOR_KEY",
+    "META_KEY",
+    "OUTCOME_PREFIX",
+    "SLOT_PREFIX",
+    "CasConflict",
+    "Entry",
+    "SlotStore",
+    "outcome_key",
+    "slot_key",
+]
+
+SLOT_PREFIX = "slot."
+OUTCOME_PREFIX = "outcome."
+CURSOR_KEY = "cursor"
+META_KEY = "meta"
+
+
+class CasConflict(SampleLifecycleError, RuntimeError):
+    """A compare-and-set write found another revision (or an existing key on create).
+
+    For the lifecycle core this means a second writer owns the table: the reconciler must stop.
+    """
+
+    def __init__(self, key: str, expected: int | None, actual: int | None) -> None:
+        super().__init__(
+            f"compare-and-set on {key!r} expected revision {expected} but found {actual}; "
+            "another reconciler is writing this table: stop this one"
+        )
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    value: bytes
+    revision: int
+
+
+@runtime_checkable
+class SlotStore(Protocol):
+    """Compare-and-set key-value store (JetStream KV semantics)."""
+
+    async def get(self, key: str) -> Entry | None:
+        """The current entry of `key`, or None if it does not exist."""
+        ...
+
+    async def create(self, key: str, value: bytes) -> int:
+        """Create `key`; returns its revision. Raises `CasConflict` if it exists."""
+        ...
+
+    async def update(self, key: str, value: bytes, expected_revision: int) -> int:
+        """Replace `key` if its revision is `expected_revision`; returns the new revision.
+
+        Raises `CasConflict` on a mismatch or a missing key.
+        """
+        ...
+
+    async def keys(self) -> list[str]:
+        """All keys present."""
+        ...
+
+
+def slot_key(index: int) -> str:
+    return f"{SLOT_PREFIX}{index}"
+
+
+def outcome_key(group_id: str) -> str:
+    return f"{OUTCOME_PREFIX}{group_id}"

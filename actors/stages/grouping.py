@@ -1,0 +1,52 @@
+"""The grouping actor: turn a prompt's G rewarded samples into a training-ready group checkpoint.
+
+Advantages are Dr. GRPO's: reward minus the group mean, no std normalisation. The checkpoint holds
+each sample's tokens, loss mask, behaviour log-probs, per-token policy versions, router choices,
+reward components and advantage, tagged with the group's min/max policy version.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from actors._stage import StageActor, WorkRefused
+from actors.reconciler.slot import Stage
+from actors.reconciler.work import GroupDone, GroupOrder
+from actors.records import GroupRecord, GroupSample, RewardRecord, RolloutRecord
+from model.loss import advantages_dr_grpo
+from runtime.actor import Delivery
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["GroupingActor"]
+
+
+class GroupingActor(StageActor):
+    stage = Stage.GROUP
+
+    async def work(self, order: GroupOrder, delivery: Delivery) -> GroupDone:
+        if len(order.sample_ids) != len(order.reward_keys) or not order.sample_ids:
+            raise WorkRefused(f"group {order.group_id}: {len(order.sample_ids)} samples but "
+                              f"{len(order.reward_keys)} reward keys")
+        rewards = [await self.get_record(k, RewardRecord) for k in order.reward_keys]
+        rollouts = []
+        for sample_id, reward in zip(order.sample_ids, rewards, strict=True):
+            if reward.sample_id != sample_id:
+                raise WorkRefused(f"reward record {reward.sample_id} does not belong to sample {sample_id}")
+            rollouts.append(await self.get_record(f"{reward.rollout_key}/trajectory", RolloutRecord))
+        advantages = advantages_dr_grpo(torch.tensor([r.reward for r in rewards], dtype=torch.float64))
+        samples = tuple(GroupSample(r.sample_id, r.reward, r.components, adv, rollout.trajectory, r.tests)
+                        for r, rollout, adv in zip(rewards, rollouts, advantages.tolist(), strict=True))
+        versions = [v for s in samples for v, m in zip(s.trajectory.versions, s.trajectory.loss_mask, strict=True)
+                    if m]
+        key = f"groups/{order.group_id}/a{order.attempt}"
+        await self.put_record(key, GroupRecord(order.group_id, order.prompt_id, min(versions, default=0),
+                                               max(versions, default=0), time.time(), samples))
+        log.info("group_checkpointed", group_id=order.group_id, key=key, prompt_id=order.prompt_id,
+                 num_samples=len(samples),
+                 mean_reward=sum(s.reward for s in samples) / len(samples),
+                 min_version=min(versions, default=0), max_version=max(versions, default=0))
+        return GroupDone(order.group_id, order.attempt, key)

@@ -1,0 +1,261 @@
+"""Held-out evaluation: real episodes of the policy in real sandboxes, graded by the hidden tests.
+
+Every task gets `samples_per_task` episodes (`actors.agent.run_episode`) on a `GenerationEngine`, each in
+a fresh `sandbox.Environment` holding the task's starting files and driven through `sandbox.tools.ToolBox`;
+the finished environment is graded with `sandbox.reward.score` (hidden tests in a fresh fork).
+
+    pass@1       fraction of episodes whose hidden tests all pass (averaged per task, then over tasks)
+    mean reward  mean fraction of hidden tests passed
+
+Sampled episodes are seeded from (seed, task index, sample index), so a result does not depend on the
+order in which concurrent episodes reach the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from typing import Any, Protocol
+
+import structlog
+
+from actors.agent.episode import AgentConfig, EpisodeEnd, run_episode
+from model.engine import EngineConfig, GenerationEngine
+from model.generation import Generation
+from model.sampling import SamplingParams
+from model.tokenizer import ByteTokenizer
+from model.transformer import MoETransformer
+from sandbox.env import Environment
+from sandbox.layers import LayerStore
+from sandbox.reward import score
+from sandbox.tasks import Task
+from sandbox.tools import ToolBox
+
+__all__ = ["DifficultyResult", "EpisodeResult", "EvalResult", "SupportsGenerate", "evaluate", "greedy", "sampled"]
+
+log = structlog.get_logger(__name__)
+
+_SEED_STRIDE = 1_000_003
+
+
+class SupportsGenerate(Protocol):
+    """What evaluation needs from a running engine (a `GenerationEngine`, or a scripted stand-in)."""
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
+
+
+def greedy() -> SamplingParams:
+    """Greedy decoding (temperature 0)."""
+    return SamplingParams(temperature=0.0)
+
+
+def sampled(temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> SamplingParams:
+    """The RL rollout settings (temperature 1, full nucleus by default), seeded."""
+    return SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeResult:
+    """One graded episode."""
+
+    task_id: str
+    difficulty: int
+    sample: int
+    num_passed: int
+    num_tests: int
+    end: EpisodeEnd
+    num_tokens: int
+    num_tool_calls: int
+    final_text: str
+
+    @property
+    def reward(self) -> float:
+        return self.num_passed / self.num_tests if self.num_tests else 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.num_tests > 0 and self.num_passed == self.num_tests
+
+
+@dataclasses.dataclass(frozen=True)
+class DifficultyResult:
+    num_tasks: int
+    pass_at_1: float
+    mean_reward: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """Aggregates over tasks (each task weighs the same) and every episode behind them."""
+
+    num_tasks: int
+    samples_per_task: int
+    pass_at_1: float
+    mean_reward: float
+    by_difficulty: dict[int, DifficultyResult]
+    episodes: tuple[EpisodeResult, ...]
+    duration_s: float
+
+    @classmethod
+    def from_episodes(cls, episodes: Sequence[EpisodeResult], samples_per_task: int, duration_s: float) -> EvalResult:
+        per_task: dict[str, list[EpisodeResult]] = {}
+        for ep in episodes:
+            per_task.setdefault(ep.task_id, []).append(ep)
+        rows = [
+            (eps[0].difficulty, _mean([e.passed for e in eps]), _mean([e.reward for e in eps]))
+            for eps in per_task.values()
+        ]
+        by_difficulty = {
+            d: DifficultyResult(
+                num_tasks=sum(r[0] == d for r in rows),
+                pass_at_1=_mean([r[1] for r in rows if r[0] == d]),
+                mean_reward=_mean([r[2] for r in rows if r[0] == d]),
+            )
+            for d in sorted({r[0] for r in rows})
+        }
+        return cls(
+            len(rows),
+            samples_per_task,
+            _mean([r[1] for r in rows]),
+            _mean([r[2] for r in rows]),
+            by_difficulty,
+            tuple(episodes),
+            duration_s,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready aggregates (no episodes)."""
+        return {
+            "num_tasks": self.num_tasks,
+            "samples_per_task": self.samples_per_task,
+            "pass_at_1": round(self.pass_at_1, 4),
+            "mean_reward": round(self.mean_reward, 4),
+            "by_difficulty": {
+                str(d): {
+                    "num_tasks": r.num_tasks,
+                    "pass_at_1": round(r.pass_at_1, 4),
+                    "mean_reward": round(r.mean_reward, 4),
+                }
+                for d, r in self.by_difficulty.items()
+            },
+            "duration_s": round(self.duration_s, 2),
+        }
+
+
+def _mean(values: Sequence[float | bool]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _episode_sampling(sampling: SamplingParams, task_index: int, sample: int, samples_per_task: int) -> SamplingParams:
+    if sampling.temperature == 0:
+        return sampling
+    base = 0 if sampling.seed is None else sampling.seed
+    return dataclasses.replace(sampling, seed=base * _SEED_STRIDE + task_index * samples_per_task + sample)
+
+
+async def _one_episode(
+    engine: SupportsGenerate,
+    store: LayerStore,
+    task: Task,
+    sample: int,
+    sampling: SamplingParams,
+    agent_config: AgentConfig,
+    tokenizer: ByteTokenizer,
+) -> EpisodeResult:
+    env = Environment.create(store, task.files, task.limits)
+    try:
+        tools = ToolBox(env)
+
+        async def call_tool(name: str, args: dict[str, Any]) -> tuple[bool, str]:
+            result = await tools.call(name, args)
+            return result.ok, result.text
+
+        traj = await run_episode(task, engine.generate, call_tool, tokenizer, agent_config, sampling)
+        outcome = await score(env, task)
+    finally:
+        env.close()
+    generated = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
+    return EpisodeResult(
+        task_id=task.id,
+        difficulty=task.difficulty,
+        sample=sample,
+        num_passed=outcome.num_passed,
+        num_tests=outcome.num_total,
+        end=traj.end,
+        num_tokens=len(traj.token_ids),
+        num_tool_calls=len(traj.tool_uses),
+        final_text=tokenizer.decode(generated)[-200:],
+    )
+
+
+async def evaluate(
+    policy: MoETransformer | SupportsGenerate,
+    tasks: Sequence[Task],
+    *,
+    sampling: SamplingParams,
+    agent_config: AgentConfig | None = None,
+    concurrency: int = 32,
+    samples_per_task: int = 1,
+    store: LayerStore | None = None,
+    tokenizer: ByteTokenizer | None = None,
+    engine_config: EngineConfig | None = None,
+) -> EvalResult:
+    """Run and grade `samples_per_task` episodes of every task.
+
+    Args:
+        policy: a model (a private `GenerationEngine` is started and stopped here) or a running engine
+            (used as is; a `GenerationEngine` must have been built with `detokenize` for the `</tool>` stop).
+        tasks: the tasks to evaluate (normally `generate_tasks(..., split="heldout")`).
+        sampling: decoding settings; a sampled (temperature > 0) run seeds each episode from `sampling.seed`.
+        agent_config: episode budgets (default `AgentConfig()`).
+        concurrency: episodes in flight at once (they share the engine's batch).
+        samples_per_task: episodes per task; pass@1 is their mean pass rate.
+        store: the sandbox layer store (default: one opened and closed here).
+        tokenizer: the policy's tokenizer (default `ByteTokenizer`).
+        engine_config: for the private engine (default: batch size = `concurrency`).
+
+    Raises:
+        ValueError: no tasks, or `concurrency` / `samples_per_task` below 1.
+    """
+    if not tasks:
+        raise ValueError("evaluate needs at least one task")
+    if concurrency < 1 or samples_per_task < 1:
+        raise ValueError(f"concurrency={concurrency} and samples_per_task={samples_per_task} must be >= 1")
+    agent_config = agent_config or AgentConfig()
+    tokenizer = tokenizer or ByteTokenizer()
+    started = time.monotonic()
+    async with AsyncExitStack() as stack:
+        if store is None:
+            store = LayerStore()
+            stack.callback(store.close)
+        engine: SupportsGenerate
+        if not isinstance(policy, MoETransformer):
+            engine = policy
+        else:
+            private = GenerationEngine(
+                policy, engine_config or EngineConfig(max_batch_size=concurrency), detokenize=tokenizer.decode
+            )
+            await private.start()
+            stack.push_async_callback(private.stop)
+            engine = private
+        gate = asyncio.Semaphore(concurrency)
+
+        async def guarded(index: int, task: Task, sample: int) -> EpisodeResult:
+            async with gate:
+                params = _episode_sampling(sampling, index, sample, samples_per_task)
+                return await _one_episode(engine, store, task, sample, params, agent_config, tokenizer)
+
+        async with asyncio.TaskGroup() as group:
+            futures = [
+                group.create_task(guarded(i, t, s)) for i, t in enumerate(tasks) for s in range(samples_per_task)
+            ]
+    result = EvalResult.from_episodes([f.result() for f in futures], samples_per_task, time.monotonic() - started)
+    log.info(
+        "evaluation_finished",
+        **{k: v for k, v in result.summary().items() if k != "by_difficulty"},
+        temperature=sampling.temperature,
+    )
+    return result

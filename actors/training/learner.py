@@ -1,0 +1,333 @@
+"""The learner: the trainer's torch half. One RL step on a batch of group checkpoints, and its state.
+
+Legend: T packed tokens, L layers, K experts per token.
+
+The loss is model.loss.policy_loss (Dr. GRPO advantages, truncated importance ratio against the
+behaviour log-probs, optional k1 KL against the starting policy, token sum over a constant). Router
+replay feeds the rollout's recorded experts into the forward. Each step's learning rate comes from
+actors.training.lr_schedule as a function of the version, set on the optimizer just before the step. The
+state that makes a restart exact — weights, Adam moments, version, the batch ids already trained —
+is saved together, atomically.
+
+Each token is scored at the temperature its behaviour log-prob was recorded at (the trajectory's
+``logprob_temperatures``; model.sampling states the rule, top-p included), so on-policy the importance
+ratio is exactly 1; every step reports the ratio's mean, median, min and max. A step whose inputs, loss,
+gradient or update holds a NaN or inf is not applied (actors.training.step_guard): the version still advances,
+as for a batch without signal, the weights stay those of the last good step, and the step's metrics and
+a ``step_skipped_non_finite`` event name the offending samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors.torch import load_file, save_file
+
+from actors.config import TrainerSection
+from actors.records import GroupRecord, GroupSample
+from actors.training.lr_schedule import LRSchedule
+from actors.training.step_guard import (
+    NonFiniteStage,
+    NonFiniteStep,
+    NonFiniteWeights,
+    Rollback,
+    check_trajectories,
+    non_finite_inputs,
+    non_finite_parameters,
+    sample_ids,
+    samples_at_positions,
+)
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.loss import PolicyLossConfig, PolicyLossMetrics, packed_logprobs, policy_loss, token_entropy
+from model.packing import PackedBatch, pack_sequences
+from model.router import RouterReplayConfig
+from model.transformer import MoETransformer
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Learner", "StepMetrics"]
+
+STATE_FILE = "trainer_state.json"
+_NO_TOKENS = PolicyLossMetrics(num_tokens=0, pg_loss=0.0, kl=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0,
+                               ratio_max=1.0, ratio_median=1.0, entropy=float("nan"))
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    version: int
+    num_groups: int
+    num_samples: int
+    num_computed: int  # samples in the forward: those with a non-zero advantage (all of them with a KL term)
+    num_tokens: int
+    num_trained_tokens: int
+    loss: float
+    pg_loss: float
+    kl: float
+    entropy: float
+    clip_fraction: float
+    ratio_mean: float  # importance ratio over the trained tokens: exactly 1 on-policy at any temperature
+    ratio_median: float
+    ratio_min: float
+    ratio_max: float
+    grad_norm: float
+    lr: float  # the learning rate of this step (the schedule's value at the version it started from)
+    reward_mean: float
+    pass_rate: float
+    lag_min: int
+    lag_max: int
+    lag_histogram: dict[str, int]
+    num_versions_in_batch: int
+    replay_replaced_fraction: float
+    step_s: float
+    tokens_per_s: float
+    skipped: str = ""  # the NonFiniteStage that refused the step ("" when it was applied)
+    non_finite_sample_ids: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Learner:
+    """The policy being trained, its optimizer and version.
+
+    Args:
+        model: the policy (put in train mode).
+        config: the trainer section; ``lr``, ``lr_schedule`` and ``lr_min_ratio`` make the schedule.
+        version: the policy version of ``model`` (a resumed checkpoint's).
+        num_steps: the run's step budget (``run.steps``; 0: unbounded), the length of a cosine schedule.
+    """
+
+    def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0, num_steps: int = 0) -> None:
+        self.model = model.train()
+        self.config = config
+        self.version = version
+        self.schedule = LRSchedule.for_run(config.lr_schedule, config.lr, config.lr_min_ratio, num_steps)
+        self.trained_batches: list[str] = []
+        self.trained_groups: dict[str, int] = {}  # group id -> the version its step made: trained once
+        self.router_replay = (RouterReplayConfig(config.replay_plausibility_factor) if config.router_replay
+                              else None)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.schedule.lr_at(version),
+                                           betas=tuple(config.betas), weight_decay=config.weight_decay)
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
+
+    def set_lr(self, lr: float) -> None:
+        """A new peak learning rate (a live ``trainer.lr``): the schedule keeps its shape, scaled to it."""
+        self.schedule = self.schedule.with_peak(lr)
+        self._apply_lr()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.schedule.lr_at(self.version)
+
+    def _apply_lr(self) -> float:
+        lr = self.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def step(self, groups: Sequence[GroupRecord], batch_id: str) -> StepMetrics:
+        """One optimizer step over every sample of ``groups`` (the batch ``batch_id``); the version then goes
+        up by one."""
+        started = time.perf_counter()
+        samples = [s for g in groups for s in g.samples]
+        if not samples:
+            raise ValueError(f"batch {batch_id} has no samples")
+        check_trajectories(samples)
+        # Without a KL term a sample whose advantage is exactly 0 (its group's rewards all equal) adds
+        # nothing to the gradient: leaving it out of the forward gives the same update for less compute.
+        computed = samples if self.config.kl_coef > 0 else [s for s in samples if s.advantage != 0.0]
+        lr = self._apply_lr()
+        refused: NonFiniteStep | None = None
+        if computed:
+            loss, m, grad_norm, replaced, num_tokens, refused = self._optimize(computed)
+        else:
+            loss, m, grad_norm, replaced, num_tokens = torch.zeros(()), _NO_TOKENS, 0.0, 0.0, 0
+            log.info("batch_without_signal", batch_id=batch_id, num_samples=len(samples))
+        if refused is not None:
+            log.error("step_skipped_non_finite", batch_id=batch_id, version=self.version, stage=refused.stage.value,
+                      sample_ids=list(refused.sample_ids), detail=refused.detail, loss=float(loss.detach()),
+                      grad_norm=grad_norm)
+        self.version += 1
+        self.trained_batches.append(batch_id)
+        self.trained_groups.update((g.group_id, self.version) for g in groups)
+        elapsed = time.perf_counter() - started
+        lags = [self.version - 1 - v for s in samples for v, keep in
+                zip(s.trajectory.versions, s.trajectory.loss_mask, strict=True) if keep]
+        histogram: dict[str, int] = {}
+        for lag in lags:
+            histogram[str(lag)] = histogram.get(str(lag), 0) + 1
+        rewards = [s.reward for s in samples]
+        return StepMetrics(
+            version=self.version, num_groups=len(groups), num_samples=len(samples), num_computed=len(computed),
+            num_tokens=num_tokens,
+            num_trained_tokens=m.num_tokens, loss=float(loss.detach()), pg_loss=m.pg_loss, kl=m.kl,
+            entropy=m.entropy, clip_fraction=m.clip_fraction, ratio_mean=m.ratio_mean, ratio_median=m.ratio_median,
+            ratio_min=m.ratio_min, ratio_max=m.ratio_max,
+            grad_norm=grad_norm, lr=lr, reward_mean=sum(rewards) / len(rewards),
+            pass_rate=sum(s.components.pass_fraction == 1.0 for s in samples) / len(samples),
+            lag_min=min(lags, default=0), lag_max=max(lags, default=0), lag_histogram=histogram,
+            num_versions_in_batch=len({v for s in samples for v in s.trajectory.versions if v >= 0}),
+            replay_replaced_fraction=replaced, step_s=elapsed,
+            tokens_per_s=num_tokens / elapsed if elapsed > 0 else 0.0,
+            skipped=refused.stage.value if refused else "",
+            non_finite_sample_ids=refused.sample_ids if refused else ())
+
+    def _forward_loss(self, samples: Sequence[GroupSample]
+                      ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, float]:
+        """The loss of ``samples``, its metrics, the per-position log-probs, the batch and the replay fraction."""
+        batch = pack_sequences([s.trajectory.token_ids for s in samples])
+        behaviour, temperatures, mask, advantages, replay = _aligned(samples, batch.num_tokens)
+        loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
+        logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay,
+                                    temperatures)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref, _ = packed_logprobs(self.reference, batch, replay, self.router_replay, temperatures)
+        entropy = token_entropy(out.logits.detach(), temperatures)
+        loss, m = policy_loss(logp, behaviour, advantages, mask, loss_cfg, ref, entropy)
+        return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, out.routing_stats.replaced_fraction
+
+    def _optimize(
+        self, samples: Sequence[GroupSample]
+    ) -> tuple[torch.Tensor, PolicyLossMetrics, float, float, int, NonFiniteStep | None]:
+        """Forward, loss, backward and one Adam step over ``samples``: loss, metrics, grad norm, replay
+        fraction, the number of tokens packed, and why the step was refused (None when applied)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        refused = non_finite_inputs(samples)
+        if refused is not None:
+            return torch.tensor(float("nan")), _NO_TOKENS, float("nan"), 0.0, 0, refused
+        loss, m, scored, batch, replaced = self._forward_loss(samples)
+        if not bool(torch.isfinite(loss)):
+            culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens, samples)
+            refused = NonFiniteStep(NonFiniteStage.LOSS, culprits or sample_ids(samples),
+                                    f"loss={float(loss.detach())}")
+            return loss, m, float("nan"), replaced, batch.num_tokens, refused
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            refused = NonFiniteStep(NonFiniteStage.GRADIENT, self._samples_with_non_finite_gradient(samples),
+                                    f"grad_norm={grad_norm}")
+            return loss, m, grad_norm, replaced, batch.num_tokens, refused
+        rollback = Rollback(self.model, self.optimizer)
+        self.optimizer.step()
+        bad = non_finite_parameters(self.model, self.optimizer)
+        if bad:
+            rollback.restore()
+            refused = NonFiniteStep(NonFiniteStage.UPDATE, sample_ids(samples),
+                                    f"non-finite after the update: {bad[:8]}")
+        return loss, m, grad_norm, replaced, batch.num_tokens, refused
+
+    def _samples_with_non_finite_gradient(self, samples: Sequence[GroupSample]) -> tuple[str, ...]:
+        """Each sample's own backward, to name those whose gradient is not finite (only on a failed step)."""
+        culprits = []
+        for i, s in enumerate(samples):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, *_ = self._forward_loss([s])
+            loss.backward()
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if not all(bool(torch.isfinite(g).all()) for g in grads):
+                culprits.append(sample_ids(samples)[i])
+        self.optimizer.zero_grad(set_to_none=True)
+        return tuple(culprits) or sample_ids(samples)
+
+    # --- state ----------------------------------------------------------------------------------
+    def save(self, directory: Path) -> Path:
+        """Writes weights (HF safetensors), optimizer moments and trainer state; visible atomically."""
+        bad = non_finite_parameters(self.model, self.optimizer)
+        if bad:  # unreachable through step(); a checkpoint must never carry them
+            raise NonFiniteWeights(f"refusing to save version {self.version}: non-finite values in {bad[:8]}")
+        final = directory / f"step-{self.version:07d}"
+        tmp = directory / f".tmp-step-{self.version:07d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_checkpoint(self.model, tmp)
+        save_file(_optimizer_tensors(self.optimizer, self.model), str(tmp / "optimizer.safetensors"))
+        (tmp / STATE_FILE).write_text(json.dumps({
+            "version": self.version, "trained_batches": self.trained_batches, "trained_groups": self.trained_groups,
+            "optimizer_steps": _optimizer_steps(self.optimizer), "lr": self.optimizer.param_groups[0]["lr"]}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(directory.glob("step-*"))[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    @classmethod
+    def latest_checkpoint(cls, directory: Path) -> Path | None:
+        done = sorted(p for p in directory.glob("step-*") if (p / STATE_FILE).exists())
+        return done[-1] if done else None
+
+    @classmethod
+    def load(cls, path: Path, config: TrainerSection, num_steps: int = 0) -> Learner:
+        """The learner saved at ``path``; its schedule continues from the saved version."""
+        _, model = load_checkpoint(path)
+        state = json.loads((path / STATE_FILE).read_text())
+        learner = cls(model, config, int(state["version"]), num_steps)
+        learner.trained_batches = list(state["trained_batches"])
+        learner.trained_groups = {str(g): int(v) for g, v in state.get("trained_groups", {}).items()}
+        _load_optimizer(learner.optimizer, learner.model, load_file(str(path / "optimizer.safetensors")),
+                        int(state["optimizer_steps"]))
+        log.info("learner_resumed", path=str(path), version=learner.version,
+                 num_trained_batches=len(learner.trained_batches))
+        return learner
+
+
+def _aligned(samples: Sequence[GroupSample], num_tokens: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed position p: behaviour log-prob, its temperature, loss mask and advantage of token p+1;
+    router rows of p."""
+    behaviour = torch.zeros(num_tokens)
+    temperatures = torch.ones(num_tokens)
+    mask = torch.zeros(num_tokens, dtype=torch.bool)
+    advantages = torch.zeros(num_tokens)
+    replay_rows = []
+    offset = 0
+    for s in samples:
+        t = s.trajectory
+        n = len(t.token_ids)
+        behaviour[offset:offset + n - 1] = torch.tensor(t.behaviour_logprobs[1:])
+        # float32 from the same Python floats as the sampler's temperatures: the same division, bit for bit
+        temperatures[offset:offset + n - 1] = torch.tensor(t.logprob_temperatures[1:], dtype=torch.float32)
+        mask[offset:offset + n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        advantages[offset:offset + n] = s.advantage
+        assert t.topk_ids_TLK is not None  # check_trajectories refused a sample without its router choices
+        replay_rows.append(t.topk_ids_TLK[:n].long())
+        offset += n
+    return behaviour, temperatures, mask, advantages, torch.cat(replay_rows, dim=0)
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, state in opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                out[f"{names[id(p)]}.{key}"] = state[key].contiguous()
+    return out
+
+
+def _optimizer_steps(opt: torch.optim.Optimizer) -> int:
+    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                    steps: int) -> None:
+    for name, p in model.named_parameters():
+        if f"{name}.exp_avg" in tensors:
+            opt.state[p] = {"step": torch.tensor(float(steps)), "exp_avg": tensors[f"{name}.exp_avg"].clone(),
+                            "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].clone()}

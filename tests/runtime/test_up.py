@@ -1,0 +1,36 @@
+"""runtime.up knows no application: the run file names what runs, and the launcher names the default run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_runtime_up_without_a_run_file_is_a_configuration_error_naming_the_fix() -> None:
+    done = run("-m", "runtime.up", "--print-config")
+    assert done.returncode == 2, done.stderr
+    assert "no run file: pass --config FILE" in done.stderr
+
+
+def test_the_rl_launcher_runs_its_default_run_file() -> None:
+    done = run("-m", "actors", "--print-config")
+    assert done.returncode == 0, done.stderr
+    for kind in ("reconciler", "rollout", "reward", "grouping", "trainer", "evaluator"):
+        assert f"[actors.{kind}]" in done.stdout
+    assert 'entry = "actors.stages.rollout:RolloutActor"' in done.stdout
+
+
+def test_an_explicit_run_file_replaces_the_launchers_default(tmp_path: Path) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('[actors.counter]\nentry = "tests.integration.workers:CounterActor"\n')
+    done = run("-m", "actors", "--config", str(run_file), "--print-config")
+    assert done.returncode == 0, done.stderr
+    assert "[actors.counter]" in done.stdout
+    assert "[actors.rollout]" not in done.stdout
