@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import zstandard
 
-from actors.agent import EpisodeEnd, Trajectory
+from actors.agent.episode import EpisodeEnd, Trajectory
 from actors.records import GroupRecord, GroupSample, RewardBreakdown, TestResult, encode_record
 from actors.sample_views import group_sample_views
 from model.tokenizer import ByteTokenizer

@@ -24,8 +24,8 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from actors.metrics_log import read_metrics
 from ops.dashboard.prometheus import DOCUMENTED
+from runtime.metrics_log import read_metrics
 from tests.integration.harness import REPO, LiveRun, run_events
 from tests.integration.test_e2e import _short_run, starting_policy  # noqa: F401 - the fixture
 
@@ -144,13 +144,16 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
             return d.find_elements(By.CSS_SELECTOR, "#sample-table tbody tr")
 
         WebDriverWait(browser, 120, poll_frequency=2).until(sample_rows)
-        browser.find_element(By.CSS_SELECTOR, "#sample-table tbody tr").click()
+        # in the page, in one go: the list re-renders on every refresh, so element handles go stale
+        browser.execute_script("document.querySelector('#sample-table tbody tr').click()")
         WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".tokens span"))
-        spans = browser.find_elements(By.CSS_SELECTOR, ".tokens span")
-        sampled = [s for s in spans if s.get_attribute("class") != "untrained"]
-        assert sampled and all(int(s.get_attribute("data-version")) >= 0 for s in sampled)
-        assert all(s.value_of_css_property("background-color") not in ("rgba(0, 0, 0, 0)", "") for s in sampled)
-        assert any(s.get_attribute("class") == "untrained" for s in spans), "the prompt, not sampled, is shown apart"
+        spans = browser.execute_script(
+            "return [...document.querySelectorAll('.tokens span')].map(s => ({cls: s.className, "
+            "version: s.dataset.version, bg: getComputedStyle(s).backgroundColor}))")
+        sampled = [s for s in spans if s["cls"] != "untrained"]
+        assert sampled and all(int(s["version"]) >= 0 for s in sampled)
+        assert all(s["bg"] not in ("rgba(0, 0, 0, 0)", "") for s in sampled), "coloured by version"
+        assert any(s["cls"] == "untrained" for s in spans), "the prompt, not sampled, is shown apart"
         browser.execute_script("document.getElementById('rollouts').scrollIntoView()")
         browser.save_screenshot(str(tmp_path / "dashboard-rollout.png"))
         if keep := os.environ.get("DASHBOARD_SCREENSHOTS"):

@@ -45,10 +45,10 @@ BOUND_S = {"liveness": 4 * TICK_S + 2.0, "readiness": 5 * TICK_S + 2.0, "progres
 
 
 async def _unhealthy_and_replaced(run: LiveRun, check: str, fault_at: float, victim: str) -> dict:
-    async def found() -> bool:
-        return any(e["actor_id"] == victim for e in run_events(run.run_dir, "actor_unhealthy"))
+    async def found_and_replaced() -> bool:  # the replacement is started (and said) just after the verdict
+        return any(e["old_id"] == victim for e in run_events(run.run_dir, "actor_replaced"))
 
-    await _wait_for(found, 60, f"the {check} fault found")
+    await _wait_for(found_and_replaced, 60, f"the {check} fault found and the actor replaced")
     (event,) = [e for e in run_events(run.run_dir, "actor_unhealthy") if e["actor_id"] == victim]
     assert event["check"] == check, event
     took = _event_time(event) - fault_at
