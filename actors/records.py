@@ -96,6 +96,7 @@ class GroupSample:
     components: RewardBreakdown
     advantage: float
     trajectory: Trajectory
+    tests: tuple[TestResult, ...] = ()  # the hidden tests, as the reward actor ran them (for people: the viewer)
 
 
 @dataclass(frozen=True)

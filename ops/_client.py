@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,15 @@ def resolve_run_dir(run_dir: Path | None, runs_dir: Path = Path("runs")) -> Path
 async def connect(run_dir: Path, name: str) -> Bus:
     info = RunInfo.read(run_dir)
     return await Bus.connect(info.nats_url, name=name, **info.bus_options(OPERATOR))
+
+
+async def connect_or_none(run_dir: Path, name: str, timeout_s: float) -> tuple[Bus | None, str]:
+    """The run's bus as the operator, or None and why when it does not answer within ``timeout_s``
+    (a finished run, or one whose server is down): the caller then reads the run's files instead."""
+    try:
+        return await asyncio.wait_for(connect(run_dir, name), timeout_s), ""
+    except (TimeoutError, BusError, ConfigError) as e:
+        return None, str(e) or f"no answer within {timeout_s}s"
 
 
 async def request(bus: Bus, subject: str, body: dict[str, Any] | None = None,

@@ -16,6 +16,7 @@ import msgpack
 
 from ops._client import connect, fail, resolve_run_dir
 from runtime import config as config_mod
+from runtime.bus import Bus
 from runtime.errors import BusError, ConfigError
 from runtime.run_config import load_run_config
 from runtime.rundir import CONFIG_FILE
@@ -43,9 +44,14 @@ class Malformed(str):
 async def _set(run_dir: Path, key: str, value: Any) -> None:
     bus = await connect(run_dir, "ops-config")
     try:
-        await bus.kv_put("config", key, msgpack.packb(value, use_bin_type=True))
+        await put_value(bus, key, value)
     finally:
         await bus.close()
+
+
+async def put_value(bus: Bus, key: str, value: Any) -> None:
+    """Write a live key (already validated by `validate`): every actor watching the bucket applies it."""
+    await bus.kv_put("config", key, msgpack.packb(value, use_bin_type=True))
 
 
 async def _items(run_dir: Path) -> dict[str, Any]:

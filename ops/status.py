@@ -24,27 +24,31 @@ from runtime.registry import decode_registration, is_registration_key
 async def collect(run_dir: Path) -> dict[str, Any]:
     bus = await connect(run_dir, "ops-status")
     try:
-        actors, malformed = await _registry(bus)
-        live = await _live_ids(bus)
-        for actor in actors:
-            # A process killed with SIGKILL never deregisters: trust the supervisor's process list.
-            actor["live"] = live is None or actor["id"] in live
-        status: dict[str, Any] = {"actors": sorted(actors, key=lambda a: (a["kind"], a["id"]))}
-        if malformed:
-            status["malformed_entries"] = malformed
-        for actor in actors:
-            if actor["kind"] in ("reconciler", "trainer") and actor["live"] and actor.get("state") == "running":
-                try:
-                    status[actor["kind"]] = await request(bus, control_subject(actor["kind"], actor["id"], "status"))
-                except BusError as e:  # restarting, or wedged: say so, keep the rest of the picture
-                    status.setdefault("unanswered", []).append({"id": actor["id"], "error": str(e)})
-        return status
+        return await snapshot(bus)
     finally:
         await bus.close()
 
 
+async def snapshot(bus: Bus) -> dict[str, Any]:
+    """The actors (registry entries, each marked live or not) and the reconciler's and trainer's status."""
+    actors, malformed = await registered(bus)
+    live = await _live_ids(bus)
+    for actor in actors:
+        # A process killed with SIGKILL never deregisters: trust the supervisor's process list.
+        actor["live"] = live is None or actor["id"] in live
+    status: dict[str, Any] = {"actors": sorted(actors, key=lambda a: (a["kind"], a["id"]))}
+    if malformed:
+        status["malformed_entries"] = malformed
+    for actor in actors:
+        if actor["kind"] in ("reconciler", "trainer") and actor["live"] and actor.get("state") == "running":
+            try:
+                status[actor["kind"]] = await request(bus, control_subject(actor["kind"], actor["id"], "status"))
+            except BusError as e:  # restarting, or wedged: say so, keep the rest of the picture
+                status.setdefault("unanswered", []).append({"id": actor["id"], "error": str(e)})
+    return status
 
-async def _registry(bus: Bus) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+
+async def registered(bus: Bus) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """The registered actors, and the entries that are not actor records (each with what is wrong):
     one malformed entry is reported beside the others, never a traceback instead of all of them."""
     actors, malformed = [], []

@@ -27,9 +27,9 @@ from typing import Any
 
 import structlog
 
-from ops._client import connect, fail, resolve_run_dir
+from ops._client import connect_or_none, fail, resolve_run_dir
 from runtime.bus import Bus, FollowStart
-from runtime.errors import BusError, ConfigError
+from runtime.errors import ConfigError
 from runtime.events import LEVELS, parse_event
 
 IDENTITY_KEYS = ("time", "level", "event", "kind", "actor")
@@ -237,16 +237,14 @@ def make_printer(filt: EventFilter, as_json: bool, color: bool) -> Callable[[str
 
 
 async def _connect_or_none(run_dir: Path) -> Bus | None:
-    try:
-        return await asyncio.wait_for(connect(run_dir, "ops-tail"), CONNECT_TIMEOUT_S)
-    except (TimeoutError, BusError, ConfigError) as e:
-        reason = str(e) or f"no answer within {CONNECT_TIMEOUT_S}s"
+    bus, reason = await connect_or_none(run_dir, "ops-tail", CONNECT_TIMEOUT_S)
+    if bus is None:
         print(
             f"ops.tail: the bus of {run_dir} is not reachable ({reason}); "
             f"reading what {run_dir / 'logs'} holds now instead (no following)",
             file=sys.stderr,
         )
-        return None
+    return bus
 
 
 async def tail(

@@ -1,6 +1,6 @@
 """The Actor base class: a durable JetStream consumer with an explicit lifecycle.
 
-    CREATED -> STARTING -> RUNNING -> DRAINING -> STOPPED
+    CREATED -> STARTING -> [STANDBY ->] RUNNING -> DRAINING -> STOPPED
 
 An actor kind declares the queues it consumes, the message types it accepts, and (optionally) the
 configuration dataclass of its section. The base feeds at most ``max_concurrency`` handlers from the
@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import msgpack
 import structlog
 
+from runtime import actor_metrics
 from runtime import config as config_mod
 from runtime.bus import Bus, BusLimits, Inbound, Queue, WorkMessage
 from runtime.bus_auth import BusAccess, control_subject
@@ -34,10 +35,13 @@ from runtime.registry import handover_key, registration_key
 
 log = structlog.get_logger(__name__)
 
+PROBE_TIMEOUT_S = 60.0  # a probe that takes longer is a failed one (runtime.health asks within its own bound)
+
 
 class ActorState(enum.Enum):
     CREATED = "created"
     STARTING = "starting"
+    STANDBY = "standby"  # set up (model loaded, sandboxes warm), not consuming: a warm spare
     RUNNING = "running"
     DRAINING = "draining"
     STOPPED = "stopped"
@@ -141,6 +145,7 @@ class Actor:
         self.state = ActorState.CREATED
         self.exit_stack = contextlib.AsyncExitStack()
         self._drain_requested = asyncio.Event()
+        self._activated = asyncio.Event()
         self._inflight = 0
         self._capacity = asyncio.Condition()
         self.num_handled = 0
@@ -149,6 +154,7 @@ class Actor:
         self.failure: str | None = None  # set by fail(): the run() that drains then raises ActorFailed
         self.num_rejected_config = 0  # live config values refused (see _apply_config)
         self._started_at = time.time()
+        self._progress_at = time.monotonic()  # the last time a handling ended, or work was taken up idle
         self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
 
     # --- hooks for subclasses ----------------------------------------------------------------
@@ -168,6 +174,10 @@ class Actor:
     async def on_config_change(self, key: str, old: Any, new: Any) -> None:
         """Called after a live key of this kind's section changed; ``self.config`` is already new."""
 
+    async def probe(self) -> None:
+        """Can this actor do its job now? Raise with the reason if not (runtime.health asks it every so
+        often: the rollout actor decodes a token, the reward actor runs a sandboxed command)."""
+
     def status(self) -> dict[str, Any]:
         return {}
 
@@ -185,9 +195,34 @@ class Actor:
         await self.setup()
         await self._register()
 
+    async def stand_by(self) -> None:
+        """A warm spare: set up and registered as ``standby``, answering control requests, renewing its
+        lease, consuming nothing, until ``ctl.<kind>.<id>.activate`` (the supervisor promotes it in place of an
+        actor that died) or a drain request. ``run`` follows either way (a drained standby just stops)."""
+        self._expect(ActorState.STARTING)
+        self.state = ActorState.STANDBY
+        await self._register()
+        self._log.info("actor_standing_by", pid=self.identity.pid, host=self.identity.host)
+        ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                lease = tg.create_task(self._renew_lease())
+                activated = tg.create_task(self._activated.wait())
+                drained = tg.create_task(self._drain_requested.wait())
+                await asyncio.wait({activated, drained}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (lease, activated, drained):
+                    task.cancel()
+        finally:
+            await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
+
     async def run(self) -> None:
         """Runs until a drain is requested (ctl drain, SIGTERM), then drains and stops."""
-        self._expect(ActorState.STARTING)
+        self._expect(ActorState.STARTING, ActorState.STANDBY)
+        if self.state is ActorState.STANDBY and not self._activated.is_set():  # drained as a spare
+            await self._stop()
+            return
+        if self.state is ActorState.STANDBY:
+            self._log.info("actor_activated", standby_s=round(time.time() - self._started_at, 3))
         ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
         async with asyncio.TaskGroup() as tg:
             config_watch = tg.create_task(self._watch_config())
@@ -295,6 +330,8 @@ class Actor:
                     break
                 msgs = await sub.fetch(free, timeout_s=self.settings.fetch_timeout_s)  # none in time: []
                 for raw in msgs:
+                    if self._inflight == 0:  # idle until now: the time without progress starts here
+                        self._progress_at = time.monotonic()
                     self._inflight += 1
                     work_tg.create_task(self._process(q, raw))
         finally:
@@ -334,6 +371,7 @@ class Actor:
             if await self._settle(raw, "ack"):
                 self.num_handled += 1
         finally:
+            self._progress_at = time.monotonic()
             async with self._capacity:
                 self._inflight -= 1
                 self._capacity.notify_all()
@@ -390,15 +428,58 @@ class Actor:
     async def _on_ctl(self, raw: Inbound) -> None:
         verb = raw.subject.rsplit(".", 1)[-1]
         if verb == "ping":
-            reply: dict[str, Any] = {"ok": True, "state": self.state.value}
+            reply: dict[str, Any] = {"ok": True, "state": self.state.value,
+                                     "busy_without_progress_s": self.busy_without_progress_s}
+        elif verb == "probe":
+            reply = await self._probe()
         elif verb == "status":
             reply = self.describe()
         elif verb == "drain":
             self.request_drain()
             reply = {"ok": True, "state": ActorState.DRAINING.value}
+        elif verb == "activate":
+            ok = self.state is ActorState.STANDBY and not self._drain_requested.is_set()
+            if ok:
+                self._activated.set()
+            reply = {"ok": ok, "state": self.state.value} if ok else {
+                "ok": False, "error": f"not a standby that can be activated (state {self.state.value})"}
+        elif verb == "metrics":
+            reply = {"ok": True, "text": actor_metrics.exposition(self).decode()}
         else:
-            reply = {"ok": False, "error": f"unknown verb {verb!r}; use ping, status or drain"}
+            reply = {"ok": False,
+                     "error": f"unknown verb {verb!r}; use ping, probe, status, metrics, activate or drain"}
         await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
+
+    async def _probe(self) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                await self.probe()
+        except Exception as e:  # any failure of the probe is the answer: not ready, and why
+            self._log.warning("probe_failed", error=repr(e))
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True}
+
+    @property
+    def busy_without_progress_s(self) -> float:
+        """Seconds this actor has held work without finishing any handling (0 when it holds none)."""
+        return round(time.monotonic() - self._progress_at, 3) if self._inflight else 0.0
+
+    # what runtime.actor_metrics reads at a scrape
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def uptime_s(self) -> float:
+        return time.time() - self._started_at
+
+    @property
+    def state_name(self) -> str:
+        return self.state.value
+
+    @property
+    def kind_name(self) -> str:
+        return self.identity.kind
 
     def describe(self) -> dict[str, Any]:
         i = self.identity

@@ -25,7 +25,7 @@ from runtime.run_config import import_entry, load_run_config
 from runtime.rundir import CONFIG_FILE, RunInfo
 
 
-async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog) -> None:
+async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog, standby: bool = False) -> None:
     log = structlog.get_logger("runtime.actor_process")
     info = RunInfo.read(run_dir)
     cfg = load_run_config([run_dir / CONFIG_FILE])
@@ -48,6 +48,8 @@ async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog) -
             forwarder = tg.create_task(event_log.forward(bus))
             try:
                 await actor.start()
+                if standby:
+                    await actor.stand_by()
                 await actor.run()
             finally:
                 forwarder.cancel()
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--kind", required=True)
     parser.add_argument("--id", required=True, dest="actor_id")
+    parser.add_argument("--standby", action="store_true", help="set up, then wait to be activated (a warm spare)")
     args = parser.parse_args(argv)
     cfg = load_run_config([args.run_dir / CONFIG_FILE])
     # Here, not in the spawn's preexec_fn: uvloop runs that before the child's setsid, where the
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                          cfg.runtime.log)
     event_log.install()
     try:
-        uvloop.run(_serve(args.run_dir, args.kind, args.actor_id, event_log))
+        uvloop.run(_serve(args.run_dir, args.kind, args.actor_id, event_log, args.standby))
     finally:
         event_log.close()
 

@@ -160,6 +160,13 @@ def _kv_keys(bucket: str, keys: Iterable[str]) -> list[str]:
     return [*_kv_read(bucket), *(f"$KV.{bucket}.{key}" for key in keys), f"{_API}.STREAM.CREATE.KV_{bucket}"]
 
 
+def stream_reader(stream: str) -> tuple[str, ...]:
+    """Read a stream through ordered consumers (``Bus.follow``): find it by subject, make, renew and drop them."""
+    return (f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.{stream}", f"{_API}.CONSUMER.CREATE.{stream}",
+            f"{_API}.CONSUMER.CREATE.{stream}.>", f"{_API}.CONSUMER.DELETE.{stream}.>",
+            f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>")
+
+
 def actor_permissions(role: str, access: BusAccess) -> Permissions:
     """An actor kind's permissions: what every actor does, plus its declared `access`."""
     # its own events (log.<kind>.<level>) and dead letters of its own queues only: no one writes
@@ -181,9 +188,7 @@ def actor_permissions(role: str, access: BusAccess) -> Permissions:
 
 def operator_permissions() -> Permissions:
     """ops commands: control requests, live configuration, the registry, the event log, progress."""
-    publish = ["ctl.>", *_kv_write("config"), *_kv_read("actors"), f"{_API}.STREAM.NAMES",
-               f"{_API}.STREAM.INFO.LOG", f"{_API}.CONSUMER.CREATE.LOG", f"{_API}.CONSUMER.CREATE.LOG.>",
-               f"{_API}.CONSUMER.DELETE.LOG.>", f"{_API}.CONSUMER.INFO.LOG.>", "$JS.FC.LOG.>"]
+    publish = ["ctl.>", *_kv_write("config"), *_kv_read("actors"), *stream_reader("LOG")]
     return Permissions(tuple(publish), (f"{inbox_prefix(OPERATOR)}.>", "log.>", "progress.>"),
                        allow_responses=False)
 

@@ -39,7 +39,7 @@ REGISTRATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "num_dead_lettered": int,
     "uptime_s": (int, float),
 }
-_STATES = frozenset({"created", "starting", "running", "draining", "stopped"})
+_STATES = frozenset({"created", "starting", "standby", "running", "draining", "stopped"})
 _REGISTRATION_PREFIX = "reg."
 _HANDOVER_PREFIX = "handover."
 

@@ -21,7 +21,7 @@ from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
 
-RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "log", "actors")
+RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "health", "log", "dashboard", "actors")
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,40 @@ class SupervisorSection:
 
 
 @dataclass(frozen=True)
+class HealthSection:
+    """Health checks of every supervised actor (runtime.health): liveness, the kind's probe, progress."""
+
+    interval_s: float = fixed(5.0, within=Range(0.0, 3600.0))  # 0: no health checks
+    ping_timeout_s: float = fixed(5.0, within=Range(0.1, 600.0))
+    probe_every: int = fixed(6, within=Range(0, 1_000_000))  # every Nth check is the kind's probe; 0: none
+    probe_timeout_s: float = fixed(60.0, within=Range(0.1, 3600.0))
+    max_failures: int = fixed(3, within=Range(1, 1000))  # failed checks in a row that make an actor unhealthy
+    # work in hand and nothing finished for this long: stuck (0: not checked); above the longest step
+    stuck_s: float = fixed(900.0, within=Range(0.0, 7 * 24 * 3600.0))
+    start_grace_s: float = fixed(600.0, within=Range(1.0, 86_400.0))  # to be running after it is started
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "health")
+
+
+@dataclass(frozen=True)
+class DashboardSection:
+    """Where the run's dashboard (an actor kind the run file may name, e.g. ops.dashboard) serves."""
+
+    host: str = "127.0.0.1"  # loopback: open it to a network on purpose, never by default
+    port: int = fixed(8321, within=Range(0, 65_535))  # taken already: any free port, said at start; 0: any
+    sample_s: float = fixed(2.0, within=Range(0.1, 3600.0))  # status samples (slot table, actors) this often
+    # the rollout viewer: the application's module:function from a stored group record to sample views
+    sample_views: str = ""
+    keep_last_groups: int = fixed(64, within=Range(0, 100_000))  # the newest groups, kept whole
+    groups_per_version: int = fixed(2, within=Range(0, 1_000))  # and a reservoir of this many per version ...
+    max_versions: int = fixed(256, within=Range(1, 1_000_000))  # ... thinned past this many versions
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "dashboard")
+
+
+@dataclass(frozen=True)
 class ActorSpec:
     """One actor kind: its class as ``module:Class`` (as gunicorn or uvicorn name apps), how many."""
 
@@ -95,6 +129,9 @@ class ActorSpec:
     max_concurrency: int = fixed(8, within=Range(1, 100_000))
     heartbeat_s: float = fixed(5.0, within=Range(0.0, 3600.0, lo_open=True))
     drain_timeout_s: float = fixed(60.0, within=Range(0.0, 86_400.0))
+    # warm spares: started and set up (model loaded) but consuming nothing; one takes a dead or
+    # unhealthy actor's place at once, and a new spare is started behind it
+    standby: int = fixed(0, within=Range(0, 1000))
     # The one setting of a process's compute threads (OMP_NUM_THREADS and MKL_NUM_THREADS in its environment, which
     # torch reads for its intra-op threads): one, as several actors share a few cores; 0 leaves torch's default.
     threads: int = fixed(1, within=Range(0, 1024))
@@ -121,7 +158,9 @@ class RuntimeConfig:
     bus: BusSection = BusSection()
     storage: StorageSection = StorageSection()
     supervisor: SupervisorSection = SupervisorSection()
+    health: HealthSection = HealthSection()
     log: EventLogConfig = EventLogConfig()
+    dashboard: DashboardSection = DashboardSection()
     actors: dict[str, ActorSpec] = field(default_factory=dict)
 
 

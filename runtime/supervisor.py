@@ -5,6 +5,10 @@ Restart strategy is OTP's one_for_one: a crashed process is restarted alone, aft
 backoff; more than ``max_restarts`` restarts within ``restart_window_s`` means something is wrong
 beyond a restart's reach, so the run is reported failed and stopped cleanly.
 
+Warm standby (``actors.<kind>.standby = N``): N more processes per kind are started and set up but
+consume nothing; when an actor of the kind dies or is found unhealthy, a standby is activated in its
+place at once (no backoff: it is ready) and a new standby is started behind it.
+
 Stop order for one process: ``ctl.<kind>.<id>.drain`` (finish in-flight work, ack, hand over), then SIGTERM,
 then SIGKILL. Children run in their own sessions with a parent-death signal: no orphans, ever.
 """
@@ -26,6 +30,7 @@ from typing import Any
 import msgpack
 import structlog
 
+from runtime import health
 from runtime.bus import Bus, Inbound
 from runtime.bus_auth import control_subject
 from runtime.errors import BusError
@@ -37,6 +42,7 @@ log = structlog.get_logger(__name__)
 
 SUPERVISOR_SUBJECT = "ctl.supervisor"
 BUS_STEP_TIMEOUT_S = 5.0  # one registry write of the supervisor's; past it the bus is taken as down
+ACTIVATE_TIMEOUT_S = 2.0  # a ready standby answers at once; one that does not is still loading
 
 
 class Outcome(enum.Enum):
@@ -52,7 +58,9 @@ class ActorProcess:
     actor_id: str
     proc: asyncio.subprocess.Process
     started_at: float = field(default_factory=time.time)
-    retiring: bool = False  # drained on purpose (swap, stop): its exit is not a crash
+    retiring: bool = False  # drained on purpose (swap, stop, unhealthy): its exit is not a crash
+    health: asyncio.Task[None] | None = None  # its health checks (runtime.health), while it runs
+    standby: bool = False  # a warm spare, not consuming until activated
 
     @property
     def pid(self) -> int:
@@ -84,6 +92,9 @@ class Supervisor:
                 for kind, spec in self.config.actors.items():
                     for _ in range(spec.count):
                         await self._spawn(kind)
+                for kind, spec in self.config.actors.items():
+                    for _ in range(spec.standby):
+                        await self._spawn(kind, standby=True)
                 await self._stop.wait()
                 await self._shutdown()
         finally:
@@ -105,7 +116,7 @@ class Supervisor:
                 tg.create_task(self._retire(p))
 
     # --- processes ------------------------------------------------------------------------------------
-    async def _spawn(self, kind: str) -> ActorProcess:
+    async def _spawn(self, kind: str, standby: bool = False) -> ActorProcess:
         assert self._tg is not None
         spec = self.config.actors[kind]
         self._counter[kind] += 1
@@ -118,18 +129,23 @@ class Supervisor:
         with open(out_path, "ab") as out:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "runtime.actor_process", "--run-dir", str(self.run_dir),
-                "--kind", kind, "--id", actor_id, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                "--kind", kind, "--id", actor_id, *(["--standby"] if standby else []),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
                 env=env)
-        ap = ActorProcess(kind, actor_id, proc)
+        ap = ActorProcess(kind, actor_id, proc, standby=standby)
         self.procs[actor_id] = ap
-        log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid)
+        log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid, standby=standby)
         self._tg.create_task(self._watch(ap))
+        if self.config.health.interval_s > 0:
+            ap.health = self._tg.create_task(self._check_health(ap))
         return ap
 
     async def _watch(self, ap: ActorProcess) -> None:
         rc = await ap.proc.wait()
         self.procs.pop(ap.actor_id, None)
+        if ap.health is not None:
+            ap.health.cancel()
         bus_down = self.bus.health.down.is_set()
         if rc != 0 and not bus_down:  # a killed process cannot unregister itself: drop its entry for it
             await self._deregister(ap)
@@ -143,28 +159,83 @@ class Supervisor:
         if bus_down:
             await self._restart_after_outage(ap, rc)
             return
-        now = time.monotonic()
-        recent = self._restarts[ap.kind]
-        recent.append(now)
-        while recent and now - recent[0] > self.config.supervisor.restart_window_s:
-            recent.popleft()
+        num_recent = self._count_restart(ap)
         log.error("actor_crashed", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc,
-                  num_recent_restarts=len(recent), log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
-        sup = self.config.supervisor
-        if len(recent) > sup.max_restarts:
-            reason = (f"{ap.kind} crashed {len(recent)} times within {sup.restart_window_s}s "
-                      f"(limit {sup.max_restarts}); see {self.run_dir / 'logs' / (ap.actor_id + '.out')}")
-            log.error("restart_intensity_exceeded", actor_kind=ap.kind, num_restarts=len(recent),
-                      window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
-            self.request_stop(Outcome.FAILED, reason)
+                  num_recent_restarts=num_recent, log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+        if self._stop.is_set():
             return
-        delay = sup.backoff(len(recent))
+        if not ap.standby and await self._promote(ap.kind, ap.actor_id):
+            return
+        delay = self.config.supervisor.backoff(num_recent)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), delay)
         if self._stop.is_set():
             return
-        new = await self._spawn(ap.kind)
-        log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay)
+        new = await self._spawn(ap.kind, standby=ap.standby)
+        log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay,
+                 standby=ap.standby)
+
+    async def _promote(self, kind: str, replaces: str) -> ActorProcess | None:
+        """A ready standby of ``kind`` activated in place of ``replaces`` (and a new standby started behind
+        it), or None when the kind has none ready (the caller starts a process cold)."""
+        for ap in [p for p in self.procs.values() if p.kind == kind and p.standby and not p.retiring]:
+            try:
+                reply = await self.bus.request(control_subject(kind, ap.actor_id, "activate"), b"",
+                                               timeout_s=ACTIVATE_TIMEOUT_S)
+                ok = bool(msgpack.unpackb(reply, raw=False).get("ok"))
+            except (OSError, ValueError) as e:  # BusError included: not ready yet (still loading), or gone
+                log.info("standby_not_activated", actor_kind=kind, actor_id=ap.actor_id, error=repr(e))
+                continue
+            if not ok:
+                continue
+            ap.standby = False
+            log.info("standby_promoted", actor_kind=kind, actor_id=ap.actor_id, replaces=replaces)
+            await self._spawn(kind, standby=True)
+            return ap
+        return None
+
+    def _count_restart(self, ap: ActorProcess) -> int:
+        """One more restart of ``ap``'s kind within the window; past the intensity limit the run fails
+        (it stops: the caller sees ``_stop`` set). Returns the number of recent restarts."""
+        now = time.monotonic()
+        recent = self._restarts[ap.kind]
+        recent.append(now)
+        sup = self.config.supervisor
+        while recent and now - recent[0] > sup.restart_window_s:
+            recent.popleft()
+        if len(recent) > sup.max_restarts:
+            reason = (f"{ap.kind} crashed or was unhealthy {len(recent)} times within {sup.restart_window_s}s "
+                      f"(limit {sup.max_restarts}); see {self.run_dir / 'logs' / (ap.actor_id + '.out')}")
+            log.error("restart_intensity_exceeded", actor_kind=ap.kind, num_restarts=len(recent),
+                      window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
+            self.request_stop(Outcome.FAILED, reason)
+        return len(recent)
+
+    async def _check_health(self, ap: ActorProcess) -> None:
+        """Health checks while ``ap`` runs; an unhealthy one is replaced: its successor is started first
+        (capacity comes back as soon as it can), then it is killed at once if it answers nothing or its
+        work never ends, else drained, signalled, killed as on a stop. Its work in hand goes back to the
+        queue when it dies unacknowledged, or is re-issued when its lease lapses."""
+        verdict = await health.watch(self.bus, ap.kind, ap.actor_id, self.config.health)
+        if ap.retiring or self._stop.is_set() or ap.actor_id not in self.procs:
+            return
+        num_recent = self._count_restart(ap)
+        log.error("actor_unhealthy", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, check=verdict.check,
+                  reason=verdict.reason, num_recent_restarts=num_recent)
+        if self._stop.is_set():
+            return
+        new = (None if ap.standby else await self._promote(ap.kind, ap.actor_id)) or await self._spawn(
+            ap.kind, standby=ap.standby)
+        log.info("actor_replaced", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id,
+                 check=verdict.check)
+        if verdict.check in ("liveness", "progress"):  # it answers nothing, or its work never ends: no drain
+            ap.retiring = True
+            log.error("actor_killed", actor_id=ap.actor_id, pid=ap.pid, reason=verdict.check)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(ap.proc.pid, signal.SIGKILL)
+            await ap.proc.wait()
+        else:
+            await self._retire(ap)
 
     async def _restart_after_outage(self, ap: ActorProcess, rc: int) -> None:
         """An actor that died while the bus was down (most likely of it) is restarted once the bus is back,
@@ -182,7 +253,7 @@ class Supervisor:
         if self._stop.is_set():
             return
         await self._deregister(ap)
-        new = await self._spawn(ap.kind)
+        new = await self._spawn(ap.kind, standby=ap.standby)
         log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after="bus outage")
 
     async def _deregister(self, ap: ActorProcess) -> None:
@@ -222,13 +293,17 @@ class Supervisor:
         if kind not in self.config.actors:
             raise ValueError(f"unknown actor kind {kind!r}; this run has {sorted(self.config.actors)}")
         async with self._swap_lock:
-            old = [p for p in self.procs.values() if p.kind == kind and not p.retiring]
+            old = [p for p in self.procs.values() if p.kind == kind and not p.retiring and not p.standby]
+            old_spares = [p for p in self.procs.values() if p.kind == kind and not p.retiring and p.standby]
             old_info = [await self._registry_entry(p) for p in old]
             log.info("swap_started", actor_kind=kind, old=[p.actor_id for p in old])
             new = [await self._spawn(kind) for _ in range(max(1, len(old)))]
             new_info = [await self._wait_running(p) for p in new]
             for p in old:
                 await self._retire(p)
+            for p in old_spares:  # spares run the old code too: new ones take their place
+                await self._retire(p)
+                await self._spawn(kind, standby=True)
             report = {"kind": kind, "old": _hashes(old, old_info), "new": _hashes(new, new_info)}
             log.info("swap_finished", actor_kind=kind, old=report["old"], new=report["new"])
             return report
@@ -272,7 +347,7 @@ class Supervisor:
             return
         if verb == "status":
             reply: dict[str, Any] = {"ok": True, "outcome": self.outcome.value, "actors": [
-                {"id": p.actor_id, "kind": p.kind, "pid": p.pid, "retiring": p.retiring,
+                {"id": p.actor_id, "kind": p.kind, "pid": p.pid, "retiring": p.retiring, "standby": p.standby,
                  "uptime_s": round(time.time() - p.started_at, 1)} for p in self.procs.values()]}
         elif verb == "stop":
             self.request_stop(Outcome.STOPPED)

@@ -38,14 +38,15 @@ class GroupingActor(StageActor):
                 raise WorkRefused(f"reward record {reward.sample_id} does not belong to sample {sample_id}")
             rollouts.append(await self.get_record(f"{reward.rollout_key}/trajectory", RolloutRecord))
         advantages = advantages_dr_grpo(torch.tensor([r.reward for r in rewards], dtype=torch.float64))
-        samples = tuple(GroupSample(r.sample_id, r.reward, r.components, adv, rollout.trajectory)
+        samples = tuple(GroupSample(r.sample_id, r.reward, r.components, adv, rollout.trajectory, r.tests)
                         for r, rollout, adv in zip(rewards, rollouts, advantages.tolist(), strict=True))
         versions = [v for s in samples for v, m in zip(s.trajectory.versions, s.trajectory.loss_mask, strict=True)
                     if m]
         key = f"groups/{order.group_id}/a{order.attempt}"
         await self.put_record(key, GroupRecord(order.group_id, order.prompt_id, min(versions, default=0),
                                                max(versions, default=0), time.time(), samples))
-        log.info("group_checkpointed", group_id=order.group_id, prompt_id=order.prompt_id, num_samples=len(samples),
+        log.info("group_checkpointed", group_id=order.group_id, key=key, prompt_id=order.prompt_id,
+                 num_samples=len(samples),
                  mean_reward=sum(s.reward for s in samples) / len(samples),
                  min_version=min(versions, default=0), max_version=max(versions, default=0))
         return GroupDone(order.group_id, order.attempt, key)

@@ -19,7 +19,7 @@ from actors.records import RewardBreakdown, RewardRecord, RolloutRecord, TestRes
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from runtime.actor import Delivery
-from sandbox import import_snapshot_bytes, score
+from sandbox import Environment, import_snapshot_bytes, score
 from sandbox.errors import SandboxViolation, SnapshotFormatError
 from sandbox.reward import TestOutcome, over_budget_outcome
 from sandbox.tasks import Task
@@ -54,6 +54,13 @@ class RewardActor(StageActor):
     async def setup(self) -> None:
         self.tasks = TaskCatalog.build(self.config.tasks)
         self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
+
+    async def probe(self) -> None:
+        """Health: one sandboxed command runs and says what it was told (the sandbox and its store work)."""
+        with Environment.create(self.store, {"probe.txt": "ok\n"}) as env:
+            result = await env.run("cat probe.txt")
+        if result.exit_code != 0 or result.stdout != "ok\n":
+            raise RuntimeError(f"a sandboxed cat exited {result.exit_code} with {result.stdout[:80]!r}")
 
     async def work(self, order: RewardOrder, delivery: Delivery) -> RewardDone:
         try:

@@ -131,6 +131,13 @@ class RolloutActor(StageActor):
         if not in_time:
             raise WeightsUnavailable(f"draining while waiting for weights version {version}; the order goes back")
 
+    async def probe(self) -> None:
+        """Health: the engine decodes one token now (a dead or wedged engine fails it, the process alive)."""
+        generation = await self._generate(self.tokenizer.encode("ok"),
+                                          SamplingParams(max_new_tokens=1, temperature=0))
+        if len(generation.token_ids) != 1:
+            raise RuntimeError(f"the engine decoded {len(generation.token_ids)} tokens for one asked")
+
     async def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         """The engine's generate; an engine that FAILED fails this actor: every later call would raise,
         so the process exits (in-flight orders nak'ed, redelivered) and its supervisor starts a new one."""

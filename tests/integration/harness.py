@@ -93,6 +93,10 @@ class LiveRun:
 
     async def wait_actors(self, kind: str, n: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Waits until n actors of kind are registered as running (consuming)."""
+        return await self.wait_actors_in(kind, "running", n, timeout_s)
+
+    async def wait_actors_in(self, kind: str, state: str, n: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Waits until n actors of kind are registered in ``state``."""
         assert self.bus is not None
         kv = await self.bus.kv("actors")
         deadline = time.monotonic() + timeout_s
@@ -101,7 +105,7 @@ class LiveRun:
             for key in await _keys(kv):
                 entry = await kv.get(key)
                 info = msgpack.unpackb(entry.value, raw=False) if entry.value else {}
-                if info.get("kind") == kind and info.get("state") == "running":
+                if info.get("kind") == kind and info.get("state") == state:
                     running.append(info)
             if len(running) >= n:
                 return running

@@ -25,6 +25,7 @@ from model.checkpoint import save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
 from runtime.bus import DONE_QUEUE
+from runtime.bus_auth import control_subject
 from runtime.codec import Codec
 from tests.integration.harness import LiveRun, write_config
 
@@ -61,8 +62,10 @@ async def test_one_batch_through_every_stage(tmp_path: Path) -> None:
     run = await LiveRun(tmp_path / "run", cfg).start()
     try:
         assert run.bus is not None
-        for kind in ("rollout", "reward", "grouping", "trainer"):
-            await run.wait_actors(kind, 1, timeout_s=120)
+        entries = {kind: (await run.wait_actors(kind, 1, timeout_s=120))[0]
+                   for kind in ("rollout", "reward", "grouping", "trainer")}
+        for kind in ("rollout", "reward"):  # the health probes: one token decoded, one sandboxed command run
+            assert (await run.request(control_subject(kind, entries[kind]["id"], "probe"), timeout=60)) == {"ok": True}
         await run.bus.ensure_queue(DONE_QUEUE)
         orders = Codec(all_order_types())
         done = Codec(COMPLETION_TYPES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgpack
 from nats.js.errors import KeyWrongLastSequenceError
@@ -102,3 +103,34 @@ class StubbornActor(Actor):
 
     async def handover(self) -> dict | None:
         raise RuntimeError("cannot hand over: state lost")
+
+
+class AilingCounterActor(CounterActor):
+    """The counter, made unhealthy by the key it is given, in the first process of the run only (a marker
+    file says it happened, so its replacement is healthy): ``ail-hang`` never finishes its handling,
+    ``ail-probe`` makes its probe fail from then on while it goes on serving (an engine dead in a live
+    process). The freeze case needs no code: the test stops the process (SIGSTOP)."""
+
+    kind = "ailing"
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.probe_broken = False
+
+    def _first_time(self, fault: str) -> bool:
+        try:
+            (Path(self.ctx.run_dir) / f"fault-{fault}").touch(exist_ok=False)
+        except FileExistsError:
+            return False
+        return True
+
+    async def handle(self, msg: CountRequest, delivery: Delivery) -> None:  # type: ignore[override]
+        if msg.key == "ail-hang" and self._first_time("hang"):
+            await asyncio.Event().wait()  # a handler that never returns, in a process that answers pings
+        if msg.key == "ail-probe" and self._first_time("probe"):
+            self.probe_broken = True
+        await super().handle(msg, delivery)
+
+    async def probe(self) -> None:
+        if self.probe_broken:
+            raise RuntimeError("injected fault: the engine stopped decoding")

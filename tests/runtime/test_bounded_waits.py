@@ -91,6 +91,7 @@ LISTED = {  # (file, callee as written) -> its bound, where the callee's name al
     ("model/weight_sync/publisher.py", "self._encoded.put"): "an asyncio.Queue between encoder and uploader: no I/O",
     ("model/weight_sync/publisher.py", "self._encoded.get"): "an asyncio.Queue between encoder and uploader: no I/O",
     ("model/weight_sync/publisher.py", "put"): "its local put: self._retry.run of one store.put (" + BLOB + ")",
+    ("ops/dashboard/feeds.py", "self._pending.get"): "an asyncio.Queue of group keys the event log named: no I/O",
 }
 UNBOUNDED_BY_DESIGN: dict[tuple[str, str], str] = {
     # (file, verb) -> why it may wait without end; none today (ops.tail --follow waits on Bus.follow,

@@ -1,0 +1,159 @@
+"""Where the dashboard's view of a run comes from.
+
+Live (the run's bus answers): the event log replayed from its start and then followed (``log.>`` through
+an ordered consumer that survives bus outages), the live configuration watched in its KV bucket, and a
+status sample (registry, reconciler and trainer status) every ``sample_s``: the slot table and the
+actors are state, not events, so a chart of them over time is a series of samples. Offline (a finished
+run, or one whose bus does not answer): the event files under RUN_DIR/logs, read once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import structlog
+
+from ops import config as ops_config
+from ops import status as ops_status
+from ops.dashboard.model import RunView
+from ops.dashboard.rollouts import RolloutShelf, SampleView, ShelfLimits
+from ops.tail import read_files
+from runtime.blob import BlobStore
+from runtime.bus import Bus
+from runtime.errors import BusError
+from runtime.events import parse_event
+from runtime.run_config import DashboardSection, import_entry
+
+log = structlog.get_logger()
+
+SampleViews = Callable[[str, bytes], list[SampleView]]
+
+
+def load_event_files(run_dir: Path, view: RunView, samples: SampleFetcher | None = None) -> int:
+    """Every event in RUN_DIR/logs, merged by time, into ``view`` (and the groups they name to
+    ``samples``, whose ``run`` then reads them); returns how many."""
+    paths = sorted((run_dir / "logs").glob("*.jsonl"))
+    count = 0
+    for _, event in read_files(paths):
+        view.add_event(event)
+        if samples is not None:
+            samples.notice(event)
+        count += 1
+    return count
+
+
+def sample_fetcher(settings: DashboardSection, blob: BlobStore | None) -> SampleFetcher | None:
+    """The rollout viewer's feed, if the run names the application's ``dashboard.sample_views``."""
+    if not settings.sample_views or blob is None:
+        return None
+    views: SampleViews = import_entry(settings.sample_views)  # type: ignore[assignment]
+    limits = ShelfLimits(settings.keep_last_groups, settings.groups_per_version, settings.max_versions)
+    return SampleFetcher(blob, views, RolloutShelf(limits))
+
+
+async def follow_events(bus: Bus, view: RunView, samples: SampleFetcher | None = None) -> None:
+    """The run's whole event log, then every new event, into ``view`` (and the groups it names to
+    ``samples``). Runs until cancelled."""
+    messages = aiter(bus.follow("log.>", "all"))
+    try:
+        async for msg in messages:
+            line = msg.data.decode(errors="replace")
+            view.add_line(line, msg.subject.rsplit(".", 1)[-1])  # log.<kind>.<level>
+            if samples is not None and SampleFetcher.EVENT in line and (event := parse_event(line)) is not None:
+                samples.notice(event)
+    finally:
+        await messages.aclose()  # type: ignore[attr-defined]
+
+
+class SampleFetcher:
+    """Reads the group records the event log names (``group_checkpointed`` with its ``key``) from the
+    blob store, turns them into sample views with the application's ``views`` function (in a thread:
+    decompressing and decoding is CPU work) and offers them to the shelf. At most ``max_pending`` keys
+    wait: a burst beyond that is skipped and counted (the viewer samples; it never holds the run up)."""
+
+    EVENT = "group_checkpointed"  # the event that names a stored group record (with its key)
+
+    def __init__(self, blob: BlobStore, views: SampleViews, shelf: RolloutShelf, max_pending: int = 256) -> None:
+        self.shelf = shelf
+        self._blob, self._views = blob, views
+        self._pending: asyncio.Queue[str] = asyncio.Queue(max_pending)
+        self.num_skipped = 0
+        self.num_unreadable = 0
+
+    def notice(self, event: dict[str, object]) -> None:
+        key = event.get("key")
+        if event.get("event") != self.EVENT or not isinstance(key, str):
+            return
+        try:
+            self._pending.put_nowait(key)
+        except asyncio.QueueFull:
+            self.num_skipped += 1
+
+    async def run(self) -> None:
+        while True:
+            key = await self._pending.get()
+            try:
+                stored = await self._blob.get(key)  # bounded by the store's timeouts and attempts
+                views = await asyncio.to_thread(self._views, key, stored)
+            except KeyError:
+                continue  # collected since (a replayed log names groups long trained): nothing to show
+            except (ValueError, OSError) as e:  # unreadable or the store failing: skip it, say so
+                self.num_unreadable += 1
+                log.warning("dashboard_sample_unreadable", key=key, error=str(e))
+                continue
+            self.shelf.offer(views)
+
+
+async def watch_config(bus: Bus, view: RunView) -> None:
+    """The live configuration (the ``config`` bucket) into ``view``: its values now, then each change."""
+    items: dict[str, object] = {}
+    caught_up = False
+    async for entry in bus.kv_watch("config"):
+        if entry is None:  # the current values are all in: show them at once, then each change
+            caught_up = True
+        elif entry.deleted or not entry.value:
+            items.pop(entry.key, None)
+        else:
+            try:
+                items[entry.key] = msgpack.unpackb(entry.value, raw=False)
+            except (ValueError, TypeError) as e:  # shown as what it is, beside the good values
+                items[entry.key] = f"<malformed: {e}>"
+        if caught_up:
+            view.set_config(dict(items))
+
+
+async def sample_status(bus: Bus, view: RunView, sample_s: float) -> None:
+    """A status sample every ``sample_s`` (the slot table and actors over time). A run that does not
+    answer one sample is shown as such (``unanswered``) and sampled again at the next tick."""
+    while True:
+        started = time.monotonic()
+        try:
+            status = await ops_status.snapshot(bus)
+        except BusError as e:
+            status = {"actors": [], "unanswered": [{"id": "registry", "error": str(e)}]}
+        view.set_status(status, time.time())
+        # a sampling clock, not a wait for a condition: the next sample is due sample_s after this one
+        await asyncio.sleep(max(0.0, sample_s - (time.monotonic() - started)))
+
+
+async def set_live_key(bus: Bus, run_dir: Path, key: str, raw_value: str) -> object:
+    """Validate ``key=raw_value`` against the run's schema (as ``ops.config set`` does) and write it;
+    returns the value as stored. Raises ConfigError with the reason when it is refused."""
+    value = ops_config.validate(run_dir, key, raw_value)
+    await ops_config.put_value(bus, key, value)
+    log.info("dashboard_config_set", key=key, value=value)
+    return value
+
+
+async def feed_live(bus: Bus, view: RunView, sample_s: float, samples: SampleFetcher | None = None) -> None:
+    """All live feeds into ``view`` until cancelled; one failing feed ends them all, with its error."""
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(follow_events(bus, view, samples), name="dashboard-events")
+        if samples is not None:
+            tasks.create_task(samples.run(), name="dashboard-samples")
+        tasks.create_task(watch_config(bus, view), name="dashboard-config")
+        tasks.create_task(sample_status(bus, view, sample_s), name="dashboard-status")

@@ -1,0 +1,79 @@
+"""One Prometheus scrape target for a whole run: every live actor's metrics, labelled run, kind, actor.
+
+A scrape asks each registered actor for its metrics on the bus (``ctl.<kind>.<id>.metrics``, all at once, each
+within a deadline), adds the labels, merges the families and answers in the text format. An actor that
+does not answer in time is said so by ``asyncrl_scrape_up{kind,actor} 0`` (as Prometheus's own ``up``),
+never by a scrape that hangs or fails whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from ops import status as ops_status
+from ops._client import request
+from runtime.bus import Bus
+from runtime.bus_auth import control_subject
+from runtime.errors import BusError
+
+# The families every live run has (README, "Operating a run"): each actor's own, and by kind from its status
+DOCUMENTED = {
+    "asyncrl_scrape_up": "every actor: 1 if it answered the scrape in time",
+    "asyncrl_actor_messages_handled": "every actor: messages handled (counter)",
+    "asyncrl_actor_messages_failed": "every actor: handler failures (counter)",
+    "asyncrl_actor_messages_dead_lettered": "every actor: messages dead-lettered (counter)",
+    "asyncrl_actor_config_changes_refused": "every actor: live values refused (counter)",
+    "asyncrl_actor_inflight": "every actor: messages in hand",
+    "asyncrl_actor_uptime_seconds": "every actor: seconds since start",
+    "asyncrl_actor_state": "every actor: 1 for its lifecycle state (label state)",
+    "asyncrl_reconciler_trainer_version": "the policy version the reconciler knows",
+    "asyncrl_reconciler_lifecycle_slots_per_state": "slots per state (label key)",
+    "asyncrl_reconciler_lifecycle_counters": "trained samples, retries, drops... (counter, label key)",
+    "asyncrl_reconciler_lifecycle_samples_per_s": "trained samples per second",
+    "asyncrl_reconciler_lifecycle_lag_histogram": "trained samples per lag (label key)",
+    "asyncrl_trainer_version": "the trainer's policy version",
+}
+SCRAPE_TIMEOUT_S = 2.0
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+async def _actor_metrics(bus: Bus, kind: str, actor_id: str, timeout_s: float) -> str | None:
+    try:
+        body = await request(bus, control_subject(kind, actor_id, "metrics"), timeout_s=timeout_s)
+    except (BusError, ValueError):  # no answer in time, or not msgpack: either way, not scraped
+        return None
+    text = body.get("text") if isinstance(body, dict) and body.get("ok") else None
+    return text if isinstance(text, str) else None
+
+
+class _Merged(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+async def scrape(bus: Bus, run_name: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> bytes:
+    """Every registered, running actor's metrics, merged, in the Prometheus text format."""
+    actors, _ = await ops_status.registered(bus)
+    actors = [a for a in actors if a.get("state") in ("running", "draining")]
+    texts = await asyncio.gather(*(_actor_metrics(bus, a["kind"], a["id"], timeout_s) for a in actors))
+    merged: dict[str, Metric] = {}
+    up = GaugeMetricFamily("asyncrl_scrape_up", "1 if the actor answered this scrape in time, else 0.",
+                           labels=["run", "kind", "actor"])
+    for actor, text in zip(actors, texts, strict=True):
+        labels = {"run": run_name, "kind": actor["kind"], "actor": actor["id"]}
+        up.add_metric([run_name, actor["kind"], actor["id"]], 0.0 if text is None else 1.0)
+        for family in text_string_to_metric_families(text or ""):
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                into.add_sample(sample.name, {**labels, **sample.labels}, sample.value, sample.timestamp)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged([up, *merged.values()]))
+    return generate_latest(registry)

@@ -1,0 +1,302 @@
+// The dashboard page: one snapshot on (re)connect, then live updates over server-sent events.
+"use strict";
+
+const LEVELS = ["debug", "info", "warning", "error", "critical"];
+const MAX_EVENT_ROWS = 300;
+const COLORS = ["#4a7bd0", "#d0654a", "#3a9d5d", "#9b59b6", "#c9a227", "#17a2b8", "#7f8c8d", "#e84393"];
+
+const state = { train: [], eval: [], slots: [], events: [], status: {}, config: {}, counts: {} };
+const charts = {};
+window.dashboard = { state, charts };  // for people at the console and for the browser tests
+
+// --- charts ------------------------------------------------------------------------------------
+// Each chart: an x field, and series (field, label) read from a list of rows.
+const CHARTS = {
+  "chart-reward": { rows: () => state.train, x: "version", series: [["reward_mean", "reward"], ["pass_rate", "pass rate"]],
+                    extra: () => ({ rows: state.eval, field: "pass_at_1", label: "held-out pass@1" }) },
+  "chart-loss": { rows: () => state.train, x: "version", series: [["loss", "loss"], ["pg_loss", "pg loss"], ["kl", "KL"]] },
+  "chart-ratio": { rows: () => state.train, x: "version",
+                   series: [["ratio_mean", "mean"], ["ratio_median", "median"], ["ratio_min", "min"], ["ratio_max", "max"]] },
+  "chart-lr": { rows: () => state.train, x: "version", series: [["lr", "lr"], ["grad_norm", "grad norm"]], twoAxes: true },
+  "chart-samples": { rows: () => state.train, x: "version",
+                     series: [["samples_per_s", "samples/s"], ["trainer_utilisation", "trainer util"]] },
+  "chart-tokens": { rows: () => state.train, x: "version", series: [["tokens_per_s", "tokens/s"]] },
+  "chart-lag": { rows: () => state.train, x: "version", series: [["lag_min", "lag min"], ["lag_max", "lag max"]] },
+  "chart-slots": { rows: () => state.slots, x: "time", time: true, series: null },
+};
+
+// axis ticks that stay readable for learning rates (3e-4) and counts (12,000) alike
+function ticks(_, values) { return values.map(v => v === 0 ? "0" : Math.abs(v) < 1e-2 || Math.abs(v) >= 1e5 ? v.toExponential(1) : +v.toPrecision(4)); }
+
+function num(v) { const n = typeof v === "number" ? v : parseFloat(v); return Number.isFinite(n) ? n : null; }
+
+function seriesOf(spec) {
+  if (spec.series) return spec.series;
+  const keys = new Set();
+  for (const row of spec.rows()) for (const k of Object.keys(row)) if (k !== "time") keys.add(k);
+  return [...keys].sort().map(k => [k, k]);
+}
+
+function chartData(spec) {
+  const rows = spec.rows(), series = seriesOf(spec);
+  let xs = rows.map(r => num(r[spec.x]));
+  const columns = series.map(([f]) => rows.map(r => num(r[f])));
+  if (spec.extra) {  // another row list on the same x (held-out evaluations at some versions)
+    const extra = spec.extra(), at = new Map(extra.rows.map(r => [num(r[spec.x]), num(r[extra.field])]));
+    const allX = [...new Set([...xs, ...at.keys()])].filter(x => x !== null).sort((a, b) => a - b);
+    const byX = new Map(xs.map((x, i) => [x, i]));
+    return { series: [...series, [extra.field, extra.label]],
+             data: [allX, ...columns.map(c => allX.map(x => byX.has(x) ? c[byX.get(x)] : null)),
+                    allX.map(x => at.has(x) ? at.get(x) : null)] };
+  }
+  return { series, data: [xs, ...columns] };
+}
+
+function draw(id) {
+  const spec = CHARTS[id], el = document.getElementById(id);
+  const { series, data } = chartData(spec);
+  const key = series.map(s => s[0]).join(",");
+  if (charts[id] && charts[id].key === key) { charts[id].plot.setData(data); return; }
+  if (charts[id]) charts[id].plot.destroy();
+  const opts = {
+    width: 420, height: 200, scales: { x: { time: !!spec.time } },
+    series: [{ label: spec.x }, ...series.map(([, label], i) => ({
+      label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
+      points: { show: data[0].length < 60 }, scale: spec.twoAxes && i === 1 ? "y2" : "y" }))],
+    axes: spec.twoAxes ? [{}, { scale: "y", values: ticks, size: 60 }, { scale: "y2", side: 1, values: ticks, size: 60 }]
+                       : [{}, { values: ticks, size: 60 }],
+  };
+  charts[id] = { key, plot: new uPlot(opts, data, el) };
+}
+
+function drawCharts() { for (const id of Object.keys(CHARTS)) draw(id); }
+
+// --- tables --------------------------------------------------------------------------------------
+function cell(tr, text, cls) { const td = tr.insertCell(); td.textContent = text; if (cls) td.className = cls; return td; }
+
+function renderStatus() {
+  const st = state.status || {}, rec = st.reconciler, trainer = st.trainer;
+  const lc = rec && rec.lifecycle;
+  const head = [];
+  if (trainer) head.push(`version ${trainer.version}`);
+  if (rec) head.push(rec.finished ? "finished" : `eta ${rec.scheduling ? rec.scheduling.eta : "-"}`);
+  if (lc) head.push(`${lc.samples_per_s.toFixed(2)} samples/s`);
+  document.getElementById("headline").textContent = head.join(" · ");
+
+  const body = document.querySelector("#actor-table tbody");
+  body.replaceChildren();
+  for (const a of st.actors || []) {
+    const tr = body.insertRow(), shown = a.live === false ? "gone" : a.state;
+    cell(tr, a.kind); cell(tr, a.id); cell(tr, shown, `state-${shown}`); cell(tr, `${a.host || ""}/${a.pid}`);
+    cell(tr, a.num_handled); cell(tr, a.num_failed); cell(tr, a.num_inflight); cell(tr, a.code_hash);
+    cell(tr, a.uptime_s !== undefined ? `${Math.round(a.uptime_s)} s` : "");
+  }
+  document.getElementById("unanswered").textContent =
+    (st.unanswered || []).map(u => `no status from ${u.id}: ${u.error}`).join("; ");
+
+  const lat = document.querySelector("#latency tbody");
+  lat.replaceChildren();
+  if (lc) {
+    for (const [stage, v] of Object.entries(lc.stage_latency)) {
+      const tr = lat.insertRow();
+      cell(tr, stage); cell(tr, (v.p50_s * 1e3).toFixed(1)); cell(tr, (v.p99_s * 1e3).toFixed(1)); cell(tr, v.count);
+    }
+    document.getElementById("counters").textContent =
+      Object.entries(lc.counters).map(([k, v]) => `${k}=${v}`).join("  ");
+    renderHistogram(lc.lag_histogram);
+  }
+}
+
+function renderHistogram(hist) {
+  const el = document.getElementById("lag-histogram");
+  const entries = Object.entries(hist || {}).map(([k, v]) => [parseInt(k, 10), v]).sort((a, b) => a[0] - b[0]);
+  const max = Math.max(1, ...entries.map(e => e[1]));
+  el.replaceChildren();
+  for (const [lag, count] of entries) {
+    const bar = document.createElement("div");
+    bar.style.height = `${(170 * count) / max}px`;
+    bar.title = `lag ${lag}: ${count} samples`;
+    const label = document.createElement("span"); label.textContent = lag; bar.appendChild(label);
+    el.appendChild(bar);
+  }
+}
+
+function renderConfig() {
+  const body = document.querySelector("#config-table tbody");
+  const typing = [...body.querySelectorAll("input")].some(i => i.value !== "");
+  if (typing) return;  // never replace an input the operator is typing into; redrawn once it is sent
+  body.replaceChildren();
+  for (const key of Object.keys(state.config).sort()) {
+    const tr = body.insertRow();
+    tr.dataset.key = key;
+    cell(tr, key); cell(tr, JSON.stringify(state.config[key]));
+    const input = document.createElement("input"); input.name = key; input.size = 14;
+    tr.insertCell().appendChild(input);
+    const button = document.createElement("button"); button.textContent = "set";
+    button.onclick = async () => { if (await setConfig(key, input.value)) { input.value = ""; renderConfig(); } };
+    tr.insertCell().appendChild(button);
+  }
+}
+
+async function setConfig(key, value) {
+  const out = document.getElementById("config-result");
+  try {
+    const reply = await fetch("/api/config", { method: "POST", headers: { "Content-Type": "application/json" },
+                                               body: JSON.stringify({ key, value }) });
+    const body = await reply.json();
+    out.textContent = body.ok ? `${key} = ${JSON.stringify(body.value)}: sent to the actors` : `refused: ${body.error}`;
+    out.className = body.ok ? "small" : "warn";
+    return body.ok;
+  } catch (e) {
+    out.textContent = `not sent: ${e}`; out.className = "warn";
+    return false;
+  }
+}
+
+function eventShown(e) {
+  const level = document.getElementById("event-level").value, kind = document.getElementById("event-kind").value;
+  const text = document.getElementById("event-text").value.trim();
+  return LEVELS.indexOf(e.level || "info") >= LEVELS.indexOf(level) && (!kind || e.kind === kind)
+    && (!text || String(e.event || "").includes(text));
+}
+
+function eventRow(body, e, atTop) {
+  const tr = atTop ? body.insertRow(0) : body.insertRow();
+  const fields = Object.fromEntries(Object.entries(e).filter(([k]) => !["time", "level", "event", "kind", "actor"].includes(k)));
+  cell(tr, String(e.time || "").replace("T", " ").slice(0, 23)); cell(tr, e.level, `level-${e.level}`);
+  cell(tr, e.actor || e.kind || ""); cell(tr, e.event); cell(tr, JSON.stringify(fields));
+}
+
+function renderEvents() {
+  const body = document.querySelector("#event-table tbody");
+  body.replaceChildren();
+  const shown = state.events.filter(eventShown).slice(-MAX_EVENT_ROWS).reverse();
+  for (const e of shown) eventRow(body, e, false);
+  renderEventKinds();
+}
+
+function renderEventKinds() {
+  const select = document.getElementById("event-kind");
+  const known = new Set([...select.options].map(o => o.value));
+  for (const e of state.events) if (e.kind && !known.has(e.kind)) { select.add(new Option(e.kind, e.kind)); known.add(e.kind); }
+  document.getElementById("event-counts").textContent =
+    LEVELS.filter(l => state.counts[l]).map(l => `${l}: ${state.counts[l]}`).join("  ");
+}
+
+// --- rollout viewer ---------------------------------------------------------------------------------
+// A token's colour says which policy version sampled it; grey ones were not sampled by the policy
+// (prompt, tool output: loss mask 0), so they carry no gradient.
+function versionColor(version) { return `hsl(${(version * 47) % 360}, 70%, 82%)`; }
+
+async function loadSamples() {
+  const q = new URLSearchParams({ sort: document.getElementById("sample-sort").value,
+                                  prompt: document.getElementById("sample-prompt").value,
+                                  failed: document.getElementById("sample-failed").checked ? "1" : "" });
+  const body = await (await fetch(`/api/samples?${q}`)).json();
+  const rows = document.querySelector("#sample-table tbody");
+  rows.replaceChildren();
+  for (const s of body.samples || []) {
+    const tr = rows.insertRow();
+    tr.dataset.sample = s.sample_id;
+    cell(tr, s.sample_id); cell(tr, s.prompt_id); cell(tr, s.version); cell(tr, (+s.reward).toFixed(3));
+    cell(tr, s.advantage === undefined ? "" : (+s.advantage).toFixed(3)); cell(tr, s.passed ? "yes" : "no");
+    tr.onclick = () => showSample(s.sample_id, tr);
+  }
+  document.getElementById("sample-note").textContent =
+    body.note || `${(body.samples || []).length} samples of ${body.num_groups} kept groups`;
+}
+
+async function showSample(id, tr) {
+  for (const row of document.querySelectorAll("#sample-table tr.picked")) row.classList.remove("picked");
+  if (tr) tr.classList.add("picked");
+  const reply = await fetch(`/api/samples/${encodeURIComponent(id)}`);
+  const detail = document.getElementById("sample-detail");
+  if (!reply.ok) { detail.textContent = (await reply.json()).error; return; }
+  const s = await reply.json();
+  detail.replaceChildren();
+  const head = document.createElement("p");
+  head.textContent = `${s.sample_id} · prompt ${s.prompt_id} · group ${s.group_id} · reward ${(+s.reward).toFixed(3)}`
+    + (s.advantage !== undefined ? ` · advantage ${(+s.advantage).toFixed(3)}` : "") + (s.end ? ` · ended: ${s.end}` : "");
+  detail.appendChild(head);
+  for (const [title, obj] of [["reward components", s.components], ["tests", s.tests], ["group", s.group], ["tool calls", s.tool_uses]]) {
+    if (!obj) continue;
+    const p = document.createElement("p"); p.textContent = `${title}: ${JSON.stringify(obj)}`; detail.appendChild(p);
+  }
+  const versions = [...new Set((s.tokens || []).map(t => t[1]).filter(v => v >= 0))].sort((a, b) => a - b);
+  const legend = document.createElement("p"); legend.className = "legend"; legend.textContent = "policy version: ";
+  for (const v of versions) { const span = document.createElement("span"); span.textContent = v; span.style.background = versionColor(v); legend.appendChild(span); }
+  const untrained = document.createElement("span"); untrained.textContent = "not sampled (loss mask 0)"; untrained.className = "untrained"; legend.appendChild(untrained);
+  detail.appendChild(legend);
+  const text = document.createElement("div"); text.className = "tokens";
+  for (const [piece, version, trained, logprob] of s.tokens || []) {
+    const span = document.createElement("span");
+    span.textContent = piece;
+    span.dataset.version = version;
+    if (trained) { span.style.background = versionColor(version); span.title = `version ${version}, behaviour log-prob ${(+logprob).toFixed(3)}`; }
+    else span.className = "untrained";
+    text.appendChild(span);
+  }
+  detail.appendChild(text);
+}
+
+for (const id of ["sample-sort", "sample-failed"]) document.getElementById(id).addEventListener("change", loadSamples);
+document.getElementById("sample-prompt").addEventListener("input", loadSamples);
+document.getElementById("sample-refresh").addEventListener("click", loadSamples);
+
+// --- live updates ------------------------------------------------------------------------------------
+let pending = false;
+function redrawSoon() {  // many updates in one burst (a replayed log) redraw once
+  if (pending) return;
+  pending = true;
+  requestAnimationFrame(() => { pending = false; drawCharts(); });
+}
+
+function parseEvent(line) { try { return JSON.parse(line); } catch (e) { return null; } }
+
+function applyEvent(data) {
+  state.events.push(data);
+  if (state.events.length > 2000) state.events.shift();
+  state.counts[data.level] = (state.counts[data.level] || 0) + 1;
+  if (eventShown(data)) {
+    const body = document.querySelector("#event-table tbody");
+    eventRow(body, data, true);
+    while (body.rows.length > MAX_EVENT_ROWS) body.deleteRow(-1);
+  }
+  if (data.kind && !document.querySelector(`#event-kind option[value="${CSS.escape(data.kind)}"]`)) renderEventKinds();
+}
+
+function apply(update) {
+  const { kind, data } = update;
+  if (kind === "event") {
+    const parsed = parseEvent(data);
+    if (!parsed) return;
+    applyEvent(parsed);
+  } else if (kind === "train") { state.train.push(data); redrawSoon(); }
+
+  else if (kind === "eval") { state.eval.push(data); redrawSoon(); }
+  else if (kind === "slots") { state.slots.push(data); if (state.slots.length > 3600) state.slots.shift(); redrawSoon(); }
+  else if (kind === "status") { state.status = data; renderStatus(); }
+  else if (kind === "config") { state.config = data; renderConfig(); }
+}
+
+function load(snapshot) {
+  Object.assign(state, { train: snapshot.train, eval: snapshot.eval, slots: snapshot.slots,
+                         events: snapshot.events.map(parseEvent).filter(e => e),
+                         status: snapshot.status, config: snapshot.config, counts: snapshot.event_counts });
+  document.getElementById("run-name").textContent = `run ${snapshot.run}`;
+  document.title = `${snapshot.run} · dashboard`;
+  renderStatus(); renderConfig(); renderEvents(); drawCharts(); loadSamples();
+}
+
+function connect() {
+  const badge = document.getElementById("connection");
+  const source = new EventSource("/api/stream");
+  source.addEventListener("snapshot", m => { load(JSON.parse(m.data)); badge.textContent = "live"; badge.className = "badge live"; });
+  source.addEventListener("updates", m => { for (const u of JSON.parse(m.data)) apply(u); });
+  source.addEventListener("closing", () => { badge.textContent = "dashboard stopped"; badge.className = "badge offline"; });
+  source.onerror = () => { badge.textContent = "reconnecting"; badge.className = "badge lost"; };  // EventSource retries
+}
+
+for (const id of ["event-level", "event-kind"]) document.getElementById(id).addEventListener("change", renderEvents);
+document.getElementById("event-text").addEventListener("input", renderEvents);
+connect();

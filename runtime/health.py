@@ -1,0 +1,108 @@
+"""Health checks of one supervised actor: is it alive, can it do its job, is it getting anywhere?
+
+A process can be running and useless: its event loop wedged (or the process stopped), its engine dead
+while the process lives, a handler that never returns. The supervisor restarts what exits; this finds
+what does not exit, so that it is replaced too, and says why. Checks, on a clock of ``interval_s``:
+
+- **liveness**: ``ctl.<kind>.<id>.ping`` answered within ``ping_timeout_s`` (the actor's event loop runs);
+- **readiness**: every ``probe_every``-th check is ``ctl.<kind>.<id>.probe``: the kind's own probe (`Actor.probe`;
+  the rollout actor decodes one token, the reward actor runs one sandboxed command), within
+  ``probe_timeout_s``;
+- **progress**: the ping's reply says how long the actor has held work without finishing any; more
+  than ``stuck_s`` is a stuck actor (0: not checked).
+
+``max_failures`` failed checks in a row make the actor unhealthy (one slow answer on a loaded machine
+is not a fault; a stuck actor is unhealthy at once). A process is first given ``start_grace_s`` to
+answer at all: loading a model takes a while, and an actor that never answers in that time is unhealthy
+too. Every decision is an event: ``health_check_failed`` per failure, ``actor_unhealthy`` once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import structlog
+
+from runtime.bus import Bus
+from runtime.bus_auth import control_subject
+from runtime.errors import BusTimeout, NoResponders
+from runtime.registry import decode_registration, registration_key
+from runtime.run_config import HealthSection
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why an actor was found unhealthy."""
+
+    check: str  # "liveness", "readiness", "progress" or "start"
+    reason: str
+
+
+async def _ask(bus: Bus, kind: str, actor_id: str, verb: str, timeout_s: float) -> dict[str, Any]:
+    """One control request; a reply that is not ``ok`` raises with the actor's own words."""
+    subject = control_subject(kind, actor_id, verb)
+    try:
+        reply = await bus.request(subject, b"", timeout_s=timeout_s)
+    except BusTimeout:
+        raise TimeoutError(f"no answer to {verb} within {timeout_s}s") from None
+    except NoResponders:
+        raise ConnectionError(f"nothing listens on {subject}") from None
+    body = msgpack.unpackb(reply, raw=False)
+    if not isinstance(body, dict) or not body.get("ok", False):
+        raise RuntimeError(str(body.get("error") if isinstance(body, dict) else body))
+    return body
+
+
+async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> Verdict:
+    """Checks ``actor_id`` (of ``kind``) until it is unhealthy (the verdict is returned); cancel to stop."""
+    if not await _until_running(bus, kind, actor_id, cfg.start_grace_s):
+        return Verdict("start", f"not running (registered as consuming) within {cfg.start_grace_s}s of starting")
+    failures = {"liveness": 0, "readiness": 0}  # in a row, per check: a frozen process fails pings first
+    for tick in itertools.count(1):
+        await asyncio.sleep(cfg.interval_s)  # a checking clock: the next check is due interval_s after this one
+        if bus.health.down.is_set():
+            continue  # the bus is away: nobody can answer, which says nothing of this actor
+        is_probe = cfg.probe_every > 0 and tick % cfg.probe_every == 0
+        check = "readiness" if is_probe else "liveness"
+        try:
+            reply = await _ask(bus, kind, actor_id, "probe" if is_probe else "ping",
+                               cfg.probe_timeout_s if is_probe else cfg.ping_timeout_s)
+        except (OSError, RuntimeError, ValueError) as e:  # timeout, no responder, the bus; a refusal; not msgpack
+            failures[check] += 1
+            log.warning("health_check_failed", actor_id=actor_id, check=check, error=str(e) or repr(e),
+                        num_failures=failures[check], max_failures=cfg.max_failures)
+            if failures[check] >= cfg.max_failures:
+                return Verdict(check, f"{failures[check]} {check} checks failed in a row; the last: {e}")
+            continue
+        failures[check] = 0
+        idle = float(reply.get("busy_without_progress_s", 0.0))
+        if cfg.stuck_s and idle > cfg.stuck_s:
+            return Verdict("progress", f"held work for {idle:.0f}s without finishing any (limit {cfg.stuck_s}s)")
+    raise AssertionError("itertools.count does not end")
+
+
+async def _until_running(bus: Bus, kind: str, actor_id: str, grace_s: float) -> bool:
+    """Whether the actor's registry entry says it is running (or standing by) within ``grace_s`` (loading a
+    model takes a while: checks start once it is ready). Event-driven: a watch of its registry entry."""
+    key = registration_key(kind, actor_id)
+    entries = bus.kv_watch("actors", key)
+    try:
+        async with asyncio.timeout(grace_s), contextlib.aclosing(entries):
+            async for entry in entries:
+                if entry is None or entry.deleted or not entry.value:
+                    continue
+                try:
+                    if decode_registration(key, entry.value).get("state") in ("running", "standby"):
+                        return True
+                except ValueError:  # not (yet) an entry this reads: wait for the next write
+                    continue
+    except TimeoutError:
+        return False
+    return False

@@ -1,0 +1,38 @@
+"""The rollout viewer's view of a real group record, as grouping writes it."""
+
+from __future__ import annotations
+
+import pytest
+import zstandard
+
+from actors.agent.episode import EpisodeEnd, Trajectory
+from actors.records import GroupRecord, GroupSample, RewardBreakdown, TestResult, encode_record
+from actors.sample_views import group_sample_views
+from model.tokenizer import ByteTokenizer
+
+
+def _record() -> bytes:
+    tok = ByteTokenizer()
+    ids = tok.encode("ab") + tok.encode("é!")  # "é" is two byte tokens: one run decodes it whole
+    trajectory = Trajectory(token_ids=ids, loss_mask=[0, 0, 1, 1, 1], behaviour_logprobs=[0.0, 0.0, -0.5, -0.1, -1.0],
+                            logprob_temperatures=[1.0] * 5, versions=[-1, -1, 3, 3, 4], topk_ids_TLK=None,
+                            prompt_len=2, end=EpisodeEnd.FINAL_ANSWER)
+    components = RewardBreakdown(1.0, 2, 2, 0.0, 0.0, 0, 0.0, 1.0)
+    sample = GroupSample("s1", 1.0, components, 0.5, trajectory, (TestResult("t1", True), TestResult("t2", True)))
+    record = GroupRecord("g1", "p1", 3, 4, 0.0, (sample,))
+    return zstandard.ZstdCompressor().compress(encode_record(record))
+
+
+def test_a_group_record_becomes_sample_views() -> None:
+    (view,) = group_sample_views("groups/g1/a0", _record())
+    assert (view["sample_id"], view["group_id"], view["prompt_id"], view["version"]) == ("s1", "g1", "p1", 4)
+    assert view["passed"] and view["tests"] == {"t1": True, "t2": True} and view["advantage"] == 0.5
+    texts = [(run[0], run[1], run[2]) for run in view["tokens"]]
+    assert texts == [("ab", -1, 0), ("é", 3, 1), ("!", 4, 1)]
+
+
+def test_what_is_not_a_group_record_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="does not decompress"):
+        group_sample_views("groups/g1/a0", b"junk")
+    with pytest.raises(ValueError, match="GroupRecord 'groups/g1/a0'"):
+        group_sample_views("groups/g1/a0", zstandard.ZstdCompressor().compress(b"\x93\x01\x02\x03"))

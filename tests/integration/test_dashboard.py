@@ -1,0 +1,205 @@
+"""The dashboard in a real headless Chromium (Selenium) against a live short run of the default job:
+every section renders without a console error, the charts gain points while the run advances, a live
+configuration edit made on the page reaches the actors; then ``python -m ops.dashboard`` serves the
+finished run from its files. Screenshots are saved (DASHBOARD_SCREENSHOTS=dir keeps them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from ops.dashboard.prometheus import DOCUMENTED
+from runtime.metrics_log import read_metrics
+from tests.integration.harness import REPO, LiveRun, run_events
+from tests.integration.test_e2e import _short_run, starting_policy  # noqa: F401 - the fixture
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+SECTIONS = ("training", "throughput", "pipeline", "rollouts", "actors", "config", "events")
+
+
+@pytest.fixture
+def browser() -> Iterator[webdriver.Chrome]:
+    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+        pytest.fail("chromium and chromedriver are needed: run scripts/bootstrap.sh (Debian: chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,2400"):
+        options.add_argument(arg)
+    options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _screenshot(driver: webdriver.Chrome, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.png"
+    driver.execute_script("window.scrollTo(0, 0)")
+    assert driver.save_screenshot(str(path)), f"no screenshot {name}"
+    if keep := os.environ.get("DASHBOARD_SCREENSHOTS"):
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(keep) / path.name)
+    return path
+
+
+def _console_errors(driver: webdriver.Chrome, refused: str = "/api/config - Failed to load resource: "
+                    "the server responded with a status of 400") -> list[dict[str, Any]]:
+    """SEVERE console entries, less Chrome's note of the 400 the test provoked on purpose (a refused value)."""
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and refused not in e["message"]]
+
+
+def _points(driver: webdriver.Chrome, chart: str) -> int:
+    return driver.execute_script(
+        f"const c = window.dashboard.charts[{chart!r}]; return c ? c.plot.data[0].length : 0;")
+
+
+async def _dashboard_url(run: LiveRun) -> str:
+    (entry,) = await run.wait_actors("dashboard", 1, timeout_s=120)
+    assert entry["url"].startswith("http://127.0.0.1:"), "loopback only unless configured"
+    return entry["url"]
+
+
+async def _scrape(url: str) -> dict[str, Any]:
+    def get() -> tuple[str, str]:
+        with urllib.request.urlopen(url + "metrics", timeout=30) as reply:
+            return reply.headers["Content-Type"], reply.read().decode()
+
+    content_type, text = await asyncio.to_thread(get)
+    assert content_type.startswith("text/plain; version="), content_type  # the exposition format
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _trained_samples(families: dict[str, Any]) -> float:
+    (sample,) = [s for s in families["asyncrl_reconciler_lifecycle_counters"].samples
+                 if s.labels["key"] == "trained_samples"]
+    return sample.value
+
+
+async def _until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(0.5)
+
+
+async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path, browser: webdriver.Chrome) -> None:  # noqa: F811
+    cfg = _short_run(tmp_path, seed=0, steps=4, checkpoint=starting_policy)
+    run = await LiveRun(tmp_path / "run", cfg, "--set", "dashboard.port=0", "--set", "dashboard.sample_s=0.5").start()
+    try:
+        url = await _dashboard_url(run)
+        browser.get(url)
+        WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "connection").text == "live")
+        for section in SECTIONS:
+            assert browser.find_element(By.ID, section).is_displayed(), section
+        await _until(lambda: browser.find_elements(By.CSS_SELECTOR, "#actor-table tbody tr"), 60, "actors listed")
+        await _until(lambda: _points(browser, "chart-slots") >= 2, 60, "slot-table samples charted")
+        _screenshot(browser, tmp_path, "dashboard-start")
+
+        # the curves gain points as the trainer publishes versions, without a page reload
+        first = _points(browser, "chart-reward")
+        await _until(lambda: _points(browser, "chart-reward") >= first + 2, 300, "two more training steps charted")
+        assert browser.execute_script("return performance.getEntriesByType('navigation').length") == 1
+
+        # a live key edited on the page reaches every actor that holds the configuration
+        row = browser.find_element(By.CSS_SELECTOR, 'tr[data-key="reward.length_coef"]')
+        row.find_element(By.TAG_NAME, "input").send_keys("0.01")
+        row.find_element(By.TAG_NAME, "button").click()
+        WebDriverWait(browser, 30).until(lambda d: "sent to the actors" in d.find_element(By.ID, "config-result").text)
+        await _until(lambda: any(e.get("key") == "reward.length_coef" and e.get("new") == 0.01
+                                 for e in run_events(run.run_dir, "config_changed") if e.get("kind") == "reward"),
+                     60, "the reward actor applied the edit")
+        WebDriverWait(browser, 30).until(lambda d: d.find_element(
+            By.CSS_SELECTOR, 'tr[data-key="reward.length_coef"] td:nth-child(2)').text == "0.01")
+        # a value the schema refuses is refused on the page, with the reason
+        row = browser.find_element(By.CSS_SELECTOR, 'tr[data-key="reward.length_coef"]')
+        row.find_element(By.TAG_NAME, "input").send_keys("lots")
+        row.find_element(By.TAG_NAME, "button").click()
+        WebDriverWait(browser, 30).until(lambda d: "refused" in d.find_element(By.ID, "config-result").text)
+
+        # the rollout viewer: a kept sample, whole, its tokens coloured by the policy version that sampled them
+        def sample_rows(d: webdriver.Chrome) -> list[Any]:
+            d.find_element(By.ID, "sample-refresh").click()
+            return d.find_elements(By.CSS_SELECTOR, "#sample-table tbody tr")
+
+        WebDriverWait(browser, 120, poll_frequency=2).until(sample_rows)
+        # in the page, in one go: the list re-renders on every refresh, so element handles go stale
+        browser.execute_script("document.querySelector('#sample-table tbody tr').click()")
+        WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".tokens span"))
+        spans = browser.execute_script(
+            "return [...document.querySelectorAll('.tokens span')].map(s => ({cls: s.className, "
+            "version: s.dataset.version, bg: getComputedStyle(s).backgroundColor}))")
+        sampled = [s for s in spans if s["cls"] != "untrained"]
+        assert sampled and all(int(s["version"]) >= 0 for s in sampled)
+        assert all(s["bg"] not in ("rgba(0, 0, 0, 0)", "") for s in sampled), "coloured by version"
+        assert any(s["cls"] == "untrained" for s in spans), "the prompt, not sampled, is shown apart"
+        browser.execute_script("document.getElementById('rollouts').scrollIntoView()")
+        browser.save_screenshot(str(tmp_path / "dashboard-rollout.png"))
+        if keep := os.environ.get("DASHBOARD_SCREENSHOTS"):
+            shutil.copy(tmp_path / "dashboard-rollout.png", Path(keep) / "dashboard-rollout.png")
+
+        # one Prometheus scrape target for the run: every documented family, every actor labelled, values move
+        first_scrape = await _scrape(url)
+        kinds = {s.labels["kind"] for s in first_scrape["asyncrl_scrape_up"].samples if s.value == 1}
+        assert kinds >= {"reconciler", "rollout", "reward", "grouping", "trainer", "evaluator", "dashboard"}, kinds
+        assert set(DOCUMENTED) <= set(first_scrape), set(DOCUMENTED) - set(first_scrape)
+        assert all({"run", "kind", "actor"} <= set(s.labels) for f in first_scrape.values() for s in f.samples)
+        trained = _trained_samples(first_scrape)
+        deadline = time.monotonic() + 300
+        while _trained_samples(await _scrape(url)) <= trained:  # each scrape is a fresh reading of the run
+            assert time.monotonic() < deadline, "the reconciler's trained-samples counter did not move"
+            await asyncio.sleep(1.0)
+
+        # the event stream filters by level: at "error" only errors (and worse) stay listed
+        Select(browser.find_element(By.ID, "event-level")).select_by_visible_text("error")
+        levels = {td.text for td in browser.find_elements(By.CSS_SELECTOR, "#event-table tbody td:nth-child(2)")}
+        assert levels <= {"error", "critical"}, levels
+        Select(browser.find_element(By.ID, "event-level")).select_by_visible_text("info")
+        assert browser.find_elements(By.CSS_SELECTOR, "#event-table tbody tr"), "info events listed again"
+        _screenshot(browser, tmp_path, "dashboard-running")
+        assert _console_errors(browser) == []
+    finally:
+        await run.stop()  # drains every actor: what was trained is in the run's files
+    trained = [r["version"] for r in read_metrics(run.run_dir / "metrics.jsonl", kind="train")]
+    assert len(trained) >= first + 2
+
+    # the finished run, from its files (the live page's reconnect attempts to the stopped run are not errors)
+    browser.get("about:blank")
+    browser.get_log("browser")
+    served = subprocess.Popen(  # noqa: ASYNC220 - its first line is read below, then it is stopped
+        [sys.executable, "-m", "ops.dashboard", str(run.run_dir), "--port", "0"], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert served.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(served.stdout.readline), 60)
+        assert line.startswith("dashboard  http://"), f"ops.dashboard's first line: {line!r}"
+        browser.get(line.split()[1])
+        WebDriverWait(browser, 60).until(lambda d: _points(d, "chart-reward") >= len(trained))
+        snapshot = json.loads(browser.execute_script("return JSON.stringify(window.dashboard.state.train)"))
+        assert [r["version"] for r in snapshot] == trained, "the same curve as the run's metrics"
+        _screenshot(browser, tmp_path, "dashboard-finished")
+        assert _console_errors(browser) == []
+    finally:
+        served.terminate()
+        served.wait(10)

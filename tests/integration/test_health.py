@@ -1,0 +1,137 @@
+"""Health checks find actors that are alive but useless, and the supervisor replaces them, losing nothing:
+a process that answers nothing (SIGSTOP), one whose probe fails while it serves (its engine died), one
+whose handler never returns. Each is detected within the configured bound and replaced by a new process;
+every message's effect happens exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import LiveRun, run_events, write_config
+from tests.integration.test_actor_runtime import _collect, _effects, _publish, _wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+AILING_RUN = """
+[supervisor]
+max_restarts = 10
+backoff_base_s = 0.2
+
+[health]
+interval_s = 0.5
+ping_timeout_s = 1.0
+probe_every = 2
+probe_timeout_s = 2.0
+max_failures = 2
+stuck_s = 4.0
+start_grace_s = 60.0
+
+[actors.ailing]
+entry = "tests.integration.workers:AilingCounterActor"
+count = 1
+max_concurrency = 4
+heartbeat_s = 1.0
+"""
+# detection bounds from the [health] section above: two failed checks of one kind in a row, pings and probes
+# alternating (each tick at most interval + its timeout), plus 2 s of slack for a loaded machine
+TICK_S = 0.5 + 2.0
+BOUND_S = {"liveness": 4 * TICK_S + 2.0, "readiness": 5 * TICK_S + 2.0, "progress": 4.0 + 2 * TICK_S + 2.0}
+
+
+async def _unhealthy_and_replaced(run: LiveRun, check: str, fault_at: float, victim: str) -> dict:
+    async def found_and_replaced() -> bool:  # the replacement is started (and said) just after the verdict
+        return any(e["old_id"] == victim for e in run_events(run.run_dir, "actor_replaced"))
+
+    await _wait_for(found_and_replaced, 60, f"the {check} fault found and the actor replaced")
+    (event,) = [e for e in run_events(run.run_dir, "actor_unhealthy") if e["actor_id"] == victim]
+    assert event["check"] == check, event
+    took = _event_time(event) - fault_at
+    assert took <= BOUND_S[check], f"{check} fault found after {took:.1f}s, bound {BOUND_S[check]}s"
+    (replaced,) = [e for e in run_events(run.run_dir, "actor_replaced") if e["old_id"] == victim]
+    return replaced
+
+
+def _event_time(event: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
+
+
+async def _run_with_fault(tmp_path: Path, check: str, trigger: str | None) -> None:
+    cfg = write_config(tmp_path / "run.toml", AILING_RUN)
+    run = await LiveRun(tmp_path / "run", cfg, "--set", "bus.ack_wait_s=3.0").start()
+    try:
+        (victim,) = await run.wait_actors("ailing", 1)
+        handled: list[dict] = []
+        await _collect(run, "test.handled", handled)
+        keys = [f"k{i}" for i in range(60)]
+        await _publish(run, keys[:30], sleep_s=0.02)
+        fault_at = time.time()
+        if trigger is None:
+            os.kill(victim["pid"], signal.SIGSTOP)  # alive, answering nothing
+        else:
+            await _publish(run, [trigger])
+        replaced = await _unhealthy_and_replaced(run, check, fault_at, victim["id"])
+        await _publish(run, keys[30:], sleep_s=0.02)  # the run goes on, on the replacement
+        wanted = set(keys) | ({trigger} if trigger else set())
+        effects: dict[str, dict] = {}
+
+        async def all_done() -> bool:
+            effects.update(await _effects(run))
+            return set(effects) >= wanted
+
+        await _wait_for(all_done, 90, "every message's effect")
+        created = Counter(h["key"] for h in handled if not h["duplicate"])
+        assert all(created[k] <= 1 for k in wanted), "nothing happened twice"
+        assert any(e["actor"] == replaced["new_id"] for e in effects.values()), "the replacement serves"
+        assert victim["id"] not in {a["id"] for a in await run.actors()}, "the unhealthy process is gone"
+    finally:
+        assert await run.stop() == 0
+
+
+async def test_a_process_that_answers_nothing_is_replaced(tmp_path: Path) -> None:
+    await _run_with_fault(tmp_path, "liveness", None)
+
+
+async def test_an_actor_whose_probe_fails_while_it_serves_is_replaced(tmp_path: Path) -> None:
+    await _run_with_fault(tmp_path, "readiness", "ail-probe")
+
+
+async def test_an_actor_whose_work_never_ends_is_replaced(tmp_path: Path) -> None:
+    await _run_with_fault(tmp_path, "progress", "ail-hang")
+
+
+async def test_a_warm_standby_takes_a_dead_actors_place_and_a_new_one_stands_by(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "run.toml", AILING_RUN + "standby = 1\n")
+    run = await LiveRun(tmp_path / "run", cfg, "--set", "bus.ack_wait_s=3.0").start()
+    try:
+        (victim,) = await run.wait_actors("ailing", 1)
+        (spare,) = await run.wait_actors_in("ailing", "standby", 1)
+        keys = [f"k{i}" for i in range(40)]
+        await _publish(run, keys[:20], sleep_s=0.02)
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        async def promoted() -> bool:
+            return any(e["actor_id"] == spare["id"] for e in run_events(run.run_dir, "standby_promoted"))
+
+        await _wait_for(promoted, 30, "the standby promoted")
+        await _publish(run, keys[20:], sleep_s=0.02)
+        effects: dict[str, dict] = {}
+
+        async def all_done() -> bool:
+            effects.update(await _effects(run))
+            return set(effects) >= set(keys)
+
+        await _wait_for(all_done, 90, "every message's effect")
+        assert any(e["actor"] == spare["id"] for e in effects.values()), "the promoted spare serves"
+        (new_spare,) = await run.wait_actors_in("ailing", "standby", 1)
+        assert new_spare["id"] not in (victim["id"], spare["id"]), "a new spare stands by behind it"
+        assert not [e for e in run_events(run.run_dir, "actor_restarted")], "no cold restart was needed"
+    finally:
+        assert await run.stop() == 0
