@@ -89,6 +89,8 @@ def cpu_s(pid: int) -> float:
 def role_of(cmdline: str) -> str:
     if "--kind reconciler" in cmdline:
         return "reconciler"
+    if "--kind dashboard" in cmdline:
+        return "dashboard"
     if "actor_process" in cmdline:
         return "stages"
     if "nats-server" in cmdline:
@@ -119,10 +121,23 @@ class SerialReconcilerActor(ReconcilerActor):
 RECONCILERS = {
     "nats": "actors.reconciler:ReconcilerActor",
     "nats_serial": "tests.bench.lifecycle:SerialReconcilerActor",
+    "nats_dashboard": "actors.reconciler:ReconcilerActor",  # the same run, its dashboard up and watched
 }
+# The dashboard as the default run has it, on any free port; a browser's worth of load: one live stream.
+DASHBOARD_RUN = """
+[dashboard]
+port = 0
+
+[actors.dashboard]
+entry = "ops.dashboard.actor:DashboardActor"
+count = 1
+max_concurrency = 1
+nice = 10
+"""
 
 
-async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry: str) -> dict[str, Any]:
+async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry: str,
+                     dashboard: bool = False) -> dict[str, Any]:
     run_dir = work_dir / "run"
     SimConfig(rollout=NOOP, reward=NOOP, group=NOOP, train=NOOP, records=False, heartbeat_s=5.0).write(run_dir)
     config = work_dir / "run.toml"
@@ -138,7 +153,7 @@ async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry:
         max_inflight_per_rollout_actor=args.max_inflight_per_rollout_actor or args.slots,
         stage_timeout_s=30.0,  # no-op stages never need a retry; a loaded machine must not cause storms of them
     )
-    config.write_text(text)
+    config.write_text(text + (DASHBOARD_RUN if dashboard else ""))
     out = open(work_dir / "up.out", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
         [sys.executable, "-m", "runtime.up", "--config", str(config), "--run-dir", str(run_dir), "--quiet",
@@ -158,12 +173,35 @@ async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry:
         info = RunInfo.read(run_dir)
         bus = await Bus.connect(info.nats_url, name="bench", **info.bus_options(SUPERVISOR))
         try:
-            return await _watch_run(args, bus, proc.pid)
+            if not dashboard:
+                return await _watch_run(args, bus, proc.pid)
+            async with asyncio.TaskGroup() as tg:
+                viewer = tg.create_task(_watch_dashboard(bus))
+                result = await _watch_run(args, bus, proc.pid)
+                viewer.cancel()
+            return result
         finally:
             await bus.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 120)
+
+
+async def _watch_dashboard(bus: Bus) -> None:
+    """A browser's load on the dashboard: its live stream read as fast as it comes, until cancelled."""
+    import aiohttp
+
+    async with asyncio.timeout(60):
+        while True:  # the dashboard actor registers once its server is up
+            actors = (await _request(bus, "ctl.supervisor.status"))["actors"]
+            ids = [a["id"] for a in actors if a["kind"] == "dashboard"]
+            url = (await _request(bus, control_subject("dashboard", ids[0], "status"))).get("url") if ids else ""
+            if url:
+                break
+            await asyncio.sleep(0.1)
+    async with aiohttp.ClientSession() as session, session.get(url + "api/stream") as stream:
+        async for _ in stream.content.iter_any():
+            pass
 
 
 async def _request(bus: Bus, subject: str) -> dict[str, Any]:
@@ -349,7 +387,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for side in [s for s in runs if s in RECONCILERS]:
                 work_dir = Path(tempfile.mkdtemp(prefix="bench-lifecycle-"))
                 try:
-                    runs[side].append(await nats_trial(args, work_dir, RECONCILERS[side]))
+                    runs[side].append(await nats_trial(args, work_dir, RECONCILERS[side],
+                                                       dashboard=side == "nats_dashboard"))
                 finally:
                     shutil.rmtree(work_dir, ignore_errors=True)
             if "ray" in runs:
@@ -369,10 +408,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     names = {
         "nats": "nats_reconciler_durable",
         "nats_serial": "nats_reconciler_durable_one_round_trip_per_write",
+        "nats_dashboard": "nats_reconciler_durable_with_dashboard_watched",
         "ray": "ray_central_controller",
     }
     for side, trials in runs.items():
         result[names[side]] = _median_of(trials)
+    if "nats" in runs and "nats_dashboard" in runs:
+        plain, watched = result[names["nats"]], result[names["nats_dashboard"]]
+        result["dashboard_cost_fraction_of_lifecycles_per_s"] = round(
+            1 - watched["lifecycles_per_s"] / plain["lifecycles_per_s"], 4)
+        result["dashboard_cpu_ms_per_lifecycle"] = watched["cpu_ms_per_lifecycle"].get("dashboard", 0.0)
     if "nats" in runs and "ray" in runs:
         nats, ray_side = result[names["nats"]], result[names["ray"]]
         result["ratio_lifecycles_per_s_nats_over_ray"] = round(
@@ -403,7 +448,8 @@ def main() -> None:
         "--sides",
         type=lambda v: v.split(","),
         default=["nats", "ray"],
-        help="of nats, nats_serial (the reconciler without group commit), ray",
+        help="of nats, nats_serial (the reconciler without group commit), nats_dashboard (nats with the "
+        "dashboard actor up and its live stream read), ray",
     )
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--auth", choices=["on", "off"], default="on",
