@@ -204,7 +204,7 @@ class Supervisor:
         while recent and now - recent[0] > sup.restart_window_s:
             recent.popleft()
         if len(recent) > sup.max_restarts:
-            reason = (f"{ap.kind} crashed or was unhealthy {len(recent)} times within {sup.restart_window_s}s "
+            reason = (f"{ap.kind} crashed {len(recent)} times within {sup.restart_window_s}s "  # unhealthy counts too
                       f"(limit {sup.max_restarts}); see {self.run_dir / 'logs' / (ap.actor_id + '.out')}")
             log.error("restart_intensity_exceeded", actor_kind=ap.kind, num_restarts=len(recent),
                       window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
