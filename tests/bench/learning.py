@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.bench.learning [--seeds 0 1 2] [--steps 100] [--budget-min 15] [--out DIR]
 
-Runs ``python -m runtime.up --steps N`` (the default run: embedded NATS, local processes, the shipped
+Runs ``python -m actors --steps N`` (the default run: embedded NATS, local processes, the shipped
 starting policy, the built-in difficulty-1 tasks, held-out evaluation by the evaluator actor) once per
 seed, one after the other, with ``run.seed`` (sampling) and ``tasks.seed`` (prompt order) set to the
 seed. The evaluator measures held-out pass@1 at version 0 and at the last version N; the run ends
@@ -52,7 +52,7 @@ def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
 
 def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     run_dir = args.out / f"seed-{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cmd = [sys.executable, "-m", "runtime.up", "--quiet", "--run-dir", str(run_dir), "--steps", str(args.steps),
+    cmd = [sys.executable, "-m", "actors", "--quiet", "--run-dir", str(run_dir), "--steps", str(args.steps),
            "--set", f"run.seed={seed}", "--set", f"tasks.seed={seed}"]
     for override in args.set:
         cmd += ["--set", override]
