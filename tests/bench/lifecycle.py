@@ -195,7 +195,10 @@ async def _watch_dashboard(bus: Bus) -> None:
         while True:  # the dashboard actor registers once its server is up
             actors = (await _request(bus, "ctl.supervisor.status"))["actors"]
             ids = [a["id"] for a in actors if a["kind"] == "dashboard"]
-            url = (await _request(bus, control_subject("dashboard", ids[0], "status"))).get("url") if ids else ""
+            try:
+                url = (await _request(bus, control_subject("dashboard", ids[0], "status"))).get("url") if ids else ""
+            except Exception:  # started, not listening yet
+                url = ""
             if url:
                 break
             await asyncio.sleep(0.1)
