@@ -230,10 +230,7 @@ class Supervisor:
                  check=verdict.check)
         if verdict.check in ("liveness", "progress"):  # it answers nothing, or its work never ends: no drain
             ap.retiring = True
-            log.error("actor_killed", actor_id=ap.actor_id, pid=ap.pid, reason=verdict.check)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(ap.proc.pid, signal.SIGKILL)
-            await ap.proc.wait()
+            await self._kill(ap, reason=verdict.check)
         else:
             await self._retire(ap)
 
@@ -282,7 +279,11 @@ class Supervisor:
             ap.proc.send_signal(signal.SIGTERM)
         if await _wait_exit(ap.proc, sup.term_timeout_s):
             return
-        log.error("actor_killed", actor_id=ap.actor_id, pid=ap.pid)
+        await self._kill(ap, reason="stop_timeout")
+
+    async def _kill(self, ap: ActorProcess, reason: str) -> None:
+        """SIGKILL to the process's whole session (its sandboxes too), then its exit."""
+        log.error("actor_killed", actor_id=ap.actor_id, pid=ap.pid, reason=reason)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(ap.proc.pid, signal.SIGKILL)
         await ap.proc.wait()

@@ -23,31 +23,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from ops.tail import event_time
+from tests.integration.harness import run_events
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_S = 300.0  # the run up and trained to the warm-up version within this, or the trial fails
 RESTORE_S = 300.0
 
 
-def _events(run_dir: Path, name: str) -> list[dict[str, Any]]:
-    out = []
-    for path in (run_dir / "logs").glob("*.jsonl"):
-        for line in path.read_text(errors="replace").splitlines():
-            if f'"{name}"' in line:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if event.get("event") == name:
-                    out.append(event)
-    return out
-
-
 def _when(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
+    when = event_time(event)
+    assert when is not None, f"an event without a readable time: {event}"
+    return when.timestamp()
 
 
 def _wait(what: str, timeout_s: float, found: Any) -> Any:
@@ -61,7 +51,7 @@ def _wait(what: str, timeout_s: float, found: Any) -> Any:
 
 
 def _rollouts_done(run_dir: Path) -> list[float]:
-    return sorted(_when(e) for e in _events(run_dir, "slot_transition")
+    return sorted(_when(e) for e in run_events(run_dir, "slot_transition")
                   if e.get("from_state") == "rollout" and e.get("to_state") == "reward")
 
 
@@ -73,17 +63,17 @@ def trial(standby: bool, args: argparse.Namespace, out_dir: Path, n: int) -> dic
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         _wait(f"version {args.warmup_versions}", STARTUP_S, lambda: True if any(
-            e.get("version", 0) >= args.warmup_versions for e in _events(run_dir, "weights_announced")) else None)
+            e.get("version", 0) >= args.warmup_versions for e in run_events(run_dir, "weights_announced")) else None)
         if standby:
-            _wait("a rollout spare standing by", STARTUP_S, lambda: _events(run_dir, "actor_standing_by") or None)
-        (victim,) = [e for e in _events(run_dir, "actor_running") if e["kind"] == "rollout"]
+            _wait("a rollout spare standing by", STARTUP_S, lambda: run_events(run_dir, "actor_standing_by") or None)
+        (victim,) = [e for e in run_events(run_dir, "actor_running") if e["kind"] == "rollout"]
         time.sleep(args.window_s)  # a full window of steady work before the kill
         killed_at = time.time()
         os.kill(int(victim["pid"]), signal.SIGKILL)
         marker = "actor_activated" if standby else "actor_running"
 
         def replacement() -> float | None:
-            times = [_when(e) for e in _events(run_dir, marker)
+            times = [_when(e) for e in run_events(run_dir, marker)
                      if e["kind"] == "rollout" and e["actor"] != victim["actor"] and _when(e) >= killed_at - 1]
             return min(times) if times else None
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import msgpack
 
 from runtime.bus import Bus
 from runtime.bus_auth import SUPERVISOR
+from runtime.events import parse_event
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.rundir import RunInfo
 
@@ -39,8 +39,8 @@ async def nats_bus(tmp_path: Path) -> AsyncIterator[Bus]:
 def run_events(run_dir: Path, name: str) -> list[dict[str, Any]]:
     """Every structured event called ``name`` in a run's logs (every process's JSONL file)."""
     rows = []
-    for f in (run_dir / "logs").glob("*.jsonl"):
-        rows += [r for line in f.read_text().splitlines() if (r := json.loads(line)).get("event") == name]
+    for f in (run_dir / "logs").glob("*.jsonl"):  # a live run's last line may be half written: not yet an event
+        rows += [r for line in f.read_text().splitlines() if (r := parse_event(line)) and r.get("event") == name]
     return rows
 
 

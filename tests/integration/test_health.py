@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ops.tail import event_time
 from tests.integration.harness import LiveRun, run_events, write_config
 from tests.integration.test_actor_runtime import _collect, _effects, _publish, _wait_for
 
@@ -51,16 +52,12 @@ async def _unhealthy_and_replaced(run: LiveRun, check: str, fault_at: float, vic
     await _wait_for(found_and_replaced, 60, f"the {check} fault found and the actor replaced")
     (event,) = [e for e in run_events(run.run_dir, "actor_unhealthy") if e["actor_id"] == victim]
     assert event["check"] == check, event
-    took = _event_time(event) - fault_at
+    when = event_time(event)
+    assert when is not None, event
+    took = when.timestamp() - fault_at
     assert took <= BOUND_S[check], f"{check} fault found after {took:.1f}s, bound {BOUND_S[check]}s"
     (replaced,) = [e for e in run_events(run.run_dir, "actor_replaced") if e["old_id"] == victim]
     return replaced
-
-
-def _event_time(event: dict) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
 
 async def _run_with_fault(tmp_path: Path, check: str, trigger: str | None) -> None:
