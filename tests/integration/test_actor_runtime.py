@@ -17,7 +17,7 @@ from nats.js.errors import NoKeysError
 
 from runtime.bus_auth import control_subject
 from runtime.codec import Codec
-from tests.integration.harness import REPO, LiveRun, alive, descendants, write_config
+from tests.integration.harness import REPO, LiveRun, alive, descendants, until, write_config
 from tests.integration.workers import CountRequest
 
 COUNTER_RUN = """
@@ -61,15 +61,6 @@ async def _effects(run: LiveRun) -> dict[str, dict]:
     return {k: msgpack.unpackb((await kv.get(k)).value, raw=False) for k in keys}
 
 
-async def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 @pytest.fixture
 def counter_config(tmp_path: Path):
     def make(count: int = 2, concurrency: int = 8) -> Path:
@@ -97,7 +88,7 @@ async def test_kill_9_during_handling_loses_nothing(tmp_path: Path, counter_conf
             effects.update(await _effects(run))
             return len(effects) == len(keys)
 
-        await _wait_for(all_done, 90, "every message's effect")
+        await until(all_done, 90, "every message's effect")
         assert sorted(effects) == sorted(keys)
         # Exactly once in effect: each key's effect was created once; redeliveries were recognised.
         created = Counter(h["key"] for h in handled if not h["duplicate"])
@@ -143,7 +134,7 @@ async def test_hot_swap_under_load_loses_and_duplicates_nothing(tmp_path: Path, 
         async def all_done() -> bool:
             return len(await _effects(run)) == len(keys)
 
-        await _wait_for(all_done, 90, "all 1000 effects")
+        await until(all_done, 90, "all 1000 effects")
         starts = Counter(s["key"] for s in started)
         assert set(starts) == set(keys), "zero lost"
         assert max(starts.values()) == 1, "zero handled twice (graceful drain never redelivers)"
@@ -175,7 +166,7 @@ async def test_bad_messages_are_dead_lettered_and_actor_keeps_serving(tmp_path: 
         async def served() -> bool:
             return "after" in await _effects(run)
 
-        await _wait_for(served, 30, "the actor to keep serving")
+        await until(served, 30, "the actor to keep serving")
         sub = await js.subscribe("dlq.>", ordered_consumer=True, deliver_policy=None)
         reasons = []
         for _ in range(4):
@@ -335,7 +326,7 @@ async def test_poison_messages_are_dead_lettered_after_bounded_deliveries(tmp_pa
         async def served() -> bool:
             return any(h["key"] == "after" for h in handled)
 
-        await _wait_for(served, 30, "the actor to keep serving after the poison")
+        await until(served, 30, "the actor to keep serving after the poison")
         stream = await js.stream_info("Q_WORK_FAULT")
         assert stream.state.messages == 0, "every poison message left the work queue"
     finally:

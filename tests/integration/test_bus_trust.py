@@ -9,9 +9,7 @@ reconciler's version the trainer's, no actor crashed.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ from runtime.bus_auth import OPERATOR, control_subject
 from runtime.codec import Codec
 from runtime.registry import handover_key, registration_key
 from tests.integration.bus_clients import connect_anonymously, connect_as
-from tests.integration.harness import LiveRun, write_config
+from tests.integration.harness import LiveRun, until, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,15 +42,6 @@ def events(run_dir: Path, name: str) -> list[dict[str, Any]]:
                 if event.get("event") == name:
                     found.append(event)
     return found
-
-
-async def until(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := await predicate():
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 async def start_run(tmp_path: Path) -> LiveRun:

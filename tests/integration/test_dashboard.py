@@ -26,7 +26,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from ops.dashboard.prometheus import DOCUMENTED
 from runtime.metrics_log import read_metrics
-from tests.integration.harness import REPO, LiveRun, run_events
+from tests.integration.harness import REPO, LiveRun, run_events, until
 from tests.integration.test_e2e import _short_run, starting_policy  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -97,13 +97,6 @@ def _trained_samples(families: dict[str, Any]) -> float:
     return sample.value
 
 
-async def _until(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.5)
-
-
 async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path, browser: webdriver.Chrome) -> None:  # noqa: F811
     cfg = _short_run(tmp_path, seed=0, steps=4, checkpoint=starting_policy)
     run = await LiveRun(tmp_path / "run", cfg, "--set", "dashboard.port=0", "--set", "dashboard.sample_s=0.5").start()
@@ -113,13 +106,13 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "connection").text == "live")
         for section in SECTIONS:
             assert browser.find_element(By.ID, section).is_displayed(), section
-        await _until(lambda: browser.find_elements(By.CSS_SELECTOR, "#actor-table tbody tr"), 60, "actors listed")
-        await _until(lambda: _points(browser, "chart-slots") >= 2, 60, "slot-table samples charted")
+        await until(lambda: browser.find_elements(By.CSS_SELECTOR, "#actor-table tbody tr"), 60, "actors listed")
+        await until(lambda: _points(browser, "chart-slots") >= 2, 60, "slot-table samples charted")
         _screenshot(browser, tmp_path, "dashboard-start")
 
         # the curves gain points as the trainer publishes versions, without a page reload
         first = _points(browser, "chart-reward")
-        await _until(lambda: _points(browser, "chart-reward") >= first + 2, 300, "two more training steps charted")
+        await until(lambda: _points(browser, "chart-reward") >= first + 2, 300, "two more training steps charted")
         assert browser.execute_script("return performance.getEntriesByType('navigation').length") == 1
 
         # a live key edited on the page reaches every actor that holds the configuration
@@ -127,7 +120,7 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         row.find_element(By.TAG_NAME, "input").send_keys("0.01")
         row.find_element(By.TAG_NAME, "button").click()
         WebDriverWait(browser, 30).until(lambda d: "sent to the actors" in d.find_element(By.ID, "config-result").text)
-        await _until(lambda: any(e.get("key") == "reward.length_coef" and e.get("new") == 0.01
+        await until(lambda: any(e.get("key") == "reward.length_coef" and e.get("new") == 0.01
                                  for e in run_events(run.run_dir, "config_changed") if e.get("kind") == "reward"),
                      60, "the reward actor applied the edit")
         WebDriverWait(browser, 30).until(lambda d: d.find_element(

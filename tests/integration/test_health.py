@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ops.tail import event_time
-from tests.integration.harness import LiveRun, run_events, write_config
-from tests.integration.test_actor_runtime import _collect, _effects, _publish, _wait_for
+from tests.integration.harness import LiveRun, run_events, until, write_config
+from tests.integration.test_actor_runtime import _collect, _effects, _publish
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,7 +49,7 @@ async def _unhealthy_and_replaced(run: LiveRun, check: str, fault_at: float, vic
     async def found_and_replaced() -> bool:  # the replacement is started (and said) just after the verdict
         return any(e["old_id"] == victim for e in run_events(run.run_dir, "actor_replaced"))
 
-    await _wait_for(found_and_replaced, 60, f"the {check} fault found and the actor replaced")
+    await until(found_and_replaced, 60, f"the {check} fault found and the actor replaced")
     (event,) = [e for e in run_events(run.run_dir, "actor_unhealthy") if e["actor_id"] == victim]
     assert event["check"] == check, event
     when = event_time(event)
@@ -83,7 +83,7 @@ async def _run_with_fault(tmp_path: Path, check: str, trigger: str | None) -> No
             effects.update(await _effects(run))
             return set(effects) >= wanted
 
-        await _wait_for(all_done, 90, "every message's effect")
+        await until(all_done, 90, "every message's effect")
         created = Counter(h["key"] for h in handled if not h["duplicate"])
         assert all(created[k] <= 1 for k in wanted), "nothing happened twice"
         assert any(e["actor"] == replaced["new_id"] for e in effects.values()), "the replacement serves"
@@ -117,7 +117,7 @@ async def test_a_warm_standby_takes_a_dead_actors_place_and_a_new_one_stands_by(
         async def promoted() -> bool:
             return any(e["actor_id"] == spare["id"] for e in run_events(run.run_dir, "standby_promoted"))
 
-        await _wait_for(promoted, 30, "the standby promoted")
+        await until(promoted, 30, "the standby promoted")
         await _publish(run, keys[20:], sleep_s=0.02)
         effects: dict[str, dict] = {}
 
@@ -125,7 +125,7 @@ async def test_a_warm_standby_takes_a_dead_actors_place_and_a_new_one_stands_by(
             effects.update(await _effects(run))
             return set(effects) >= set(keys)
 
-        await _wait_for(all_done, 90, "every message's effect")
+        await until(all_done, 90, "every message's effect")
         assert any(e["actor"] == spare["id"] for e in effects.values()), "the promoted spare serves"
         (new_spare,) = await run.wait_actors_in("ailing", "standby", 1)
         assert new_spare["id"] not in (victim["id"], spare["id"]), "a new spare stands by behind it"
