@@ -32,6 +32,7 @@ from runtime.bus_auth import BusAccess, control_subject
 from runtime.codec import Codec, Message
 from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError
 from runtime.registry import handover_key, registration_key
+from runtime.work_timing import WorkTiming
 
 log = structlog.get_logger(__name__)
 
@@ -155,6 +156,7 @@ class Actor:
         self.num_rejected_config = 0  # live config values refused (see _apply_config)
         self._started_at = time.time()
         self._progress_at = time.monotonic()  # the last time a handling ended, or work was taken up idle
+        self.work_timing = WorkTiming()  # the health checks' passive half reads it from every ping
         self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
 
     # --- hooks for subclasses ----------------------------------------------------------------
@@ -358,13 +360,15 @@ class Actor:
                 await self._failed(q, raw, "(undecoded)", e, outages_before)
                 return
             try:
-                async with asyncio.TaskGroup() as tg:
-                    beat = tg.create_task(self._heartbeat(raw))
-                    delivery = Delivery(q.name, raw.subject, raw.stream_sequence, raw.num_delivered, raw.msg_id, tg)
-                    try:
-                        await self.handle(msg, delivery)
-                    finally:
-                        beat.cancel()
+                with self.work_timing.handling():
+                    async with asyncio.TaskGroup() as tg:
+                        beat = tg.create_task(self._heartbeat(raw))
+                        delivery = Delivery(q.name, raw.subject, raw.stream_sequence, raw.num_delivered, raw.msg_id,
+                                            tg)
+                        try:
+                            await self.handle(msg, delivery)
+                        finally:
+                            beat.cancel()
             except Exception as e:  # a failing handler never kills the actor: nak and retry later
                 await self._failed(q, raw, type(msg).__name__, e, outages_before)
                 return
@@ -428,8 +432,13 @@ class Actor:
     async def _on_ctl(self, raw: Inbound) -> None:
         verb = raw.subject.rsplit(".", 1)[-1]
         if verb == "ping":
-            reply: dict[str, Any] = {"ok": True, "state": self.state.value,
-                                     "busy_without_progress_s": self.busy_without_progress_s}
+            reply: dict[str, Any] = {
+                "ok": True, "state": self.state.value, "busy_without_progress_s": self.busy_without_progress_s,
+                # what the passive checks read (runtime.health): outcomes so far, and the handlings' times
+                "num_handled": self.num_handled, "num_failed": self.num_failed,
+                "oldest_in_hand_s": self.work_timing.oldest_in_hand_s(),
+                "recent_handling_p99_s": self.work_timing.recent_quantile(0.99),
+                "num_recent_handlings": self.work_timing.num_recent}
         elif verb == "probe":
             reply = await self._probe()
         elif verb == "status":

@@ -9,7 +9,13 @@ what does not exit, so that it is replaced too, and says why. Checks, on a clock
   the rollout actor decodes one token, the reward actor runs one sandboxed command), within
   ``probe_timeout_s``;
 - **progress**: the ping's reply says how long the actor has held work without finishing any; more
-  than ``stuck_s`` is a stuck actor (0: not checked).
+  than ``stuck_s`` is a stuck actor (0: not checked). Passively, from the same replies: a handling in
+  hand ``outlier_factor`` times longer than the p99 of the kind's recent ones (and at least
+  ``outlier_min_s``) is stuck far outside its distribution, long before ``stuck_s`` (set above the
+  slowest legitimate step) would say so;
+- **errors** (passive): the share of handlings that failed over the last ``error_window`` checks above
+  ``max_error_rate`` (once ``min_outcomes`` ended in that window): a process whose engine or sandboxes
+  broke fails everything it takes, and every retry of that work lands on it again.
 
 ``max_failures`` failed checks in a row make the actor unhealthy (one slow answer on a loaded machine
 is not a fault; a stuck actor is unhealthy at once). A process is first given ``start_grace_s`` to
@@ -20,6 +26,7 @@ too. Every decision is an event: ``health_check_failed`` per failure, ``actor_un
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 from dataclasses import dataclass
@@ -41,8 +48,13 @@ log = structlog.get_logger(__name__)
 class Verdict:
     """Why an actor was found unhealthy."""
 
-    check: str  # "liveness", "readiness", "progress" or "start"
+    check: str  # "liveness", "readiness", "progress", "errors" or "start"
     reason: str
+
+    @property
+    def needs_kill(self) -> bool:
+        """It answers nothing, or its work never ends: draining it would wait for what will not come."""
+        return self.check in ("liveness", "progress")
 
 
 async def _ask(bus: Bus, kind: str, actor_id: str, verb: str, timeout_s: float) -> dict[str, Any]:
@@ -65,6 +77,7 @@ async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> Verdi
     if not await _until_running(bus, kind, actor_id, cfg.start_grace_s):
         return Verdict("start", f"not running (registered as consuming) within {cfg.start_grace_s}s of starting")
     failures = {"liveness": 0, "readiness": 0}  # in a row, per check: a frozen process fails pings first
+    outcomes: collections.deque[tuple[int, int]] = collections.deque(maxlen=cfg.error_window + 1)
     for tick in itertools.count(1):
         await asyncio.sleep(cfg.interval_s)  # a checking clock: the next check is due interval_s after this one
         if bus.health.down.is_set():
@@ -82,10 +95,33 @@ async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> Verdi
                 return Verdict(check, f"{failures[check]} {check} checks failed in a row; the last: {e}")
             continue
         failures[check] = 0
-        idle = float(reply.get("busy_without_progress_s", 0.0))
-        if cfg.stuck_s and idle > cfg.stuck_s:
-            return Verdict("progress", f"held work for {idle:.0f}s without finishing any (limit {cfg.stuck_s}s)")
+        verdict = None if is_probe else _passive(reply, cfg, outcomes)  # a probe's reply carries no counts
+        if verdict is not None:
+            return verdict
     raise AssertionError("itertools.count does not end")
+
+
+def _passive(reply: dict[str, Any], cfg: HealthSection,
+             outcomes: collections.deque[tuple[int, int]]) -> Verdict | None:
+    """The checks read from a ping's reply (what the actor counts and times of its own work)."""
+    idle = float(reply.get("busy_without_progress_s", 0.0))
+    if cfg.stuck_s and idle > cfg.stuck_s:
+        return Verdict("progress", f"held work for {idle:.0f}s without finishing any (limit {cfg.stuck_s}s)")
+    oldest, p99 = float(reply.get("oldest_in_hand_s", 0.0)), float(reply.get("recent_handling_p99_s", 0.0))
+    limit = max(cfg.outlier_factor * p99, cfg.outlier_min_s)
+    if (cfg.outlier_factor and int(reply.get("num_recent_handlings", 0)) >= cfg.outlier_min_samples
+            and oldest > limit):
+        return Verdict("progress", f"a handling has run {oldest:.1f}s, over {limit:.1f}s ({cfg.outlier_factor:g}x "
+                                   f"the p99 of its last {reply['num_recent_handlings']}: {p99:.3f}s)")
+    if not cfg.error_window:
+        return None
+    outcomes.append((int(reply.get("num_handled", 0)), int(reply.get("num_failed", 0))))
+    (handled_then, failed_then), (handled_now, failed_now) = outcomes[0], outcomes[-1]
+    failed, ended = failed_now - failed_then, handled_now - handled_then + failed_now - failed_then
+    if ended >= cfg.min_outcomes and failed / ended > cfg.max_error_rate:
+        return Verdict("errors", f"{failed} of the last {ended} handlings failed ({failed / ended:.0%}, limit "
+                                 f"{cfg.max_error_rate:.0%}; see its handler_failed events)")
+    return None
 
 
 async def _until_running(bus: Bus, kind: str, actor_id: str, grace_s: float) -> bool:

@@ -98,6 +98,16 @@ class HealthSection:
     # work in hand and nothing finished for this long: stuck (0: not checked); above the longest step
     stuck_s: float = fixed(900.0, within=Range(0.0, 7 * 24 * 3600.0))
     start_grace_s: float = fixed(600.0, within=Range(1.0, 86_400.0))  # to be running after it is started
+    # passive: the share of handlings that failed over the last error_window checks (0 checks: not checked),
+    # once at least min_outcomes ended in that window (a few failing deliveries are a message's fault)
+    error_window: int = fixed(12, within=Range(0, 100_000))
+    max_error_rate: float = fixed(0.9, within=Range(0.0, 1.0))
+    min_outcomes: int = fixed(20, within=Range(1, 1_000_000))
+    # passive: a handling in hand for outlier_factor x the p99 of the kind's recent ones (and at least
+    # outlier_min_s, and once outlier_min_samples ended) is stuck far outside its distribution (0: off)
+    outlier_factor: float = fixed(20.0, within=Range(0.0, 1e6))
+    outlier_min_s: float = fixed(120.0, within=Range(0.0, 7 * 24 * 3600.0))
+    outlier_min_samples: int = fixed(20, within=Range(1, 1_000_000))
 
     def __post_init__(self) -> None:
         check_ranges(self, "health")

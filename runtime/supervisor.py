@@ -228,7 +228,7 @@ class Supervisor:
             ap.kind, standby=ap.standby)
         log.info("actor_replaced", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id,
                  check=verdict.check)
-        if verdict.check in ("liveness", "progress"):  # it answers nothing, or its work never ends: no drain
+        if verdict.needs_kill:
             ap.retiring = True
             await self._kill(ap, reason=verdict.check)
         else:

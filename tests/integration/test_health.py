@@ -1,7 +1,8 @@
 """Health checks find actors that are alive but useless, and the supervisor replaces them, losing nothing:
 a process that answers nothing (SIGSTOP), one whose probe fails while it serves (its engine died), one
-whose handler never returns. Each is detected within the configured bound and replaced by a new process;
-every message's effect happens exactly once."""
+whose handler never returns (found by the absolute bound, and by being far outside the kind's recent
+handling times), one that fails every handling it takes. Each is detected within the configured bound and
+replaced by a new process; every message's effect happens exactly once."""
 
 from __future__ import annotations
 
@@ -32,26 +33,34 @@ probe_timeout_s = 2.0
 max_failures = 2
 stuck_s = 4.0
 start_grace_s = 60.0
+error_window = 4
+max_error_rate = 0.5
+min_outcomes = 5
+outlier_factor = 50.0
+outlier_min_s = 2.0
+outlier_min_samples = 10
 
 [actors.ailing]
 entry = "tests.integration.workers:AilingCounterActor"
 count = 1
 max_concurrency = 4
 heartbeat_s = 1.0
+max_deliveries = 40
 """
 # detection bounds from the [health] section above: two failed checks of one kind in a row, pings and probes
 # alternating (each tick at most interval + its timeout), plus 2 s of slack for a loaded machine
 TICK_S = 0.5 + 2.0
-BOUND_S = {"liveness": 4 * TICK_S + 2.0, "readiness": 5 * TICK_S + 2.0, "progress": 4.0 + 2 * TICK_S + 2.0}
+BOUND_S = {"liveness": 4 * TICK_S + 2.0, "readiness": 5 * TICK_S + 2.0, "progress": 4.0 + 2 * TICK_S + 2.0,
+           "errors": 6 * TICK_S + 2.0}
 
 
-async def _unhealthy_and_replaced(run: LiveRun, check: str, fault_at: float, victim: str) -> dict:
+async def _unhealthy_and_replaced(run: LiveRun, check: str, fault_at: float, victim: str, reason: str) -> dict:
     async def found_and_replaced() -> bool:  # the replacement is started (and said) just after the verdict
         return any(e["old_id"] == victim for e in run_events(run.run_dir, "actor_replaced"))
 
     await until(found_and_replaced, 60, f"the {check} fault found and the actor replaced")
     (event,) = [e for e in run_events(run.run_dir, "actor_unhealthy") if e["actor_id"] == victim]
-    assert event["check"] == check, event
+    assert event["check"] == check and reason in event["reason"], event
     when = event_time(event)
     assert when is not None, event
     took = when.timestamp() - fault_at
@@ -60,9 +69,10 @@ async def _unhealthy_and_replaced(run: LiveRun, check: str, fault_at: float, vic
     return replaced
 
 
-async def _run_with_fault(tmp_path: Path, check: str, trigger: str | None) -> None:
+async def _run_with_fault(tmp_path: Path, check: str, trigger: str | None, *settings: str,
+                          reason: str = "") -> None:
     cfg = write_config(tmp_path / "run.toml", AILING_RUN)
-    run = await LiveRun(tmp_path / "run", cfg, "--set", "bus.ack_wait_s=3.0").start()
+    run = await LiveRun(tmp_path / "run", cfg, "--set", "bus.ack_wait_s=3.0", *settings).start()
     try:
         (victim,) = await run.wait_actors("ailing", 1)
         handled: list[dict] = []
@@ -74,8 +84,9 @@ async def _run_with_fault(tmp_path: Path, check: str, trigger: str | None) -> No
             os.kill(victim["pid"], signal.SIGSTOP)  # alive, answering nothing
         else:
             await _publish(run, [trigger])
-        replaced = await _unhealthy_and_replaced(run, check, fault_at, victim["id"])
-        await _publish(run, keys[30:], sleep_s=0.02)  # the run goes on, on the replacement
+        await _publish(run, keys[30:40], sleep_s=0.02)  # work that reaches the ailing process
+        replaced = await _unhealthy_and_replaced(run, check, fault_at, victim["id"], reason)
+        await _publish(run, keys[40:], sleep_s=0.02)  # the run goes on, on the replacement
         wanted = set(keys) | ({trigger} if trigger else set())
         effects: dict[str, dict] = {}
 
@@ -101,7 +112,17 @@ async def test_an_actor_whose_probe_fails_while_it_serves_is_replaced(tmp_path: 
 
 
 async def test_an_actor_whose_work_never_ends_is_replaced(tmp_path: Path) -> None:
-    await _run_with_fault(tmp_path, "progress", "ail-hang")
+    await _run_with_fault(tmp_path, "progress", "ail-hang", "--set", "health.outlier_factor=0",
+                          reason="without finishing any")
+
+
+async def test_a_handling_far_outside_its_recent_times_is_found_before_the_absolute_bound(tmp_path: Path) -> None:
+    # stuck_s far away: only the handling's distance from the kind's recent times can find it in the bound
+    await _run_with_fault(tmp_path, "progress", "ail-hang", "--set", "health.stuck_s=600", reason="the p99")
+
+
+async def test_an_actor_that_fails_everything_it_takes_is_replaced(tmp_path: Path) -> None:
+    await _run_with_fault(tmp_path, "errors", "ail-errors", reason="handlings failed")
 
 
 async def test_a_warm_standby_takes_a_dead_actors_place_and_a_new_one_stands_by(tmp_path: Path) -> None:

@@ -109,13 +109,15 @@ class AilingCounterActor(CounterActor):
     """The counter, made unhealthy by the key it is given, in the first process of the run only (a marker
     file says it happened, so its replacement is healthy): ``ail-hang`` never finishes its handling,
     ``ail-probe`` makes its probe fail from then on while it goes on serving (an engine dead in a live
-    process). The freeze case needs no code: the test stops the process (SIGSTOP)."""
+    process), ``ail-errors`` makes every handling fail from then on (its engine broke, its pings still
+    answer). The freeze case needs no code: the test stops the process (SIGSTOP)."""
 
     kind = "ailing"
 
     async def setup(self) -> None:
         await super().setup()
         self.probe_broken = False
+        self.handling_broken = False
 
     def _first_time(self, fault: str) -> bool:
         try:
@@ -129,6 +131,10 @@ class AilingCounterActor(CounterActor):
             await asyncio.Event().wait()  # a handler that never returns, in a process that answers pings
         if msg.key == "ail-probe" and self._first_time("probe"):
             self.probe_broken = True
+        if msg.key == "ail-errors" and self._first_time("errors"):
+            self.handling_broken = True
+        if self.handling_broken:
+            raise RuntimeError("injected fault: every handling fails in this process")
         await super().handle(msg, delivery)
 
     async def probe(self) -> None:
