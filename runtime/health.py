@@ -20,7 +20,8 @@ what does not exit, so that it is replaced too, and says why. Checks, on a clock
 ``max_failures`` failed checks in a row make the actor unhealthy (one slow answer on a loaded machine
 is not a fault; a stuck actor is unhealthy at once). A process is first given ``start_grace_s`` to
 answer at all: loading a model takes a while, and an actor that never answers in that time is unhealthy
-too. Every decision is an event: ``health_check_failed`` per failure, ``actor_unhealthy`` once.
+too. Every decision is an event: ``health_check_failed`` per failure, ``health_check_recovered`` when a
+check passes again after failing, ``actor_unhealthy`` once.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> Verdi
             if failures[check] >= cfg.max_failures:
                 return Verdict(check, f"{failures[check]} {check} checks failed in a row; the last: {e}")
             continue
+        if failures[check]:
+            log.info("health_check_recovered", actor_id=actor_id, check=check, num_failures=failures[check])
         failures[check] = 0
         verdict = None if is_probe else _passive(reply, cfg, outcomes)  # a probe's reply carries no counts
         if verdict is not None:

@@ -22,7 +22,11 @@ TRAIN_FIELDS = (
     "trainer_utilisation", "lag_min", "lag_max", "num_versions_in_batch", "step_s", "skipped",
 )
 EVAL_FIELDS = ("version", "time", "pass_at_1", "mean_reward", "num_tasks", "duration_s")
-FOLDED = ('"train_step"', '"heldout_evaluated"')  # the events curves are made of (a substring test first)
+# what the supervisor says of an actor's health and its replacements (the actors table's health, restarts)
+HEALTH_EVENTS = ("health_check_failed", "health_check_recovered", "actor_unhealthy", "actor_crashed",
+                 "actor_restarted", "actor_replaced", "standby_promoted")
+# the events folded into curves and the actors table (a substring test first: most events are neither)
+FOLDED = ('"train_step"', '"heldout_evaluated"', *(f'"{name}"' for name in HEALTH_EVENTS))
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Limits:
     eval_rows: int = 2_000
     events: int = 2_000
     status_history: int = 3_600  # status samples kept for the slot-table-over-time chart
+    actors: int = 1_000  # actors whose health is remembered (the oldest forgotten first)
     subscriber_queue: int = 10_000  # updates a slow browser may fall behind before it is cut off
 
 
@@ -67,6 +72,9 @@ class RunView:
         self.status: dict[str, Any] = {}
         self.config: dict[str, Any] = {}
         self.event_counts: collections.Counter[str] = collections.Counter()  # by level, whole run
+        # actor id -> what the health checks and the supervisor said of it, and how many processes held its
+        # place before it (its restarts: each replacement is a new process with a new id)
+        self.actor_health: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._seq = itertools.count(1)
         self._subscribers: set[Subscriber] = set()
 
@@ -98,6 +106,40 @@ class RunView:
             row = {k: event[k] for k in EVAL_FIELDS if k in event}
             self.eval.append(row)
             self._publish("eval", row)
+        elif name in HEALTH_EVENTS:
+            self._fold_health(name, event)
+
+    def _fold_health(self, name: str, event: dict[str, Any]) -> None:
+        old_id = str(event.get("old_id") or event.get("replaces") or event.get("actor_id") or "")
+        new_id = str(event.get("new_id") or (event.get("actor_id") if name == "standby_promoted" else "") or "")
+        if not old_id:
+            return
+        changed = {old_id: self._health_of(old_id)}
+        old = changed[old_id]
+        if name == "health_check_failed":
+            old.update(health="failing", checks_failed=old["checks_failed"] + 1,
+                       last_failure=f"{event.get('check')}: {event.get('error')}")
+        elif name == "health_check_recovered":
+            old.update(health="ok")
+        elif name == "actor_unhealthy":
+            old.update(health="unhealthy", last_failure=f"{event.get('check')}: {event.get('reason')}")
+        elif name == "actor_crashed":
+            old.update(health="crashed", last_failure=f"exit {event.get('returncode')}")
+        elif new_id and new_id != old_id:  # restarted, replaced or a spare promoted in its place
+            changed[new_id] = successor = self._health_of(new_id)
+            successor["restarts"] = old["restarts"] + 1
+            successor["replaces"] = old_id
+        for actor_id, health in changed.items():
+            self._publish("actor_health", {"id": actor_id, **health})
+
+    def _health_of(self, actor_id: str) -> dict[str, Any]:
+        health = self.actor_health.get(actor_id)
+        if health is None:
+            health = self.actor_health[actor_id] = {"health": "ok", "checks_failed": 0, "last_failure": "",
+                                                    "restarts": 0, "replaces": ""}
+            while len(self.actor_health) > self.limits.actors:
+                self.actor_health.popitem(last=False)
+        return health
 
     def add_events(self, events: Iterable[dict[str, Any]]) -> None:
         for event in events:
@@ -128,6 +170,7 @@ class RunView:
             "status": self.status,
             "config": self.config,
             "event_counts": dict(self.event_counts),
+            "actor_health": dict(self.actor_health),
         }
 
     def subscribe(self) -> Subscriber:

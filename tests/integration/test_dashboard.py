@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -163,6 +164,20 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         while _trained_samples(await _scrape(url)) <= trained:  # each scrape is a fresh reading of the run
             assert time.monotonic() < deadline, "the reconciler's trained-samples counter did not move"
             await asyncio.sleep(1.0)
+
+        # a rollout actor killed: the table shows its replacement with the restart counted, and the crash
+        victim = (await run.wait_actors("rollout", 1))[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        def health_cells(d: webdriver.Chrome) -> dict[str, list[str]]:
+            return d.execute_script(
+                "return Object.fromEntries([...document.querySelectorAll('#actor-table tbody tr')].map("
+                "r => [r.cells[1].textContent, [r.cells[9].textContent, r.cells[10].textContent]]))")
+
+        WebDriverWait(browser, 120, poll_frequency=1).until(
+            lambda d: any(h == "ok" and r == "1" for h, r in health_cells(d).values()))
+        assert browser.execute_script(f"return window.dashboard.state.health[{victim['id']!r}].health") == "crashed"
+        _screenshot(browser, tmp_path, "dashboard-restart")
 
         # the event stream filters by level: at "error" only errors (and worse) stay listed
         Select(browser.find_element(By.ID, "event-level")).select_by_visible_text("error")

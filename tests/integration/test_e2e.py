@@ -160,20 +160,23 @@ async def test_kill_9_of_stage_actors_loses_no_sample(tmp_path: Path, starting_p
     assert [r["version"] for r in _rows(run.run_dir, "train")] == [1, 2, 3, 4, 5]
     supervisor = (run.run_dir / "logs" / "supervisor.jsonl").read_text()
     assert supervisor.count('"actor_crashed"') == 3 and supervisor.count('"actor_restarted"') == 3
-    # Every admitted prompt is trained once or accounted for: the trainer ledger and the durable table agree.
-    state = json.loads(
-        sorted((run.run_dir / "checkpoints").glob("step-*"))[-1].joinpath("trainer_state.json").read_text()
-    )
-    assert len(state["trained_batches"]) == len(set(state["trained_batches"])) == 5
+    assert_every_prompt_accounted(run.run_dir, steps=5)
+
+
+def assert_every_prompt_accounted(run_dir: Path, steps: int) -> None:
+    """Every admitted prompt is trained once or accounted for: the trainer ledger and the durable table agree,
+    no batch and no group trained twice."""
+    state = json.loads(sorted((run_dir / "checkpoints").glob("step-*"))[-1].joinpath("trainer_state.json").read_text())
+    assert len(state["trained_batches"]) == len(set(state["trained_batches"])) == steps
     trained_groups: list[str] = []
-    for line in (run.run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         if row["kind"] == "train":
             trained_groups += row["group_ids"]
     assert len(trained_groups) == len(set(trained_groups)), "no group trained twice"
     (accounting,) = [
         json.loads(line)
-        for f in (run.run_dir / "logs").glob("reconciler-*.jsonl")
+        for f in (run_dir / "logs").glob("reconciler-*.jsonl")
         for line in f.read_text().splitlines()
         if '"reconciler_accounting"' in line
     ]

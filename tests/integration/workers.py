@@ -105,6 +105,16 @@ class StubbornActor(Actor):
         raise RuntimeError("cannot hand over: state lost")
 
 
+def first_time_in_run(run_dir: str | Path, fault: str) -> bool:
+    """True once per run (a marker file in the run directory): a fault injected in the first process only,
+    so that its replacement is healthy."""
+    try:
+        (Path(run_dir) / f"fault-{fault}").touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
+
+
 class AilingCounterActor(CounterActor):
     """The counter, made unhealthy by the key it is given, in the first process of the run only (a marker
     file says it happened, so its replacement is healthy): ``ail-hang`` never finishes its handling,
@@ -120,11 +130,7 @@ class AilingCounterActor(CounterActor):
         self.handling_broken = False
 
     def _first_time(self, fault: str) -> bool:
-        try:
-            (Path(self.ctx.run_dir) / f"fault-{fault}").touch(exist_ok=False)
-        except FileExistsError:
-            return False
-        return True
+        return first_time_in_run(self.ctx.run_dir, fault)
 
     async def handle(self, msg: CountRequest, delivery: Delivery) -> None:  # type: ignore[override]
         if msg.key == "ail-hang" and self._first_time("hang"):
@@ -140,3 +146,4 @@ class AilingCounterActor(CounterActor):
     async def probe(self) -> None:
         if self.probe_broken:
             raise RuntimeError("injected fault: the engine stopped decoding")
+

@@ -39,6 +39,44 @@ def test_status_samples_chart_the_slot_table() -> None:
     assert view.snapshot()["status"] == {"actors": []}
 
 
+def test_health_events_give_each_actor_its_health_and_restarts() -> None:
+    view = RunView("r", Limits(actors=3))
+    sub = view.subscribe()
+    ev = [
+        {"event": "health_check_failed", "actor_id": "rollout-a", "check": "liveness", "error": "no answer"},
+        {"event": "health_check_recovered", "actor_id": "rollout-a", "check": "liveness"},
+        {"event": "health_check_failed", "actor_id": "rollout-a", "check": "readiness", "error": "engine dead"},
+        {"event": "actor_unhealthy", "actor_id": "rollout-a", "check": "readiness", "reason": "2 checks failed"},
+        {"event": "actor_replaced", "old_id": "rollout-a", "new_id": "rollout-b", "check": "readiness"},
+        {"event": "actor_crashed", "actor_id": "rollout-b", "returncode": -9},
+        {"event": "standby_promoted", "actor_id": "rollout-c", "replaces": "rollout-b"},
+        {"event": "actor_replaced", "old_id": "rollout-b", "new_id": "rollout-c"},  # said after the promotion
+        {"event": "actor_started", "actor_id": "rollout-c"},  # not a health event: nothing changes
+    ]
+    for e in ev:
+        view.add_event({"level": "info", **e})
+    health = view.snapshot()["actor_health"]
+    assert health["rollout-a"]["health"] == "unhealthy" and health["rollout-a"]["checks_failed"] == 2
+    assert "engine dead" not in health["rollout-a"]["last_failure"], "the verdict, not the last check, is shown"
+    assert health["rollout-b"] == {"health": "crashed", "checks_failed": 0, "last_failure": "exit -9",
+                                   "restarts": 1, "replaces": "rollout-a"}
+    assert health["rollout-c"]["restarts"] == 2 and health["rollout-c"]["health"] == "ok"
+    updates = [u["data"] for u in _drain(sub) if u["kind"] == "actor_health"]
+    assert updates[0] == {"id": "rollout-a", "health": "failing", "checks_failed": 1,
+                          "last_failure": "liveness: no answer", "restarts": 0, "replaces": ""}
+    assert updates[1]["health"] == "ok", "a check that passes again clears the failing mark"
+    for n in range(5):  # bounded: the oldest actors are forgotten
+        view.add_event({"event": "actor_crashed", "actor_id": f"x{n}", "returncode": 1})
+    assert list(view.snapshot()["actor_health"]) == ["x2", "x3", "x4"]
+
+
+def _drain(sub) -> list[dict]:
+    out = []
+    while not sub.queue.empty():
+        out.append(sub.queue.get_nowait())
+    return out
+
+
 def test_a_subscriber_gets_every_update_in_order_and_a_slow_one_is_cut_off() -> None:
     view = RunView("r", Limits(subscriber_queue=2))
     fast, slow = view.subscribe(), view.subscribe()

@@ -5,7 +5,7 @@ const LEVELS = ["debug", "info", "warning", "error", "critical"];
 const MAX_EVENT_ROWS = 300;
 const COLORS = ["#4a7bd0", "#d0654a", "#3a9d5d", "#9b59b6", "#c9a227", "#17a2b8", "#7f8c8d", "#e84393"];
 
-const state = { train: [], eval: [], slots: [], events: [], status: {}, config: {}, counts: {} };
+const state = { train: [], eval: [], slots: [], events: [], status: {}, config: {}, counts: {}, health: {} };
 const charts = {};
 window.dashboard = { state, charts };  // for people at the console and for the browser tests
 
@@ -90,6 +90,10 @@ function renderStatus() {
     cell(tr, a.kind); cell(tr, a.id); cell(tr, shown, `state-${shown}`); cell(tr, `${a.host || ""}/${a.pid}`);
     cell(tr, a.num_handled); cell(tr, a.num_failed); cell(tr, a.num_inflight); cell(tr, a.code_hash);
     cell(tr, a.uptime_s !== undefined ? `${Math.round(a.uptime_s)} s` : "");
+    const h = state.health[a.id] || { health: "ok", restarts: 0, last_failure: "", checks_failed: 0 };
+    const td = cell(tr, h.health, `health-${h.health}`);
+    td.title = h.last_failure ? `${h.checks_failed} failed checks; last: ${h.last_failure}` : "no failed check";
+    cell(tr, h.restarts).title = h.replaces ? `replaces ${h.replaces}` : "the first process in its place";
   }
   document.getElementById("unanswered").textContent =
     (st.unanswered || []).map(u => `no status from ${u.id}: ${u.error}`).join("; ");
@@ -277,12 +281,14 @@ function apply(update) {
   else if (kind === "slots") { state.slots.push(data); if (state.slots.length > 3600) state.slots.shift(); redrawSoon(); }
   else if (kind === "status") { state.status = data; renderStatus(); }
   else if (kind === "config") { state.config = data; renderConfig(); }
+  else if (kind === "actor_health") { state.health[data.id] = data; renderStatus(); }
 }
 
 function load(snapshot) {
   Object.assign(state, { train: snapshot.train, eval: snapshot.eval, slots: snapshot.slots,
                          events: snapshot.events.map(parseEvent).filter(e => e),
-                         status: snapshot.status, config: snapshot.config, counts: snapshot.event_counts });
+                         status: snapshot.status, config: snapshot.config, counts: snapshot.event_counts,
+                         health: snapshot.actor_health || {} });
   document.getElementById("run-name").textContent = `run ${snapshot.run}`;
   document.title = `${snapshot.run} · dashboard`;
   renderStatus(); renderConfig(); renderEvents(); drawCharts(); loadSamples();
