@@ -13,8 +13,11 @@ pipeline) once per mode and trial, the modes interleaved so that both see the sa
 Once the trainer has published ``--warmup-versions`` versions, for ``--window-s`` seconds: samples/s (rollouts
 finished, from the reconciler's own slot transitions) and each process's CPU seconds (/proc). The bar
 (issue 21): the dashboard costs <= 2% of samples/s. On a shared 2-core machine two runs one after the other
-differ by more than that, so the robust figure beside the ratio is the dashboard process's share of the
-run's CPU in the open run (what it takes from everything else). Prints ONE JSON line.
+differ by more than that, so the robust figures beside the ratio are the dashboard process's CPU: its share
+of the run's CPU in the open run, and its share of the machine's capacity (CPU seconds over window x cores:
+what a run that fills the machine gives up to it, an upper bound of its cost in samples/s when the run is
+CPU-bound; the share of the run's CPU overstates it when other work on the machine starves the run).
+Prints ONE JSON line.
 """
 
 from __future__ import annotations
@@ -109,6 +112,9 @@ def trial(mode: str, args: argparse.Namespace, out_dir: Path, n: int) -> dict[st
         total = sum(cpu.values())
         return {"mode": mode, "samples_per_s": round(len(done) / (end - start), 4), "cpu_s": cpu,
                 "dashboard_cpu_share": round(cpu.get("dashboard", 0.0) / total, 4) if total else None,
+                # of the machine's capacity (every core for the window): what a run that fills the machine
+                # gives up to it, whatever else shares the machine during the measurement
+                "dashboard_machine_share": round(cpu.get("dashboard", 0.0) / ((end - start) * os.cpu_count()), 4),
                 "watched": seen, "load_avg_1m": round(os.getloadavg()[0], 2), "run_dir": str(run_dir)}
     finally:
         if proc.poll() is None:
@@ -136,9 +142,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             trials.append(result)
     rate = {m: statistics.median(t["samples_per_s"] for t in trials if t["mode"] == m) for m in ("open", "closed")}
     share = [t["dashboard_cpu_share"] for t in trials if t["mode"] == "open"]
+    machine = [t["dashboard_machine_share"] for t in trials if t["mode"] == "open"]
     line = {"bench": "dashboard_cost", "samples_per_s_median": rate,
             "ratio_open_over_closed": round(rate["open"] / rate["closed"], 3) if rate["closed"] else None,
-            "dashboard_cpu_share_median": statistics.median(share), "window_s": args.window_s,
+            "dashboard_cpu_share_median": statistics.median(share),
+            "dashboard_machine_share_median": statistics.median(machine), "window_s": args.window_s,
             "trials": trials}
     print(json.dumps(line))
     return line
