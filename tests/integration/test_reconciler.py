@@ -98,15 +98,13 @@ async def test_a_second_reconciler_fences_the_first(tmp_path: Path) -> None:
         first = await Lifecycle.resume(store, source, config, 0.0, num_rollout_actors=1)
         rollout = next(o for o in first.orders if isinstance(o, RolloutOrder))
         second = await Lifecycle.resume(store, source, config, 1.0, num_rollout_actors=1)
-        assert second.num_reissued == len(first.orders), "the newer core re-issues all in-flight work"
-        with pytest.raises(CasConflict):
-            done = RolloutDone(rollout.sample_id, rollout.attempt, "k", 0, 0, rollout.token)
+        assert second.num_adopted == len(first.orders) and not second.orders, "the newer core adopts the work"
+        done = RolloutDone(rollout.sample_id, rollout.attempt, "k", 0, 0, rollout.token)
+        with pytest.raises(CasConflict):  # adopting wrote the slots again: the older core is fenced off
             await first.lifecycle.on_completion(done, 2.0)
         with pytest.raises(CoreBroken):
             await first.lifecycle.tick(3.0)
-        reissued = next(o for o in second.orders if getattr(o, "sample_id", None) == rollout.sample_id)
-        done = RolloutDone(reissued.sample_id, reissued.attempt, "k", 0, 0, reissued.token)
-        orders = await second.lifecycle.on_completion(done, 2.0)
+        orders = await second.lifecycle.on_completion(done, 2.0)  # the attempt in flight counts with the new core
         assert [o.sample_id for o in orders] == [rollout.sample_id], "the newer core owns the table"
         slot = next(s for s in second.lifecycle.slots if s.sample_id == rollout.sample_id)
         stored = Slot.decode((await store.get(f"{SLOT_PREFIX}{slot.index}")).value)
