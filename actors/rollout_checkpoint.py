@@ -25,6 +25,7 @@ only saves work.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass
@@ -115,12 +116,19 @@ class RolloutCheckpoints:
     def __init__(self, blob: object) -> None:
         self.blob = blob
 
+    async def write(self, checkpoint: RolloutCheckpoint) -> CheckpointWrite:
+        """Encodes ``checkpoint`` at once (before anything awaits: the episode may move on after) and puts it."""
+        started = time.perf_counter()
+        key = checkpoint_key(checkpoint.sample_id, checkpoint.attempt, checkpoint.trajectory.num_turns)
+        data = encode_checkpoint(checkpoint)
+        await self.blob.put(key, data)  # type: ignore[attr-defined]
+        return CheckpointWrite(key, len(data), time.perf_counter() - started)
+
     async def save(self, *, sample_id: str, prompt_id: str, attempt: int, seed: int, trajectory: Trajectory,
                    env: Environment) -> CheckpointWrite | None:
-        """Writes the checkpoint of the episode now: ``env``'s snapshot, exported, and the transcript (both
-        taken before anything here awaits, so the episode cannot move on under it). A failure costs only
-        the saved work: it is said (`rollout_checkpoint_failed`) and None returned. The cost measured is
-        the snapshot and export, the encoding and the store's put."""
+        """Writes the checkpoint of the episode now: ``env``'s snapshot, exported, and the transcript. A
+        failure costs only the saved work: it is said (`rollout_checkpoint_failed`) and None returned. The
+        cost measured is the snapshot and export, the encoding and the store's put."""
         started = time.perf_counter()
         try:
             snapshot = env.snapshot()
@@ -128,15 +136,12 @@ class RolloutCheckpoints:
                 workspace = export_snapshot_bytes(snapshot)
             finally:
                 snapshot.release()
-            checkpoint = RolloutCheckpoint(sample_id, prompt_id, attempt, seed, trajectory, workspace)
-            key = checkpoint_key(sample_id, attempt, trajectory.num_turns)
-            data = encode_checkpoint(checkpoint)
-            await self.blob.put(key, data)  # type: ignore[attr-defined]
+            written = await self.write(RolloutCheckpoint(sample_id, prompt_id, attempt, seed, trajectory, workspace))
         except (BlobError, OSError, SandboxError) as e:  # a workspace over its budgets included
             log.warning("rollout_checkpoint_failed", sample_id=sample_id, attempt=attempt,
                         num_turns=trajectory.num_turns, reason=repr(e))
             return None
-        return CheckpointWrite(key, len(data), time.perf_counter() - started)
+        return dataclasses.replace(written, seconds=time.perf_counter() - started)
 
     @staticmethod
     def rebuild(store: LayerStore, checkpoint: RolloutCheckpoint, limits: SandboxLimits | None) -> Environment:
