@@ -22,6 +22,7 @@ import torch
 import zstandard
 
 from actors.agent.episode import AgentConfig, Trajectory, run_episode
+from actors.blob_collector import BlobCollector
 from actors.config import TasksSection
 from actors.rollout_checkpoint import RolloutCheckpoints, checkpoint_key
 from actors.task_catalog import TaskCatalog
@@ -212,5 +213,27 @@ def test_corrupt_stale_and_foreign_checkpoints_are_skipped_with_the_reason(
         assert "corrupt" in stale.reason and "sample 'e0-p9-s0'" in stale.reason and "3 versions below" in stale.reason
         foreign = await checkpoints.newest("e0-p0-s0", "another-prompt", 1, version_floor=3, eta=0)
         assert foreign.checkpoint is None and "prompt" in foreign.reason, "a checkpoint of another task is no start"
+
+    asyncio.run(main())
+
+
+def test_checkpoints_of_finished_samples_are_collected_with_their_group(
+        tmp_path: Path, layer_store: LayerStore, task: Task) -> None:
+    """The blob collector (reused as it is) deletes a trained group's checkpoints with its other blobs, and a
+    live group's never."""
+    async def main() -> None:
+        blob = open_store(f"file://{tmp_path}/blobs")
+        await _attempt(RolloutCheckpoints(blob), layer_store, task, attempt=0, seed=17, stop_after_turns=2)
+        await blob.put("samples/e0-p1-s0/a0/checkpoints/t00001", b"a live group's")
+        assert len(await blob.list("samples/e0-p0-s0/a0/checkpoints/")) == 2
+        live = {"e0-p1"}
+        collector = BlobCollector(blob, group_size=2, retention_versions=0, is_live=live.__contains__)
+        async with asyncio.TaskGroup() as tg:
+            task_ = tg.create_task(collector.run())
+            await collector.sweep(version=1)  # a restarted reconciler finds what the table no longer holds
+            collector.advance(1)
+            await asyncio.wait_for(collector.wait_idle(), timeout=30)
+            task_.cancel()
+        assert await blob.list("samples/e0-p0-") == [] and await blob.list("samples/e0-p1-") != []
 
     asyncio.run(main())
