@@ -256,6 +256,7 @@ async def test_2000_samples_survive_kills(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two runs of the scenario
 async def test_rollout_checkpoints_and_adoption_cut_the_work_kills_regenerate(tmp_path: Path) -> None:
     """The same scenario (seeds, kills) without and with checkpoints and adoption, the rollouts' own failures
     off so that every re-generated token is the kills' doing: at most 10% of restart-from-scratch."""
