@@ -42,6 +42,7 @@ from sandbox.errors import SandboxError
 log = structlog.get_logger(__name__)
 
 __all__ = [
+    "NO_CHECKPOINT",
     "CheckpointWrite",
     "Resume",
     "RolloutCheckpoint",
@@ -51,6 +52,7 @@ __all__ = [
     "encode_checkpoint",
 ]
 
+NO_CHECKPOINT = "no checkpoint"
 _KEY = re.compile(r"^samples/(?P<sample>[^/]+)/a(?P<attempt>\d+)/checkpoints/t(?P<turns>\d+)$")
 
 
@@ -163,7 +165,7 @@ class RolloutCheckpoints:
             if m and m["sample"] == sample_id and int(m["attempt"]) <= attempt:
                 candidates.append((int(m["turns"]), int(m["attempt"]), key))
         if not candidates:
-            return Resume(None, reason="no checkpoint")
+            return Resume(None, reason=NO_CHECKPOINT)
         skipped: list[str] = []
         for _turns, _attempt, key in sorted(candidates, reverse=True):
             checkpoint, why = await self._read(key, sample_id, prompt_id)

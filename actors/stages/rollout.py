@@ -23,7 +23,7 @@ from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RolloutDone, RolloutOrder
 from actors.records import RolloutRecord
-from actors.rollout_checkpoint import Resume, RolloutCheckpoints
+from actors.rollout_checkpoint import NO_CHECKPOINT, Resume, RolloutCheckpoints
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from model.engine import EngineStatus, GenerationEngine
@@ -146,8 +146,9 @@ class RolloutActor(StageActor):
                                                    version_floor=floor, eta=eta)
         except (BlobError, OSError) as e:  # storage trouble costs the saved work, never the sample
             resume = Resume(None, reason=f"listing the checkpoints failed: {e!r}")
-        if resume.checkpoint is None:
-            log.info("rollout_started_over", sample_id=order.sample_id, attempt=order.attempt, reason=resume.reason)
+        if resume.checkpoint is None:  # none written is normal; checkpoints that could not be used are said louder
+            say = log.info if resume.reason == NO_CHECKPOINT else log.warning
+            say("rollout_started_over", sample_id=order.sample_id, attempt=order.attempt, reason=resume.reason)
         return resume
 
     async def _environment(self, task: Task, resume: Resume, order: RolloutOrder) -> tuple[Environment, Resume]:
