@@ -12,6 +12,7 @@ A real tiny policy does not call tools before training, so it could not reach a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,12 +22,13 @@ import pytest
 import torch
 import zstandard
 
-from actors.agent.episode import AgentConfig, Trajectory, run_episode
+from actors.agent.episode import AgentConfig, Trajectory, reference_episode_text, run_episode
 from actors.blob_collector import BlobCollector
 from actors.config import TasksSection
 from actors.rollout_checkpoint import RolloutCheckpoints, checkpoint_key
 from actors.task_catalog import TaskCatalog
 from model.chat import ToolCall, render_tool_call
+from model.engine import EngineConfig, GenerationEngine
 from model.generation import FinishReason, Generation
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
@@ -34,6 +36,7 @@ from runtime.blob import open_store
 from sandbox import Environment, LayerStore, ToolBox
 from sandbox.errors import SandboxUnavailable
 from sandbox.tasks import Task
+from tests.model.helpers import seeded_model, small_config
 from tests.sandbox.conftest import TEST_CONFIG
 
 TOKENIZER = ByteTokenizer()
@@ -235,5 +238,63 @@ def test_checkpoints_of_finished_samples_are_collected_with_their_group(
             await asyncio.wait_for(collector.wait_idle(), timeout=30)
             task_.cancel()
         assert await blob.list("samples/e0-p0-") == [] and await blob.list("samples/e0-p1-") != []
+
+    asyncio.run(main())
+
+
+def test_a_resumed_episode_on_a_fresh_engine_samples_what_the_uninterrupted_one_did(
+        tmp_path: Path, layer_store: LayerStore, task: Task) -> None:
+    """The same with the real generation engine (a small random policy, seeded sampling at temperature 1):
+    the first turn says the reference agent's tool call on the engine's work (an untrained policy calls no
+    tool), every later turn is the engine's own sampling; the resumed attempt runs on a new engine with the
+    same weights, as a replacement process would."""
+    config = small_config(vocab_size=TOKENIZER.vocab_size, max_position_embeddings=2048)
+    call = TOKENIZER.encode(reference_episode_text(task)[1][0])
+    agent = dataclasses.replace(CONFIG, max_new_tokens_per_turn=24)
+
+    def policy(engine: GenerationEngine) -> Any:
+        async def generate(prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+            if "<tool>" in TOKENIZER.decode(list(prompt_ids)):
+                return await engine.generate(prompt_ids, params)
+            gen = await engine.generate(prompt_ids, dataclasses.replace(
+                params, max_new_tokens=len(call), stop_token_ids=(), stop_strings=()))
+            return dataclasses.replace(gen, token_ids=tuple(call))
+        return generate
+
+    async def attempt(checkpoints: RolloutCheckpoints, start: Trajectory | None, seed: int,
+                      stop_after_turns: int | None) -> Trajectory | None:
+        engine = GenerationEngine(seeded_model(config, seed=5), EngineConfig(max_batch_size=4),
+                                  detokenize=TOKENIZER.decode)
+        await engine.start()
+        env = (RolloutCheckpoints.rebuild(layer_store, start_checkpoint[0], task.limits) if start is not None
+               else Environment.create(layer_store, task.files, task.limits))
+        try:
+            async def on_turn(traj: Trajectory) -> None:
+                await checkpoints.save(sample_id="e0-p0-s0", prompt_id=task.id, attempt=0 if start is None else 1,
+                                       seed=seed, trajectory=traj, env=env)
+                if traj.num_turns == stop_after_turns:
+                    raise Interrupted
+            try:
+                return await run_episode(task, policy(engine), _tool_caller(env), TOKENIZER, agent,
+                                         SamplingParams(temperature=1.0, seed=seed), start=start, on_turn=on_turn)
+            except Interrupted:
+                return None
+        finally:
+            env.close()
+            await engine.stop()
+
+    start_checkpoint: list[Any] = []
+
+    async def main() -> None:
+        whole = await attempt(RolloutCheckpoints(open_store(f"file://{tmp_path}/whole")), None, 23, None)
+        assert whole is not None and whole.num_turns >= 2, "the engine sampled at least one turn after the call"
+        checkpoints = RolloutCheckpoints(open_store(f"file://{tmp_path}/killed"))
+        assert await attempt(checkpoints, None, 23, 1) is None
+        resume = await checkpoints.newest("e0-p0-s0", task.id, 1, version_floor=0, eta=0)
+        assert resume.checkpoint is not None and resume.num_turns == 1
+        start_checkpoint.append(resume.checkpoint)
+        resumed = await attempt(checkpoints, resume.checkpoint.trajectory, resume.checkpoint.seed, None)
+        assert resumed is not None
+        _same(whole, resumed)
 
     asyncio.run(main())
