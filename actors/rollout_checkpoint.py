@@ -25,6 +25,7 @@ only saves work.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import time
@@ -36,13 +37,14 @@ import zstandard
 from actors.agent.episode import Trajectory
 from actors.records import RECORD_SCHEMA, RecordError, decode_record, encode_record
 from runtime.blob import BlobError
-from sandbox import Environment, LayerStore, SandboxLimits, export_snapshot_bytes, import_snapshot_bytes
+from sandbox import Environment, LayerStore, SandboxLimits, Snapshot, export_snapshot_bytes, import_snapshot_bytes
 from sandbox.errors import SandboxError
 
 log = structlog.get_logger(__name__)
 
 __all__ = [
     "NO_CHECKPOINT",
+    "CapturedCheckpoint",
     "CheckpointWrite",
     "Resume",
     "RolloutCheckpoint",
@@ -92,11 +94,43 @@ def encode_checkpoint(checkpoint: RolloutCheckpoint) -> bytes:
 
 @dataclass(frozen=True)
 class CheckpointWrite:
-    """What writing one checkpoint cost: stored bytes and seconds (encode + put)."""
+    """What writing one checkpoint cost: stored bytes, seconds in all, and of those the seconds the episode
+    waited for (the capture; the rest ran beside it)."""
 
     key: str
     num_bytes: int
     seconds: float
+    blocking_s: float = 0.0
+
+
+class CapturedCheckpoint:
+    """A checkpoint taken (snapshot held, transcript copied) and not yet written; `write` once."""
+
+    def __init__(self, checkpoints: RolloutCheckpoints, checkpoint: RolloutCheckpoint, snapshot: Snapshot,
+                 capture_s: float) -> None:
+        self.checkpoints, self.checkpoint, self.snapshot, self.capture_s = checkpoints, checkpoint, snapshot, capture_s
+
+    async def write(self) -> CheckpointWrite | None:
+        """Exports the snapshot and encodes the record (in a thread: neither touches the event loop's state),
+        puts it and releases the snapshot. A failure costs only the saved work: it is said
+        (`rollout_checkpoint_failed`) and None returned. ``seconds`` counts the capture too."""
+        c = self.checkpoint
+        started = time.perf_counter()
+        try:
+            data = await asyncio.to_thread(self._encode)
+            key = checkpoint_key(c.sample_id, c.attempt, c.trajectory.num_turns)
+            await self.checkpoints.blob.put(key, data)  # type: ignore[attr-defined]
+        except (BlobError, OSError, SandboxError) as e:  # a workspace over the export's budgets included
+            log.warning("rollout_checkpoint_failed", sample_id=c.sample_id, attempt=c.attempt,
+                        num_turns=c.trajectory.num_turns, reason=repr(e))
+            return None
+        finally:
+            self.snapshot.release()
+        return CheckpointWrite(key, len(data), self.capture_s + time.perf_counter() - started, self.capture_s)
+
+    def _encode(self) -> bytes:
+        workspace = export_snapshot_bytes(self.snapshot)
+        return encode_checkpoint(dataclasses.replace(self.checkpoint, workspace=workspace))
 
 
 @dataclass(frozen=True)
@@ -124,26 +158,32 @@ class RolloutCheckpoints:
         key = checkpoint_key(checkpoint.sample_id, checkpoint.attempt, checkpoint.trajectory.num_turns)
         data = encode_checkpoint(checkpoint)
         await self.blob.put(key, data)  # type: ignore[attr-defined]
-        return CheckpointWrite(key, len(data), time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        return CheckpointWrite(key, len(data), elapsed, elapsed)
 
-    async def save(self, *, sample_id: str, prompt_id: str, attempt: int, seed: int, trajectory: Trajectory,
-                   env: Environment) -> CheckpointWrite | None:
-        """Writes the checkpoint of the episode now: ``env``'s snapshot, exported, and the transcript. A
-        failure costs only the saved work: it is said (`rollout_checkpoint_failed`) and None returned. The
-        cost measured is the snapshot and export, the encoding and the store's put."""
+    def capture(self, *, sample_id: str, prompt_id: str, attempt: int, seed: int, trajectory: Trajectory,
+                env: Environment) -> CapturedCheckpoint | None:
+        """What must be taken before the episode moves on, and only that (the episode waits for it): the
+        environment's snapshot (~ the bytes changed since the last one) and a copy of the transcript. The
+        rest, `CapturedCheckpoint.write`, can run while the episode goes on. None (and an event) when the
+        workspace cannot be snapshotted (over its budgets: the policy's doing; the episode goes on)."""
         started = time.perf_counter()
         try:
             snapshot = env.snapshot()
-            try:
-                workspace = export_snapshot_bytes(snapshot)
-            finally:
-                snapshot.release()
-            written = await self.write(RolloutCheckpoint(sample_id, prompt_id, attempt, seed, trajectory, workspace))
-        except (BlobError, OSError, SandboxError) as e:  # a workspace over its budgets included
+        except (OSError, SandboxError) as e:
             log.warning("rollout_checkpoint_failed", sample_id=sample_id, attempt=attempt,
                         num_turns=trajectory.num_turns, reason=repr(e))
             return None
-        return dataclasses.replace(written, seconds=time.perf_counter() - started)
+        copy = _transcript_copy(trajectory)
+        return CapturedCheckpoint(self, RolloutCheckpoint(sample_id, prompt_id, attempt, seed, copy, b""), snapshot,
+                                  time.perf_counter() - started)
+
+    async def save(self, *, sample_id: str, prompt_id: str, attempt: int, seed: int, trajectory: Trajectory,
+                   env: Environment) -> CheckpointWrite | None:
+        """`capture` and `CapturedCheckpoint.write` in one: the checkpoint of the episode now, written."""
+        captured = self.capture(sample_id=sample_id, prompt_id=prompt_id, attempt=attempt, seed=seed,
+                                trajectory=trajectory, env=env)
+        return await captured.write() if captured is not None else None
 
     @staticmethod
     def rebuild(store: LayerStore, checkpoint: RolloutCheckpoint, limits: SandboxLimits | None) -> Environment:
@@ -196,3 +236,10 @@ class RolloutCheckpoints:
             return None, "corrupt: its transcript's per-token fields disagree in length"
         return checkpoint, ""
 
+
+def _transcript_copy(traj: Trajectory) -> Trajectory:
+    """``traj`` as it is now: later turns of the episode append to its lists and replace its tensor."""
+    return dataclasses.replace(
+        traj, token_ids=list(traj.token_ids), loss_mask=list(traj.loss_mask),
+        behaviour_logprobs=list(traj.behaviour_logprobs), logprob_temperatures=list(traj.logprob_temperatures),
+        versions=list(traj.versions), tool_uses=list(traj.tool_uses))

@@ -23,7 +23,7 @@ from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RolloutDone, RolloutOrder
 from actors.records import RolloutRecord
-from actors.rollout_checkpoint import NO_CHECKPOINT, Resume, RolloutCheckpoints
+from actors.rollout_checkpoint import NO_CHECKPOINT, CapturedCheckpoint, Resume, RolloutCheckpoints
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from model.engine import EngineStatus, GenerationEngine
@@ -113,8 +113,12 @@ class RolloutActor(StageActor):
             sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=seed)
 
             async def on_turn(traj: Trajectory) -> None:
-                if self.config.rollout.checkpoints:
-                    await self._checkpoint(order, seed, traj, env, progress)
+                if not self.config.rollout.checkpoints:
+                    return
+                captured = self.checkpoints.capture(sample_id=order.sample_id, prompt_id=order.prompt_id,
+                                                    attempt=order.attempt, seed=seed, trajectory=traj, env=env)
+                if captured is not None:  # written beside the episode (finished before the order is acked)
+                    delivery.task_group.create_task(progress.write(captured))
 
             start = resume.checkpoint.trajectory if resume.checkpoint else None
             traj = await run_episode(task, self._generate, call_tool, self.tokenizer, r.agent, sampling,
@@ -134,7 +138,8 @@ class RolloutActor(StageActor):
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3),
                  num_generated_tokens=sum(traj.loss_mask) - num_resumed, num_resumed_tokens=num_resumed,
                  num_resumed_turns=resume.num_turns, num_checkpoints=progress.num_written,
-                 checkpoint_bytes=progress.num_bytes, checkpoint_s=round(progress.seconds, 4))
+                 checkpoint_bytes=progress.num_bytes, checkpoint_s=round(progress.seconds, 4),
+                 checkpoint_blocking_s=round(progress.blocking_s, 4))
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)
 
     async def _find_checkpoint(self, order: RolloutOrder) -> Resume:
@@ -167,13 +172,6 @@ class RolloutActor(StageActor):
                             reason=f"checkpoint {resume.key}'s workspace cannot be rebuilt: {e}")
         return await self.pool.acquire(self._base(task)), Resume(None)
 
-    async def _checkpoint(self, order: RolloutOrder, seed: int, traj: Trajectory, env: Environment,
-                          progress: _CheckpointProgress) -> None:
-        written = await self.checkpoints.save(sample_id=order.sample_id, prompt_id=order.prompt_id,
-                                              attempt=order.attempt, seed=seed, trajectory=traj, env=env)
-        if written is not None:
-            progress.add(written.num_bytes, written.seconds)
-
     async def _reach(self, version: int) -> None:
         """Wait for ``version`` in the engine; WeightsUnavailable (the order is nak'ed and comes back) after
         ``rollout.weights_wait_s``, or at once when the actor drains: nothing started, nothing to finish."""
@@ -205,15 +203,18 @@ class RolloutActor(StageActor):
 
 
 class _CheckpointProgress:
-    """What one attempt's checkpoints cost (reported with ``rollout_finished``)."""
+    """What one attempt's checkpoints cost (reported with ``rollout_finished``: the ones written by then)."""
 
     def __init__(self) -> None:
-        self.num_written, self.num_bytes, self.seconds = 0, 0, 0.0
+        self.num_written, self.num_bytes, self.seconds, self.blocking_s = 0, 0, 0.0, 0.0
 
-    def add(self, num_bytes: int, seconds: float) -> None:
-        self.num_written += 1
-        self.num_bytes += num_bytes
-        self.seconds += seconds
+    async def write(self, captured: CapturedCheckpoint) -> None:
+        written = await captured.write()
+        if written is not None:
+            self.num_written += 1
+            self.num_bytes += written.num_bytes
+            self.seconds += written.seconds
+            self.blocking_s += written.blocking_s
 
 
 def _export_workspace(env: Environment) -> tuple[bytes | None, str]:

@@ -3,16 +3,19 @@
 Episodes on the default tasks (the built-in difficulty-1 families the default run trains on), run as the
 rollout actor runs them: ``--batch`` episodes at once on one `GenerationEngine` of the default policy's
 architecture (`model.config.tiny`, random weights), each in its own bubblewrap sandbox, with the product's
-checkpoint after each turn (`RolloutCheckpoints.save`: workspace snapshot and export, transcript encoding,
-a put to a ``file://`` blob store). An untrained policy never calls a tool, so each turn decodes as many
-tokens as the reference agent's turn holds and then says the reference agent's text (the perfect
-episode: one ``write_file`` call, then ``done``): the engine's time, log-probs, versions and router
-choices are real, the text is the reference's. A turn's time is the wall time from the episode's previous
-turn end to this turn's end (decoding in a shared batch, the tool call), the checkpoint's included.
+checkpoint after each turn: the workspace's snapshot and a copy of the transcript while the episode waits
+(`RolloutCheckpoints.capture`), then beside it the snapshot's export and the record's encoding (in a
+thread) and a put to a ``file://`` blob store (`CapturedCheckpoint.write`). An untrained policy never
+calls a tool, so each turn decodes as many tokens as the reference agent's turn holds and then says the
+reference agent's text (the perfect episode: one ``write_file`` call, then ``done``): the engine's time,
+log-probs, versions and router choices are real, the text is the reference's. A turn's time is the wall
+time from the episode's previous turn end to this turn's end (decoding in a shared batch, the tool call,
+the capture). ``ms`` is the checkpoint's whole cost (capture to put done), ``blocking_ms`` the part the
+episode waited for.
 
 The same episodes run again without checkpoints (alternating order over ``--trials``) to give the wall
-time they add to a batch of episodes; the checkpoints run in the event loop (snapshot and export are
-synchronous), so a batch's episodes wait for each other's.
+time they add to a batch of episodes (the snapshots run in the event loop, so a batch's episodes wait for
+each other's; the writes compete for the CPU).
 
 Usage (as root, bubblewrap installed):
     python -m tests.bench.rollout_checkpoint [--batch 64] [--trials 2]
@@ -41,7 +44,7 @@ import torch
 
 from actors.agent.episode import AgentConfig, Trajectory, reference_episode_text, run_episode
 from actors.config import TasksSection
-from actors.rollout_checkpoint import RolloutCheckpoints
+from actors.rollout_checkpoint import CapturedCheckpoint, RolloutCheckpoints
 from actors.task_catalog import TaskCatalog
 from model.config import tiny
 from model.engine import EngineConfig, GenerationEngine
@@ -65,11 +68,11 @@ def _reference_turns(task: Task) -> list[list[int]]:
 class _Episode:
     task: Task
     turn_ends: list[float] = dataclasses.field(default_factory=list)
-    checkpoints: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (bytes, seconds)
+    checkpoints: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)  # bytes, s, blocking s
 
 
 async def _episode(engine: GenerationEngine, store: LayerStore, blob: Any, record: _Episode, index: int,
-                   checkpointed: bool, agent: AgentConfig) -> Trajectory:
+                   checkpointed: bool, agent: AgentConfig, writes: asyncio.TaskGroup) -> Trajectory:
     turns = _reference_turns(record.task)
 
     async def generate(prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
@@ -87,12 +90,17 @@ async def _episode(engine: GenerationEngine, store: LayerStore, blob: Any, recor
             result = await toolbox.call(name, args)
             return result.ok, result.text
 
-        async def on_turn(traj: Trajectory) -> None:
+        async def write(captured: CapturedCheckpoint) -> None:
+            written = await captured.write()
+            assert written is not None, "a checkpoint failed (see the event)"
+            record.checkpoints.append((written.num_bytes, written.seconds, written.blocking_s))
+
+        async def on_turn(traj: Trajectory) -> None:  # as the rollout actor: capture, write beside the episode
             if checkpointed:
-                written = await checkpoints.save(sample_id=f"bench-s{index}", prompt_id=record.task.id, attempt=0,
-                                                 seed=index, trajectory=traj, env=env)
-                assert written is not None, "a checkpoint failed (see the event)"
-                record.checkpoints.append((written.num_bytes, written.seconds))
+                captured = checkpoints.capture(sample_id=f"bench-s{index}", prompt_id=record.task.id, attempt=0,
+                                               seed=index, trajectory=traj, env=env)
+                assert captured is not None, "a checkpoint failed (see the event)"
+                writes.create_task(write(captured))
             record.turn_ends.append(time.perf_counter())
 
         record.turn_ends.append(time.perf_counter())
@@ -112,28 +120,30 @@ async def _batch(model: MoETransformer, store: LayerStore, tasks: list[Task], ch
         blob = open_store(f"file://{blob_dir}")
         records = [_Episode(t) for t in tasks]
         started = time.perf_counter()
-        await asyncio.gather(*(_episode(engine, store, blob, r, i, checkpointed, agent)
-                               for i, r in enumerate(records)))
+        async with asyncio.TaskGroup() as writes:
+            await asyncio.gather(*(_episode(engine, store, blob, r, i, checkpointed, agent, writes)
+                                   for i, r in enumerate(records)))
         return time.perf_counter() - started, records
     finally:
         await engine.stop()
 
 
 def _summary(records: list[_Episode]) -> dict[str, float]:
-    sizes = [b for r in records for b, _ in r.checkpoints]
-    costs = [s for r in records for _, s in r.checkpoints]
+    sizes = [b for r in records for b, _, _ in r.checkpoints]
+    costs = [s for r in records for _, s, _ in r.checkpoints]
+    blocking = [s for r in records for _, _, s in r.checkpoints]
     # the turn a checkpoint follows: from the previous turn's end (or the episode's start) to its end
     turns = [r.turn_ends[i + 1] - r.turn_ends[i] for r in records for i in range(len(r.checkpoints))]
-    shares = [c / t for c, t in zip(costs, turns, strict=True)]
     return {
         "num_checkpoints": len(sizes),
         "bytes_median": statistics.median(sizes),
         "bytes_max": max(sizes),
-        "ms_median": round(1e3 * statistics.median(costs), 2),
-        "ms_p90": round(1e3 * statistics.quantiles(costs, n=10)[-1], 2) if len(costs) > 1 else 0.0,
+        "ms_median": round(1e3 * statistics.median(costs), 2),  # capture, export, encode, put
+        "ms_p90": round(1e3 * statistics.quantiles(costs, n=10)[-1], 2),
+        "blocking_ms_median": round(1e3 * statistics.median(blocking), 2),  # what the episode waited for
         "turn_ms_median": round(1e3 * statistics.median(turns), 1),
-        "share_median": round(statistics.median(shares), 4),
-        "share_of_all_turns": round(sum(costs) / sum(turns), 4),
+        "share_median": round(statistics.median(c / t for c, t in zip(costs, turns, strict=True)), 4),
+        "blocking_share_median": round(statistics.median(c / t for c, t in zip(blocking, turns, strict=True)), 4),
     }
 
 
