@@ -57,6 +57,8 @@ async def reissue_unconfirmed(flow: LifecycleFlow, now: float) -> None:
     """Re-issue (not counted) the adopted work that no actor owned up to within ``adopt_grace_s``."""
     grace_s = flow.scheduling.adopt_grace_s
     for stage, key in flow.issuance.unconfirmed(now, grace_s):
+        if not flow.issuance.is_pending(stage, key):  # withdrawn by an earlier one's effects
+            continue
         flow.metrics.counters["adopted_reissued"] += 1
         await flow.retry(stage, key, reason=f"adopted on resume, no actor heard of in {grace_s:.1f}s", count=False)
 
