@@ -52,6 +52,7 @@ __all__ = [
     "checkpoint_key",
     "checkpoint_prefix",
     "encode_checkpoint",
+    "num_policy_tokens",
 ]
 
 NO_CHECKPOINT = "no checkpoint"
@@ -229,17 +230,27 @@ class RolloutCheckpoints:
             return None, f"corrupt: {e}"
         if checkpoint.sample_id != sample_id or checkpoint.prompt_id != prompt_id:
             return None, f"of sample {checkpoint.sample_id!r} / prompt {checkpoint.prompt_id!r}"
-        traj = checkpoint.trajectory
-        lengths = {len(traj.token_ids), len(traj.loss_mask), len(traj.behaviour_logprobs),
-                   len(traj.logprob_temperatures), len(traj.versions)}
-        if len(lengths) != 1 or (traj.topk_ids_TLK is not None and traj.topk_ids_TLK.shape[0] != len(traj.token_ids)):
+        if not _consistent(checkpoint.trajectory):
             return None, "corrupt: its transcript's per-token fields disagree in length"
         return checkpoint, ""
 
 
 def _transcript_copy(traj: Trajectory) -> Trajectory:
-    """``traj`` as it is now: later turns of the episode append to its lists and replace its tensor."""
+    """``traj`` as it is now: later turns of the episode append to its lists (its router choices tensor is
+    replaced, never written in place, so it is shared)."""
     return dataclasses.replace(
         traj, token_ids=list(traj.token_ids), loss_mask=list(traj.loss_mask),
         behaviour_logprobs=list(traj.behaviour_logprobs), logprob_temperatures=list(traj.logprob_temperatures),
         versions=list(traj.versions), tool_uses=list(traj.tool_uses))
+
+
+def num_policy_tokens(traj: Trajectory) -> int:
+    """The tokens of ``traj`` the policy sampled."""
+    return sum(traj.loss_mask)
+
+
+def _consistent(traj: Trajectory) -> bool:
+    """Every per-token field of the transcript has one entry per token."""
+    lengths = {len(traj.token_ids), len(traj.loss_mask), len(traj.behaviour_logprobs),
+               len(traj.logprob_temperatures), len(traj.versions)}
+    return len(lengths) == 1 and (traj.topk_ids_TLK is None or traj.topk_ids_TLK.shape[0] == len(traj.token_ids))

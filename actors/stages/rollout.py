@@ -23,7 +23,13 @@ from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RolloutDone, RolloutOrder
 from actors.records import RolloutRecord
-from actors.rollout_checkpoint import NO_CHECKPOINT, CapturedCheckpoint, Resume, RolloutCheckpoints
+from actors.rollout_checkpoint import (
+    NO_CHECKPOINT,
+    CapturedCheckpoint,
+    Resume,
+    RolloutCheckpoints,
+    num_policy_tokens,
+)
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from model.engine import EngineStatus, GenerationEngine
@@ -132,11 +138,11 @@ class RolloutActor(StageActor):
         else:  # the policy's doing, not a fault: the sample stands and the reward actor fails every test
             log.warning("rollout_workspace_over_budget", sample_id=order.sample_id, reason=violation)
         await self.put_record(f"{key}/trajectory", RolloutRecord(order.sample_id, order.prompt_id, traj, violation))
-        num_resumed = sum(resume.checkpoint.trajectory.loss_mask) if resume.checkpoint else 0
+        num_resumed = num_policy_tokens(resume.checkpoint.trajectory) if resume.checkpoint else 0
         log.info("rollout_finished", sample_id=order.sample_id, prompt_id=order.prompt_id, end=traj.end.value,
                  num_tokens=len(traj.token_ids), num_turns=traj.num_turns, min_version=traj.min_version,
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3),
-                 num_generated_tokens=sum(traj.loss_mask) - num_resumed, num_resumed_tokens=num_resumed,
+                 num_generated_tokens=num_policy_tokens(traj) - num_resumed, num_resumed_tokens=num_resumed,
                  num_resumed_turns=resume.num_turns, num_checkpoints=progress.num_written,
                  checkpoint_bytes=progress.num_bytes, checkpoint_s=round(progress.seconds, 4),
                  checkpoint_blocking_s=round(progress.blocking_s, 4))
@@ -164,7 +170,7 @@ class RolloutActor(StageActor):
                 env = self.checkpoints.rebuild(self.store, resume.checkpoint, task.limits)
                 log.info("rollout_resumed", sample_id=order.sample_id, attempt=order.attempt, key=resume.key,
                          from_attempt=resume.checkpoint.attempt, num_turns=resume.num_turns,
-                         num_tokens=len(resume.checkpoint.trajectory.token_ids),
+                         num_policy_tokens=num_policy_tokens(resume.checkpoint.trajectory),
                          min_version=resume.checkpoint.trajectory.min_version)
                 return env, resume
             except (SandboxError, OSError) as e:
