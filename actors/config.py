@@ -69,6 +69,9 @@ class RolloutSection:
     # A rollout admitted under a version its engine lacks waits this long for that version's
     # announcement, then gives the order back (nak) and says so: never an unbounded wait.
     weights_wait_s: float = fixed(120.0, within=Range(1.0, 3600.0))
+    # After each turn the transcript and the workspace go to the blob store (actors.rollout_checkpoint), and a
+    # re-issued attempt resumes from the newest one within the staleness bound instead of starting over.
+    checkpoints: bool = live(True)
 
     def __post_init__(self) -> None:
         check_ranges(self, "rollout")

@@ -45,6 +45,7 @@ __all__ = [
 
 Generate = Callable[[Sequence[int], SamplingParams], Awaitable[Generation]]
 CallTool = Callable[[str, dict[str, Any]], Awaitable[tuple[bool, str]]]
+OnTurn = Callable[["Trajectory"], Awaitable[None]]  # after a turn whose tool result is in the transcript
 
 USER, ASSISTANT, TOOL, END = "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"
 FINAL_ANSWER = "done"
@@ -131,25 +132,46 @@ def reference_episode_text(task: Task) -> list[tuple[str, bool]]:
 
 
 async def run_episode(task: Task, generate: Generate, call_tool: CallTool, tokenizer: ByteTokenizer,
-                      config: AgentConfig, sampling: SamplingParams) -> Trajectory:
-    """Runs one episode; the budget and timeout ends are normal outcomes, not errors."""
+                      config: AgentConfig, sampling: SamplingParams, *, start: Trajectory | None = None,
+                      on_turn: OnTurn | None = None) -> Trajectory:
+    """Runs one episode; the budget and timeout ends are normal outcomes, not errors.
+
+    Args:
+        start: the transcript of an earlier run of this episode after some turns (a rollout checkpoint,
+            actors.rollout_checkpoint), continued here as if never interrupted: with the same sampling
+            seed and policy versions the rest of the episode is the same token for token. Its turns, and
+            its ``duration_s``, count against the budgets. Taken over (mutated), not copied.
+        on_turn: awaited after every turn that continues the episode (its tool result appended), with the
+            transcript so far (``duration_s`` up to date); it must copy what it keeps.
+    """
     started = time.monotonic()
-    prompt = tokenizer.encode(task_prompt_text(task))
-    traj = Trajectory(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [1.0] * len(prompt), [-1] * len(prompt),
-                      None, len(prompt), EpisodeEnd.TURN_BUDGET)
+    if start is None:
+        prompt = tokenizer.encode(task_prompt_text(task))
+        traj = Trajectory(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [1.0] * len(prompt),
+                          [-1] * len(prompt), None, len(prompt), EpisodeEnd.TURN_BUDGET)
+    else:
+        traj = start
+    earlier_s = traj.duration_s
     end_id = tokenizer.end_token_id
+
+    async def turn_done(t: Trajectory) -> None:
+        t.duration_s = earlier_s + time.monotonic() - started
+        if on_turn is not None:
+            await on_turn(t)
+
     try:
-        async with asyncio.timeout(config.episode_timeout_s):
-            traj.end = await _turns(task, generate, call_tool, tokenizer, config, sampling, traj, end_id)
+        async with asyncio.timeout(max(0.0, config.episode_timeout_s - earlier_s)):
+            traj.end = await _turns(task, generate, call_tool, tokenizer, config, sampling, traj, end_id, turn_done)
     except TimeoutError:
         traj.end = EpisodeEnd.TIMEOUT
-    traj.duration_s = time.monotonic() - started
+    traj.duration_s = earlier_s + time.monotonic() - started
     return traj
 
 
 async def _turns(task: Task, generate: Generate, call_tool: CallTool, tokenizer: ByteTokenizer,
-                 config: AgentConfig, sampling: SamplingParams, traj: Trajectory, end_id: int) -> EpisodeEnd:
-    for _turn in range(config.max_turns):
+                 config: AgentConfig, sampling: SamplingParams, traj: Trajectory, end_id: int,
+                 turn_done: OnTurn) -> EpisodeEnd:
+    while traj.num_turns < config.max_turns:
         budget = min(config.max_new_tokens_per_turn, config.max_total_tokens - len(traj.token_ids))
         if budget <= 0:
             return EpisodeEnd.TOKEN_BUDGET
@@ -181,6 +203,8 @@ async def _turns(task: Task, generate: Generate, call_tool: CallTool, tokenizer:
         traj.tool_uses.append(ToolUse(getattr(found, "name", ""), ok, isinstance(found, ToolCallError), num_output))
         traj.num_tool_output_tokens += num_output
         _append_context(traj, suffix)
+        if traj.num_turns < config.max_turns:  # a checkpoint after the last turn would never be resumed
+            await turn_done(traj)
     return EpisodeEnd.TURN_BUDGET
 
 

@@ -133,6 +133,7 @@ class ReconcilerActor(Actor):
             "reconciler_resumed",
             trainer_version=self.core.trainer_version,
             num_reissued=resumed.num_reissued,
+            num_adopted=resumed.num_adopted,
             num_rolled_back_slots=resumed.num_rolled_back_slots,
             num_discarded_groups=resumed.num_discarded_groups,
             num_orders=len(resumed.orders),

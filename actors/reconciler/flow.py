@@ -105,8 +105,8 @@ class LifecycleFlow:
             return
         table, eta = self.table, self.scheduling.eta
         self._finish(Stage.ROLLOUT, slot.sample_id, slot.entered_at[SlotState.ROLLOUT])
-        if event.min_version < slot.issued_version:
-            log.warning(
+        if event.min_version < slot.issued_version:  # a rollout resumed from a checkpoint keeps its older tokens
+            log.info(
                 "rollout_below_version_floor",
                 sample_id=slot.sample_id,
                 min_version=event.min_version,

@@ -30,6 +30,7 @@ class IssuedWork:
     last_seen: float
     actor_id: str = ""
     token: str = ""
+    adopted: bool = False  # issued before a resume and not heard of since (see `Issuance.adopt`)
 
 
 class Issuance:
@@ -44,6 +45,17 @@ class Issuance:
     def issue(self, order: WorkOrder, now: float) -> None:
         self._work[(order.STAGE, order.key)] = IssuedWork(order.attempt, now, token=order.token)
         self._out.append(order)
+
+    def adopt(self, slot: Slot, now: float) -> None:
+        """Wait again for the attempt a slot in ROLLOUT or REWARD holds, issued before this core existed:
+        its actor may still be working on it (nothing is published; its completion counts as any other).
+        Until the actor is heard of (a heartbeat with the token), it is `unconfirmed`."""
+        self._work[(Stage(slot.state.value), slot.sample_id)] = IssuedWork(slot.attempt, now, token=slot.token,
+                                                                          adopted=True)
+
+    def unconfirmed(self, now: float, grace_s: float) -> list[tuple[Stage, str]]:
+        """Adopted work not heard of within ``grace_s`` of its adoption: no live actor holds it."""
+        return [unit for unit, w in self._work.items() if w.adopted and now - w.last_seen > grace_s]
 
     def take_orders(self) -> list[WorkOrder]:
         orders, self._out = self._out, []
@@ -124,6 +136,7 @@ class Issuance:
             issued = self._work[(stage, key)]
             issued.last_seen = max(issued.last_seen, now)
             issued.actor_id = actor_id
+            issued.adopted = False
 
     def is_current(self, stage: Stage, key: str, attempt: int) -> bool:
         issued = self._work.get((stage, key))
@@ -141,6 +154,7 @@ class Issuance:
 
     def timed_out(self, now: float, timeout_s: Callable[[Stage], float]) -> Iterator[tuple[Stage, str, float]]:
         """(stage, key, idle seconds) of the work not heard of for longer than its stage's timeout."""
-        late = [(unit, now - w.last_seen) for unit, w in self._work.items() if now - w.last_seen > timeout_s(unit[0])]
+        late = [(unit, now - w.last_seen) for unit, w in self._work.items()
+                if not w.adopted and now - w.last_seen > timeout_s(unit[0])]
         for (stage, key), idle in late:
             yield stage, key, idle

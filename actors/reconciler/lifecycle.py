@@ -55,7 +55,7 @@ import structlog
 from actors.reconciler.flow import LifecycleFlow
 from actors.reconciler.issuance import Issuance
 from actors.reconciler.metrics import LifecycleMetrics, LifecycleSnapshot
-from actors.reconciler.recovery import recover
+from actors.reconciler.recovery import recover, reissue_unconfirmed
 from actors.reconciler.scheduling import SchedulingConfig
 from actors.reconciler.slot import SampleLifecycleError, Slot, SlotState, Stage
 from actors.reconciler.store import META_KEY, SlotStore
@@ -124,6 +124,7 @@ class Resumption:
     num_rolled_back_slots: int
     num_discarded_groups: int
     num_reissued: int
+    num_adopted: int = 0
 
 
 class Lifecycle:
@@ -154,9 +155,11 @@ class Lifecycle:
     ) -> Resumption:
         """Load (or create) the table from `store` and bring it back to a consistent, running state.
 
-        Rolls back half-written admissions, completes half-done drops and moves, re-issues every
-        in-flight stage with a new attempt (not counted as a retry), and discards groups whose
-        tokens are already too stale to train (counted and logged).
+        Rolls back half-written admissions, completes half-done drops and moves, adopts the rollout and
+        reward attempts in flight (their actors may be alive; `tick` re-issues those nobody owns up to
+        within ``scheduling.adopt_grace_s``), re-issues the other in-flight stages with a new attempt
+        (not counted as a retry), and discards groups whose tokens are already too stale to train
+        (counted and logged).
 
         Raises:
             ValueError: the store holds live slots beyond ``config.num_slots``.
@@ -267,11 +270,13 @@ class Lifecycle:
         return await self._run(now, apply)
 
     async def tick(self, now: float) -> list[WorkOrder]:
-        """Retry timed-out work, drop groups past their deadline, hand out batches, admit groups."""
+        """Retry timed-out work, re-issue adopted work nobody owned up to, drop groups past their deadline,
+        hand out batches, admit groups."""
         flow = self._flow
 
         async def body() -> None:
             await flow.drop_stale()
+            await reissue_unconfirmed(flow, now)
             for stage, key, idle in list(self._issuance.timed_out(now, flow.timeout_s)):
                 if self._issuance.is_pending(stage, key):
                     reason = f"{stage} timed out after {idle:.1f}s"

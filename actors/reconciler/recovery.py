@@ -3,17 +3,22 @@
 A crash can cut any core call short after any of its writes; the durability rules of
 `actors.reconciler.lifecycle` make every such prefix recoverable: half-written admissions are rolled
 back, half-done drops, frees and moves are completed, the batch in training is rebuilt from the meta
-record, and in-flight work is re-issued with a new attempt (not counted as a retry). `recover` works
-through the flow's parts (`LifecycleFlow`, its table and issuance) like any other core call.
+record. Rollout and reward attempts in flight are adopted (`Issuance.adopt`: their actors may have
+lived through the crash, and their completions count as if the core had never stopped), unless
+``adopt_on_resume`` is off or a rollout's version floor is already too stale to train; adopted work
+no actor owns up to (a heartbeat) within ``adopt_grace_s`` is re-issued by `reissue_unconfirmed`
+(where a rollout resumes from its checkpoints: actors.rollout_checkpoint). The other work in flight
+is re-issued with a new attempt (not counted as a retry). `recover` works through the flow's parts
+(`LifecycleFlow`, its table and issuance) like any other core call.
 """
 
 from __future__ import annotations
 
 from actors.reconciler.flow import LifecycleFlow
-from actors.reconciler.slot import SlotState
+from actors.reconciler.slot import Slot, SlotState
 from actors.reconciler.table import TableGroup, TrainBatch
 
-__all__ = ["recover"]
+__all__ = ["recover", "reissue_unconfirmed"]
 
 
 async def recover(flow: LifecycleFlow) -> dict[str, int]:
@@ -30,10 +35,11 @@ async def recover(flow: LifecycleFlow) -> dict[str, int]:
     num_dropped = await _finish_interrupted(flow)
     await _restore_batch(flow)
     training = table.batch.group_ids if table.batch is not None else ()
-    num_reissued = 0
+    num_reissued = num_adopted = 0
     for group in list(table.groups.values()):
         if group.group_id not in training:
-            num_reissued += await _reissue(flow, group)
+            reissued, adopted = await _reissue(flow, group)
+            num_reissued, num_adopted = num_reissued + reissued, num_adopted + adopted
     if table.batch is not None:
         await flow.bump(table.batch_members(table.batch), count=False)
         flow.issue_batch(table.batch)
@@ -43,7 +49,18 @@ async def recover(flow: LifecycleFlow) -> dict[str, int]:
         "num_rolled_back_slots": len(half_admitted),
         "num_discarded_groups": num_dropped,
         "num_reissued": num_reissued,
+        "num_adopted": num_adopted,
     }
+
+
+async def reissue_unconfirmed(flow: LifecycleFlow, now: float) -> None:
+    """Re-issue (not counted) the adopted work that no actor owned up to within ``adopt_grace_s``."""
+    grace_s = flow.scheduling.adopt_grace_s
+    for stage, key in flow.issuance.unconfirmed(now, grace_s):
+        if not flow.issuance.is_pending(stage, key):  # withdrawn by an earlier one's effects
+            continue
+        flow.metrics.counters["adopted_reissued"] += 1
+        await flow.retry(stage, key, reason=f"adopted on resume, no actor heard of in {grace_s:.1f}s", count=False)
 
 
 async def _finish_interrupted(flow: LifecycleFlow) -> int:
@@ -99,16 +116,21 @@ async def _restore_batch(flow: LifecycleFlow) -> None:
     table.batch = TrainBatch(meta.batch_id, group_ids, meta.batch_version)
 
 
-async def _reissue(flow: LifecycleFlow, group: TableGroup) -> int:
-    """Re-issue a group's in-flight work with a new attempt (not counted as a retry)."""
+async def _reissue(flow: LifecycleFlow, group: TableGroup) -> tuple[int, int]:
+    """Adopt or re-issue a group's in-flight work (see the module); returns (re-issued, adopted)."""
     table = flow.table
     members = table.members(group)
     if all(s.state is SlotState.READY for s in members):
         table.ready.add(group.group_id)
-        return 0
-    num = 0
+        return 0, 0
+    num = num_adopted = 0
     for slot in members:
         if slot.state in (SlotState.ROLLOUT, SlotState.REWARD):
+            if _adoptable(flow, slot):
+                await table.write(slot)  # unchanged, but a new revision: a core still running elsewhere is fenced off
+                flow.issuance.adopt(slot, table.now)
+                num_adopted += 1
+                continue
             fresh = {"issued_version": table.version} if slot.state is SlotState.ROLLOUT else {}
             (new,) = await flow.bump([slot], count=False, **fresh)
             flow.issuance.issue_sample(new, table.now)
@@ -118,4 +140,11 @@ async def _reissue(flow: LifecycleFlow, group: TableGroup) -> int:
         await flow.bump(alive, count=False)
         num += 1
     await flow.advance_group(group)
-    return num
+    return num, num_adopted
+
+
+def _adoptable(flow: LifecycleFlow, slot: Slot) -> bool:
+    """A rollout whose floor is still trainable, or a reward (its tokens are already judged), when adopting."""
+    if not flow.scheduling.adopt_on_resume or not slot.token:
+        return False
+    return slot.state is SlotState.REWARD or slot.issued_version + flow.scheduling.eta >= flow.table.version

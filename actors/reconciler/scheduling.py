@@ -66,6 +66,10 @@ class SchedulingConfig:
             completion or heartbeat after which the stage's work is retried.
         train_partial_final_batch: when the dataset is exhausted and nothing else is running,
             hand out a batch of fewer than B groups.
+        adopt_on_resume: a resumed core waits for the rollout and reward attempts in flight before it
+            (their actors may be alive: their completions count) instead of re-issuing them all.
+        adopt_grace_s: adopted work whose actor is not heard of (a heartbeat) within this many seconds
+            is re-issued with a new attempt, not counted as a retry (actors beat every 5 s).
     """
 
     eta: int = live(2, within=Range(0, 1000))
@@ -80,6 +84,8 @@ class SchedulingConfig:
     group_timeout_s: float = live(60.0, within=Range(0.0, None, lo_open=True))
     train_timeout_s: float = live(600.0, within=Range(0.0, None, lo_open=True))
     train_partial_final_batch: bool = live(True)
+    adopt_on_resume: bool = live(True)
+    adopt_grace_s: float = live(12.0, within=Range(0.0, None, lo_open=True))
 
     def __post_init__(self) -> None:
         check_ranges(self, "scheduling")

@@ -17,12 +17,19 @@ from typing import Any
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.episode import run_episode
+from actors.agent.episode import Trajectory, run_episode
 from actors.agent.policy import load_policy, weights_run_name
 from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RolloutDone, RolloutOrder
 from actors.records import RolloutRecord
+from actors.rollout_checkpoint import (
+    NO_CHECKPOINT,
+    CapturedCheckpoint,
+    Resume,
+    RolloutCheckpoints,
+    num_policy_tokens,
+)
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from model.engine import EngineStatus, GenerationEngine
@@ -31,10 +38,11 @@ from model.generation import EngineConfig, Generation, KVPolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from runtime.actor import Delivery
+from runtime.blob import BlobError
 from runtime.bus_auth import BusAccess
 from sandbox import Environment, EnvironmentPool, PoolConfig, Snapshot, ToolBox
 from sandbox.archive import export_snapshot_bytes
-from sandbox.errors import SandboxViolation
+from sandbox.errors import SandboxError, SandboxViolation
 from sandbox.tasks import Task
 
 log = structlog.get_logger(__name__)
@@ -66,6 +74,7 @@ class RolloutActor(StageActor):
                                        kv_policy=KVPolicy(cfg.rollout.kv_policy))
         await self.weights.start(self.exit_stack)
         await self.weights.load_latest()  # a restarted actor starts from the newest published version
+        self.checkpoints = RolloutCheckpoints(self.ctx.blob)
 
     def _release_bases(self) -> None:
         for snapshot in self.bases.values():
@@ -92,7 +101,12 @@ class RolloutActor(StageActor):
             raise WorkRefused(str(e)) from None
         if self.engine.version < order.policy_version_floor:  # admitted under a newer policy than ours
             await self._reach(order.policy_version_floor)
-        env = await self.pool.acquire(self._base(task))
+        r = self.config.rollout
+        resume = Resume(None)
+        if r.checkpoints and (order.attempt > 0 or delivery.num_delivered > 1):  # work of an earlier try may exist
+            resume = await self._find_checkpoint(order)
+        env, resume = await self._environment(task, resume, order)
+        progress = _CheckpointProgress()
         try:
             toolbox = ToolBox(env)
 
@@ -100,10 +114,21 @@ class RolloutActor(StageActor):
                 result = await toolbox.call(name, args)
                 return result.ok, result.text
 
-            r = self.config.rollout
-            sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p,
-                                      seed=_seed(order, self.ctx.run.seed if self.ctx.run else 0))
-            traj = await run_episode(task, self._generate, call_tool, self.tokenizer, r.agent, sampling)
+            run_seed = self.ctx.run.seed if self.ctx.run else 0
+            seed = resume.checkpoint.seed if resume.checkpoint else _seed(order, run_seed)
+            sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=seed)
+
+            async def on_turn(traj: Trajectory) -> None:
+                if not self.config.rollout.checkpoints:
+                    return
+                captured = self.checkpoints.capture(sample_id=order.sample_id, prompt_id=order.prompt_id,
+                                                    attempt=order.attempt, seed=seed, trajectory=traj, env=env)
+                if captured is not None:  # written beside the episode (finished before the order is acked)
+                    delivery.task_group.create_task(progress.write(captured))
+
+            start = resume.checkpoint.trajectory if resume.checkpoint else None
+            traj = await run_episode(task, self._generate, call_tool, self.tokenizer, r.agent, sampling,
+                                     start=start, on_turn=on_turn)
             workspace, violation = _export_workspace(env)
         finally:
             env.close()
@@ -113,11 +138,45 @@ class RolloutActor(StageActor):
         else:  # the policy's doing, not a fault: the sample stands and the reward actor fails every test
             log.warning("rollout_workspace_over_budget", sample_id=order.sample_id, reason=violation)
         await self.put_record(f"{key}/trajectory", RolloutRecord(order.sample_id, order.prompt_id, traj, violation))
+        num_resumed = num_policy_tokens(resume.checkpoint.trajectory) if resume.checkpoint else 0
         log.info("rollout_finished", sample_id=order.sample_id, prompt_id=order.prompt_id, end=traj.end.value,
                  num_tokens=len(traj.token_ids), num_turns=traj.num_turns, min_version=traj.min_version,
-                 max_version=traj.max_version, duration_s=round(traj.duration_s, 3))
+                 max_version=traj.max_version, duration_s=round(traj.duration_s, 3),
+                 num_generated_tokens=num_policy_tokens(traj) - num_resumed, num_resumed_tokens=num_resumed,
+                 num_resumed_turns=resume.num_turns, num_checkpoints=progress.num_written,
+                 checkpoint_bytes=progress.num_bytes, checkpoint_s=round(progress.seconds, 4),
+                 checkpoint_blocking_s=round(progress.blocking_s, 4))
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)
 
+    async def _find_checkpoint(self, order: RolloutOrder) -> Resume:
+        """The checkpoint this attempt resumes from, or none, and why (`rollout_started_over`)."""
+        eta = self.config.reconciler.scheduling.eta
+        floor = max(order.policy_version_floor, self.engine.version)  # its new tokens are of this version at least
+        try:
+            resume = await self.checkpoints.newest(order.sample_id, order.prompt_id, order.attempt,
+                                                   version_floor=floor, eta=eta)
+        except (BlobError, OSError) as e:  # storage trouble costs the saved work, never the sample
+            resume = Resume(None, reason=f"listing the checkpoints failed: {e!r}")
+        if resume.checkpoint is None:  # none written is normal; checkpoints that could not be used are said louder
+            say = log.info if resume.reason == NO_CHECKPOINT else log.warning
+            say("rollout_started_over", sample_id=order.sample_id, attempt=order.attempt, reason=resume.reason)
+        return resume
+
+    async def _environment(self, task: Task, resume: Resume, order: RolloutOrder) -> tuple[Environment, Resume]:
+        """The checkpoint's environment rebuilt from its snapshot, or a fresh one of the task (and then no
+        checkpoint: one whose workspace cannot be rebuilt is not resumed from)."""
+        if resume.checkpoint is not None:
+            try:
+                env = self.checkpoints.rebuild(self.store, resume.checkpoint, task.limits)
+                log.info("rollout_resumed", sample_id=order.sample_id, attempt=order.attempt, key=resume.key,
+                         from_attempt=resume.checkpoint.attempt, num_turns=resume.num_turns,
+                         num_policy_tokens=num_policy_tokens(resume.checkpoint.trajectory),
+                         min_version=resume.checkpoint.trajectory.min_version)
+                return env, resume
+            except (SandboxError, OSError) as e:
+                log.warning("rollout_started_over", sample_id=order.sample_id, attempt=order.attempt,
+                            reason=f"checkpoint {resume.key}'s workspace cannot be rebuilt: {e}")
+        return await self.pool.acquire(self._base(task)), Resume(None)
 
     async def _reach(self, version: int) -> None:
         """Wait for ``version`` in the engine; WeightsUnavailable (the order is nak'ed and comes back) after
@@ -147,6 +206,21 @@ class RolloutActor(StageActor):
             if self.engine.status is EngineStatus.FAILED:
                 self.fail(f"the generation engine failed: {e}")
             raise
+
+
+class _CheckpointProgress:
+    """What one attempt's checkpoints cost (reported with ``rollout_finished``: the ones written by then)."""
+
+    def __init__(self) -> None:
+        self.num_written, self.num_bytes, self.seconds, self.blocking_s = 0, 0, 0.0, 0.0
+
+    async def write(self, captured: CapturedCheckpoint) -> None:
+        written = await captured.write()
+        if written is not None:
+            self.num_written += 1
+            self.num_bytes += written.num_bytes
+            self.seconds += written.seconds
+            self.blocking_s += written.blocking_s
 
 
 def _export_workspace(env: Environment) -> tuple[bytes | None, str]:

@@ -122,8 +122,9 @@ async def test_train_rest_trains_survivors_and_records_the_failure() -> None:
     assert not outcome.dropped and outcome.failed_samples == {"e0-p0-s0": "boom (after 0 retries)"}
 
 
-async def test_resume_reissues_in_flight_work_with_new_attempts() -> None:
-    store, resumed, world = await start()
+async def _half_done(**scheduling):
+    """A core with groups 0 and 1 past their rollouts (0 READY, 1's rewards in flight), the rest rolling out."""
+    store, resumed, world = await start(**scheduling)
     core = resumed.lifecycle
     for order in [o for o in world.pending if o.sample_id.startswith(("e0-p0", "e0-p1"))]:
         await deliver(core, world, order)  # reward orders for groups 0 and 1 now pending
@@ -132,9 +133,14 @@ async def test_resume_reissues_in_flight_work_with_new_attempts() -> None:
         await deliver(core, world, order)
     group_order = next(o for o in world.pending if isinstance(o, GroupOrder))
     await deliver(core, world, group_order)  # e0-p0 READY
+    return store, world
 
-    again = await Lifecycle.resume(store, ListTaskSource.numbered(6), config(), 5.0, num_rollout_actors=4)
-    assert again.num_rolled_back_slots == 0 and again.num_discarded_groups == 0
+
+async def test_resume_without_adoption_reissues_in_flight_work_with_new_attempts() -> None:
+    store, world = await _half_done(adopt_on_resume=False)
+    again = await Lifecycle.resume(store, ListTaskSource.numbered(6), config(adopt_on_resume=False), 5.0,
+                                   num_rollout_actors=4)
+    assert again.num_rolled_back_slots == 0 and again.num_discarded_groups == 0 and again.num_adopted == 0
     kinds = sorted((type(o).__name__, o.attempt) for o in again.orders)
     assert kinds == [("RewardOrder", 1)] * 2 + [("RolloutOrder", 1)] * 4
     for old in list(world.pending):  # pre-crash attempts are ignored by the new core
@@ -143,6 +149,50 @@ async def test_resume_reissues_in_flight_work_with_new_attempts() -> None:
     world.add(again.orders, 1)
     await run_all(again.lifecycle, world, 7.0)
     assert again.lifecycle.is_finished and len(world.trainer.trained_groups) == 6
+
+
+async def test_resume_adopts_in_flight_work_and_accepts_the_old_attempts_completions() -> None:
+    store, world = await _half_done()
+    again = await Lifecycle.resume(store, ListTaskSource.numbered(6), config(), 5.0, num_rollout_actors=4)
+    assert again.num_adopted == 6 and again.num_reissued == 0 and again.orders == (), "nothing re-issued"
+    core = again.lifecycle
+    assert all(core.is_current(o.STAGE, o.key, o.attempt) for o in world.pending)
+    forged = dataclasses.replace(world.complete(world.pending[0]), token="forged")
+    assert await core.on_completion(forged, 5.5) == [] and core.snapshot(5.5).counters["rejected_reports"] == 1
+    await run_all(core, world, 6.0)  # the attempts issued before the crash finish the run: nothing done twice
+    assert core.is_finished and len(world.trainer.trained_groups) == 6
+
+
+async def test_adopted_work_nobody_owns_up_to_is_reissued_after_the_grace_not_counted() -> None:
+    store, world = await _half_done()
+    again = await Lifecycle.resume(store, ListTaskSource.numbered(6), config(adopt_grace_s=3.0), 5.0,
+                                   num_rollout_actors=4)
+    core = again.lifecycle
+    alive, dead = world.pending[0], world.pending[1:]
+    core.on_heartbeat(alive.STAGE, alive.key, alive.attempt, "rollout-1", 6.0, alive.token)  # its actor lived
+    assert await core.tick(7.9) == [], "within the grace nothing is re-issued"
+    reissued = await core.tick(8.1)
+    assert sorted((o.key, o.attempt) for o in reissued) == sorted((o.key, o.attempt + 1) for o in dead)
+    assert all(o.policy_version_floor == core.trainer_version for o in reissued if isinstance(o, RolloutOrder))
+    assert core.is_current(alive.STAGE, alive.key, alive.attempt), "the confirmed attempt stays"
+    for old in dead:  # superseded: their late completions change nothing
+        assert await core.on_completion(world.complete(old), 8.2) == []
+    assert core.snapshot(8.2).counters["adopted_reissued"] == len(dead)
+    assert all(s.num_retries == 0 for s in core.slots), "a re-issue after a resume is not a retry"
+    world.pending[:] = [alive]
+    world.add(reissued, 1)
+    await run_all(core, world, 9.0)
+    assert core.is_finished and len(world.trainer.trained_groups) == 6
+
+
+async def test_a_rollout_adopted_too_stale_to_train_is_reissued_at_once_with_a_fresh_floor() -> None:
+    store, _ = await _half_done()
+    meta = await store.get(META_KEY)  # the trainer moved 2 versions on while the reconciler was down (eta 1)
+    await store.update(META_KEY, MetaRecord(trainer_version=2).encode(), meta.revision)
+    again = await Lifecycle.resume(store, ListTaskSource.numbered(6), config(), 5.0, num_rollout_actors=4)
+    rollouts = [o for o in again.orders if isinstance(o, RolloutOrder) and o.group_id in ("e0-p2", "e0-p3")]
+    assert again.num_discarded_groups == 2, "groups 0 and 1 hold tokens of version 0: too stale"
+    assert again.num_adopted == 0 and {o.policy_version_floor for o in rollouts} == {2} and len(rollouts) == 4
 
 
 async def test_resume_discards_ready_groups_past_the_bound() -> None:
@@ -196,8 +246,8 @@ async def test_second_writer_breaks_the_first() -> None:
     store, resumed, world = await start()
     first = resumed.lifecycle
     second = await Lifecycle.resume(store, ListTaskSource.numbered(6), config(), 1.0, num_rollout_actors=4)
-    assert second.orders  # it re-issued everything with new attempts
-    order = next(o for o in second.orders if isinstance(o, RolloutOrder))
+    assert second.num_adopted == len(world.pending)  # it adopted the work in flight (and wrote its slots again)
+    order = world.pending[0]
     # a completion of the first core's own order (its attempt and token) for that sample
     stale_for_first = world.complete(next(o for o in world.pending if o.key == order.key))
     with pytest.raises(CasConflict):

@@ -72,8 +72,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         policy=st.sampled_from(FailedGroupPolicy),
         max_retries=st.integers(0, 2),
         num_actors=st.integers(1, 3),
+        adopt=st.booleans(),
     )
-    def setup(self, eta, group_size, batch_size, extra_slots, policy, max_retries, num_actors) -> None:
+    def setup(self, eta, group_size, batch_size, extra_slots, policy, max_retries, num_actors, adopt) -> None:
         scheduling = SchedulingConfig(
             eta=eta,
             max_retries=max_retries,
@@ -84,6 +85,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             reward_timeout_s=TIMEOUT_S,
             group_timeout_s=TIMEOUT_S,
             train_timeout_s=TIMEOUT_S,
+            adopt_on_resume=adopt,  # a resume adopts the work in flight (its old orders may still complete)
+            adopt_grace_s=TIMEOUT_S / 2,
         )
         self.config = LifecycleConfig(
             num_slots=group_size * batch_size + extra_slots,

@@ -5,7 +5,11 @@ order, heart-beats, sleeps a long-tailed (lognormal) time, sometimes fails, and 
 completion on ``done.<stage>``:
 
 - `SimRolloutActor`: a `RolloutDone` whose min/max policy versions respect the order's floor and the
-  versions the simulated trainer announced while it "generated".
+  versions the simulated trainer announced while it "generated". With ``rollout_turns`` > 1 an episode is
+  that many turns of ``rollout_tokens_per_turn`` tokens (each turn one draw of the stage's duration, and a
+  ``sim_rollout_turn`` event: what the chaos test counts as generated), and with ``rollout_checkpoints``
+  it writes a real rollout checkpoint (actors.rollout_checkpoint, an empty workspace) after each turn and
+  a re-issued attempt resumes from the newest one within the staleness bound, as the real rollout does.
 - `SimRewardActor`: reads the rollout record, scores it, writes a reward record (`RewardDone`).
 - `SimGroupActor`: reads the reward records, Dr. GRPO advantages, writes a group record (`GroupDone`).
 - `SimTrainActor`: keeps a ledger of trained groups and decided batch ids in the ``sim_trainer`` KV
@@ -43,6 +47,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors._stage import StageActor, WorkRefused
+from actors.agent.episode import EpisodeEnd, Trajectory
 from actors.agent.policy import weights_run_name
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
@@ -57,6 +62,7 @@ from actors.reconciler.work import (
     TrainOrder,
 )
 from actors.records import RECORD_SCHEMA
+from actors.rollout_checkpoint import RolloutCheckpoint, RolloutCheckpoints
 from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
@@ -129,6 +135,7 @@ tick_s = 0.25
 eta = {eta}
 max_retries = 3
 max_inflight_per_rollout_actor = {max_inflight_per_rollout_actor}
+adopt_on_resume = {adopt_on_resume}
 failed_group_policy = "train_rest"
 rollout_timeout_s = {stage_timeout_s}
 reward_timeout_s = {stage_timeout_s}
@@ -149,6 +156,7 @@ def sim_run_toml(
     reconciler_entry: str = "actors.reconciler:ReconcilerActor",
     max_inflight_per_rollout_actor: int = 64,
     stage_timeout_s: float = 3.0,
+    adopt_on_resume: bool = True,
 ) -> str:
     """A run file: the real reconciler and every simulated stage, with timeouts short enough for tests
     (the train stage's is `stage_timeout_s` + 2 s)."""
@@ -164,6 +172,7 @@ def sim_run_toml(
         max_inflight_per_rollout_actor=max_inflight_per_rollout_actor,
         stage_timeout_s=stage_timeout_s,
         train_timeout_s=stage_timeout_s + 2.0,
+        adopt_on_resume="true" if adopt_on_resume else "false",
     )
 
 
@@ -224,10 +233,16 @@ class SimConfig:
     heartbeat_s: float = 0.5
     records: bool = True
     seed: int = 0
+    rollout_turns: int = 1
+    rollout_tokens_per_turn: int = 0
+    rollout_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         if self.heartbeat_s <= 0:
             raise ValueError(f"SimConfig.heartbeat_s={self.heartbeat_s} must be > 0")
+        if self.rollout_turns < 1 or self.rollout_tokens_per_turn < (1 if self.rollout_turns > 1 else 0):
+            raise ValueError(f"SimConfig.rollout_turns={self.rollout_turns} must be >= 1 and "
+                             f"rollout_tokens_per_turn={self.rollout_tokens_per_turn} >= 1 when it is more")
 
     def stage(self, stage: Stage) -> StageSim:
         return getattr(self, stage.value)
@@ -256,9 +271,9 @@ class _SimStage(StageActor):
         self.heartbeat_every_s = self.sim.heartbeat_s
         self.rng = random.Random(self.sim.seed * 1_000_003 + os.getpid())
 
-    async def simulate(self, what: str) -> None:
+    async def simulate(self, what: str, *, sleep: bool = True) -> None:
         knobs = self.sim.stage(self.stage)
-        duration = knobs.duration(self.rng)
+        duration = knobs.duration(self.rng) if sleep else 0.0
         if duration:
             await asyncio.sleep(duration)
         if knobs.is_poisoned(what):
@@ -306,8 +321,13 @@ class SimRolloutActor(_SimStage):
 
     async def work(self, order: RolloutOrder, delivery: Delivery) -> RolloutDone:
         self.version = max(self.version, order.policy_version_floor)  # "fetch" the floor's weights
-        min_version = self.version
-        await self.simulate(order.sample_id)
+        if self.sim.rollout_turns == 1:
+            min_version = self.version
+            await self.simulate(order.sample_id)
+            max_version = self.version
+        else:
+            min_version, max_version = await self._turns(order, delivery)
+            await self.simulate(order.sample_id, sleep=False)
         key = await self.put(
             f"samples/{order.sample_id}/a{order.attempt}/trajectory",
             {
@@ -315,10 +335,41 @@ class SimRolloutActor(_SimStage):
                 "prompt_id": order.prompt_id,
                 "group_id": order.group_id,
                 "min_version": min_version,
-                "max_version": self.version,
+                "max_version": max_version,
             },
         )
-        return RolloutDone(order.sample_id, order.attempt, key, min_version, self.version)
+        return RolloutDone(order.sample_id, order.attempt, key, min_version, max_version)
+
+    async def _turns(self, order: RolloutOrder, delivery: Delivery) -> tuple[int, int]:
+        """The episode's turns, from the newest usable checkpoint on; (min, max) version of its tokens."""
+        sim, checkpoints = self.sim, RolloutCheckpoints(self.ctx.blob)
+        traj = Trajectory([], [], [], [], [], None, 0, EpisodeEnd.TURN_BUDGET)
+        if sim.rollout_checkpoints and (order.attempt > 0 or delivery.num_delivered > 1):
+            resume = await checkpoints.newest(order.sample_id, order.prompt_id, order.attempt,
+                                              version_floor=self.version, eta=self.config.reconciler.scheduling.eta)
+            if resume.checkpoint is not None:
+                traj = resume.checkpoint.trajectory
+                log.info("rollout_resumed", sample_id=order.sample_id, attempt=order.attempt,
+                         num_turns=resume.num_turns)
+            else:
+                log.info("rollout_started_over", sample_id=order.sample_id, attempt=order.attempt,
+                         reason=resume.reason)
+        n = sim.rollout_tokens_per_turn
+        while traj.num_turns < sim.rollout_turns:
+            duration = sim.rollout.duration(self.rng)
+            if duration:
+                await asyncio.sleep(duration)
+            traj.token_ids += [traj.num_turns % 256] * n
+            traj.loss_mask += [1] * n
+            traj.behaviour_logprobs += [-1.0] * n
+            traj.logprob_temperatures += [1.0] * n
+            traj.versions += [self.version] * n
+            traj.num_turns += 1
+            log.info("sim_rollout_turn", sample_id=order.sample_id, attempt=order.attempt, num_tokens=n)
+            if sim.rollout_checkpoints and traj.num_turns < sim.rollout_turns:
+                await checkpoints.write(RolloutCheckpoint(order.sample_id, order.prompt_id, order.attempt, 0, traj,
+                                                          b""))
+        return traj.min_version, traj.max_version
 
 
 class SimRewardActor(_SimStage):

@@ -30,7 +30,7 @@ from actors.reconciler.task_cursor import CursorRecord, ListTaskSource
 from actors.reconciler.work import GroupOutcome, RolloutDone, RolloutOrder
 from actors.task_catalog import TaskCatalog
 from runtime.bus import Bus
-from tests.integration.harness import LiveRun, nats_bus, write_config
+from tests.integration.harness import LiveRun, nats_bus, run_events, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
 pytestmark = pytest.mark.timeout(420)
@@ -98,15 +98,13 @@ async def test_a_second_reconciler_fences_the_first(tmp_path: Path) -> None:
         first = await Lifecycle.resume(store, source, config, 0.0, num_rollout_actors=1)
         rollout = next(o for o in first.orders if isinstance(o, RolloutOrder))
         second = await Lifecycle.resume(store, source, config, 1.0, num_rollout_actors=1)
-        assert second.num_reissued == len(first.orders), "the newer core re-issues all in-flight work"
-        with pytest.raises(CasConflict):
-            done = RolloutDone(rollout.sample_id, rollout.attempt, "k", 0, 0, rollout.token)
+        assert second.num_adopted == len(first.orders) and not second.orders, "the newer core adopts the work"
+        done = RolloutDone(rollout.sample_id, rollout.attempt, "k", 0, 0, rollout.token)
+        with pytest.raises(CasConflict):  # adopting wrote the slots again: the older core is fenced off
             await first.lifecycle.on_completion(done, 2.0)
         with pytest.raises(CoreBroken):
             await first.lifecycle.tick(3.0)
-        reissued = next(o for o in second.orders if getattr(o, "sample_id", None) == rollout.sample_id)
-        done = RolloutDone(reissued.sample_id, reissued.attempt, "k", 0, 0, reissued.token)
-        orders = await second.lifecycle.on_completion(done, 2.0)
+        orders = await second.lifecycle.on_completion(done, 2.0)  # the attempt in flight counts with the new core
         assert [o.sample_id for o in orders] == [rollout.sample_id], "the newer core owns the table"
         slot = next(s for s in second.lifecycle.slots if s.sample_id == rollout.sample_id)
         stored = Slot.decode((await store.get(f"{SLOT_PREFIX}{slot.index}")).value)
@@ -180,20 +178,34 @@ async def _durable_table(bus: Bus) -> tuple[CursorRecord, list[Slot], dict[str, 
     return cursor, slots, outcomes
 
 
-@pytest.mark.slow
-async def test_2000_samples_survive_kills(tmp_path: Path) -> None:
+ROLLOUT_TURNS, TOKENS_PER_TURN = 8, 64
+
+
+async def _run_with_kills(tmp_path: Path, *, checkpoints: bool, rollout_failures: bool) -> dict[str, Any]:
+    """The kill -9 scenario: 500 prompts × 4 samples, rollouts of 8 turns, stage actors SIGKILLed at random
+    every 3 to 7 s and the reconciler at 25% and 55% of the prompts trained; every prompt accounted.
+
+    ``checkpoints`` on: rollout checkpoints after each turn and a resumed reconciler adopting the work in
+    flight (the product's default); off: every re-issued rollout starts over and a resumed reconciler
+    re-issues everything (before either existed). Returns the rollout tokens generated and the number a
+    run without any re-issue would have generated."""
     num_prompts, group_size, eta = 500, 4, 2
     run_dir = tmp_path / "run"
+    fails = {"refuse_rate": 0.03, "error_rate": 0.02, "poison_rate": 0.01} if rollout_failures else {}
     SimConfig(
-        rollout=StageSim(median_s=0.02, sigma=1.0, max_s=1.0, refuse_rate=0.03, error_rate=0.02, poison_rate=0.01),
+        rollout=StageSim(median_s=0.01, sigma=1.0, max_s=0.25, **fails),  # each of its 8 turns
         reward=StageSim(median_s=0.01, sigma=1.0, max_s=0.5, refuse_rate=0.02, error_rate=0.02, poison_rate=0.005),
         group=StageSim(median_s=0.01, sigma=0.5, max_s=0.5, refuse_rate=0.01, error_rate=0.02, poison_rate=0.01),
         train=StageSim(median_s=0.05, sigma=0.5, max_s=0.5, error_rate=0.03),
         seed=7,
+        rollout_turns=ROLLOUT_TURNS,
+        rollout_tokens_per_turn=TOKENS_PER_TURN,
+        rollout_checkpoints=checkpoints,
     ).write(run_dir)
     cfg = write_config(
         tmp_path / "run.toml",
-        sim_run_toml(num_prompts=num_prompts, num_slots=128, group_size=group_size, batch_groups=8, eta=eta),
+        sim_run_toml(num_prompts=num_prompts, num_slots=128, group_size=group_size, batch_groups=8, eta=eta,
+                     adopt_on_resume=checkpoints),
     )
     started = time.monotonic()
     run = await LiveRun(run_dir, cfg).start()
@@ -227,6 +239,34 @@ async def test_2000_samples_survive_kills(tmp_path: Path) -> None:
     print(f"accounted and stopped after {time.monotonic() - started:.1f}s")
     assert len(killed_reconcilers) == 2 and len(killed_stages) >= 5, (killed_reconcilers, killed_stages)
     print(f"2000 samples in {elapsed:.1f}s; killed {killed_stages} and the reconciler twice")
+    turns = run_events(run_dir, "sim_rollout_turn")
+    generated = sum(t["num_tokens"] for t in turns)
+    needed = ROLLOUT_TURNS * TOKENS_PER_TURN * len({t["sample_id"] for t in turns})
+    figures = {"generated": generated, "needed": needed, "regenerated": generated - needed, "elapsed_s": elapsed,
+               "num_resumed": len(run_events(run_dir, "rollout_resumed")),
+               "num_killed_rollout_actors": killed_stages.count("rollout")}
+    print(f"rollout tokens (checkpoints {'on' if checkpoints else 'off'}): {figures}")
+    return figures
+
+
+@pytest.mark.slow
+async def test_2000_samples_survive_kills(tmp_path: Path) -> None:
+    figures = await _run_with_kills(tmp_path, checkpoints=True, rollout_failures=True)
+    assert figures["num_resumed"] > 0, "re-issued rollouts resumed from their checkpoints"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # two runs of the scenario
+async def test_rollout_checkpoints_and_adoption_cut_the_work_kills_regenerate(tmp_path: Path) -> None:
+    """The same scenario (seeds, kills) without and with checkpoints and adoption, the rollouts' own failures
+    off so that every re-generated token is the kills' doing: at most 10% of restart-from-scratch."""
+    scratch = await _run_with_kills(tmp_path / "scratch", checkpoints=False, rollout_failures=False)
+    kept = await _run_with_kills(tmp_path / "checkpoints", checkpoints=True, rollout_failures=False)
+    assert scratch["regenerated"] > 0, "the kills cost a restart-from-scratch run work"
+    ratio = kept["regenerated"] / scratch["regenerated"]
+    print(f"rollout tokens regenerated because of kills: {kept['regenerated']} with checkpoints and adoption, "
+          f"{scratch['regenerated']} from scratch ({ratio:.1%})")
+    assert ratio <= 0.10, (kept, scratch)
 
 
 async def _account(bus: Bus, ledger: TrainerLedger, num_prompts: int, group_size: int, eta: int) -> None:
