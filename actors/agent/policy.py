@@ -11,6 +11,8 @@ from actors.config import PolicySection
 from kernels.experts import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
 from model.transformer import MoETransformer
+from runtime.actor import ActorContext
+from runtime.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +50,12 @@ def use_training_precision(model: MoETransformer, section: PolicySection) -> MoE
     return model
 
 
-def weights_run_name(run_dir: Path) -> str:
-    """The weight tree's run name: the run directory's name, unique per run and stable across resumes."""
-    return Path(run_dir).name
+def weights_run_name(ctx: ActorContext) -> str:
+    """The weight tree's run name: the run's id, unique per run and the same on every machine and resume.
+
+    Raises:
+        ConfigError: the actor's context names no run (an actor built outside runtime.actor_process).
+    """
+    if not ctx.run_id:
+        raise ConfigError("the actor's context has no run id: start it through runtime.actor_process")
+    return ctx.run_id

@@ -50,7 +50,7 @@ class RolloutActor(StageActor):
         cfg = self.config
         self.tasks = TaskCatalog.build(cfg.tasks)
         self.tokenizer = ByteTokenizer()
-        self.run_name = weights_run_name(self.ctx.run_dir)
+        self.run_name = weights_run_name(self.ctx)
         policy = await asyncio.to_thread(load_policy, cfg.policy)  # may build the starting policy once
         self.engine = GenerationEngine(policy, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                                        detokenize=self.tokenizer.decode)
