@@ -173,8 +173,9 @@ def actor_permissions(role: str, access: BusAccess) -> Permissions:
     # another kind's events into the log ops.tail shows; in the registry, its own kind's leases and
     # handover record only
     own_keys = (registration_key(role, "*"), handover_key(role))
-    # the run bucket: the run's record (runtime.run_state), which every process reads to find its run
-    publish = [f"log.{role}.*", *_kv_keys("actors", own_keys), *_kv_read("config"), *_kv_read("run"),
+    # the run bucket: the run's record (runtime.run_state), which every process reads to find its run, and
+    # the claims of the run's one-time builds (runtime.build_once), which any process may make
+    publish = [f"log.{role}.*", *_kv_keys("actors", own_keys), *_kv_read("config"), *_kv_keys("run", ("build.>",)),
                *access.publish]
     for bucket in access.kv_read:
         publish += _kv_read(bucket)

@@ -21,7 +21,7 @@ import time
 import msgpack
 import structlog
 
-from actors.agent.policy import load_policy, weights_run_name
+from actors.agent.policy import load_run_policy, weights_run_name
 from actors.agent.weights_follower import WeightsFollower
 from actors.config import RLConfig
 from actors.messages import DataExhausted, data_exhausted_subject
@@ -57,7 +57,7 @@ class EvaluatorActor(Actor):
         self.tasks, self.train_source = catalog.heldout, catalog
         self.tokenizer = ByteTokenizer()
         self.run_name = weights_run_name(self.ctx)
-        self.engine = GenerationEngine(await asyncio.to_thread(load_policy, self.config.policy),
+        self.engine = GenerationEngine(await load_run_policy(self.ctx, self.config.policy),
                                        EngineConfig(max_batch_size=self.config.eval.concurrency),
                                        detokenize=self.tokenizer.decode)
         await self.engine.start()

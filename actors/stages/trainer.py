@@ -33,7 +33,7 @@ import msgpack
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.policy import load_policy, use_training_precision, weights_run_name
+from actors.agent.policy import load_run_policy, use_training_precision, weights_run_name
 from actors.agent.weights_follower import weights_subject
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
@@ -80,7 +80,7 @@ class TrainerActor(StageActor):
             self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps)
             use_training_precision(self.learner.model, cfg.policy)
         else:
-            model = await asyncio.to_thread(load_policy, cfg.policy, training=True)
+            model = await load_run_policy(self.ctx, cfg.policy, training=True)
             self.learner = Learner(model, cfg.trainer, num_steps=num_steps)
         await self._recover_pending_row()
         self.run_name = weights_run_name(self.ctx)
