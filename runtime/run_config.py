@@ -76,6 +76,9 @@ class SupervisorSection:
     ready_timeout_s: float = fixed(120.0, within=Range(0.0, 86_400.0, lo_open=True))
     # nothing acknowledged on any queue for this long: say so, naming the stage (0: off)
     stall_s: float = fixed(600.0, within=Range(0.0, 7 * 24 * 3600.0))
+    # runtime.up holds the run's lease (one supervisor per run), renewed every third of this: a resume
+    # elsewhere waits this long for a killed supervisor's lease to lapse, and is refused by a live one
+    lease_s: float = fixed(15.0, within=Range(1.0, 3600.0))
 
     def __post_init__(self) -> None:
         check_ranges(self, "supervisor")

@@ -21,8 +21,10 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -47,9 +49,12 @@ from runtime.bus_auth import (
 )
 from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
+from runtime.kv_lease import KVLease
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_config import RUNTIME_SECTIONS, RunConfig, RuntimeConfig, dump_toml, import_entry, load_run_config
 from runtime.run_state import (
+    RUN_BUCKET,
+    RunConflict,
     RunNotFound,
     RunRecord,
     check_run_id,
@@ -188,6 +193,8 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                                 **info.bus_options(SUPERVISOR))
         stack.push_async_callback(bus.close)
         await bus.ensure_base()
+        lease = await _hold_run(bus, run_id, run_dir, rt.supervisor.lease_s)
+        stack.push_async_callback(lease.release)
         store = open_store(storage_url, s3_endpoint=rt.storage.s3_endpoint or None)
         stack.push_async_callback(store.close)
         record = RunRecord(run_id, rt.run.name, storage_url, rt.storage.s3_endpoint, time.time())
@@ -203,6 +210,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         stack.push_async_callback(progress.unsubscribe)  # bounded, and quiet on a closed connection
         async with asyncio.TaskGroup() as tg:
             forwarder = tg.create_task(event_log.forward(bus))
+            leased = tg.create_task(_keep_run(lease, supervisor))
             guard = tg.create_task(_guard_bus(supervisor, bus, server, url, rt.bus.max_outage_s, terminal))
             watchdog = tg.create_task(Watchdog(bus, rt.supervisor.stall_s, sys.stderr).run()) \
                 if rt.supervisor.stall_s else None
@@ -210,6 +218,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                 outcome = await supervisor.run()
             finally:
                 forwarder.cancel()
+                leased.cancel()
                 guard.cancel()
                 if watchdog is not None:
                     watchdog.cancel()
@@ -222,6 +231,35 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                   + "; ".join(supervisor.unclean_exits), file=sys.stderr, flush=True)
         return outcome
     raise AssertionError("unreachable")
+
+
+SUPERVISOR_LEASE_KEY = "supervisor"
+
+
+async def _hold_run(bus: Bus, run_id: str, run_dir: Path, lease_s: float) -> KVLease:
+    """The run's supervisor lease, so that one runtime.up at a time runs it: taken at once when free,
+    after ``lease_s`` without renewal when its holder was killed.
+
+    Raises:
+        RunConflict: a live runtime.up (it renews the lease) runs the bus's run.
+    """
+    holder = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "run_dir": str(run_dir)}
+    lease = KVLease(bus, RUN_BUCKET, SUPERVISOR_LEASE_KEY, json.dumps(holder).encode(), lease_s)
+    async with asyncio.timeout(4 * lease_s):  # a lease released meanwhile is tried again, a few times at most
+        while not await lease.acquire():
+            current = await lease.holder()
+            if current is not None:
+                raise RunConflict(f"the bus's run is being run by another runtime.up ({current.value.decode()}), "
+                                  "which renews its lease: stop it first (ctl.supervisor.stop or Ctrl-C there)")
+    return lease
+
+
+async def _keep_run(lease: KVLease, supervisor: Supervisor) -> None:
+    """Renews the run's lease; one lost (this process was frozen or cut off longer than the lease, and
+    another runtime.up took the run over) stops this one, failed, so that two never run the run."""
+    await lease.keep()
+    log.error("run_lease_lost", lease_s=lease.lease_s)
+    supervisor.request_stop(Outcome.FAILED, "another runtime.up took the run over: this one lost its lease")
 
 
 async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | None, url: str,
@@ -344,6 +382,9 @@ def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
     terminal = None if args.quiet else sys.stdout
     try:
         outcome = uvloop.run(serve(cfg, run_dir, run_id, resumed is not None, event_log, terminal))
+    except ConfigError as e:  # the bus or the store belongs to another run, or another runtime.up runs this one
+        print(f"configuration error: {e}", file=sys.stderr)
+        return 2
     finally:
         event_log.close()
     return 1 if outcome is Outcome.FAILED else 0

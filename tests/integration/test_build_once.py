@@ -63,7 +63,7 @@ async def test_a_dead_builder_is_noticed_within_its_lease(tmp_path: Path) -> Non
         took = time.monotonic() - started
         assert builder.calls == 1 and path.joinpath("weights.bin").exists()
         assert 1.5 <= took < 10.0, took
-        assert [e["owner"] for e in logs if e["event"] == "build_taken_over"] == ["b"]
+        assert [e["lapsed_holder"] for e in logs if e["event"] == "lease_taken_over"] == ['{"owner": "killed -9"}']
 
 
 async def test_a_failed_build_is_reported_and_another_process_builds(tmp_path: Path) -> None:
