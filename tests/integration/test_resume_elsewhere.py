@@ -145,6 +145,8 @@ async def _kill_mid_run_and_resume_elsewhere(tmp_path: Path, configs: list[Path]
     assert live.isdisjoint(trained)
     assert accounting["cursor_position"] == len(trained) + dropped + len(live), accounting
     assert run_events(second.run_dir, "learner_resumed"), "the trainer resumed from the stored checkpoint"
+    (taken,) = run_events(second.run_dir, "lease_taken_over")  # the killed runtime.up's, once it lapsed
+    assert str(first.run_dir) in taken["lapsed_holder"]
 
 
 async def test_runtime_up_killed_and_resumed_from_a_fresh_directory(
