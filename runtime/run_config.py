@@ -225,6 +225,22 @@ def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -
     return RunConfig(runtime, config_mod.build(schema, app_tree), schema)
 
 
+def runtime_from_overrides(overrides: Iterable[str]) -> RuntimeConfig:
+    """The runtime sections that ``key=value`` overrides set (the rest default; application keys and
+    ``actors.*`` ignored): how to reach a run (its bus, its store) before its configuration is read.
+
+    Raises:
+        ConfigError: a runtime key is unknown or its value invalid.
+    """
+    tree: dict[str, Any] = {}
+    for text in overrides:
+        key, value = config_mod.parse_override(text)
+        if key.split(".", 1)[0] in RUNTIME_SECTIONS and not key.startswith("actors."):
+            config_mod.field_at(RuntimeConfig, key)
+            config_mod.set_path(tree, key, value)
+    return config_mod.build(RuntimeConfig, tree)
+
+
 def dump_toml(tree: dict[str, Any]) -> str:
     """The TOML text of a resolved config (tomli-w: strings with newlines, quotes or control characters,
     keys that need quoting and arrays of tables are written as TOML reads them back). TOML has no null:

@@ -21,9 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from runtime.blob import BlobNotFound, BlobStore
+from runtime.blob import BlobNotFound, BlobStore, open_store
 from runtime.bus import Bus
-from runtime.errors import ConfigError, RevisionMismatch
+from runtime.bus_auth import read_credentials, tls_context
+from runtime.errors import BusError, ConfigError, RevisionMismatch
 
 __all__ = [
     "CONFIG_BLOB",
@@ -34,6 +35,7 @@ __all__ = [
     "RunNotFound",
     "RunRecord",
     "check_run_id",
+    "find_run",
     "new_run_id",
     "publish_run",
     "read_run_config",
@@ -165,3 +167,36 @@ async def read_run_config(store: BlobStore, run_id: str) -> str:
         return (await store.get(CONFIG_BLOB)).decode()
     except BlobNotFound:
         raise RunNotFound(f"{store.url} has the record of run {run_id!r} but not its {CONFIG_BLOB}") from None
+
+
+async def find_run(run_id: str, bus_section: Any, storage_section: Any, role: str) -> tuple[RunRecord, str, str]:
+    """Run ``run_id``'s record, its saved configuration (TOML text) and the storage URL that reaches its
+    store from here, through its bus, connected to as ``role``.
+
+    Args:
+        bus_section: ``runtime.run_config.BusSection``: ``url`` (required), credentials directory, TLS files.
+        storage_section: ``StorageSection``: where this machine reaches the store (a shared folder may be
+            mounted elsewhere than where the run started), empty for the record's.
+
+    Raises:
+        ConfigError: no bus URL, the bus unreachable, or it or its store holds no such run.
+    """
+    if not bus_section.url:
+        raise ConfigError(f"finding run {run_id!r} by its id needs the bus that carries it: "
+                          "--set bus.url=nats://host:4222")
+    credentials = read_credentials(bus_section.credentials_dir, role) if bus_section.credentials_dir else None
+    tls = tls_context(bus_section.tls_ca_file, bus_section.tls_cert_file, bus_section.tls_key_file)
+    try:
+        bus = await Bus.connect(bus_section.url, name=f"{role}-find-run", credentials=credentials, tls=tls)
+    except BusError as e:
+        raise ConfigError(f"cannot reach the bus {bus_section.url} of run {run_id!r}: {e}") from None
+    try:
+        record = await read_run_record(bus)
+    finally:
+        await bus.close()
+    if record is None or record.run_id != run_id:
+        held = "no run" if record is None else f"run {record.run_id!r}"
+        raise RunNotFound(f"the bus {bus_section.url} carries {held}, not {run_id!r}")
+    storage_url = storage_section.url or record.storage_url
+    async with open_store(storage_url, s3_endpoint=(storage_section.s3_endpoint or record.s3_endpoint) or None) as st:
+        return record, await read_run_config(st, run_id), storage_url

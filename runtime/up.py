@@ -44,24 +44,27 @@ from runtime.bus_auth import (
     Permissions,
     actor_permissions,
     generate_credentials,
-    read_credentials,
-    tls_context,
 )
 from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
 from runtime.kv_lease import KVLease
 from runtime.natsserver import NatsServer, NatsServerConfig
-from runtime.run_config import RUNTIME_SECTIONS, RunConfig, RuntimeConfig, dump_toml, import_entry, load_run_config
+from runtime.run_config import (
+    RunConfig,
+    RuntimeConfig,
+    dump_toml,
+    import_entry,
+    load_run_config,
+    runtime_from_overrides,
+)
 from runtime.run_state import (
     RUN_BUCKET,
     RunConflict,
-    RunNotFound,
     RunRecord,
     check_run_id,
+    find_run,
     new_run_id,
     publish_run,
-    read_run_config,
-    read_run_record,
 )
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
 from runtime.supervisor import Outcome, Supervisor
@@ -127,46 +130,15 @@ def resolve_config(args: argparse.Namespace, default_config: Sequence[Path] = ()
     return load_run_config(files, overrides), None
 
 
-def _runtime_overrides(overrides: Sequence[str]) -> RuntimeConfig:
-    """The runtime sections that ``overrides`` set (the rest default): how to reach a run before its config."""
-    tree: dict[str, Any] = {}
-    for text in overrides:
-        key, value = config_mod.parse_override(text)
-        if key.split(".", 1)[0] in RUNTIME_SECTIONS and not key.startswith("actors."):
-            config_mod.field_at(RuntimeConfig, key)
-            config_mod.set_path(tree, key, value)
-    return config_mod.build(RuntimeConfig, tree)
-
-
 async def fetch_run_config(run_id: str, overrides: Sequence[str]) -> str:
-    """The saved configuration of run ``run_id``: its bus (``bus.url``) names its store, which holds it.
-
-    ``storage.url`` (and ``storage.s3_endpoint``), if given, is where this machine reaches the store
-    (a shared folder may be mounted elsewhere); by default, where the run was started with.
+    """The saved configuration of run ``run_id``, found through its bus (``bus.url``) and store.
 
     Raises:
         ConfigError: no bus URL, the bus or its store holds no such run, or the bus is unreachable.
     """
-    rt = _runtime_overrides(overrides)
-    if not rt.bus.url:
-        raise ConfigError(f"resuming run {run_id!r} by its id needs the bus that carries it: "
-                          "--set bus.url=nats://host:4222 (or pass the run directory to --resume)")
-    credentials = read_credentials(rt.bus.credentials_dir, SUPERVISOR) if rt.bus.credentials_dir else None
-    try:
-        bus = await Bus.connect(rt.bus.url, name="supervisor-resume", credentials=credentials,
-                                tls=tls_context(rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file))
-    except BusError as e:
-        raise ConfigError(f"cannot reach the bus {rt.bus.url} of run {run_id!r}: {e}") from None
-    try:
-        record = await read_run_record(bus)
-    finally:
-        await bus.close()
-    if record is None or record.run_id != run_id:
-        held = "no run" if record is None else f"run {record.run_id!r}"
-        raise RunNotFound(f"the bus {rt.bus.url} carries {held}, not {run_id!r}")
-    async with open_store(rt.storage.url or record.storage_url,
-                          s3_endpoint=(rt.storage.s3_endpoint or record.s3_endpoint) or None) as store:
-        return await read_run_config(store, run_id)
+    rt = runtime_from_overrides(overrides)
+    _, text, _ = await find_run(run_id, rt.bus, rt.storage, SUPERVISOR)
+    return text
 
 
 async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event_log: EventLog,

@@ -69,6 +69,14 @@ async def test_the_run_is_on_its_bus_and_in_its_store_and_a_second_runtime_up_is
         assert "being run by another runtime.up" in second.stderr and str(run.run_dir) in second.stderr
         assert took < 60, took
         assert run.proc is not None and run.proc.poll() is None, "the live run goes on"
+
+        # an operator on another machine: attached from the bus alone, every ops command takes the folder
+        attached = await _run("ops.attach", run_id, "--set", f"bus.url={url}", "--run-dir", str(tmp_path / "ops"))
+        assert attached.returncode == 0, attached.stderr
+        status = await _run("ops.status", str(tmp_path / "ops"), "--json")
+        assert status.returncode == 0 and '"counter' in status.stdout, status.stderr
+        stray = await _run("ops.attach", "someone-else", "--set", f"bus.url={url}", "--run-dir", str(tmp_path / "x"))
+        assert stray.returncode == 2 and f"carries run '{run_id}', not 'someone-else'" in stray.stderr
     finally:
         assert await run.stop() == 0
 
