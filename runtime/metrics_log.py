@@ -21,6 +21,7 @@ from runtime.rundir import RunInfo
 __all__ = ["METRICS_PREFIX", "metrics_key", "numbered", "read_metrics", "read_run_metrics", "write_metrics"]
 
 METRICS_PREFIX = "metrics/"
+LEGACY_FILE = "metrics.jsonl"  # where a run directory kept its rows before they were stored (read, never written)
 READ_CONCURRENCY = 16  # rows fetched at once (one request each on S3)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -73,4 +74,17 @@ async def read_run_metrics(run_dir: Path, *, kind: str | None = None) -> list[di
     """
     info = RunInfo.read(run_dir)
     async with open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None) as store:
-        return await read_metrics(store, kind=kind)
+        rows = await read_metrics(store, kind=kind)
+    legacy = Path(run_dir) / LEGACY_FILE
+    if not rows and legacy.is_file():  # a run from before the rows were stored
+        rows = [r for line in legacy.read_text(encoding="utf-8").splitlines() if (r := _row(line)) is not None
+                and (kind is None or r.get("kind") == kind)]
+    return rows
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:  # a line cut by a crash
+        return None
+    return row if isinstance(row, dict) else None

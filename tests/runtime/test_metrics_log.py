@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from runtime.blob import open_store
-from runtime.metrics_log import metrics_key, numbered, read_metrics, write_metrics
+from runtime.metrics_log import metrics_key, numbered, read_metrics, read_run_metrics, write_metrics
+from runtime.rundir import RunInfo
 
 
 async def test_rows_are_read_back_by_kind_then_number(tmp_path: Path) -> None:
@@ -40,3 +41,12 @@ async def test_an_unreadable_row_costs_only_itself(tmp_path: Path) -> None:
 def test_names_that_would_escape_their_folder_are_refused(kind: str, name: str) -> None:
     with pytest.raises(ValueError, match="must be letters"):
         metrics_key(kind, name)
+
+
+async def test_a_run_directory_from_before_stored_rows_is_read_from_its_file(tmp_path: Path) -> None:
+    RunInfo(str(tmp_path), "nats://127.0.0.1:1", (tmp_path / "blobs").as_uri(), "", 0, 0.0).write()
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "version": 1}\n{"kind": "eval", "version": 1}\n{"ki')
+    assert await read_run_metrics(tmp_path, kind="eval") == [{"kind": "eval", "version": 1}]
+    async with open_store((tmp_path / "blobs").as_uri()) as store:
+        await write_metrics(store, "train", numbered(2), {"version": 2})
+    assert await read_run_metrics(tmp_path) == [{"kind": "train", "version": 2}], "the store, once it has rows"
