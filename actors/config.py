@@ -147,7 +147,6 @@ class TrainerSection:
     # steps between checkpoints; a crash loses the steps since the last one
     checkpoint_every: int = fixed(1, within=Range(1, 1_000_000))
     keep_checkpoints: int = fixed(2, within=Range(1, 1000))
-    metrics_file: str = "metrics.jsonl"
 
     def __post_init__(self) -> None:
         check_ranges(self, "trainer")

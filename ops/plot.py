@@ -1,12 +1,14 @@
-"""Render a run's learning curve from its own metrics: ``python -m ops.plot RUN_DIR [RUN_DIR ...] --out FILE``.
+"""Render a run's learning curve from its metrics: ``python -m ops.plot RUN_DIR [RUN_DIR ...] --out FILE``.
 
 Held-out pass@1 (at the evaluator's temperature) against wall-clock minutes for each run, with the
-training reward beside it; several runs (seeds) are drawn on the same axes.
+training reward beside it; several runs (seeds) are drawn on the same axes. The rows come from each
+run's blob store, found through its directory's run.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,16 @@ from runtime import metrics_log
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of ``run_dir``'s metrics.jsonl, through the same reader the evaluator uses."""
-    return metrics_log.read_metrics(run_dir / "metrics.jsonl", missing_ok=False)
+    """The rows of the run of ``run_dir`` (its store, found through run.json), as the evaluator reads them.
+
+    Raises:
+        ConfigError: ``run_dir`` is not a run directory.
+        FileNotFoundError: the run has no rows yet.
+    """
+    rows = asyncio.run(metrics_log.read_run_metrics(run_dir))
+    if not rows:
+        raise FileNotFoundError(f"the run of {run_dir} has no metrics in its store yet")
+    return rows
 
 
 def _eval_title(evals: list[dict[str, Any]]) -> str:

@@ -115,6 +115,7 @@ class ActorContext:
     blob: Any = None  # runtime.blob.BlobStore
     run_dir: Any = None
     run: Any = None  # runtime.run_config.RunSection: the run's name, seed and step budget
+    run_id: str = ""  # the run's id (runtime.run_state): stable across resumes, whatever the directory
 
     @property
     def run_steps(self) -> int:

@@ -51,7 +51,7 @@ from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 
 log = structlog.get_logger(__name__)
 
-KV_BUCKETS = ("slots", "config", "actors")
+KV_BUCKETS = ("slots", "config", "actors", "run")  # run: the run's record (runtime.run_state)
 
 
 @dataclass(frozen=True)

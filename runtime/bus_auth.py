@@ -173,7 +173,10 @@ def actor_permissions(role: str, access: BusAccess) -> Permissions:
     # another kind's events into the log ops.tail shows; in the registry, its own kind's leases and
     # handover record only
     own_keys = (registration_key(role, "*"), handover_key(role))
-    publish = [f"log.{role}.*", *_kv_keys("actors", own_keys), *_kv_read("config"), *access.publish]
+    # the run bucket: the run's record (runtime.run_state), which every process reads to find its run, and
+    # the claims of the run's one-time builds (runtime.build_once), which any process may make
+    publish = [f"log.{role}.*", *_kv_keys("actors", own_keys), *_kv_read("config"), *_kv_keys("run", ("build.>",)),
+               *access.publish]
     for bucket in access.kv_read:
         publish += _kv_read(bucket)
     for bucket in access.kv_write:
@@ -188,7 +191,7 @@ def actor_permissions(role: str, access: BusAccess) -> Permissions:
 
 def operator_permissions() -> Permissions:
     """ops commands: control requests, live configuration, the registry, the event log, progress."""
-    publish = ["ctl.>", *_kv_write("config"), *_kv_read("actors"), *stream_reader("LOG")]
+    publish = ["ctl.>", *_kv_write("config"), *_kv_read("actors"), *_kv_read("run"), *stream_reader("LOG")]
     return Permissions(tuple(publish), (f"{inbox_prefix(OPERATOR)}.>", "log.>", "progress.>"),
                        allow_responses=False)
 

@@ -76,6 +76,9 @@ class SupervisorSection:
     ready_timeout_s: float = fixed(120.0, within=Range(0.0, 86_400.0, lo_open=True))
     # nothing acknowledged on any queue for this long: say so, naming the stage (0: off)
     stall_s: float = fixed(600.0, within=Range(0.0, 7 * 24 * 3600.0))
+    # runtime.up holds the run's lease (one supervisor per run), renewed every third of this: a resume
+    # elsewhere waits this long for a killed supervisor's lease to lapse, and is refused by a live one
+    lease_s: float = fixed(15.0, within=Range(1.0, 3600.0))
 
     def __post_init__(self) -> None:
         check_ranges(self, "supervisor")
@@ -230,6 +233,22 @@ def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -
         config_mod.field_at(schema, key)
         config_mod.set_path(app_tree, key, value)
     return RunConfig(runtime, config_mod.build(schema, app_tree), schema)
+
+
+def runtime_from_overrides(overrides: Iterable[str]) -> RuntimeConfig:
+    """The runtime sections that ``key=value`` overrides set (the rest default; application keys and
+    ``actors.*`` ignored): how to reach a run (its bus, its store) before its configuration is read.
+
+    Raises:
+        ConfigError: a runtime key is unknown or its value invalid.
+    """
+    tree: dict[str, Any] = {}
+    for text in overrides:
+        key, value = config_mod.parse_override(text)
+        if key.split(".", 1)[0] in RUNTIME_SECTIONS and not key.startswith("actors."):
+            config_mod.field_at(RuntimeConfig, key)
+            config_mod.set_path(tree, key, value)
+    return config_mod.build(RuntimeConfig, tree)
 
 
 def dump_toml(tree: dict[str, Any]) -> str:

@@ -1,14 +1,21 @@
-"""The run directory: where a run keeps its config, logs, blobs, JetStream data and its address."""
+"""The run directory: one machine's local cache and log folder of a run.
+
+It holds the logs of the processes that ran here, a copy of the resolved configuration and of the
+run's address (``run.json``: bus URL, run id, storage URL, credentials), the trainer's checkpoint
+cache and, for an embedded run, the bus's JetStream store, its credentials and the default
+``file://`` blob store. What a run needs lives on the bus and in the blob store (`runtime.run_state`):
+a run can be resumed from another directory, on another machine, with its bus and storage URLs.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.actor_launch import RunAddress
 from runtime.bus_auth import read_credentials, tls_context
 from runtime.errors import ConfigError
 
@@ -30,6 +37,16 @@ class RunInfo:
     tls_ca_file: str = ""  # a remote bus over TLS: the CA, and the client's certificate and key
     tls_cert_file: str = ""
     tls_key_file: str = ""
+    run_id: str = ""  # empty in a run.json from before run ids: the directory's name was the run's
+
+    @property
+    def run(self) -> str:
+        """The run's id (a run directory from before run ids: its name, which named its weights then)."""
+        return self.run_id or Path(self.run_dir).name
+
+    def address(self) -> RunAddress:
+        return RunAddress(self.nats_url, self.run, self.credentials_dir, self.tls_ca_file, self.tls_cert_file,
+                          self.tls_key_file)
 
     def bus_options(self, role: str) -> dict[str, Any]:
         """``Bus.connect`` keywords for a process of `role`: its credentials and TLS, if the run has them."""
@@ -54,16 +71,14 @@ class RunInfo:
             raise ConfigError(f"{path} is corrupt ({e}); restart the run with --resume") from None
 
 
-def new_run_dir(runs_dir: Path, name: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        candidate = runs_dir / (f"{stamp}-{name}" + (f"-{n}" if n else ""))
-        try:
-            candidate.mkdir(parents=True)
-            return candidate.resolve()
-        except FileExistsError:
-            continue
-    raise ConfigError(f"cannot create a run directory under {runs_dir}")
+def new_run_dir(runs_dir: Path, run_id: str) -> Path:
+    """``runs_dir/<run_id>``, made now (a run id is fresh: the folder must not exist yet)."""
+    candidate = runs_dir / run_id
+    try:
+        candidate.mkdir(parents=True)
+    except FileExistsError:
+        raise ConfigError(f"{candidate} exists already: pass --run-dir for a new folder, or --resume it") from None
+    return candidate.resolve()
 
 
 def latest_run_dir(runs_dir: Path) -> Path | None:

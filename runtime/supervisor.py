@@ -21,7 +21,6 @@ import contextlib
 import enum
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import msgpack
 import structlog
 
 from runtime import health
+from runtime.actor_launch import RunAddress, actor_argv, actor_env
 from runtime.bus import Bus, Inbound
 from runtime.bus_auth import control_subject
 from runtime.errors import BusError
@@ -68,9 +68,10 @@ class ActorProcess:
 
 
 class Supervisor:
-    def __init__(self, config: RuntimeConfig, run_dir: Path, bus: Bus) -> None:
+    def __init__(self, config: RuntimeConfig, run_dir: Path, bus: Bus, address: RunAddress) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.address = address  # what an actor process needs to find the run (runtime.actor_launch)
         self.bus = bus
         self.procs: dict[str, ActorProcess] = {}
         self.outcome = Outcome.RUNNING
@@ -121,15 +122,14 @@ class Supervisor:
         spec = self.config.actors[kind]
         self._counter[kind] += 1
         actor_id = f"{kind}-{self._counter[kind]}-{os.urandom(2).hex()}"
-        env = dict(os.environ)
+        env = actor_env(self.address, kind, os.environ)
         if spec.threads:
             env.update(OMP_NUM_THREADS=str(spec.threads), MKL_NUM_THREADS=str(spec.threads))
         out_path = self.run_dir / "logs" / f"{actor_id}.out"
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with open(out_path, "ab") as out:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "runtime.actor_process", "--run-dir", str(self.run_dir),
-                "--kind", kind, "--id", actor_id, *(["--standby"] if standby else []),
+                *actor_argv(self.address, self.run_dir, kind, actor_id, standby=standby),
                 stdin=asyncio.subprocess.DEVNULL, stdout=out,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
                 env=env)

@@ -1,4 +1,4 @@
-"""Start a run: ``python -m runtime.up [--config run.toml] [--set key=value ...] [--resume RUN_DIR]``.
+"""Start a run: ``python -m runtime.up [--config run.toml] [--set key=value ...] [--resume RUN]``.
 
 Starts the bus (an embedded nats-server in the run directory unless ``bus.url`` names one), creates
 its streams and buckets, starts the supervisor and the actors the configuration lists, and shows
@@ -7,6 +7,11 @@ progress until the run finishes, fails, or is stopped (Ctrl-C or SIGTERM: every 
 The run files name everything the run starts (``actors.<kind>.entry = "package.module:Class"``): the
 runtime knows no application. An application's launcher passes its default run file through
 ``main(default_config=...)`` (``python -m actors`` is the RL trainer's), used when no ``--config`` is given.
+
+A run is named by its id (``<time>-<name>-<hex>``, the run directory's name by default). Its record and
+resolved configuration go to the bus and the blob store (``runtime.run_state``); the run directory is
+this machine's cache and log folder. ``--resume RUN`` takes the run directory, or, on any machine, the
+run id with the bus and storage URLs: ``--resume ID --set bus.url=nats://... --set storage.url=s3://...``.
 Exit status: 0 finished or stopped cleanly, 1 failed, 2 bad configuration.
 """
 
@@ -15,9 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
 import signal
+import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,12 +37,35 @@ import structlog
 import uvloop
 
 from runtime import config as config_mod
+from runtime.blob import open_store
 from runtime.bus import Bus, BusLimits, Inbound
-from runtime.bus_auth import SUPERVISOR, Permissions, actor_permissions, generate_credentials
+from runtime.bus_auth import (
+    SUPERVISOR,
+    Permissions,
+    actor_permissions,
+    generate_credentials,
+)
 from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
+from runtime.kv_lease import KVLease
 from runtime.natsserver import NatsServer, NatsServerConfig
-from runtime.run_config import RunConfig, RuntimeConfig, dump_toml, import_entry, load_run_config
+from runtime.run_config import (
+    RunConfig,
+    RuntimeConfig,
+    dump_toml,
+    import_entry,
+    load_run_config,
+    runtime_from_overrides,
+)
+from runtime.run_state import (
+    RUN_BUCKET,
+    RunConflict,
+    RunRecord,
+    check_run_id,
+    find_run,
+    new_run_id,
+    publish_run,
+)
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
 from runtime.supervisor import Outcome, Supervisor
 from runtime.watchdog import Watchdog
@@ -50,35 +82,66 @@ def parse_args(argv: list[str] | None, prog: str = "python -m runtime.up") -> ar
                    help="TOML run file; repeat to layer files (later wins). Default: the launcher's run, if any")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="override one key, e.g. --set rollout.temperature=0.7 (value read as TOML)")
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR with its saved configuration and state")
-    p.add_argument("--run-dir", type=Path, help="use this (new) directory for the run")
+    p.add_argument("--resume", metavar="RUN",
+                   help="continue a run with its saved configuration and state: its run directory, or its id "
+                        "with its bus and storage (--set bus.url=... --set storage.url=...), from any machine")
+    p.add_argument("--run-dir", type=Path, help="use this (new) directory for the run (or for the resumed run's "
+                                                "cache and logs, when resumed by id)")
     p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N: stop after N steps")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     p.add_argument("--quiet", action="store_true", help="no progress display on the terminal")
     return p.parse_args(argv)
 
 
-def resolve_config(args: argparse.Namespace, default_config: Sequence[Path] = ()) -> tuple[RunConfig, Path | None]:
-    """The run's configuration: the resumed run's saved file, else ``--config`` files, else ``default_config``.
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """A run to continue: its id, and its directory when it is resumed from one (else a fresh one)."""
+
+    run_id: str
+    run_dir: Path | None
+
+
+def resolve_config(args: argparse.Namespace, default_config: Sequence[Path] = ()) -> tuple[RunConfig, Resumed | None]:
+    """The run's configuration: the resumed run's saved one, else ``--config`` files, else ``default_config``.
+
+    A run resumed by its id reads its configuration from its blob store, found through its bus.
 
     Raises:
-        ConfigError: a file is missing or invalid, or there is no run file at all.
+        ConfigError: a file is missing or invalid, there is no run file at all, or the run is not found.
     """
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
+    if args.resume and Path(args.resume).is_dir():
+        run_dir = Path(args.resume).resolve()
+        resumed = Resumed(RunInfo.read(run_dir).run, run_dir)
+        return load_run_config([run_dir / CONFIG_FILE], overrides), resumed
     if args.resume:
-        files = [args.resume / CONFIG_FILE]
-    else:
-        files = list(args.config or default_config)
+        run_id = check_run_id(str(args.resume))
+        text = uvloop.run(fetch_run_config(run_id, overrides))
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = Path(tmp) / CONFIG_FILE
+            saved.write_text(text)
+            return load_run_config([saved], overrides), Resumed(run_id, None)
+    files = list(args.config or default_config)
     if not files:
         raise ConfigError("no run file: pass --config FILE (a TOML file whose [actors.<kind>] sections name the "
                           "entry points), or start the application's launcher, e.g. python -m actors")
-    return load_run_config(files, overrides), args.resume
+    return load_run_config(files, overrides), None
 
 
-async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLog,
+async def fetch_run_config(run_id: str, overrides: Sequence[str]) -> str:
+    """The saved configuration of run ``run_id``, found through its bus (``bus.url``) and store.
+
+    Raises:
+        ConfigError: no bus URL, the bus or its store holds no such run, or the bus is unreachable.
+    """
+    rt = runtime_from_overrides(overrides)
+    _, text, _ = await find_run(run_id, rt.bus, rt.storage, SUPERVISOR)
+    return text
+
+
+async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event_log: EventLog,
                 terminal: IO[str] | None) -> Outcome:
     rt = cfg.runtime
     server: NatsServer | None = None
@@ -97,22 +160,29 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
             stack.push_async_callback(server.stop)
         storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
         info = RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time(),
-                       credentials_dir, rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file)
+                       credentials_dir, rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file, run_id)
         bus = await Bus.connect(url, name="supervisor", limits=BusLimits(ack_wait_s=rt.bus.ack_wait_s),
                                 **info.bus_options(SUPERVISOR))
         stack.push_async_callback(bus.close)
         await bus.ensure_base()
+        lease = await _hold_run(bus, run_id, run_dir, rt.supervisor.lease_s)
+        stack.push_async_callback(lease.release)
+        store = open_store(storage_url, s3_endpoint=rt.storage.s3_endpoint or None)
+        stack.push_async_callback(store.close)
+        record = RunRecord(run_id, rt.run.name, storage_url, rt.storage.s3_endpoint, time.time())
+        await publish_run(bus, store, record, dump_toml(cfg.to_toml_tree()), resumed=resumed)
         await _publish_live_defaults(bus, cfg, resumed)
         info.write()
-        supervisor = Supervisor(rt, run_dir, bus)
+        supervisor = Supervisor(rt, run_dir, bus, info.address())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.request_stop)
-        _announce(terminal, run_dir, url, storage_url, resumed, credentials_dir)
+        _announce(terminal, run_dir, run_id, url, storage_url, resumed, credentials_dir)
         progress = await bus.subscribe(f"{PROGRESS_SUBJECT}.>", _progress_printer(terminal))
         stack.push_async_callback(progress.unsubscribe)  # bounded, and quiet on a closed connection
         async with asyncio.TaskGroup() as tg:
             forwarder = tg.create_task(event_log.forward(bus))
+            leased = tg.create_task(_keep_run(lease, supervisor))
             guard = tg.create_task(_guard_bus(supervisor, bus, server, url, rt.bus.max_outage_s, terminal))
             watchdog = tg.create_task(Watchdog(bus, rt.supervisor.stall_s, sys.stderr).run()) \
                 if rt.supervisor.stall_s else None
@@ -120,6 +190,7 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
                 outcome = await supervisor.run()
             finally:
                 forwarder.cancel()
+                leased.cancel()
                 guard.cancel()
                 if watchdog is not None:
                     watchdog.cancel()
@@ -132,6 +203,35 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
                   + "; ".join(supervisor.unclean_exits), file=sys.stderr, flush=True)
         return outcome
     raise AssertionError("unreachable")
+
+
+SUPERVISOR_LEASE_KEY = "supervisor"
+
+
+async def _hold_run(bus: Bus, run_id: str, run_dir: Path, lease_s: float) -> KVLease:
+    """The run's supervisor lease, so that one runtime.up at a time runs it: taken at once when free,
+    after ``lease_s`` without renewal when its holder was killed.
+
+    Raises:
+        RunConflict: a live runtime.up (it renews the lease) runs the bus's run.
+    """
+    holder = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "run_dir": str(run_dir)}
+    lease = KVLease(bus, RUN_BUCKET, SUPERVISOR_LEASE_KEY, json.dumps(holder).encode(), lease_s)
+    async with asyncio.timeout(4 * lease_s):  # a lease released meanwhile is tried again, a few times at most
+        while not await lease.acquire():
+            current = await lease.holder()
+            if current is not None:
+                raise RunConflict(f"the bus's run is being run by another runtime.up ({current.value.decode()}), "
+                                  "which renews its lease: stop it first (ctl.supervisor.stop or Ctrl-C there)")
+    return lease
+
+
+async def _keep_run(lease: KVLease, supervisor: Supervisor) -> None:
+    """Renews the run's lease; one lost (this process was frozen or cut off longer than the lease, and
+    another runtime.up took the run over) stops this one, failed, so that two never run the run."""
+    await lease.keep()
+    log.error("run_lease_lost", lease_s=lease.lease_s)
+    supervisor.request_stop(Outcome.FAILED, "another runtime.up took the run over: this one lost its lease")
 
 
 async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | None, url: str,
@@ -177,12 +277,12 @@ async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> Non
             await bus.kv_put("config", key, msgpack.packb(value, use_bin_type=True))
 
 
-def _announce(out: IO[str] | None, run_dir: Path, url: str, storage: str, resumed: bool,
+def _announce(out: IO[str] | None, run_dir: Path, run_id: str, url: str, storage: str, resumed: bool,
               credentials_dir: str) -> None:
     if out is None:
         return
     access = f"one user per role in {credentials_dir} (ops: operator.json)" if credentials_dir else "no auth"
-    print(f"{'resumed' if resumed else 'started'} run  {run_dir}\n"
+    print(f"{'resumed' if resumed else 'started'} run  {run_id}  in {run_dir}\n"
           f"  bus        {url}, {access}\n"
           "  control    ctl.supervisor.{status,swap,stop}, ctl.<kind>.<actor-id>.{ping,status,drain}\n"
           f"  storage    {storage}\n"
@@ -215,31 +315,48 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _run_dir_for(cfg: RunConfig, resumed: Resumed | None, given: Path | None) -> tuple[str, Path]:
+    """The run's id and this machine's directory of it: the resumed one's, ``--run-dir``, or a new one."""
+    if resumed is not None and resumed.run_dir is not None:
+        return resumed.run_id, resumed.run_dir
+    run_id = resumed.run_id if resumed is not None else new_run_id(cfg.runtime.run.name)
+    if given is not None:
+        run_dir = given.resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_id, run_dir
+    return run_id, new_run_dir(cfg.runtime.run.runs_dir, run_id)
+
+
 def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
          prog: str = "python -m runtime.up") -> int:
     """Run ``python -m runtime.up`` with ``argv``; ``default_config``: the run files used when none is given."""
     args = parse_args(argv, prog)
     try:
-        cfg, resume_dir = resolve_config(args, default_config)
+        cfg, resumed = resolve_config(args, default_config)
     except ConfigError as e:
         print(f"configuration error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
         print(dump_toml(cfg.to_toml_tree()), end="")
         return 0
-    if resume_dir is not None:
-        run_dir = resume_dir.resolve()
-    elif args.run_dir is not None:
-        run_dir = args.run_dir.resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
-    else:
-        run_dir = new_run_dir(cfg.runtime.run.runs_dir, cfg.runtime.run.name)
-    (run_dir / CONFIG_FILE).write_text(dump_toml(cfg.to_toml_tree()))
+    try:
+        run_id, run_dir = _run_dir_for(cfg, resumed, args.run_dir)
+    except ConfigError as e:
+        print(f"configuration error: {e}", file=sys.stderr)
+        return 2
+    # The storage resolved into the saved configuration: a run resumed from elsewhere finds its store
+    # there, not under its new directory.
+    storage = dataclasses.replace(cfg.runtime.storage, url=cfg.runtime.storage.url or (run_dir / "blobs").as_uri())
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, storage=storage))
+    (run_dir / CONFIG_FILE).write_text(dump_toml(cfg.to_toml_tree()))  # this machine's copy
     event_log = EventLog(run_dir / "logs" / "supervisor.jsonl", "supervisor", "supervisor", cfg.runtime.log)
     event_log.install()
     terminal = None if args.quiet else sys.stdout
     try:
-        outcome = uvloop.run(serve(cfg, run_dir, resume_dir is not None, event_log, terminal))
+        outcome = uvloop.run(serve(cfg, run_dir, run_id, resumed is not None, event_log, terminal))
+    except ConfigError as e:  # the bus or the store belongs to another run, or another runtime.up runs this one
+        print(f"configuration error: {e}", file=sys.stderr)
+        return 2
     finally:
         event_log.close()
     return 1 if outcome is Outcome.FAILED else 0

@@ -1,8 +1,10 @@
 """Where a run's policy comes from: a checkpoint directory, or the built-in starting policy (built once
-and cached); the trainer's copy computes its experts in ``policy.experts_precision``."""
+for the whole run, whichever process on whichever machine needs it first: ``runtime.build_once``);
+the trainer's copy computes its experts in ``policy.experts_precision``."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import structlog
@@ -11,10 +13,15 @@ from actors.config import PolicySection
 from kernels.experts import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
 from model.transformer import MoETransformer
+from runtime.actor import ActorContext
+from runtime.blob import put_tree, tree_exists
+from runtime.build_once import BUILDS_PREFIX, build_once
+from runtime.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["checkpoint_dir", "load_policy", "use_training_precision", "weights_run_name"]
+__all__ = ["checkpoint_dir", "load_policy", "load_run_policy", "run_checkpoint_dir", "use_training_precision",
+           "weights_run_name"]
 
 _PRECISION = {"reference": ExpertsPrecision.REFERENCE, "emulated": ExpertsPrecision.EMULATED,
               "triton": ExpertsPrecision.TRITON}
@@ -28,11 +35,35 @@ def checkpoint_dir(section: PolicySection) -> Path:
     return ensure_starting_policy(section.cache_dir)
 
 
-def load_policy(section: PolicySection, *, training: bool = False) -> MoETransformer:
-    """The run's policy. Only the trainer's copy (``training``) computes its experts in
-    ``policy.experts_precision``; rollout and evaluation decode with the plain model, as an inference
-    engine would, and router replay carries the rollout's expert choices into the quantized forward."""
-    path = checkpoint_dir(section)
+async def run_checkpoint_dir(ctx: ActorContext, section: PolicySection) -> Path:
+    """The run's starting checkpoint for an actor: ``policy.checkpoint``; else the built-in starting
+    policy from this machine (its cache, or the copy shipped with the code), else from the run's blob
+    store, else built now, once for the whole run (the other processes wait for it)."""
+    if section.checkpoint:
+        return Path(section.checkpoint)
+    from actors.training.starting_policy import build_starting_policy, default_recipe, find_starting_policy
+
+    recipe = default_recipe()
+    found, name = find_starting_policy(section.cache_dir, recipe)
+    if found is not None:
+        if found.parent == Path(section.cache_dir) and not await tree_exists(ctx.blob, f"{BUILDS_PREFIX}/{name}"):
+            await put_tree(ctx.blob, found, f"{BUILDS_PREFIX}/{name}")  # built here before: other machines fetch it
+        return found
+    return await build_once(ctx.bus, ctx.blob, name, lambda out: build_starting_policy(out, recipe),
+                            Path(section.cache_dir), owner=ctx.identity.actor_id)
+
+
+async def load_run_policy(ctx: ActorContext, section: PolicySection, *, training: bool = False) -> MoETransformer:
+    """`load_policy` of the run's starting checkpoint (`run_checkpoint_dir`), for an actor."""
+    path = await run_checkpoint_dir(ctx, section)
+    return await asyncio.to_thread(load_policy, section, training=training, path=path)
+
+
+def load_policy(section: PolicySection, *, training: bool = False, path: Path | None = None) -> MoETransformer:
+    """The policy at ``path`` (default: `checkpoint_dir`). Only the trainer's copy (``training``) computes
+    its experts in ``policy.experts_precision``; rollout and evaluation decode with the plain model, as an
+    inference engine would, and router replay carries the rollout's expert choices into the quantized forward."""
+    path = path or checkpoint_dir(section)
     _, model = load_checkpoint(path)
     if training:
         use_training_precision(model, section)
@@ -48,6 +79,12 @@ def use_training_precision(model: MoETransformer, section: PolicySection) -> MoE
     return model
 
 
-def weights_run_name(run_dir: Path) -> str:
-    """The weight tree's run name: the run directory's name, unique per run and stable across resumes."""
-    return Path(run_dir).name
+def weights_run_name(ctx: ActorContext) -> str:
+    """The weight tree's run name: the run's id, unique per run and the same on every machine and resume.
+
+    Raises:
+        ConfigError: the actor's context names no run (an actor built outside runtime.actor_process).
+    """
+    if not ctx.run_id:
+        raise ConfigError("the actor's context has no run id: start it through runtime.actor_process")
+    return ctx.run_id

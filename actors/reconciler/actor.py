@@ -72,7 +72,7 @@ class ReconcilerActor(Actor):
         self.order_codec = Codec(all_order_types())
         self.heartbeat_codec = Codec([WorkHeartbeat, WorkHeartbeats])
         self.exhausted_codec = Codec([DataExhausted])
-        self.run_name = weights_run_name(self.ctx.run_dir)
+        self.run_name = weights_run_name(self.ctx)
         self.announced_exhausted = False
         self._warn_if_steps_exceed_data()
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time

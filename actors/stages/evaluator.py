@@ -2,13 +2,13 @@
 
 It follows ``weights.<run>`` like a rollout actor (same delta path), evaluates version 0 before
 training moves, then every ``eval.every_versions`` versions and the run's last version; each result
-is a ``{"kind": "eval"}`` row in metrics.jsonl and a progress line. The last version is the step
-budget's (``run.steps``) or, when the dataset's last epoch ends first, the one the reconciler names
-in its ``DataExhausted`` message; the evaluator finishes the run once it has evaluated it, so the
-final figure is always there.
+is an eval row in the run's metrics (in its blob store: ``runtime.metrics_log``) and a progress line.
+The last version is the step budget's (``run.steps``) or, when the dataset's last epoch ends first,
+the one the reconciler names in its ``DataExhausted`` message; the evaluator finishes the run once it
+has evaluated it, so the final figure is always there.
 
 Every due version is evaluated, in order, whatever the evaluator's speed or restarts: a version
-whose row is not in metrics.jsonl (an evaluation interrupted by a kill, or versions announced while
+whose row is not in the metrics (an evaluation interrupted by a kill, or versions announced while
 it was down or busy) is loaded exactly and evaluated before newer ones, as long as the store keeps
 its weights (``weights_gc`` keeps the newest 16 versions and their chains).
 """
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import msgpack
 import structlog
 
-from actors.agent.policy import load_policy, weights_run_name
+from actors.agent.policy import load_run_policy, weights_run_name
 from actors.agent.weights_follower import WeightsFollower
 from actors.config import RLConfig
 from actors.messages import DataExhausted, data_exhausted_subject
@@ -39,7 +38,7 @@ from runtime.actor import Actor
 from runtime.bus import Inbound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
-from runtime.metrics_log import append_metrics, read_metrics
+from runtime.metrics_log import numbered, read_metrics, write_metrics
 from runtime.supervisor import SUPERVISOR_SUBJECT
 
 log = structlog.get_logger(__name__)
@@ -57,15 +56,14 @@ class EvaluatorActor(Actor):
         catalog = TaskCatalog.build(self.config.tasks)
         self.tasks, self.train_source = catalog.heldout, catalog
         self.tokenizer = ByteTokenizer()
-        self.run_name = weights_run_name(self.ctx.run_dir)
-        self.metrics_path = Path(self.ctx.run_dir) / self.config.trainer.metrics_file
-        self.engine = GenerationEngine(await asyncio.to_thread(load_policy, self.config.policy),
+        self.run_name = weights_run_name(self.ctx)
+        self.engine = GenerationEngine(await load_run_policy(self.ctx, self.config.policy),
                                        EngineConfig(max_batch_size=self.config.eval.concurrency),
                                        detokenize=self.tokenizer.decode)
         await self.engine.start()
         self.exit_stack.push_async_callback(self.engine.stop)
         self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
-        self.evaluated = {int(r["version"]) for r in read_metrics(self.metrics_path, kind="eval")}
+        self.evaluated = {int(r["version"]) for r in await read_metrics(self.ctx.blob, kind="eval")}
         self.weights = WeightsFollower(self.bus, self.ctx.blob, self.run_name, self.engine)
         await self.weights.start(self.exit_stack)
         self.exhausted_at: int | None = None  # the last version, once the reconciler says the data ran out
@@ -129,7 +127,7 @@ class EvaluatorActor(Actor):
 
     async def _finish_if_last_evaluated(self) -> None:
         """The run's last version is evaluated (just now, or before this process was restarted: its row
-        is in metrics.jsonl): ask the supervisor to finish the run, once per process."""
+        is in the metrics): ask the supervisor to finish the run, once per process."""
         last = self.last_version
         if last is None or self.finish_requested or not any(v >= last for v in self.evaluated):
             return
@@ -147,7 +145,7 @@ class EvaluatorActor(Actor):
                                 samples_per_task=e.samples_per_task)
         summary = result.summary()
         row = {"kind": "eval", "time": time.time(), "version": version, "temperature": e.temperature, **summary}
-        await asyncio.to_thread(append_metrics, self.metrics_path, row)
+        await write_metrics(self.ctx.blob, "eval", numbered(row["version"]), row)
         self.evaluated.add(version)
         log.info("heldout_evaluated", version=version, **{k: v for k, v in summary.items() if k != "by_difficulty"})
         progress = {"heldout_pass@1": round(summary["pass_at_1"], 3), "eval_version": version}

@@ -18,7 +18,7 @@ import structlog
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent.episode import Trajectory, run_episode
-from actors.agent.policy import load_policy, weights_run_name
+from actors.agent.policy import load_run_policy, weights_run_name
 from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RolloutDone, RolloutOrder
@@ -58,8 +58,8 @@ class RolloutActor(StageActor):
         cfg = self.config
         self.tasks = TaskCatalog.build(cfg.tasks)
         self.tokenizer = ByteTokenizer()
-        self.run_name = weights_run_name(self.ctx.run_dir)
-        policy = await asyncio.to_thread(load_policy, cfg.policy)  # may build the starting policy once
+        self.run_name = weights_run_name(self.ctx)
+        policy = await load_run_policy(self.ctx, cfg.policy)  # may build the starting policy once
         self.engine = GenerationEngine(policy, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                                        detokenize=self.tokenizer.decode)
         await self.engine.start()

@@ -6,8 +6,10 @@ trained and some untrained groups or group records that are not the groups it na
 training now would break the staleness bound; otherwise load the group checkpoints, take one learner step, save
 weights + optimizer + trained batch ids (safetensors, HF layout), and hand a bf16 copy of the
 weights to the publisher, which encodes and uploads the delta in the background and then signals
-``weights.<run>``. Per-step metrics go to ``metrics.jsonl`` in the run directory and to the live
-progress display.
+``weights.<run>``. Checkpoints are kept in the run's blob store (``actors.training.checkpoint_store``;
+the run directory's ``checkpoints/`` is this machine's cache), so a trainer resumes from them on any
+machine. Per-step metrics go to the store's ``metrics/train/`` (``runtime.metrics_log``) and to the
+live progress display.
 
 Weights durability: a version is announced only after its manifest (written last) is in the store,
 and the checkpoint of that version is saved before its upload starts. A trainer killed anywhere in
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,19 +33,26 @@ import msgpack
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.policy import load_policy, use_training_precision, weights_run_name
+from actors.agent.policy import load_run_policy, use_training_precision, weights_run_name
 from actors.agent.weights_follower import weights_subject
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import TrainDone, TrainOrder
 from actors.records import GroupRecord
+from actors.training.checkpoint_store import (
+    download_checkpoint,
+    prune_checkpoints,
+    stored_checkpoints,
+    upload_checkpoint,
+)
 from actors.training.learner import Learner, StepMetrics
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
 from model.weight_sync.manifest import manifest_key
 from runtime.actor import Delivery
+from runtime.blob import BlobNotFound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
-from runtime.metrics_log import append_metrics, read_metrics
+from runtime.metrics_log import metrics_key, numbered, write_metrics
 
 log = structlog.get_logger(__name__)
 
@@ -55,7 +63,7 @@ class StepBudgetReached(RuntimeError):
     """The run trained its ``run.steps``; further batches stay queued for a resumed run."""
 
 
-PENDING_ROW = "pending-train-row.json"  # in the checkpoint directory: the last step's row until it is in metrics
+PENDING_ROW = "trainer/pending-train-row.json"  # in the store: the last step's row until it is in the metrics
 
 
 class TrainerActor(StageActor):
@@ -64,19 +72,18 @@ class TrainerActor(StageActor):
 
     async def setup(self) -> None:
         cfg = self.config
-        self.checkpoints = Path(self.ctx.run_dir) / "checkpoints"
+        self.checkpoints = Path(self.ctx.run_dir) / "checkpoints"  # this machine's cache of the stored ones
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        latest = Learner.latest_checkpoint(self.checkpoints)
+        latest = await self._latest_checkpoint()
         num_steps = self.ctx.run_steps  # the length of a cosine lr schedule
         if latest is not None:
             self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps)
             use_training_precision(self.learner.model, cfg.policy)
         else:
-            model = await asyncio.to_thread(load_policy, cfg.policy, training=True)
+            model = await load_run_policy(self.ctx, cfg.policy, training=True)
             self.learner = Learner(model, cfg.trainer, num_steps=num_steps)
-        self.metrics_path = Path(self.ctx.run_dir) / cfg.trainer.metrics_file
-        await asyncio.to_thread(self._recover_pending_row)
-        self.run_name = weights_run_name(self.ctx.run_dir)
+        await self._recover_pending_row()
+        self.run_name = weights_run_name(self.ctx)
         self.publisher_config = PublisherConfig(run=self.run_name)
         self.publisher = WeightPublisher(self.ctx.blob, self.publisher_config)
         await self.exit_stack.enter_async_context(self.publisher)
@@ -138,33 +145,47 @@ class TrainerActor(StageActor):
         self.num_samples += metrics.num_samples
         row = self._row(metrics, order, busy_s=self.busy_s + time.monotonic() - started)
         # The step's row is written before its checkpoint: a trainer killed between the checkpoint and
-        # metrics.jsonl appends it when it restarts (`_recover_pending_row`), once, and never twice.
-        await asyncio.to_thread(_write_json, self.checkpoints / PENDING_ROW, row)
+        # the metrics get it when it restarts (`_recover_pending_row`), once, and never twice.
+        await self.ctx.blob.put(PENDING_ROW, json.dumps(row).encode())
         if learner.version % self.config.trainer.checkpoint_every == 0:
-            await asyncio.to_thread(learner.save, self.checkpoints)
+            await self._save_checkpoint()
         self.busy_s += time.monotonic() - started
         # Upload runs in the background; the order is acked once the new version is announced.
         delivery.task_group.create_task(self._signal_when_uploaded(self._publish()))
         await self._report(row)
-        (self.checkpoints / PENDING_ROW).unlink(missing_ok=True)
+        await self.ctx.blob.delete(PENDING_ROW)
         return TrainDone(order.batch_id, order.attempt, learner.version)
 
-    def _recover_pending_row(self) -> None:
-        """The row of the step a killed trainer checkpointed but had not reported yet goes to metrics.jsonl
-        now (a row of a step not checkpointed is dropped: that step is trained again)."""
-        path = self.checkpoints / PENDING_ROW
+    async def _latest_checkpoint(self) -> Path | None:
+        """The newest checkpoint in the run's store, fetched into the local cache; a run from before
+        checkpoints were stored: the newest in the run directory's ``checkpoints/``."""
+        names = await stored_checkpoints(self.ctx.blob)
+        if names:
+            return await download_checkpoint(self.ctx.blob, names[-1], self.checkpoints)
+        return Learner.latest_checkpoint(self.checkpoints)
+
+    async def _save_checkpoint(self) -> None:
+        """Saves the learner (``Learner.save``, into the local cache) and stores it in the run's store:
+        the step counts as checkpointed once the stored copy's manifest is written."""
+        saved = await asyncio.to_thread(self.learner.save, self.checkpoints)
+        await upload_checkpoint(self.ctx.blob, saved)
+        await prune_checkpoints(self.ctx.blob, self.config.trainer.keep_checkpoints)
+
+    async def _recover_pending_row(self) -> None:
+        """The row of the step a killed trainer checkpointed but had not reported yet goes to the metrics
+        now (a row of a step not checkpointed is dropped: that step is trained again, and its row
+        replaces any row of its version)."""
         try:
-            row = json.loads(path.read_text())
-        except FileNotFoundError:
+            row = json.loads(await self.ctx.blob.get(PENDING_ROW))
+        except BlobNotFound:
             return
-        except ValueError:  # cut short by the kill: its step was not checkpointed either
+        except ValueError:  # unreadable: its step is not trusted to be checkpointed either
             row = {}
         version = self.learner.version
-        reported = {r.get("version") for r in read_metrics(self.metrics_path, kind="train")}
-        if row.get("version") == version and version not in reported:
-            append_metrics(self.metrics_path, row)
+        if row.get("version") == version and not await self.ctx.blob.exists(metrics_key("train", numbered(version))):
+            await write_metrics(self.ctx.blob, "train", numbered(version), row)
             log.info("train_row_recovered", version=version, batch_id=row.get("batch_id"))
-        path.unlink()
+        await self.ctx.blob.delete(PENDING_ROW)
 
     def _publish(self) -> tuple[int, asyncio.Future[PublishedVersion]]:
         # The step's whole share of publishing: one copy into recycled bf16 buffers.
@@ -201,7 +222,7 @@ class TrainerActor(StageActor):
                 "trainer_utilisation": busy_s / wall if wall > 0 else 0.0}
 
     async def _report(self, row: dict[str, Any]) -> None:
-        await asyncio.to_thread(append_metrics, self.metrics_path, row)
+        await write_metrics(self.ctx.blob, "train", numbered(row["version"]), row)
         log.info("train_step", **{k: v for k, v in row.items() if k not in ("lag_histogram", "kind", "group_ids")})
         lag = f"{row['lag_min']}..{row['lag_max']}"
         progress = {"step": row["version"], "reward": round(row["reward_mean"], 3), "pass": round(row["pass_rate"], 3),
@@ -209,8 +230,3 @@ class TrainerActor(StageActor):
                     "util": round(row["trainer_utilisation"], 2)}
         await self.bus.publish("progress.train", msgpack.packb(progress, use_bin_type=True))
 
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)

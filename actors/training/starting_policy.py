@@ -258,13 +258,34 @@ def _matches(directory: Path, recipe_hash: str) -> bool:
     return card.recipe_hash == recipe_hash and (directory / "model.safetensors").is_file()
 
 
+def find_starting_policy(
+    cache_dir: str | os.PathLike[str],
+    recipe: StartingPolicyRecipe,
+    *,
+    shipped_dir: str | os.PathLike[str] | None = SHIPPED_DIR,
+) -> tuple[Path | None, str]:
+    """The checkpoint directory of `recipe` on this machine, without building it: in
+    `cache_dir/<name>` or in `shipped_dir` (else None); and `<name>`, ``starting-policy-<hash>``.
+    A run builds what is missing once for all its processes (`actors.agent.policy.run_checkpoint_dir`)."""
+    recipe_hash = recipe.recipe_hash()
+    name = f"starting-policy-{recipe_hash[:16]}"
+    target = Path(cache_dir) / name
+    if _matches(target, recipe_hash):
+        return target, name
+    if shipped_dir is not None and _matches(Path(shipped_dir), recipe_hash):
+        log.info("starting_policy_shipped", directory=str(shipped_dir))
+        return Path(shipped_dir), name
+    return None, name
+
+
 def ensure_starting_policy(
     cache_dir: str | os.PathLike[str],
     recipe: StartingPolicyRecipe | None = None,
     *,
     shipped_dir: str | os.PathLike[str] | None = SHIPPED_DIR,
 ) -> Path:
-    """The checkpoint directory of `recipe` (default: `default_recipe()`), building it if needed.
+    """The checkpoint directory of `recipe` (default: `default_recipe()`), building it if needed, outside
+    a run (the command line, tests; a run builds through its bus and store: `find_starting_policy`).
 
     Looks in `cache_dir/starting-policy-<hash>`, then in `shipped_dir`; on a miss builds into the cache
     (a temporary directory renamed into place, under a file lock, so concurrent callers build once).
@@ -272,12 +293,10 @@ def ensure_starting_policy(
     recipe = recipe or default_recipe()
     recipe_hash = recipe.recipe_hash()
     cache = Path(cache_dir)
-    target = cache / f"starting-policy-{recipe_hash[:16]}"
-    if _matches(target, recipe_hash):
-        return target
-    if shipped_dir is not None and _matches(Path(shipped_dir), recipe_hash):
-        log.info("starting_policy_shipped", directory=str(shipped_dir))
-        return Path(shipped_dir)
+    found, name = find_starting_policy(cache_dir, recipe, shipped_dir=shipped_dir)
+    if found is not None:
+        return found
+    target = cache / name
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".starting-policy.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -9,7 +9,8 @@ idempotent ``delete``, streaming of large objects (``put_stream`` / ``get_stream
 :class:`BlobNotFound` (a ``KeyError``) for missing keys and ``ValueError`` for unsafe keys. The
 S3 backend retries transient errors with exponential backoff and raises :class:`BlobUnavailable`
 (a ``ConnectionError``) once its attempts are spent. ``runtime.blob.testing`` starts a real moto
-S3 server and a fault-injecting proxy for tests.
+S3 server and a fault-injecting proxy for tests. ``put_tree`` / ``get_tree`` store a directory as a
+whole (its manifest written last).
 """
 
 from __future__ import annotations
@@ -27,18 +28,25 @@ from runtime.blob._base import (
 )
 from runtime.blob._file import FileBlobStore
 from runtime.blob._s3 import S3BlobStore
+from runtime.blob._tree import MANIFEST, CorruptTree, delete_tree, get_tree, put_tree, tree_exists
 
 __all__ = [
+    "MANIFEST",
     "BlobError",
     "BlobNotFound",
     "BlobStore",
     "BlobStoreConfig",
     "BlobUnavailable",
+    "CorruptTree",
     "FileBlobStore",
     "S3BlobStore",
     "StreamSource",
+    "delete_tree",
+    "get_tree",
     "open_store",
+    "put_tree",
     "store_from_config",
+    "tree_exists",
     "validate_key",
 ]
 

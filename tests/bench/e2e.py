@@ -15,7 +15,7 @@ run's, so no held-out evaluation takes CPU from the measured stages; since it is
 finishes a run with a step budget, the bench itself stops each run (SIGTERM to runtime.up: every
 actor drains) once the trainer's metrics show the last step.
 
-Figures per mode, from the trainer's rows in ``<run_dir>/metrics.jsonl``:
+Figures per mode, from the trainer's rows in the run's metrics (its blob store):
 - ``steady``: steps 2..N over the wall time from the first to the last train row (start-up and the
   first batch's pipeline fill excluded): trained samples/s, and trainer utilisation = sum of the
   steps' ``step_s`` (the learner's forward/backward/optimizer time) over that wall time.
@@ -34,6 +34,7 @@ two runs may see different loads. Prints ONE JSON line on stdout; progress goes 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
@@ -50,7 +51,7 @@ from typing import Any
 import structlog
 
 from actors.__main__ import DEFAULT_RUN_FILE
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import read_run_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -168,7 +169,7 @@ def choose_policy(args: argparse.Namespace, work_dir: Path) -> tuple[str, Path]:
 
 # --- one run ---------------------------------------------------------------------------------------
 def train_rows(run_dir: Path) -> list[dict[str, Any]]:
-    return read_metrics(run_dir / "metrics.jsonl", kind="train")
+    return asyncio.run(read_run_metrics(run_dir, kind="train"))
 
 
 def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, work_dir: Path) -> dict[str, Any]:

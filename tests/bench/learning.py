@@ -19,6 +19,7 @@ progress goes to stderr. Run on a quiet machine: the budget is wall-clock on 2 c
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import read_run_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 MIN_GAIN = 0.15
@@ -46,7 +47,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
-    rows = read_metrics(run_dir / "metrics.jsonl", kind="eval", missing_ok=False)
+    rows = asyncio.run(read_run_metrics(run_dir, kind="eval"))
+    if not rows:
+        raise FileNotFoundError(f"the run of {run_dir} has no eval rows")
     return sorted((int(r["version"]), float(r["pass_at_1"])) for r in rows)
 
 

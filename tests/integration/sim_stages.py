@@ -299,7 +299,7 @@ class SimRolloutActor(_SimStage):
         self.ledger = await TrainerLedger.open(self.bus)
         self.version = await self.ledger.version()  # a restart resumes at it
         self.weights_codec = Codec([WeightsPublished])
-        subject = f"weights.{weights_run_name(self.ctx.run_dir)}"
+        subject = f"weights.{weights_run_name(self.ctx)}"
         sub = await self.bus.nc.subscribe(subject, cb=self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
@@ -426,7 +426,7 @@ class SimTrainActor(_SimStage):
         state, _ = await self.ledger.load()
         self.version, self.num_trained_batches = state["version"], len(state["trained"])
         self.weights_codec = Codec([WeightsPublished])
-        self.run_name = weights_run_name(self.ctx.run_dir)
+        self.run_name = weights_run_name(self.ctx)
 
     async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
         state, revision = await self.ledger.load()

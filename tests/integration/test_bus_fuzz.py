@@ -30,7 +30,6 @@ from typing import Any
 import msgpack
 import pytest
 
-from actors.agent.policy import weights_run_name
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, WorkHeartbeat, all_order_types
 from actors.reconciler.slot import Slot, SlotState, Stage
 from actors.reconciler.store import SLOT_PREFIX
@@ -291,7 +290,7 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
                 await connect_anonymously(info.nats_url)
         roles = ["reconciler", "rollout", "reward", "grouping", "trainer", OPERATOR]
         async with contextlib_all(info, roles) as clients:
-            sent = await fuzz(clients, Fuzzer(seed=11, run_name=weights_run_name(run.run_dir)), actors)
+            sent = await fuzz(clients, Fuzzer(seed=11, run_name=run.info.run), actors)
             assert sum(sent.values()) >= NUM_MESSAGES
             assert {"work", "done", "heartbeat", "weights", "data_exhausted", "ctl", "$KV.config",
                     "$KV.actors"} <= set(sent)

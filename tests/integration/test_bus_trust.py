@@ -17,7 +17,6 @@ import msgpack
 import nats.errors
 import pytest
 
-from actors.agent.policy import weights_run_name
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, all_order_types
 from actors.reconciler.store import META_KEY
 from actors.reconciler.work import MetaRecord, RolloutDone, TrainDone, TrainOrder
@@ -65,7 +64,7 @@ async def test_spoofs_on_a_live_run_are_refused_and_the_run_ends_as_undisturbed(
         assert run.bus is not None and run.info is not None
         info, bus = run.info, run.bus
         completions, orders = Codec(COMPLETION_TYPES), Codec(all_order_types())
-        run_name = weights_run_name(run.run_dir)
+        run_name = run.info.run
 
         # no credentials: the server refuses the connection itself
         with pytest.raises(Exception, match=r"(?i)authorization"):

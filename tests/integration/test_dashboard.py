@@ -26,7 +26,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from ops.dashboard.prometheus import DOCUMENTED
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import read_run_metrics
 from tests.integration.harness import REPO, LiveRun, run_events, until
 from tests.integration.test_e2e import _short_run, starting_policy  # noqa: F401 - the fixture
 
@@ -189,7 +189,7 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         assert _console_errors(browser) == []
     finally:
         await run.stop()  # drains every actor: what was trained is in the run's files
-    trained = [r["version"] for r in read_metrics(run.run_dir / "metrics.jsonl", kind="train")]
+    trained = [r["version"] for r in await read_run_metrics(run.run_dir, kind="train")]
     assert len(trained) >= first + 2
 
     # the finished run, from its files (the live page's reconnect attempts to the stopped run are not errors)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from actors.__main__ import DEFAULT_RUN_FILE
 from actors.records import RolloutRecord, decode_record
 from actors.training.starting_policy import ensure_starting_policy
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import read_run_metrics
 from tests.integration.harness import REPO, LiveRun, write_config
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -59,8 +59,8 @@ def _short_run(tmp_path: Path, seed: int, steps: int, checkpoint: Path) -> list[
     return [DEFAULT_RUN_FILE, overlay]
 
 
-def _rows(run_dir: Path, kind: str) -> list[dict]:
-    return read_metrics(run_dir / "metrics.jsonl", kind=kind)
+async def _rows(run_dir: Path, kind: str) -> list[dict]:
+    return await read_run_metrics(run_dir, kind=kind)
 
 
 async def _wait_finished(run: LiveRun, timeout_s: float) -> int:
@@ -75,8 +75,8 @@ async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) 
         assert await _wait_finished(run, 300) == 0, run.output()
     finally:
         await run.stop()
-    train = _rows(run.run_dir, "train")
-    evals = _rows(run.run_dir, "eval")
+    train = await _rows(run.run_dir, "train")
+    evals = await _rows(run.run_dir, "eval")
     assert [r["version"] for r in train] == [1, 2, 3, 4], "versions advanced one per step"
     assert {e["version"] for e in evals} >= {0, 4}, "held-out evaluation at the start and at the end"
     assert any(r["num_versions_in_batch"] >= 2 for r in train), "samples of 2+ policy versions trained together"
@@ -128,8 +128,9 @@ async def test_a_run_whose_data_runs_out_first_ends_after_its_final_evaluation(
         assert await _wait_finished(run, 300) == 0, run.output()
     finally:
         await run.stop()
-    assert [r["version"] for r in _rows(run.run_dir, "train")] == [1, 2]
-    assert {e["version"] for e in _rows(run.run_dir, "eval")} == {0, 2}, "evaluated at the start and the last version"
+    assert [r["version"] for r in await _rows(run.run_dir, "train")] == [1, 2]
+    evaluated = {e["version"] for e in await _rows(run.run_dir, "eval")}
+    assert evaluated == {0, 2}, "evaluated at the start and the last version"
     supervisor = [json.loads(line) for line in (run.run_dir / "logs" / "supervisor.jsonl").read_text().splitlines()]
     (finish,) = [e for e in supervisor if e["event"] == "run_finish_requested"]
     assert finish["reason"] == "data exhausted"
@@ -157,22 +158,20 @@ async def test_kill_9_of_stage_actors_loses_no_sample(tmp_path: Path, starting_p
         assert await _wait_finished(run, 360) == 0, run.output()
     finally:
         await run.stop()
-    assert [r["version"] for r in _rows(run.run_dir, "train")] == [1, 2, 3, 4, 5]
+    assert [r["version"] for r in await _rows(run.run_dir, "train")] == [1, 2, 3, 4, 5]
     supervisor = (run.run_dir / "logs" / "supervisor.jsonl").read_text()
     assert supervisor.count('"actor_crashed"') == 3 and supervisor.count('"actor_restarted"') == 3
-    assert_every_prompt_accounted(run.run_dir, steps=5)
+    await assert_every_prompt_accounted(run.run_dir, steps=5)
 
 
-def assert_every_prompt_accounted(run_dir: Path, steps: int) -> None:
+async def assert_every_prompt_accounted(run_dir: Path, steps: int) -> None:
     """Every admitted prompt is trained once or accounted for: the trainer ledger and the durable table agree,
     no batch and no group trained twice."""
     state = json.loads(sorted((run_dir / "checkpoints").glob("step-*"))[-1].joinpath("trainer_state.json").read_text())
     assert len(state["trained_batches"]) == len(set(state["trained_batches"])) == steps
     trained_groups: list[str] = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row["kind"] == "train":
-            trained_groups += row["group_ids"]
+    for row in await _rows(run_dir, "train"):
+        trained_groups += row["group_ids"]
     assert len(trained_groups) == len(set(trained_groups)), "no group trained twice"
     (accounting,) = [
         json.loads(line)

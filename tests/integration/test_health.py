@@ -193,7 +193,7 @@ async def test_a_rollout_actor_whose_real_engine_wedges_is_replaced_and_the_run_
         assert await asyncio.wait_for(asyncio.to_thread(run.proc.wait), 600) == 0, run.output()
     finally:
         await run.stop()
-    assert_every_prompt_accounted(run.run_dir, steps=3)
+    await assert_every_prompt_accounted(run.run_dir, steps=3)
     started = {e["actor"] for e in run_events(run.run_dir, "actor_running") if e.get("kind") == "rollout"}
     assert replaced["new_id"] in started, "the replacement served the rest of the run"
 

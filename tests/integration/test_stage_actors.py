@@ -27,6 +27,7 @@ from model.transformer import MoETransformer
 from runtime.bus import DONE_QUEUE
 from runtime.bus_auth import control_subject
 from runtime.codec import Codec
+from runtime.metrics_log import read_run_metrics
 from tests.integration.harness import LiveRun, write_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -108,8 +109,8 @@ async def test_one_batch_through_every_stage(tmp_path: Path) -> None:
         await run.bus.publish_durable("work.train", await orders.encode(made_up))
         forged = await next_done()
         assert isinstance(forged, TrainDone) and forged.trainer_version == 1, "a group is trained at most once"
-        metrics = (run.run_dir / "metrics.jsonl").read_text().splitlines()
-        assert len(metrics) == 1 and '"version": 1' in metrics[0]
+        metrics = await read_run_metrics(run.run_dir)
+        assert [(r["kind"], r["version"]) for r in metrics] == [("train", 1)]
         assert any((run.run_dir / "checkpoints").glob("step-0000001"))
         await asyncio.sleep(1.0)
         swapped = [line for f in (run.run_dir / "logs").glob("rollout-*.jsonl")

@@ -41,7 +41,8 @@ from model.weight_sync import SubscriberConfig, WeightSubscriber
 from runtime.blob import open_store
 from runtime.bus import DONE_QUEUE
 from runtime.codec import Codec
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import read_run_metrics
+from runtime.rundir import RunInfo
 from sandbox._mount import mounts_under
 from tests.integration.faulty_actors import EVALUATOR_KILLED_AT, TRAINER_KILLS
 from tests.integration.harness import LiveRun, run_events, write_config
@@ -165,14 +166,14 @@ async def test_the_trainer_killed_at_each_point_of_its_sequence_and_the_run_stil
     state = json.loads(max((run_dir / "checkpoints").glob("step-*")).joinpath("trainer_state.json").read_text())
     assert state["version"] == NUM_VERSIONS
     assert state["trained_batches"] == [f"b{v}" for v in range(1, NUM_VERSIONS + 1)], "each batch trained once"
-    train_versions = sorted(r["version"] for r in read_metrics(run_dir / "metrics.jsonl", kind="train"))
+    train_versions = sorted(r["version"] for r in await read_run_metrics(run_dir, kind="train"))
     assert train_versions == list(range(1, NUM_VERSIONS + 1)), f"each step reported once: {train_versions}"
-    evaluated = sorted(r["version"] for r in read_metrics(run_dir / "metrics.jsonl", kind="eval"))
+    evaluated = sorted(r["version"] for r in await read_run_metrics(run_dir, kind="eval"))
     assert evaluated == list(range(NUM_VERSIONS + 1)), f"each version evaluated once: {evaluated}"
     assert EVALUATOR_KILLED_AT in evaluated
 
     async with open_store(f"file://{run_dir / 'blobs'}") as store:
-        reader = WeightSubscriber(store, SubscriberConfig(run=run_dir.name))
+        reader = WeightSubscriber(store, SubscriberConfig(run=RunInfo.read(run_dir).run))
         assert await reader.versions() == list(range(NUM_VERSIONS + 1)), "every version published and whole"
         reader.close()
     announced = sorted({e["version"] for e in run_events(run_dir, "weights_announced")}

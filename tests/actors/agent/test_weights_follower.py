@@ -19,7 +19,9 @@ from model.weight_sync import PublisherConfig, WeightPublisher, manifest_key
 from runtime.blob import BlobStore, open_store
 from runtime.bus import Inbound
 from runtime.codec import Codec
-from runtime.metrics_log import read_metrics
+from runtime.errors import ConfigError
+from runtime.metrics_log import numbered, read_metrics, write_metrics
+from runtime.rundir import RunInfo
 from tests.model.helpers import seeded_model, small_config
 
 CONFIG = small_config(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)
@@ -141,14 +143,14 @@ async def test_reaching_a_version_waits_for_its_announcement_and_no_longer_than_
 async def test_evaluator_and_plot_read_metrics_through_one_reader(tmp_path: Path) -> None:
     from ops.plot import read_metrics as plot_read
 
-    path = tmp_path / "metrics.jsonl"
-    assert read_metrics(path) == []
-    path.write_text('{"kind": "train", "version": 1}\n{"kind": "eval", "version": 0}\n{"kind": "ev')
-    assert read_metrics(path, kind="eval") == [{"kind": "eval", "version": 0}]
-    assert plot_read(tmp_path) == [{"kind": "train", "version": 1}, {"kind": "eval", "version": 0}]
-    try:
-        plot_read(tmp_path / "nope")
-    except FileNotFoundError as e:
-        assert "run directory" in str(e)
-    else:
-        raise AssertionError("a missing run directory must be reported")
+    storage = (tmp_path / "blobs").as_uri()
+    RunInfo(str(tmp_path), "nats://127.0.0.1:1", storage, "", 0, 0.0, run_id="r1").write()
+    async with open_store(storage) as store:
+        assert await read_metrics(store) == []
+        await write_metrics(store, "train", numbered(1), {"version": 1})
+        await write_metrics(store, "eval", numbered(0), {"version": 0})
+        assert await read_metrics(store, kind="eval") == [{"kind": "eval", "version": 0}]
+    assert await asyncio.to_thread(plot_read, tmp_path) == [{"kind": "eval", "version": 0},
+                                                             {"kind": "train", "version": 1}]
+    with pytest.raises(ConfigError, match="run directory"):
+        await asyncio.to_thread(plot_read, tmp_path / "nope")
