@@ -12,6 +12,7 @@ from pathlib import Path
 from actors.agent.episode import AgentConfig
 from actors.reconciler.scheduling import SchedulingConfig
 from actors.training.lr_schedule import LRSchedule
+from model.device import check_device_spec
 from runtime.config import Range, check_ranges, fixed, live
 from sandbox.task_generator import count_tasks
 
@@ -32,9 +33,13 @@ class PolicySection:
     checkpoint: str = ""  # a local HF-layout directory; empty: the built-in starting policy
     cache_dir: Path = Path("runs/_cache")  # where the built-in starting policy is built once and kept
     experts_precision: str = "reference"  # reference | emulated | triton (kernels/)
+    # where the rollout engine, the evaluator and the trainer compute: auto (CUDA when the process was
+    # given a GPU, else the CPU) | cpu | cuda | cuda:N
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         check_ranges(self, "policy")
+        check_device_spec(self.device)
         if self.experts_precision not in ("reference", "emulated", "triton"):
             raise ValueError(f"experts_precision={self.experts_precision!r}: use reference, emulated or triton")
 

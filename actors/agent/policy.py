@@ -10,6 +10,7 @@ import structlog
 from actors.config import PolicySection
 from kernels.experts import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
+from model.device import resolve_device
 from model.transformer import MoETransformer
 
 log = structlog.get_logger(__name__)
@@ -33,10 +34,12 @@ def load_policy(section: PolicySection, *, training: bool = False) -> MoETransfo
     ``policy.experts_precision``; rollout and evaluation decode with the plain model, as an inference
     engine would, and router replay carries the rollout's expert choices into the quantized forward."""
     path = checkpoint_dir(section)
+    device = resolve_device(section.device)
     _, model = load_checkpoint(path)
+    model = model.to(device)
     if training:
         use_training_precision(model, section)
-    log.info("policy_loaded", path=str(path), training=training)
+    log.info("policy_loaded", path=str(path), training=training, device=str(device))
     return model
 
 

@@ -39,6 +39,7 @@ from actors.reconciler.slot import Stage
 from actors.reconciler.work import TrainDone, TrainOrder
 from actors.records import GroupRecord
 from actors.training.learner import Learner, StepMetrics
+from model.device import resolve_device
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
 from model.weight_sync.manifest import manifest_key
 from runtime.actor import Delivery
@@ -61,6 +62,10 @@ PENDING_ROW = "pending-train-row.json"  # in the checkpoint directory: the last 
 class TrainerActor(StageActor):
     bus_access = BusAccess(publish=("weights.*", "progress.train"))  # the only one to announce weights
     stage = Stage.TRAIN
+    max_count = 1
+    max_count_reason = ("two trainers would take orders from one queue and train diverging copies of the policy; "
+                        "for more trainer processes set actors.trainer.ranks = N (one torch.distributed group, "
+                        "data and expert parallel)")
 
     async def setup(self) -> None:
         cfg = self.config
@@ -69,7 +74,8 @@ class TrainerActor(StageActor):
         latest = Learner.latest_checkpoint(self.checkpoints)
         num_steps = self.ctx.run_steps  # the length of a cosine lr schedule
         if latest is not None:
-            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps)
+            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps,
+                                                   resolve_device(cfg.policy.device))
             use_training_precision(self.learner.model, cfg.policy)
         else:
             model = await asyncio.to_thread(load_policy, cfg.policy, training=True)

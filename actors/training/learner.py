@@ -111,6 +111,7 @@ class Learner:
 
     def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0, num_steps: int = 0) -> None:
         self.model = model.train()
+        self.device = next(model.parameters()).device  # policy.device: the caller placed the model
         self.config = config
         self.version = version
         self.schedule = LRSchedule.for_run(config.lr_schedule, config.lr, config.lr_min_ratio, num_steps)
@@ -188,8 +189,9 @@ class Learner:
     def _forward_loss(self, samples: Sequence[GroupSample]
                       ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, float]:
         """The loss of ``samples``, its metrics, the per-position log-probs, the batch and the replay fraction."""
-        batch = pack_sequences([s.trajectory.token_ids for s in samples])
-        behaviour, temperatures, mask, advantages, replay = _aligned(samples, batch.num_tokens)
+        batch = pack_sequences([s.trajectory.token_ids for s in samples]).to(self.device)
+        behaviour, temperatures, mask, advantages, replay = (
+            t.to(self.device) for t in _aligned(samples, batch.num_tokens))
         loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
         logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay,
                                     temperatures)
@@ -272,9 +274,11 @@ class Learner:
         return done[-1] if done else None
 
     @classmethod
-    def load(cls, path: Path, config: TrainerSection, num_steps: int = 0) -> Learner:
-        """The learner saved at ``path``; its schedule continues from the saved version."""
+    def load(cls, path: Path, config: TrainerSection, num_steps: int = 0,
+             device: torch.device | str = "cpu") -> Learner:
+        """The learner saved at ``path``, on ``device``; its schedule continues from the saved version."""
         _, model = load_checkpoint(path)
+        model = model.to(device)
         state = json.loads((path / STATE_FILE).read_text())
         learner = cls(model, config, int(state["version"]), num_steps)
         learner.trained_batches = list(state["trained_batches"])
@@ -316,7 +320,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> di
     for p, state in opt.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
-                out[f"{names[id(p)]}.{key}"] = state[key].contiguous()
+                out[f"{names[id(p)]}.{key}"] = state[key].contiguous().cpu()
     return out
 
 
@@ -329,5 +333,5 @@ def _load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors:
                     steps: int) -> None:
     for name, p in model.named_parameters():
         if f"{name}.exp_avg" in tensors:
-            opt.state[p] = {"step": torch.tensor(float(steps)), "exp_avg": tensors[f"{name}.exp_avg"].clone(),
-                            "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].clone()}
+            opt.state[p] = {"step": torch.tensor(float(steps)), "exp_avg": tensors[f"{name}.exp_avg"].to(p.device),
+                            "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(p.device)}
