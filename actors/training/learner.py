@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from actors.config import TrainerSection
 from actors.records import GroupRecord, GroupSample
 from actors.training.lr_schedule import LRSchedule
+from actors.training.ranks import RankGroup
 from actors.training.step_guard import (
     NonFiniteStage,
     NonFiniteStep,
@@ -51,8 +52,8 @@ from actors.training.step_guard import (
 )
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.loss import PolicyLossConfig, PolicyLossMetrics, packed_logprobs, policy_loss, token_entropy
-from model.packing import PackedBatch, pack_sequences
-from model.router import RouterReplayConfig
+from model.packing import PackedBatch, SequenceCost, pack_sequences
+from model.router import RouterReplayConfig, RoutingStats
 from model.transformer import MoETransformer
 
 log = structlog.get_logger(__name__)
@@ -107,9 +108,16 @@ class Learner:
         config: the trainer section; ``lr``, ``lr_schedule`` and ``lr_min_ratio`` make the schedule.
         version: the policy version of ``model`` (a resumed checkpoint's).
         num_steps: the run's step budget (``run.steps``; 0: unbounded), the length of a cosine schedule.
+        ranks: this process's place in the trainer's process group (actors.training.ranks); every rank
+            builds its learner from the same full model and is given the same batches: each computes its
+            share and the step is the one a single rank would take. Default: one rank.
     """
 
-    def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0, num_steps: int = 0) -> None:
+    def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0, num_steps: int = 0,
+                 ranks: RankGroup | None = None) -> None:
+        self.ranks = ranks or RankGroup.single()
+        model = self.ranks.prepare(model)  # its expert shard only, when experts are spread over ranks
+        self.cost = SequenceCost.for_model(model.config)
         self.model = model.train()
         self.device = next(model.parameters()).device  # policy.device: the caller placed the model
         self.config = config
@@ -186,12 +194,17 @@ class Learner:
             skipped=refused.stage.value if refused else "",
             non_finite_sample_ids=refused.sample_ids if refused else ())
 
-    def _forward_loss(self, samples: Sequence[GroupSample]
-                      ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, float]:
-        """The loss of ``samples``, its metrics, the per-position log-probs, the batch and the replay fraction."""
+    def _forward_loss(
+        self, samples: Sequence[GroupSample], *, masked: bool = False
+    ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, RoutingStats, torch.Tensor]:
+        """The loss of ``samples``, its metrics, the per-position log-probs, the batch, the replay counters and
+        the importance ratios of the trained tokens. ``masked``: every token out of the loss (a rank without a
+        sequence of its own joins the collectives with one, contributing exactly 0)."""
         batch = pack_sequences([s.trajectory.token_ids for s in samples]).to(self.device)
         behaviour, temperatures, mask, advantages, replay = (
             t.to(self.device) for t in _aligned(samples, batch.num_tokens))
+        if masked:
+            mask = torch.zeros_like(mask)
         loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
         logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay,
                                     temperatures)
@@ -201,7 +214,9 @@ class Learner:
                 ref, _ = packed_logprobs(self.reference, batch, replay, self.router_replay, temperatures)
         entropy = token_entropy(out.logits.detach(), temperatures)
         loss, m = policy_loss(logp, behaviour, advantages, mask, loss_cfg, ref, entropy)
-        return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, out.routing_stats.replaced_fraction
+        ratios = torch.exp((logp.detach() - behaviour)[mask])
+        stats = RoutingStats() if masked else out.routing_stats
+        return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, stats, ratios
 
     def _optimize(
         self, samples: Sequence[GroupSample]
@@ -210,30 +225,39 @@ class Learner:
         fraction, the number of tokens packed, and why the step was refused (None when applied)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        refused = non_finite_inputs(samples)
+        refused = non_finite_inputs(samples)  # every rank sees every sample: the same verdict everywhere
         if refused is not None:
             return torch.tensor(float("nan")), _NO_TOKENS, float("nan"), 0.0, 0, refused
-        loss, m, scored, batch, replaced = self._forward_loss(samples)
-        if not bool(torch.isfinite(loss)):
-            culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens, samples)
-            refused = NonFiniteStep(NonFiniteStage.LOSS, culprits or sample_ids(samples),
-                                    f"loss={float(loss.detach())}")
-            return loss, m, float("nan"), replaced, batch.num_tokens, refused
+        ranks = self.ranks
+        share = [samples[i] for i in ranks.my_share([len(s.trajectory.token_ids) for s in samples], self.cost)]
+        loss, m, scored, batch, stats, ratios = self._forward_loss(share or samples[:1], masked=not share)
+        share_tokens = batch.num_tokens if share else 0
+        num_tokens = int(ranks.sum(share_tokens))
+        m = ranks.combine_loss_metrics(m, ratios)
+        replaced = ranks.combine_routing(stats).replaced_fraction
+        total_loss = torch.tensor(ranks.sum(float(loss.detach())))
+        if ranks.any(not bool(torch.isfinite(loss))):
+            culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens, share)
+            named = tuple(n for part in ranks.gather(culprits if share else ()) for n in part)  # type: ignore[attr-defined]
+            refused = NonFiniteStep(NonFiniteStage.LOSS, named or sample_ids(samples), f"loss={float(total_loss)}")
+            return total_loss, m, float("nan"), replaced, num_tokens, refused
         loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        ranks.reduce_gradients(self.model)
+        grad_norm = ranks.clip_gradients(self.model, self.config.grad_clip)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            refused = NonFiniteStep(NonFiniteStage.GRADIENT, self._samples_with_non_finite_gradient(samples),
-                                    f"grad_norm={grad_norm}")
-            return loss, m, grad_norm, replaced, batch.num_tokens, refused
+            # naming the samples takes a backward per sample: collectives could not pair up across ranks
+            culprits = sample_ids(samples) if ranks.distributed else self._samples_with_non_finite_gradient(samples)
+            refused = NonFiniteStep(NonFiniteStage.GRADIENT, culprits, f"grad_norm={grad_norm}")
+            return total_loss, m, grad_norm, replaced, num_tokens, refused
         rollback = Rollback(self.model, self.optimizer)
         self.optimizer.step()
         bad = non_finite_parameters(self.model, self.optimizer)
-        if bad:
+        if ranks.any(bool(bad)):
             rollback.restore()
             refused = NonFiniteStep(NonFiniteStage.UPDATE, sample_ids(samples),
-                                    f"non-finite after the update: {bad[:8]}")
-        return loss, m, grad_norm, replaced, batch.num_tokens, refused
+                                    f"non-finite after the update: {bad[:8] or 'on another rank'}")
+        return total_loss, m, grad_norm, replaced, num_tokens, refused
 
     def _samples_with_non_finite_gradient(self, samples: Sequence[GroupSample]) -> tuple[str, ...]:
         """Each sample's own backward, to name those whose gradient is not finite (only on a failed step)."""
