@@ -38,7 +38,8 @@ from safetensors.torch import load_file, save_file
 from actors.config import TrainerSection
 from actors.records import GroupRecord, GroupSample
 from actors.training.lr_schedule import LRSchedule
-from actors.training.ranks import RankGroup
+from actors.training.ranks import RankGroup, is_expert_param
+from actors.training.sharded_checkpoint import is_sharded, read_config, read_shards, shard_tensors, write_shard
 from actors.training.step_guard import (
     NonFiniteStage,
     NonFiniteStep,
@@ -50,7 +51,7 @@ from actors.training.step_guard import (
     sample_ids,
     samples_at_positions,
 )
-from model.checkpoint import load_checkpoint, save_checkpoint
+from model.checkpoint import load_checkpoint, load_state_into, save_checkpoint
 from model.loss import PolicyLossConfig, PolicyLossMetrics, packed_logprobs, policy_loss, token_entropy
 from model.packing import PackedBatch, SequenceCost, pack_sequences
 from model.router import RouterReplayConfig, RoutingStats
@@ -274,22 +275,60 @@ class Learner:
 
     # --- state ----------------------------------------------------------------------------------
     def save(self, directory: Path) -> Path:
-        """Writes weights (HF safetensors), optimizer moments and trainer state; visible atomically."""
+        """Writes weights (HF safetensors), optimizer moments and trainer state; visible atomically.
+
+        With several ranks every rank calls it: each writes its shard (actors.training.sharded_checkpoint)
+        and rank 0 makes the checkpoint visible once all are written."""
         bad = non_finite_parameters(self.model, self.optimizer)
-        if bad:  # unreachable through step(); a checkpoint must never carry them
-            raise NonFiniteWeights(f"refusing to save version {self.version}: non-finite values in {bad[:8]}")
+        if self.ranks.any(bool(bad)):  # unreachable through step(); a checkpoint must never carry them
+            raise NonFiniteWeights(f"refusing to save version {self.version}: non-finite values in "
+                                   f"{bad[:8] or 'another rank'}")
         final = directory / f"step-{self.version:07d}"
+        if self.ranks.distributed:
+            return self._save_sharded(directory, final)
         tmp = directory / f".tmp-step-{self.version:07d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(self.model, tmp)
         save_file(_optimizer_tensors(self.optimizer, self.model), str(tmp / "optimizer.safetensors"))
-        (tmp / STATE_FILE).write_text(json.dumps({
-            "version": self.version, "trained_batches": self.trained_batches, "trained_groups": self.trained_groups,
-            "optimizer_steps": _optimizer_steps(self.optimizer), "lr": self.optimizer.param_groups[0]["lr"]}))
+        (tmp / STATE_FILE).write_text(json.dumps(self._state()))
+        self._publish_checkpoint(tmp, final, directory)
+        return final
+
+    def _state(self) -> dict[str, Any]:
+        return {"version": self.version, "trained_batches": self.trained_batches, "trained_groups": self.trained_groups,
+                "optimizer_steps": _optimizer_steps(self.optimizer), "lr": self.optimizer.param_groups[0]["lr"],
+                "world_size": self.ranks.layout.world_size, "expert_parallel": self.ranks.layout.expert_parallel}
+
+    def _publish_checkpoint(self, tmp: Path, final: Path, directory: Path) -> None:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(directory.glob("step-*"))[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def _save_sharded(self, directory: Path, final: Path) -> Path:
+        layout, model = self.ranks.layout, self.model
+        tmp = directory / f".tmp-step-{self.version:07d}-ranks"
+        if layout.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a group killed while writing left it
+            tmp.mkdir(parents=True)
+        self.ranks.barrier()
+        shard = getattr(model, "expert_shard", None)
+        first = shard.first if shard is not None else 0
+        tie = model.config.tie_word_embeddings
+        names = {id(p): n for n, p in model.named_parameters()}
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            per_param = {names[id(p)]: st[key] for p, st in self.optimizer.state.items() if key in st}
+            moments.update(shard_tensors(per_param, layout, first, tie, suffix=f".{key}"))
+        write_shard(tmp, layout, shard_tensors(dict(model.named_parameters()), layout, first, tie), moments)
+        self.ranks.barrier()  # every shard is on disk
+        if layout.rank == 0:
+            hf_config = model.config.to_hf_dict()
+            hf_config["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+            (tmp / STATE_FILE).write_text(json.dumps(self._state()))
+            self._publish_checkpoint(tmp, final, directory)
+        self.ranks.barrier()  # visible to every rank before any returns
         return final
 
     @classmethod
@@ -299,15 +338,23 @@ class Learner:
 
     @classmethod
     def load(cls, path: Path, config: TrainerSection, num_steps: int = 0,
-             device: torch.device | str = "cpu") -> Learner:
-        """The learner saved at ``path``, on ``device``; its schedule continues from the saved version."""
-        _, model = load_checkpoint(path)
+             device: torch.device | str = "cpu", ranks: RankGroup | None = None) -> Learner:
+        """The learner saved at ``path``, on ``device``, as rank ``ranks`` (any rank count: the one that saved
+        it or another); its schedule continues from the saved version."""
+        if is_sharded(path):
+            model_config = read_config(path)
+            weights, moments = read_shards(path, model_config)
+            model = MoETransformer(model_config)
+            load_state_into(model, weights)
+        else:
+            _, model = load_checkpoint(path)
+            moments = load_file(str(path / "optimizer.safetensors"))
         model = model.to(device)
         state = json.loads((path / STATE_FILE).read_text())
-        learner = cls(model, config, int(state["version"]), num_steps)
+        learner = cls(model, config, int(state["version"]), num_steps, ranks)
         learner.trained_batches = list(state["trained_batches"])
         learner.trained_groups = {str(g): int(v) for g, v in state.get("trained_groups", {}).items()}
-        _load_optimizer(learner.optimizer, learner.model, load_file(str(path / "optimizer.safetensors")),
+        _load_optimizer(learner.optimizer, learner.model, _local_moments(moments, learner.model),
                         int(state["optimizer_steps"]))
         log.info("learner_resumed", path=str(path), version=learner.version,
                  num_trained_batches=len(learner.trained_batches))
@@ -336,6 +383,15 @@ def _aligned(samples: Sequence[GroupSample], num_tokens: int
         replay_rows.append(t.topk_ids_TLK[:n].long())
         offset += n
     return behaviour, temperatures, mask, advantages, torch.cat(replay_rows, dim=0)
+
+
+def _local_moments(moments: dict[str, torch.Tensor], model: MoETransformer) -> dict[str, torch.Tensor]:
+    """Whole-model moments cut to the experts ``model`` holds (all of them without expert parallelism)."""
+    shard = getattr(model, "expert_shard", None)
+    if shard is None:
+        return moments
+    return {k: v[shard.first:shard.first + shard.num_local] if is_expert_param(k.rsplit(".", 1)[0]) else v
+            for k, v in moments.items()}
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -128,6 +128,10 @@ class RankGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
     def sum(self, value: float) -> float:
         if not self.distributed:
             return value

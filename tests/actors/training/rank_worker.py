@@ -37,6 +37,8 @@ def full_state(learner: Learner) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in learner.model.named_parameters():
         for key, t in ((name, p.detach()), (f"{name}.grad", p.grad)):
+            if t is None:  # not stepped yet (a learner just loaded)
+                continue
             t = t.clone()
             if is_expert_param(name) and layout.expert_parallel > 1:
                 parts = [torch.empty_like(t) for _ in range(layout.world_size)]
@@ -64,5 +66,49 @@ def main(rank: int, world_size: int, expert_parallel: int, replay: bool, kl_coef
         state, metrics = step_once(RankLayout(rank, world_size, expert_parallel), replay, kl_coef)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def gathered_moments(learner: Learner) -> dict[str, torch.Tensor]:
+    """Adam moments of every parameter (``<name>.exp_avg`` / ``.exp_avg_sq``), expert shards gathered."""
+    layout = learner.ranks.layout
+    names = {id(p): n for n, p in learner.model.named_parameters()}
+    out = {}
+    for p, state in learner.optimizer.state.items():
+        name = names[id(p)]
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = state[key].clone()
+            if is_expert_param(name) and layout.expert_parallel > 1:
+                parts = [torch.empty_like(t) for _ in range(layout.world_size)]
+                dist.all_gather(parts, t.contiguous())
+                t = torch.cat([parts[r] for r in layout.expert_group_ranks])
+            out[f"{name}.{key}"] = t
+    return out
+
+
+def checkpoint_main(rank: int, world_size: int, expert_parallel: int, mode: str, checkpoints: str, rendezvous: str,
+                    out: str) -> None:
+    """``save``: one step, then a (sharded) checkpoint; ``load``: the newest checkpoint at this rank count.
+    Rank 0 writes the whole state, moments, version and ledger after it."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        ranks = RankGroup(RankLayout(rank, world_size, expert_parallel))
+        config = TrainerSection(lr=LR)
+        if mode == "save":
+            model = starting_model()
+            learner = Learner(copy.deepcopy(model), config, ranks=ranks)
+            learner.step(batch(model), "b0")
+            learner.save(Path(checkpoints))
+        else:
+            latest = Learner.latest_checkpoint(Path(checkpoints))
+            assert latest is not None
+            learner = Learner.load(latest, config, ranks=ranks)
+        state = {k: v for k, v in full_state(learner).items() if not k.endswith(".grad")}
+        moments = gathered_moments(learner)
+        if rank == 0:
+            torch.save({"state": state, "moments": moments, "version": learner.version,
+                        "trained_groups": learner.trained_groups}, Path(out))
     finally:
         dist.destroy_process_group()
