@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,12 @@ from model.loss import PolicyLossMetrics
 from model.packing import SequenceCost, assign_to_ranks
 from model.router import RoutingStats
 from model.transformer import MoETransformer
+from model.weight_sync.sharding import rank_part
 
-__all__ = ["RankGroup", "RankLayout"]
+__all__ = ["RankGroup", "RankLayout", "weights_to_publish"]
+
+T = TypeVar("T")
+_STACKED_TO_PROJ = {"w_gate_EFD": "gate_proj", "w_up_EFD": "up_proj", "w_down_EDF": "down_proj"}
 
 _EXPERT_PARAMS = ("w_gate_EFD", "w_up_EFD", "w_down_EDF")
 
@@ -139,6 +144,26 @@ class RankGroup:
         dist.all_reduce(t)
         return float(t.item())
 
+    def broadcast_plan(self, plan: T | None) -> T | None:
+        """Rank 0's ``plan`` (what to train next; None: stop) on every rank; the others pass None."""
+        if not self.distributed:
+            return plan
+        box = [plan if self.layout.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def read_share(self, keys: Sequence[str], read: Callable[[str], T]) -> list[T]:
+        """Every record of ``keys``, in order, on every rank; each rank reads only its share from storage
+        (keys[i] by rank i mod W) and the group exchanges them."""
+        if not self.distributed:
+            return [read(k) for k in keys]
+        world, rank = self.layout.world_size, self.layout.rank
+        mine = {i: read(keys[i]) for i in range(rank, len(keys), world)}
+        merged: dict[int, T] = {}
+        for part in self.gather(mine):
+            merged.update(part)  # type: ignore[arg-type]
+        return [merged[i] for i in range(len(keys))]
+
     def gather(self, obj: object) -> list[object]:
         if not self.distributed:
             return [obj]
@@ -206,6 +231,27 @@ class RankGroup:
     def combine_routing(self, stats: RoutingStats) -> RoutingStats:
         parts = self.gather(stats)
         return sum(parts[1:], parts[0])  # type: ignore[arg-type,return-value]
+
+
+def weights_to_publish(model: MoETransformer, layout: RankLayout) -> dict[str, torch.Tensor]:
+    """The tensors rank ``layout.rank`` publishes of each version (model.weight_sync: every rank uploads its
+    part, readers assemble all parts). Dense tensors are split over all ranks by bytes (``rank_part``:
+    each encodes and uploads 1/W); experts held by a rank of the first expert group go out under their
+    per-expert HF names with their global index (``checked_state`` turns the assembled names back into
+    this model's). Without expert parallelism every tensor is dense."""
+    state = model.state_dict()
+    if layout.expert_parallel == 1:
+        return rank_part(state, layout.rank, layout.world_size)
+    dense = {n: t for n, t in state.items() if not is_expert_param(n)}
+    out = rank_part(dense, layout.rank, layout.world_size)
+    shard = getattr(model, "expert_shard", None)
+    if shard is not None and layout.rank < layout.expert_parallel:
+        for name, tensor in state.items():
+            if is_expert_param(name):
+                prefix, stacked = name.rsplit(".", 1)
+                for e in range(tensor.shape[0]):
+                    out[f"{prefix}.experts.{shard.first + e}.{_STACKED_TO_PROJ[stacked]}.weight"] = tensor[e]
+    return out
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -110,5 +111,28 @@ def checkpoint_main(rank: int, world_size: int, expert_parallel: int, mode: str,
         if rank == 0:
             torch.save({"state": state, "moments": moments, "version": learner.version,
                         "trained_groups": learner.trained_groups}, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_main(rank: int, world_size: int, rendezvous: str, out_dir: str) -> None:
+    """Rank 0 broadcasts a plan naming 5 group keys; every rank reads its share and gets all 5 records;
+    then rank 0 broadcasts the stop (None)."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        ranks = RankGroup(RankLayout(rank, world_size))
+        plan = ranks.broadcast_plan({"batch_id": "b7", "keys": [f"groups/g{i}" for i in range(5)]} if rank == 0
+                                    else None)
+        reads: list[str] = []
+
+        def read(key: str) -> str:
+            reads.append(key)
+            return f"record of {key}"
+
+        assert plan is not None
+        records = ranks.read_share(plan["keys"], read)
+        stop = ranks.broadcast_plan(None)
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps({"plan": plan, "reads": reads, "records": records, "stop": stop}))
     finally:
         dist.destroy_process_group()
