@@ -150,6 +150,14 @@ class TrainerSection:
     checkpoint_every: int = fixed(1, within=Range(1, 1_000_000))
     keep_checkpoints: int = fixed(2, within=Range(1, 1000))
     metrics_file: str = "metrics.jsonl"
+    # with actors.trainer.ranks = N: experts spread over groups of this many ranks (divides N and the
+    # policy's num_experts; 1: every rank holds every expert, pure data parallel)
+    expert_parallel: int = fixed(1, within=Range(1, 4096))
+    # the trainer ranks find each other through the bus within this, or the process fails (and is restarted)
+    rendezvous_timeout_s: float = fixed(300.0, within=Range(1.0, 86_400.0))
+    # a rank that lives and never joins a collective (a dead one breaks it at once): ranks > 0 wait for
+    # rank 0's next plan at most this long, past the run's longest pause between steps (the evaluation)
+    collective_timeout_s: float = fixed(3600.0, within=Range(1.0, 7 * 86_400.0))
 
     def __post_init__(self) -> None:
         check_ranges(self, "trainer")

@@ -157,12 +157,20 @@ class RankGroup:
         (keys[i] by rank i mod W) and the group exchanges them."""
         if not self.distributed:
             return [read(k) for k in keys]
-        world, rank = self.layout.world_size, self.layout.rank
-        mine = {i: read(keys[i]) for i in range(rank, len(keys), world)}
+        return self.exchange({i: read(keys[i]) for i in self.share_of(len(keys))}, len(keys))
+
+    def share_of(self, num_items: int) -> range:
+        """The indices of ``num_items`` this rank reads (i mod W = rank)."""
+        return range(self.layout.rank, num_items, self.layout.world_size)
+
+    def exchange(self, mine: dict[int, T], num_items: int) -> list[T]:
+        """Every rank's share put together, in index order, on every rank."""
+        if not self.distributed:
+            return [mine[i] for i in range(num_items)]
         merged: dict[int, T] = {}
         for part in self.gather(mine):
             merged.update(part)  # type: ignore[arg-type]
-        return [merged[i] for i in range(len(keys))]
+        return [merged[i] for i in range(num_items)]
 
     def gather(self, obj: object) -> list[object]:
         if not self.distributed:
