@@ -37,3 +37,8 @@ def test_ranks_for_a_kind_that_is_not_a_process_group_are_refused() -> None:
 def test_a_malformed_device_is_refused_when_the_config_is_read() -> None:
     with pytest.raises(ConfigError, match=r"policy\.device='gpu'"):
         load_run_config([RUN_FILE], ["policy.device=gpu"])
+
+
+def test_the_trainer_takes_ranks() -> None:
+    cfg = load_run_config([RUN_FILE], ["actors.trainer.ranks=4", "trainer.expert_parallel=2"])
+    assert cfg.runtime.actors["trainer"].ranks == 4 and cfg.app.trainer.expert_parallel == 2
