@@ -12,6 +12,7 @@ from pathlib import Path
 from actors.agent.episode import AgentConfig
 from actors.reconciler.scheduling import SchedulingConfig
 from actors.training.lr_schedule import LRSchedule
+from model.device import check_device_spec
 from runtime.config import Range, check_ranges, fixed, live
 from sandbox.task_generator import count_tasks
 
@@ -32,9 +33,13 @@ class PolicySection:
     checkpoint: str = ""  # a local HF-layout directory; empty: the built-in starting policy
     cache_dir: Path = Path("runs/_cache")  # where the built-in starting policy is built once and kept
     experts_precision: str = "reference"  # reference | emulated | triton (kernels/)
+    # where the rollout engine, the evaluator and the trainer compute: auto (CUDA when the process was
+    # given a GPU, else the CPU) | cpu | cuda | cuda:N
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         check_ranges(self, "policy")
+        check_device_spec(self.device)
         if self.experts_precision not in ("reference", "emulated", "triton"):
             raise ValueError(f"experts_precision={self.experts_precision!r}: use reference, emulated or triton")
 
@@ -147,6 +152,14 @@ class TrainerSection:
     # steps between checkpoints; a crash loses the steps since the last one
     checkpoint_every: int = fixed(1, within=Range(1, 1_000_000))
     keep_checkpoints: int = fixed(2, within=Range(1, 1000))
+    # with actors.trainer.ranks = N: experts spread over groups of this many ranks (divides N and the
+    # policy's num_experts; 1: every rank holds every expert, pure data parallel)
+    expert_parallel: int = fixed(1, within=Range(1, 4096))
+    # the trainer ranks find each other through the bus within this, or the process fails (and is restarted)
+    rendezvous_timeout_s: float = fixed(300.0, within=Range(1.0, 86_400.0))
+    # a rank that lives and never joins a collective (a dead one breaks it at once): ranks > 0 wait for
+    # rank 0's next plan at most this long, past the run's longest pause between steps (the evaluation)
+    collective_timeout_s: float = fixed(3600.0, within=Range(1.0, 7 * 86_400.0))
 
     def __post_init__(self) -> None:
         check_ranges(self, "trainer")

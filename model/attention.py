@@ -55,7 +55,7 @@ class AttentionBatch:
         return cls(
             seq_lens=tuple(int(n) for n in seq_lens),
             past_lens=(0,) * len(seq_lens),
-            position_ids_T=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long),
+            position_ids_T=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=device),
         )
 
     @classmethod
@@ -151,8 +151,9 @@ class Attention(nn.Module):
             if past == 0:
                 o[sl] = _sdpa_runs(q[sl], k[sl], v[sl], (n,))
                 continue
-            keys, vals = cache.read(layer, [slot], torch.tensor([slot]), past + n)
-            mask = torch.arange(past + n)[None, :] <= torch.arange(past, past + n)[:, None]
+            keys, vals = cache.read(layer, [slot], torch.tensor([slot], device=q.device), past + n)
+            positions = torch.arange(past + n, device=q.device)
+            mask = positions[None, :] <= positions[past:, None]
             out = F.scaled_dot_product_attention(
                 q[sl].transpose(0, 1)[None], keys, vals, attn_mask=mask, enable_gqa=True
             )

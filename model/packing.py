@@ -37,6 +37,11 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids_T.shape[0])
 
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with its tensors on ``device``."""
+        return dataclasses.replace(self, input_ids_T=self.input_ids_T.to(device), targets_T=self.targets_T.to(device),
+                                   target_mask_T=self.target_mask_T.to(device))
+
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """Start offsets plus the total, shape (num_sequences + 1,), int32."""

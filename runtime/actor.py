@@ -131,6 +131,12 @@ class Actor:
     messages: ClassVar[tuple[type[Message], ...] | dict[str, type]] = ()  # what it accepts
     Config: ClassVar[type | None] = None  # frozen dataclass of this kind's config section
     bus_access: ClassVar[BusAccess] = BusAccess()  # what it says beyond every actor (runtime.bus_auth)
+    # At most this many processes of the kind (``actors.<kind>.count``; None: any), and why: a kind
+    # whose processes must not share its queue says so here, and a run file asking for more is refused.
+    max_count: ClassVar[int | None] = None
+    max_count_reason: ClassVar[str] = ""
+    # Whether ``actors.<kind>.ranks`` > 1 is meaningful: its processes form one group (e.g. torch.distributed)
+    supports_ranks: ClassVar[bool] = False
 
     @classmethod
     def required_access(cls) -> BusAccess:

@@ -33,6 +33,9 @@ CREDENTIALS_ENV = "RUNTIME_BUS_CREDENTIALS"
 TLS_ENV = ("RUNTIME_BUS_TLS_CA_FILE", "RUNTIME_BUS_TLS_CERT_FILE", "RUNTIME_BUS_TLS_KEY_FILE")
 
 
+# a process of a kind with ranks > 1: its rank and the group's size (the kind finds its peers through the bus)
+RANK_ENV, WORLD_SIZE_ENV = "ASYNCRL_RANK", "ASYNCRL_WORLD_SIZE"
+
 @dataclass(frozen=True)
 class RunAddress:
     """Where a run is: its bus, its id, and how to reach the bus (credentials directory, TLS files)."""

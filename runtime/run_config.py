@@ -150,6 +150,10 @@ class ActorSpec:
     threads: int = fixed(1, within=Range(0, 1024))
     # CPU priority below the others' (0 to 19; 0: the same as every other actor): a side job gives way
     nice: int = fixed(0, within=Range(0, 19))
+    # processes that form one group of ranks (e.g. one torch.distributed process group), started,
+    # stopped and restarted together, each told its rank and the world size; only kinds that declare
+    # ``supports_ranks`` accept more than 1
+    ranks: int = fixed(1, within=Range(1, 4096))
     # handlings of one message before it is dead-lettered with its last error
     max_deliveries: int = fixed(5, within=Range(1, 49))  # below the bus consumer's max_deliver (50)
     # How long the actor's registry entry outlives its last renewal (renewed every third of it): a
@@ -201,6 +205,19 @@ def import_entry(entry: str) -> type:
         raise ConfigError(f"actor entry {entry!r} cannot be imported: {e}") from e
 
 
+def check_process_counts(specs: dict[str, ActorSpec]) -> None:
+    """Refuses a count above what a kind allows (``Actor.max_count``) and ranks for a kind without them."""
+    for kind, spec in specs.items():
+        cls = import_entry(spec.entry)
+        limit = getattr(cls, "max_count", None)
+        if limit is not None and spec.count > limit:
+            raise ConfigError(f"actors.{kind}.count={spec.count}: {cls.__qualname__} runs at most {limit} "
+                              f"process(es): {cls.max_count_reason}")
+        if spec.ranks > 1 and not getattr(cls, "supports_ranks", False):
+            raise ConfigError(f"actors.{kind}.ranks={spec.ranks}: {cls.__qualname__} does not run as a group of "
+                              "ranks; use count for more independent processes")
+
+
 def app_schema_of(specs: dict[str, ActorSpec]) -> type | None:
     schemas = {cls.Config for spec in specs.values() if (cls := import_entry(spec.entry)).Config}
     if len(schemas) > 1:
@@ -223,6 +240,7 @@ def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -
         else:
             app_overrides.append((key, value))
     runtime = config_mod.build(RuntimeConfig, runtime_tree)
+    check_process_counts(runtime.actors)
     schema = app_schema_of(runtime.actors)
     if schema is None:
         if app_tree or app_overrides:

@@ -30,7 +30,7 @@ import msgpack
 import structlog
 
 from runtime import health
-from runtime.actor_launch import RunAddress, actor_argv, actor_env
+from runtime.actor_launch import RANK_ENV, WORLD_SIZE_ENV, RunAddress, actor_argv, actor_env
 from runtime.bus import Bus, Inbound
 from runtime.bus_auth import control_subject
 from runtime.errors import BusError
@@ -61,6 +61,7 @@ class ActorProcess:
     retiring: bool = False  # drained on purpose (swap, stop, unhealthy): its exit is not a crash
     health: asyncio.Task[None] | None = None  # its health checks (runtime.health), while it runs
     standby: bool = False  # a warm spare, not consuming until activated
+    rank: int = 0  # its rank in its kind's process group (actors.<kind>.ranks > 1), kept across restarts
 
     @property
     def pid(self) -> int:
@@ -92,7 +93,8 @@ class Supervisor:
                 self._tg = tg
                 for kind, spec in self.config.actors.items():
                     for _ in range(spec.count):
-                        await self._spawn(kind)
+                        for rank in range(spec.ranks):
+                            await self._spawn(kind, rank=rank)
                 for kind, spec in self.config.actors.items():
                     for _ in range(spec.standby):
                         await self._spawn(kind, standby=True)
@@ -117,7 +119,7 @@ class Supervisor:
                 tg.create_task(self._retire(p))
 
     # --- processes ------------------------------------------------------------------------------------
-    async def _spawn(self, kind: str, standby: bool = False) -> ActorProcess:
+    async def _spawn(self, kind: str, standby: bool = False, rank: int = 0) -> ActorProcess:
         assert self._tg is not None
         spec = self.config.actors[kind]
         self._counter[kind] += 1
@@ -125,6 +127,8 @@ class Supervisor:
         env = actor_env(self.address, kind, os.environ)
         if spec.threads:
             env.update(OMP_NUM_THREADS=str(spec.threads), MKL_NUM_THREADS=str(spec.threads))
+        if spec.ranks > 1:  # one of a process group: its rank and the group's size (the kind finds its peers)
+            env.update({RANK_ENV: str(rank), WORLD_SIZE_ENV: str(spec.ranks)})
         out_path = self.run_dir / "logs" / f"{actor_id}.out"
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with open(out_path, "ab") as out:
@@ -133,7 +137,7 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL, stdout=out,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
                 env=env)
-        ap = ActorProcess(kind, actor_id, proc, standby=standby)
+        ap = ActorProcess(kind, actor_id, proc, standby=standby, rank=rank)
         self.procs[actor_id] = ap
         log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid, standby=standby)
         self._tg.create_task(self._watch(ap))
@@ -171,7 +175,7 @@ class Supervisor:
             await asyncio.wait_for(self._stop.wait(), delay)
         if self._stop.is_set():
             return
-        new = await self._spawn(ap.kind, standby=ap.standby)
+        new = await self._spawn(ap.kind, standby=ap.standby, rank=ap.rank)
         log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after_s=delay,
                  standby=ap.standby)
 
@@ -225,7 +229,7 @@ class Supervisor:
         if self._stop.is_set():
             return
         new = (None if ap.standby else await self._promote(ap.kind, ap.actor_id)) or await self._spawn(
-            ap.kind, standby=ap.standby)
+            ap.kind, standby=ap.standby, rank=ap.rank)
         log.info("actor_replaced", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id,
                  check=verdict.check)
         if verdict.needs_kill:
@@ -250,7 +254,7 @@ class Supervisor:
         if self._stop.is_set():
             return
         await self._deregister(ap)
-        new = await self._spawn(ap.kind, standby=ap.standby)
+        new = await self._spawn(ap.kind, standby=ap.standby, rank=ap.rank)
         log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after="bus outage")
 
     async def _deregister(self, ap: ActorProcess) -> None:
@@ -293,6 +297,9 @@ class Supervisor:
         """Replaces every process of ``kind`` with one running the code now on disk, without loss."""
         if kind not in self.config.actors:
             raise ValueError(f"unknown actor kind {kind!r}; this run has {sorted(self.config.actors)}")
+        if self.config.actors[kind].ranks > 1:  # a second group beside the first would take its rendezvous
+            raise ValueError(f"{kind} runs as a group of {self.config.actors[kind].ranks} ranks: hot swap replaces "
+                             "single processes; stop the run and resume it (--resume) to change its code")
         async with self._swap_lock:
             old = [p for p in self.procs.values() if p.kind == kind and not p.retiring and not p.standby]
             old_spares = [p for p in self.procs.values() if p.kind == kind and not p.retiring and p.standby]

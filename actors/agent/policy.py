@@ -12,6 +12,7 @@ import structlog
 from actors.config import PolicySection
 from kernels.experts import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
+from model.device import resolve_device
 from model.transformer import MoETransformer
 from runtime.actor import ActorContext
 from runtime.blob import put_tree, tree_exists
@@ -64,10 +65,12 @@ def load_policy(section: PolicySection, *, training: bool = False, path: Path | 
     its experts in ``policy.experts_precision``; rollout and evaluation decode with the plain model, as an
     inference engine would, and router replay carries the rollout's expert choices into the quantized forward."""
     path = path or checkpoint_dir(section)
+    device = resolve_device(section.device)
     _, model = load_checkpoint(path)
+    model = model.to(device)
     if training:
         use_training_precision(model, section)
-    log.info("policy_loaded", path=str(path), training=training)
+    log.info("policy_loaded", path=str(path), training=training, device=str(device))
     return model
 
 

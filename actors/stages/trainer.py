@@ -19,12 +19,25 @@ announces it: nobody waits for a version that the dead trainer never announced. 
 newest version that fails after the publisher's retries fails the trainer (it exits non-zero and is
 restarted, which publishes it again); an older version's failure is only logged, a newer one
 supersedes it.
+
+With ``actors.trainer.ranks = N`` the trainer is N processes forming one torch.distributed group
+(actors.trainer_group: rendezvous through the bus). Rank 0 alone takes the reconciler's orders; for each
+it checks the ledger and bounds as above, then broadcasts the plan (batch id, group keys); every rank
+reads its share of the groups from storage and the group exchanges them; all take the step together
+(actors.training.ranks: data parallel, and expert parallel with ``trainer.expert_parallel``), write
+their checkpoint shards (rank 0 makes the checkpoint visible), and publish their part of the weights;
+rank 0 announces the version once every rank's part is durable (the ranks wait for their uploads and
+tell each other: a rank's upload is part of its step here, not in the background). A rank that dies fails
+the step on every rank (the order is redelivered), the group restarts together and resumes from the
+newest checkpoint, whose ledger keeps any group from training twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +52,7 @@ from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import TrainDone, TrainOrder
 from actors.records import GroupRecord
+from actors.trainer_group import RENDEZVOUS_KEY, GroupBroken, TrainerGroup
 from actors.training.checkpoint_store import (
     download_checkpoint,
     prune_checkpoints,
@@ -46,9 +60,12 @@ from actors.training.checkpoint_store import (
     upload_checkpoint,
 )
 from actors.training.learner import Learner, StepMetrics
+from actors.training.ranks import RankGroup, RankLayout, weights_to_publish
+from model.device import resolve_device
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
 from model.weight_sync.manifest import manifest_key
-from runtime.actor import Delivery
+from runtime.actor import ActorContext, Delivery
+from runtime.actor_launch import RANK_ENV, WORLD_SIZE_ENV
 from runtime.blob import BlobNotFound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
@@ -66,27 +83,65 @@ class StepBudgetReached(RuntimeError):
 PENDING_ROW = "trainer/pending-train-row.json"  # in the store: the last step's row until it is in the metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+    """What rank 0 tells the other ranks to train next (None: stop)."""
+
+    batch_id: str
+    group_keys: tuple[str, ...]
+    group_ids: tuple[str, ...]
+
+
 class TrainerActor(StageActor):
-    bus_access = BusAccess(publish=("weights.*", "progress.train"))  # the only one to announce weights
+    # the only one to announce weights; its ranks meet at the rendezvous key (actors.trainer_group)
+    bus_access = BusAccess(publish=("weights.*", "progress.train"), kv_keys=(("actors", RENDEZVOUS_KEY),))
     stage = Stage.TRAIN
+    max_count = 1
+    max_count_reason = ("two trainers would take orders from one queue and train diverging copies of the policy; "
+                        "for more trainer processes set actors.trainer.ranks = N (one torch.distributed group, "
+                        "data and expert parallel)")
+    supports_ranks = True
+
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        self.layout = RankLayout(int(os.environ.get(RANK_ENV, "0")), int(os.environ.get(WORLD_SIZE_ENV, "1")),
+                                 self.config.trainer.expert_parallel)
+        if self.layout.rank > 0:
+            self.queues = ()  # only rank 0 takes orders; the others follow its plans
+        self.ranks: RankGroup | None = None
+        self._following: asyncio.Future[Any] | None = None  # a rank > 0's plan in progress
 
     async def setup(self) -> None:
         cfg = self.config
         self.checkpoints = Path(self.ctx.run_dir) / "checkpoints"  # this machine's cache of the stored ones
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        latest = await self._latest_checkpoint()
+        if self.layout.world_size > 1:
+            self.group = TrainerGroup(self.bus, self.layout, cfg.trainer.rendezvous_timeout_s,
+                                      cfg.trainer.collective_timeout_s)
+            await self.group.join()
+            self.exit_stack.callback(self.group.leave)  # the last thing this process does with its peers
+            self.ranks = await asyncio.to_thread(RankGroup, self.layout)
+        # rank 0 fetches the store's newest checkpoint into the cache the ranks share; they all load it
+        latest = await self._latest_checkpoint() if self.layout.rank == 0 else None
+        if self.ranks is not None:
+            latest = await asyncio.to_thread(self.ranks.broadcast_plan, latest)
         num_steps = self.ctx.run_steps  # the length of a cosine lr schedule
         if latest is not None:
-            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps)
+            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps,
+                                                   resolve_device(cfg.policy.device), self.ranks)
             use_training_precision(self.learner.model, cfg.policy)
         else:
             model = await load_run_policy(self.ctx, cfg.policy, training=True)
-            self.learner = Learner(model, cfg.trainer, num_steps=num_steps)
-        await self._recover_pending_row()
+            self.learner = await asyncio.to_thread(Learner, model, cfg.trainer, 0, num_steps, self.ranks)
+        if self.layout.rank == 0:  # the only one that writes rows
+            await self._recover_pending_row()
         self.run_name = weights_run_name(self.ctx)
-        self.publisher_config = PublisherConfig(run=self.run_name)
+        self.publisher_config = PublisherConfig(run=self.run_name, rank=self.layout.rank,
+                                                world_size=self.layout.world_size)
         self.publisher = WeightPublisher(self.ctx.blob, self.publisher_config)
         await self.exit_stack.enter_async_context(self.publisher)
+        if self.ranks is not None:
+            self.exit_stack.push_async_callback(self._stop_group)  # before the publisher closes
         self.signal_codec = Codec([WeightsPublished])
         self.started_at = time.monotonic()
         self.busy_s = 0.0
@@ -102,6 +157,15 @@ class TrainerActor(StageActor):
             published = await reader.versions()
         finally:
             reader.close()
+        if self.ranks is not None:  # rank 0's view decides for the group: every rank republishes, or none
+            complete = await asyncio.to_thread(self.ranks.broadcast_plan, version in published)
+            if not complete:
+                log.warning("weights_republishing", version=version, rank=self.layout.rank)
+                await self._publish_group()
+            elif self.layout.rank == 0:
+                key = manifest_key(self.publisher_config.key_prefix, self.run_name, version)
+                await self._announce(WeightsPublished(self.run_name, version, key, 0))
+            return
         if published and published[-1] > version:  # steps after the newest checkpoint were lost with the process
             log.error("weights_ahead_of_checkpoint", version=version, newest_published=published[-1],
                       fix="trainer.checkpoint_every = 1 keeps every announced version in a checkpoint")
@@ -120,6 +184,108 @@ class TrainerActor(StageActor):
     def status(self) -> dict[str, Any]:
         return {"version": self.learner.version, "num_trained_batches": len(self.learner.trained_batches)}
 
+    # --- the group (actors.trainer.ranks > 1) --------------------------------------------------------
+    async def background(self, tg: asyncio.TaskGroup) -> None:
+        if self.ranks is not None:
+            tg.create_task(self._watch_group())
+            if self.layout.rank > 0:
+                tg.create_task(self._follow())
+
+    async def _watch_group(self) -> None:
+        """A rank that restarted broke this group: every rank fails, and the group restarts together."""
+        try:
+            await self.group.watch_broken()
+        except GroupBroken as e:
+            self.fail(str(e))
+
+    async def _follow(self) -> None:
+        """A rank > 0: rank 0's plans, one after another, until it says stop."""
+        assert self.ranks is not None
+        while True:
+            plan = await asyncio.to_thread(self.ranks.broadcast_plan, None)
+            if plan is None:
+                log.info("trainer_group_stopping", rank=self.layout.rank)
+                self.request_drain()
+                return
+            # shielded: a drain arriving mid-step must not leave the others waiting in a collective
+            self._following = asyncio.ensure_future(self._train_plan(plan))
+            try:
+                await asyncio.shield(self._following)
+            except WorkRefused as e:  # every rank refuses the same plan; rank 0 reports it
+                log.info("plan_refused", batch_id=plan.batch_id, rank=self.layout.rank, reason=str(e))
+
+    async def _stop_group(self) -> None:
+        assert self.ranks is not None
+        if self._following is not None:
+            await asyncio.wait({self._following}, timeout=self.config.trainer.collective_timeout_s)
+        if self.layout.rank == 0:  # the others stop following
+            try:
+                await asyncio.to_thread(self.ranks.broadcast_plan, None)
+            except RuntimeError as e:  # a peer already gone: it does not need to hear it
+                log.warning("trainer_group_stop_unheard", error=repr(e))
+
+    async def _read_share(self, plan: TrainPlan) -> list[GroupRecord]:
+        """The plan's groups: this rank reads its share from storage, the group exchanges them. A read that
+        fails on one rank fails the plan on every rank (WorkRefused), never a collective left unpaired."""
+        assert self.ranks is not None
+        mine: dict[int, GroupRecord | str] = {}
+        for i in self.ranks.share_of(len(plan.group_keys)):
+            try:
+                mine[i] = await self.get_record(plan.group_keys[i], GroupRecord)
+            except WorkRefused as e:
+                mine[i] = str(e)
+        records = await asyncio.to_thread(self.ranks.exchange, mine, len(plan.group_keys))
+        errors = [r for r in records if isinstance(r, str)]
+        if errors:
+            raise WorkRefused(errors[0])
+        groups = [r for r in records if isinstance(r, GroupRecord)]
+        named = [g.group_id for g in groups]
+        if len(set(plan.group_ids)) != len(plan.group_ids) or named != list(plan.group_ids):
+            raise WorkRefused(f"batch {plan.batch_id} names groups {list(plan.group_ids)} but its records "
+                              f"hold {named}")
+        return groups
+
+    async def _train_plan(self, plan: TrainPlan, order: TrainOrder | None = None) -> StepMetrics:
+        """One step of the group on ``plan`` (every rank); rank 0 also writes the row and reports."""
+        groups = await self._read_share(plan)
+        learner = self.learner
+        started = time.monotonic()
+        metrics = await asyncio.to_thread(learner.step, groups, plan.batch_id)
+        row = None
+        if order is not None:
+            self.num_samples += metrics.num_samples
+            row = self._row(metrics, order, busy_s=self.busy_s + time.monotonic() - started)
+            await self.ctx.blob.put(PENDING_ROW, json.dumps(row).encode())
+        if learner.version % self.config.trainer.checkpoint_every == 0:
+            await self._save_checkpoint()
+        self.busy_s += time.monotonic() - started
+        await self._publish_group()
+        if row is not None:
+            await self._report(row)
+            await self.ctx.blob.delete(PENDING_ROW)
+        return metrics
+
+    async def _publish_group(self) -> None:
+        """Every rank uploads its part of the version; rank 0 announces it once all parts are durable."""
+        assert self.ranks is not None
+        version = self.learner.version
+        self.last_submitted = version
+        part = self.publisher.snapshot(weights_to_publish(self.learner.model, self.layout))
+        try:
+            published: PublishedVersion | None = await self.publisher.submit(version, part)
+        except Exception as e:  # said to the others: nobody announces a version with a part missing
+            log.error("weights_publish_failed", version=version, rank=self.layout.rank, error=repr(e))
+            published = None
+        durable = await asyncio.to_thread(self.ranks.gather, published is not None)
+        if not all(durable):
+            self.fail(f"publishing weights version {version} failed on ranks "
+                      f"{[r for r, ok in enumerate(durable) if not ok]}")
+            raise RuntimeError(f"weights version {version} is not durable on every rank")
+        if self.layout.rank == 0 and published is not None:
+            await self._announce(WeightsPublished(self.run_name, published.version, published.manifest_key,
+                                                  published.num_encoded_bytes))
+            log.info("weights_announced", version=version, world_size=self.layout.world_size)
+
     async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
         learner = self.learner
         trained = {g: learner.trained_groups[g] for g in order.group_ids if g in learner.trained_groups}
@@ -135,6 +301,11 @@ class TrainerActor(StageActor):
         if learner.version > order.deadline_version:
             raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
                               f"{order.deadline_version}: training it would exceed the staleness bound")
+        if self.ranks is not None:  # rank 0 of a group: the plan goes to every rank, the step is theirs
+            plan = TrainPlan(order.batch_id, tuple(order.group_keys), tuple(order.group_ids))
+            await asyncio.to_thread(self.ranks.broadcast_plan, plan)
+            await self._train_plan(plan, order)
+            return TrainDone(order.batch_id, order.attempt, learner.version)
         groups = [await self.get_record(k, GroupRecord) for k in order.group_keys]
         named = [g.group_id for g in groups]
         if len(set(order.group_ids)) != len(order.group_ids) or named != list(order.group_ids):
@@ -166,8 +337,11 @@ class TrainerActor(StageActor):
 
     async def _save_checkpoint(self) -> None:
         """Saves the learner (``Learner.save``, into the local cache) and stores it in the run's store:
-        the step counts as checkpointed once the stored copy's manifest is written."""
+        the step counts as checkpointed once the stored copy's manifest is written. With ranks, each rank
+        saves its shard into the cache they share and rank 0, once all are written, stores the whole."""
         saved = await asyncio.to_thread(self.learner.save, self.checkpoints)
+        if self.layout.rank > 0:
+            return
         await upload_checkpoint(self.ctx.blob, saved)
         await prune_checkpoints(self.ctx.blob, self.config.trainer.keep_checkpoints)
 

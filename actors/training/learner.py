@@ -38,6 +38,8 @@ from safetensors.torch import load_file, save_file
 from actors.config import TrainerSection
 from actors.records import GroupRecord, GroupSample
 from actors.training.lr_schedule import LRSchedule
+from actors.training.ranks import RankGroup, is_expert_param
+from actors.training.sharded_checkpoint import is_sharded, read_config, read_shards, shard_tensors, write_shard
 from actors.training.step_guard import (
     NonFiniteStage,
     NonFiniteStep,
@@ -49,10 +51,10 @@ from actors.training.step_guard import (
     sample_ids,
     samples_at_positions,
 )
-from model.checkpoint import load_checkpoint, save_checkpoint
+from model.checkpoint import load_checkpoint, load_state_into, save_checkpoint
 from model.loss import PolicyLossConfig, PolicyLossMetrics, packed_logprobs, policy_loss, token_entropy
-from model.packing import PackedBatch, pack_sequences
-from model.router import RouterReplayConfig
+from model.packing import PackedBatch, SequenceCost, pack_sequences
+from model.router import RouterReplayConfig, RoutingStats
 from model.transformer import MoETransformer
 
 log = structlog.get_logger(__name__)
@@ -107,10 +109,18 @@ class Learner:
         config: the trainer section; ``lr``, ``lr_schedule`` and ``lr_min_ratio`` make the schedule.
         version: the policy version of ``model`` (a resumed checkpoint's).
         num_steps: the run's step budget (``run.steps``; 0: unbounded), the length of a cosine schedule.
+        ranks: this process's place in the trainer's process group (actors.training.ranks); every rank
+            builds its learner from the same full model and is given the same batches: each computes its
+            share and the step is the one a single rank would take. Default: one rank.
     """
 
-    def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0, num_steps: int = 0) -> None:
+    def __init__(self, model: MoETransformer, config: TrainerSection, version: int = 0, num_steps: int = 0,
+                 ranks: RankGroup | None = None) -> None:
+        self.ranks = ranks or RankGroup.single()
+        model = self.ranks.prepare(model)  # its expert shard only, when experts are spread over ranks
+        self.cost = SequenceCost.for_model(model.config)
         self.model = model.train()
+        self.device = next(model.parameters()).device  # policy.device: the caller placed the model
         self.config = config
         self.version = version
         self.schedule = LRSchedule.for_run(config.lr_schedule, config.lr, config.lr_min_ratio, num_steps)
@@ -185,11 +195,17 @@ class Learner:
             skipped=refused.stage.value if refused else "",
             non_finite_sample_ids=refused.sample_ids if refused else ())
 
-    def _forward_loss(self, samples: Sequence[GroupSample]
-                      ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, float]:
-        """The loss of ``samples``, its metrics, the per-position log-probs, the batch and the replay fraction."""
-        batch = pack_sequences([s.trajectory.token_ids for s in samples])
-        behaviour, temperatures, mask, advantages, replay = _aligned(samples, batch.num_tokens)
+    def _forward_loss(
+        self, samples: Sequence[GroupSample], *, masked: bool = False
+    ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, RoutingStats, torch.Tensor]:
+        """The loss of ``samples``, its metrics, the per-position log-probs, the batch, the replay counters and
+        the importance ratios of the trained tokens. ``masked``: every token out of the loss (a rank without a
+        sequence of its own joins the collectives with one, contributing exactly 0)."""
+        batch = pack_sequences([s.trajectory.token_ids for s in samples]).to(self.device)
+        behaviour, temperatures, mask, advantages, replay = (
+            t.to(self.device) for t in _aligned(samples, batch.num_tokens))
+        if masked:
+            mask = torch.zeros_like(mask)
         loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
         logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay,
                                     temperatures)
@@ -199,7 +215,9 @@ class Learner:
                 ref, _ = packed_logprobs(self.reference, batch, replay, self.router_replay, temperatures)
         entropy = token_entropy(out.logits.detach(), temperatures)
         loss, m = policy_loss(logp, behaviour, advantages, mask, loss_cfg, ref, entropy)
-        return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, out.routing_stats.replaced_fraction
+        ratios = torch.exp((logp.detach() - behaviour)[mask])
+        stats = RoutingStats() if masked else out.routing_stats
+        return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, stats, ratios
 
     def _optimize(
         self, samples: Sequence[GroupSample]
@@ -208,30 +226,39 @@ class Learner:
         fraction, the number of tokens packed, and why the step was refused (None when applied)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        refused = non_finite_inputs(samples)
+        refused = non_finite_inputs(samples)  # every rank sees every sample: the same verdict everywhere
         if refused is not None:
             return torch.tensor(float("nan")), _NO_TOKENS, float("nan"), 0.0, 0, refused
-        loss, m, scored, batch, replaced = self._forward_loss(samples)
-        if not bool(torch.isfinite(loss)):
-            culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens, samples)
-            refused = NonFiniteStep(NonFiniteStage.LOSS, culprits or sample_ids(samples),
-                                    f"loss={float(loss.detach())}")
-            return loss, m, float("nan"), replaced, batch.num_tokens, refused
+        ranks = self.ranks
+        share = [samples[i] for i in ranks.my_share([len(s.trajectory.token_ids) for s in samples], self.cost)]
+        loss, m, scored, batch, stats, ratios = self._forward_loss(share or samples[:1], masked=not share)
+        share_tokens = batch.num_tokens if share else 0
+        num_tokens = int(ranks.sum(share_tokens))
+        m = ranks.combine_loss_metrics(m, ratios)
+        replaced = ranks.combine_routing(stats).replaced_fraction
+        total_loss = torch.tensor(ranks.sum(float(loss.detach())))
+        if ranks.any(not bool(torch.isfinite(loss))):
+            culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens, share)
+            named = tuple(n for part in ranks.gather(culprits if share else ()) for n in part)  # type: ignore[attr-defined]
+            refused = NonFiniteStep(NonFiniteStage.LOSS, named or sample_ids(samples), f"loss={float(total_loss)}")
+            return total_loss, m, float("nan"), replaced, num_tokens, refused
         loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        ranks.reduce_gradients(self.model)
+        grad_norm = ranks.clip_gradients(self.model, self.config.grad_clip)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            refused = NonFiniteStep(NonFiniteStage.GRADIENT, self._samples_with_non_finite_gradient(samples),
-                                    f"grad_norm={grad_norm}")
-            return loss, m, grad_norm, replaced, batch.num_tokens, refused
+            # naming the samples takes a backward per sample: collectives could not pair up across ranks
+            culprits = sample_ids(samples) if ranks.distributed else self._samples_with_non_finite_gradient(samples)
+            refused = NonFiniteStep(NonFiniteStage.GRADIENT, culprits, f"grad_norm={grad_norm}")
+            return total_loss, m, grad_norm, replaced, num_tokens, refused
         rollback = Rollback(self.model, self.optimizer)
         self.optimizer.step()
         bad = non_finite_parameters(self.model, self.optimizer)
-        if bad:
+        if ranks.any(bool(bad)):
             rollback.restore()
             refused = NonFiniteStep(NonFiniteStage.UPDATE, sample_ids(samples),
-                                    f"non-finite after the update: {bad[:8]}")
-        return loss, m, grad_norm, replaced, batch.num_tokens, refused
+                                    f"non-finite after the update: {bad[:8] or 'on another rank'}")
+        return total_loss, m, grad_norm, replaced, num_tokens, refused
 
     def _samples_with_non_finite_gradient(self, samples: Sequence[GroupSample]) -> tuple[str, ...]:
         """Each sample's own backward, to name those whose gradient is not finite (only on a failed step)."""
@@ -248,22 +275,60 @@ class Learner:
 
     # --- state ----------------------------------------------------------------------------------
     def save(self, directory: Path) -> Path:
-        """Writes weights (HF safetensors), optimizer moments and trainer state; visible atomically."""
+        """Writes weights (HF safetensors), optimizer moments and trainer state; visible atomically.
+
+        With several ranks every rank calls it: each writes its shard (actors.training.sharded_checkpoint)
+        and rank 0 makes the checkpoint visible once all are written."""
         bad = non_finite_parameters(self.model, self.optimizer)
-        if bad:  # unreachable through step(); a checkpoint must never carry them
-            raise NonFiniteWeights(f"refusing to save version {self.version}: non-finite values in {bad[:8]}")
+        if self.ranks.any(bool(bad)):  # unreachable through step(); a checkpoint must never carry them
+            raise NonFiniteWeights(f"refusing to save version {self.version}: non-finite values in "
+                                   f"{bad[:8] or 'another rank'}")
         final = directory / f"step-{self.version:07d}"
+        if self.ranks.distributed:
+            return self._save_sharded(directory, final)
         tmp = directory / f".tmp-step-{self.version:07d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(self.model, tmp)
         save_file(_optimizer_tensors(self.optimizer, self.model), str(tmp / "optimizer.safetensors"))
-        (tmp / STATE_FILE).write_text(json.dumps({
-            "version": self.version, "trained_batches": self.trained_batches, "trained_groups": self.trained_groups,
-            "optimizer_steps": _optimizer_steps(self.optimizer), "lr": self.optimizer.param_groups[0]["lr"]}))
+        (tmp / STATE_FILE).write_text(json.dumps(self._state()))
+        self._publish_checkpoint(tmp, final, directory)
+        return final
+
+    def _state(self) -> dict[str, Any]:
+        return {"version": self.version, "trained_batches": self.trained_batches, "trained_groups": self.trained_groups,
+                "optimizer_steps": _optimizer_steps(self.optimizer), "lr": self.optimizer.param_groups[0]["lr"],
+                "world_size": self.ranks.layout.world_size, "expert_parallel": self.ranks.layout.expert_parallel}
+
+    def _publish_checkpoint(self, tmp: Path, final: Path, directory: Path) -> None:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(directory.glob("step-*"))[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def _save_sharded(self, directory: Path, final: Path) -> Path:
+        layout, model = self.ranks.layout, self.model
+        tmp = directory / f".tmp-step-{self.version:07d}-ranks"
+        if layout.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a group killed while writing left it
+            tmp.mkdir(parents=True)
+        self.ranks.barrier()
+        shard = getattr(model, "expert_shard", None)
+        first = shard.first if shard is not None else 0
+        tie = model.config.tie_word_embeddings
+        names = {id(p): n for n, p in model.named_parameters()}
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            per_param = {names[id(p)]: st[key] for p, st in self.optimizer.state.items() if key in st}
+            moments.update(shard_tensors(per_param, layout, first, tie, suffix=f".{key}"))
+        write_shard(tmp, layout, shard_tensors(dict(model.named_parameters()), layout, first, tie), moments)
+        self.ranks.barrier()  # every shard is on disk
+        if layout.rank == 0:
+            hf_config = model.config.to_hf_dict()
+            hf_config["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+            (tmp / STATE_FILE).write_text(json.dumps(self._state()))
+            self._publish_checkpoint(tmp, final, directory)
+        self.ranks.barrier()  # visible to every rank before any returns
         return final
 
     @classmethod
@@ -272,14 +337,24 @@ class Learner:
         return done[-1] if done else None
 
     @classmethod
-    def load(cls, path: Path, config: TrainerSection, num_steps: int = 0) -> Learner:
-        """The learner saved at ``path``; its schedule continues from the saved version."""
-        _, model = load_checkpoint(path)
+    def load(cls, path: Path, config: TrainerSection, num_steps: int = 0,
+             device: torch.device | str = "cpu", ranks: RankGroup | None = None) -> Learner:
+        """The learner saved at ``path``, on ``device``, as rank ``ranks`` (any rank count: the one that saved
+        it or another); its schedule continues from the saved version."""
+        if is_sharded(path):
+            model_config = read_config(path)
+            weights, moments = read_shards(path, model_config)
+            model = MoETransformer(model_config)
+            load_state_into(model, weights)
+        else:
+            _, model = load_checkpoint(path)
+            moments = load_file(str(path / "optimizer.safetensors"))
+        model = model.to(device)
         state = json.loads((path / STATE_FILE).read_text())
-        learner = cls(model, config, int(state["version"]), num_steps)
+        learner = cls(model, config, int(state["version"]), num_steps, ranks)
         learner.trained_batches = list(state["trained_batches"])
         learner.trained_groups = {str(g): int(v) for g, v in state.get("trained_groups", {}).items()}
-        _load_optimizer(learner.optimizer, learner.model, load_file(str(path / "optimizer.safetensors")),
+        _load_optimizer(learner.optimizer, learner.model, _local_moments(moments, learner.model),
                         int(state["optimizer_steps"]))
         log.info("learner_resumed", path=str(path), version=learner.version,
                  num_trained_batches=len(learner.trained_batches))
@@ -310,13 +385,22 @@ def _aligned(samples: Sequence[GroupSample], num_tokens: int
     return behaviour, temperatures, mask, advantages, torch.cat(replay_rows, dim=0)
 
 
+def _local_moments(moments: dict[str, torch.Tensor], model: MoETransformer) -> dict[str, torch.Tensor]:
+    """Whole-model moments cut to the experts ``model`` holds (all of them without expert parallelism)."""
+    shard = getattr(model, "expert_shard", None)
+    if shard is None:
+        return moments
+    return {k: v[shard.first:shard.first + shard.num_local] if is_expert_param(k.rsplit(".", 1)[0]) else v
+            for k, v in moments.items()}
+
+
 def _optimizer_tensors(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for p, state in opt.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
-                out[f"{names[id(p)]}.{key}"] = state[key].contiguous()
+                out[f"{names[id(p)]}.{key}"] = state[key].contiguous().cpu()
     return out
 
 
@@ -329,5 +413,5 @@ def _load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, tensors:
                     steps: int) -> None:
     for name, p in model.named_parameters():
         if f"{name}.exp_avg" in tensors:
-            opt.state[p] = {"step": torch.tensor(float(steps)), "exp_avg": tensors[f"{name}.exp_avg"].clone(),
-                            "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].clone()}
+            opt.state[p] = {"step": torch.tensor(float(steps)), "exp_avg": tensors[f"{name}.exp_avg"].to(p.device),
+                            "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(p.device)}
