@@ -17,7 +17,7 @@ import uvloop
 
 from runtime.actor import ActorContext, ActorIdentity, ActorSettings
 from runtime.blob import open_store
-from runtime.bus import Bus, BusLimits
+from runtime.bus import Bus
 from runtime.codehash import code_hash
 from runtime.events import EventLog
 from runtime.procutil import lower_priority
@@ -33,8 +33,7 @@ async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog, s
     cls = import_entry(spec.entry)
     module_file = Path(sys.modules[spec.entry.partition(":")[0]].__file__ or ".").resolve()
     identity = ActorIdentity.here(kind, actor_id, code_hash(extra_roots=(module_file.parent,)))
-    bus = await Bus.connect(info.nats_url, name=actor_id, limits=BusLimits(ack_wait_s=cfg.runtime.bus.ack_wait_s),
-                            **info.bus_options(kind))
+    bus = await Bus.connect(info.nats_url, name=actor_id, limits=cfg.runtime.bus.limits(), **info.bus_options(kind))
     blob = open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None)
     settings = ActorSettings(max_concurrency=spec.max_concurrency, heartbeat_s=spec.heartbeat_s,
                              drain_timeout_s=spec.drain_timeout_s, max_deliveries=spec.max_deliveries,

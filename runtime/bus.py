@@ -12,12 +12,14 @@ import contextlib
 import dataclasses
 import heapq
 import json
+import math
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -37,6 +39,7 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import (
+    APIError,
     BadRequestError,
     KeyDeletedError,
     KeyNotFoundError,
@@ -52,6 +55,28 @@ from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 log = structlog.get_logger(__name__)
 
 KV_BUCKETS = ("slots", "config", "actors")
+# Buckets whose keys are leases: each write may carry a TTL (`Bus.kv_put`'s ``ttl_s``), and the server
+# removes a key whose TTL ran out, leaving a delete marker that watchers see (nats-server >= 2.11).
+LEASE_BUCKETS = frozenset({"actors"})
+_LEASE_MARKER_TTL_S = 60.0  # how long the server keeps the marker of an expired lease (watchers see it live)
+_TTL_UNSUPPORTED = (10166,)  # JSMessageTTLDisabledErr: the bucket's stream takes no per-message TTL
+
+
+def server_urls(url: str | Sequence[str]) -> list[str]:
+    """The servers a connection may use: a list of URLs, or one string of comma-separated URLs (as NATS
+    tools take them), e.g. ``nats://a:4222,nats://b:4222``.
+
+    Raises:
+        ValueError: no URL, or one that is not ``nats://`` or ``tls://`` HOST:PORT.
+    """
+    urls = [u.strip() for u in (url.split(",") if isinstance(url, str) else url)]
+    if not urls or not all(urls):
+        raise ValueError(f"bus URL {url!r}: expected one or more nats://HOST:PORT (a list, or comma-separated)")
+    for u in urls:
+        parsed = urlsplit(u)
+        if parsed.scheme not in ("nats", "tls") or not parsed.hostname:
+            raise ValueError(f"bus URL {u!r} (in {url!r}): expected nats://HOST:PORT or tls://HOST:PORT")
+    return urls
 
 
 @dataclass(frozen=True)
@@ -229,10 +254,15 @@ class BusLimits:
     reconnect_wait_s: float = 0.5  # between reconnect attempts (forever: an outage is bounded above)
     ping_interval_s: int = 10  # a silent dead peer is found after ping_interval_s * max_outstanding_pings
     max_outstanding_pings: int = 3
+    # copies of every stream and bucket the bus creates: 1 on a single server, 3 on a JetStream cluster
+    # (a lost server loses nothing, and its streams elect a new leader among the others)
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.ack_wait_s < 1.0:
             raise ValueError(f"ack_wait_s={self.ack_wait_s} is too small for in_progress heartbeats; use >= 1")
+        if not 1 <= self.replicas <= 5:
+            raise ValueError(f"replicas={self.replicas}: JetStream keeps 1 to 5 copies of a stream")
 
 
 class Bucket(KeyValue):
@@ -276,6 +306,25 @@ class Bucket(KeyValue):
             keys += [s[len(self._prefix) :] for s in page]
             if not page or len(keys) >= info.get("total", 0):
                 return keys
+
+    async def _get(self, key: str, revision: int | None = None) -> KeyValue.Entry:
+        """nats-py's read of a key, except that a delete marker the server placed (a TTL that ran out,
+        `LEASE_BUCKETS`; nats-py's ``get`` takes it for a value) is a deleted key too."""
+        subject = f"{self._prefix}{key}"
+        try:
+            msg = await self._js.get_msg(self._stream, subject=None if revision else subject, seq=revision,
+                                         direct=self._direct)
+        except NotFoundError:
+            raise KeyNotFoundError from None
+        if msg.subject != subject:
+            raise KeyNotFoundError(message=f"expected {subject!r}, but got {msg.subject!r}")
+        entry = KeyValue.Entry(bucket=self.bucket, key=key, value=msg.data, revision=msg.seq, delta=None,
+                               created=None, operation=None)
+        headers = msg.headers or {}
+        operation = headers.get("KV-Operation")
+        if operation in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+            raise KeyDeletedError(entry, operation or "PURGE")
+        return entry
 
     async def _is_live(self, key: str) -> bool:
         try:
@@ -469,12 +518,13 @@ class ConnectionHealth:
         self.up.clear()
         self.down.set()
 
-    async def on_reconnected(self) -> None:
+    async def on_reconnected(self, server: str = "") -> None:
+        """``server``: the one it is connected to now (on a cluster, maybe another than before)."""
         outage_s = time.monotonic() - self.down_since if self.down_since is not None else 0.0
         self.down_since = None
         self.down.clear()
         self.up.set()
-        log.info("bus_reconnected", client=self.client, outage_s=round(outage_s, 3))
+        log.info("bus_reconnected", client=self.client, outage_s=round(outage_s, 3), server=server)
 
     async def fail_after_outage(self, url: str, max_outage_s: float) -> None:
         """Returns never: raises BusError once one outage lasts longer than ``max_outage_s``."""
@@ -504,12 +554,16 @@ class Bus:
         self.limits = limits
         self.health = health or ConnectionHealth("?")
         self._kv: dict[str, Bucket] = {}
+        self._no_ttl: set[str] = set()  # buckets whose stream refused a TTL
 
     @classmethod
-    async def connect(cls, url: str, name: str, limits: BusLimits = BusLimits(),
+    async def connect(cls, url: str | Sequence[str], name: str, limits: BusLimits = BusLimits(),
                       connect_timeout_s: float = 5.0, credentials: BusCredentials | None = None,
                       tls: ssl.SSLContext | None = None) -> Bus:
-        """Connects as `credentials`' role (replies under its own inbox prefix), over `tls` if given."""
+        """Connects as `credentials`' role (replies under its own inbox prefix), over `tls` if given, to
+        one of the servers `url` names (`server_urls`); on a cluster, it moves to another when its own
+        is lost, and learns the cluster's other members from the server (`bus_server_discovered`)."""
+        servers = server_urls(url)
         auth: dict[str, Any] = credentials.connect_options() if credentials else {}
         if tls is not None:
             auth["tls"] = tls
@@ -527,17 +581,28 @@ class Bus:
         # peer within ping_interval * max_outstanding_pings; but bound the first connect: nats-py would
         # otherwise retry it forever and a command on a stopped run would hang.
         health = ConnectionHealth(name)
+        nc = NatsClient()
+
+        async def on_reconnected() -> None:
+            await health.on_reconnected(server=_netloc(nc.connected_url))
+
+        async def on_discovered() -> None:
+            log.info("bus_server_discovered", client=name, servers=[_netloc(u) for u in nc.discovered_servers])
+
+        async def on_lame_duck() -> None:  # its server is shutting down: it moves to another one
+            log.warning("bus_server_lame_duck", client=name, server=_netloc(nc.connected_url))
+
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(url, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
-                             max_reconnect_attempts=-1, reconnect_time_wait=limits.reconnect_wait_s,
-                             allow_reconnect=True, ping_interval=limits.ping_interval_s,
-                             max_outstanding_pings=limits.max_outstanding_pings,
-                             disconnected_cb=health.on_disconnected, reconnected_cb=health.on_reconnected,
-                             **auth),
+            await asyncio.wait_for(
+                nc.connect(servers, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
+                           max_reconnect_attempts=-1, reconnect_time_wait=limits.reconnect_wait_s,
+                           allow_reconnect=True, ping_interval=limits.ping_interval_s,
+                           max_outstanding_pings=limits.max_outstanding_pings,
+                           disconnected_cb=health.on_disconnected, reconnected_cb=on_reconnected,
+                           discovered_server_cb=on_discovered, lame_duck_mode_cb=on_lame_duck, **auth),
                 connect_timeout_s)
         except Exception as e:
-            raise BusError(f"cannot connect to NATS at {url}: {e!r}; is the run up?") from e
+            raise BusError(f"cannot connect to NATS at {','.join(servers)}: {e!r}; is the run up?") from e
         return cls(nc, limits, health)
 
     async def close(self, timeout_s: float = 5.0) -> None:
@@ -567,7 +632,7 @@ class Bus:
             await self._ensure_stream(StreamConfig(
                 name=q.stream, subjects=list(q.subjects), retention=RetentionPolicy.WORK_QUEUE,
                 storage=StorageType.FILE, max_bytes=lim.work_max_bytes, discard=DiscardPolicy.NEW,
-                duplicate_window=lim.duplicate_window_s))
+                duplicate_window=lim.duplicate_window_s, num_replicas=lim.replicas))
             cc = ConsumerConfig(durable_name=q.durable, ack_policy=AckPolicy.EXPLICIT,
                                 ack_wait=lim.ack_wait_s, max_deliver=lim.max_deliver,
                                 max_ack_pending=lim.max_ack_pending, deliver_policy=DeliverPolicy.ALL)
@@ -588,12 +653,15 @@ class Bus:
             lim = self.limits
             await self._ensure_stream(StreamConfig(
                 name="LOG", subjects=["log.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-                max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD))
+                max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD,
+                num_replicas=lim.replicas))
             await self._ensure_stream(StreamConfig(
                 name="DLQ", subjects=["dlq.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-                max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD))
+                max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD,
+                num_replicas=lim.replicas))
             for bucket in KV_BUCKETS:
                 await self.kv(bucket)
+                await self._update_bucket(bucket)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -606,16 +674,30 @@ class Bus:
                 raise BusError(f"cannot create stream {cfg.name}: {e}") from e
 
     async def kv(self, bucket: str) -> Bucket:
+        """The bucket, created if it does not exist yet (with `limits`' replicas; a lease bucket with TTLs)."""
         with _translated(f"open the bucket {bucket}"):
             if bucket not in self._kv:
                 try:
                     info = await self.js.stream_info(f"KV_{bucket}")
                 except NotFoundError:
-                    await self.js.create_key_value(
-                        KeyValueConfig(bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE))
+                    lease = bucket in LEASE_BUCKETS
+                    await self.js.create_key_value(KeyValueConfig(
+                        bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE,
+                        replicas=self.limits.replicas, limit_marker_ttl=_LEASE_MARKER_TTL_S if lease else None))
                     info = await self.js.stream_info(f"KV_{bucket}")
                 self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
             return self._kv[bucket]
+
+    async def _update_bucket(self, bucket: str) -> None:
+        """A bucket made before (a resumed run, another version): its replicas, and TTLs for a lease bucket."""
+        info = await self.js.stream_info(f"KV_{bucket}")
+        wanted = dataclasses.replace(info.config, num_replicas=self.limits.replicas)
+        if bucket in LEASE_BUCKETS and not info.config.subject_delete_marker_ttl:
+            wanted = dataclasses.replace(wanted, allow_msg_ttl=True, subject_delete_marker_ttl=_LEASE_MARKER_TTL_S)
+        if wanted != info.config:
+            await self.js.update_stream(wanted)
+            log.info("bucket_updated", bucket=bucket, replicas=wanted.num_replicas,
+                     ttl=bool(wanted.subject_delete_marker_ttl))
 
     async def kv_get(self, bucket: str, key: str) -> KVEntry | None:
         """The key's current record; None when there is none (never written, deleted or purged)."""
@@ -627,11 +709,29 @@ class Bus:
                 return None
         return KVEntry(key, entry.value or b"", entry.revision or 0)
 
-    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
-        """Writes the key whatever it held; returns the new revision."""
+    async def kv_put(self, bucket: str, key: str, value: bytes, ttl_s: float | None = None) -> int:
+        """Writes the key whatever it held; returns the new revision.
+
+        ``ttl_s`` (a lease bucket's keys, `LEASE_BUCKETS`): the server removes the key that long
+        (rounded up to whole seconds, its resolution) after this write unless it is written again,
+        and watchers see the removal. A bucket whose stream takes no TTL (a server before 2.11) gets
+        the write without one: its readers bound the lease themselves (said once, `kv_ttl_unsupported`).
+        """
         with _translated(f"put {bucket}/{key}"):
             kv = await self.kv(bucket)
-            return await kv.put(key, value)
+            if ttl_s is None or bucket in self._no_ttl:
+                return await kv.put(key, value)
+            try:
+                ttl = {Header.MSG_TTL: str(math.ceil(ttl_s))}
+                ack = await self.js.publish(f"$KV.{bucket}.{key}", value, headers=ttl)
+            except APIError as e:
+                if e.err_code not in _TTL_UNSUPPORTED:
+                    raise
+                self._no_ttl.add(bucket)
+                log.warning("kv_ttl_unsupported", bucket=bucket, error=str(e),
+                            consequence="its keys live until deleted; readers enforce the leases")
+                return await kv.put(key, value)
+            return ack.seq
 
     async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
         """Writes the key only if it has no live value; returns the revision.
@@ -830,6 +930,11 @@ class Bus:
 
 _END = object()  # a watcher that stopped
 _OUTAGE = object()  # the connection dropped while waiting for a watcher's next entry
+
+
+def _netloc(url: Any) -> str:
+    """HOST:PORT of a server URL as nats-py keeps it (a parsed URL; None when not connected)."""
+    return getattr(url, "netloc", "") or ""
 
 
 def _msg_id_headers(msg_id: str | None) -> dict[str, str] | None:

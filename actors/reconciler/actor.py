@@ -297,7 +297,7 @@ class ReconcilerActor(Actor):
                 continue  # not an actor's own complete entry (a forgery): follows nothing
             if (registered := parse_registration_key(entry.key)) is None:
                 continue  # the removal of a key no actor's lease is under: follows nothing
-            lost = self.registry.observe(registered[1], value, time.monotonic())
+            lost = self.registry.observe(registered[1], value, time.monotonic(), expired=entry.operation == "PURGE")
             if lost is not None:
                 await self._lose(lost)
             await self._count_rollouts_from_registry()
