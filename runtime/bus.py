@@ -46,6 +46,7 @@ from nats.js.errors import (
     KeyWrongLastSequenceError,
     NoKeysError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
 
@@ -60,6 +61,7 @@ KV_BUCKETS = ("slots", "config", "actors")
 LEASE_BUCKETS = frozenset({"actors"})
 _LEASE_MARKER_TTL_S = 60.0  # how long the server keeps the marker of an expired lease (watchers see it live)
 _TTL_UNSUPPORTED = (10166,)  # JSMessageTTLDisabledErr: the bucket's stream takes no per-message TTL
+_NOT_PLACED_YET = (10005, 10008)  # no suitable peers for placement (yet); JetStream cluster not available (yet)
 
 
 def server_urls(url: str | Sequence[str]) -> list[str]:
@@ -257,6 +259,7 @@ class BusLimits:
     # copies of every stream and bucket the bus creates: 1 on a single server, 3 on a JetStream cluster
     # (a lost server loses nothing, and its streams elect a new leader among the others)
     replicas: int = 1
+    placement_wait_s: float = 15.0  # creating a stream waits this long for a cluster to place its replicas
 
     def __post_init__(self) -> None:
         if self.ack_wait_s < 1.0:
@@ -666,12 +669,30 @@ class Bus:
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
             await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
-            await self.js.update_stream(cfg)
+            await self._placed(cfg.name or "", lambda: self.js.update_stream(cfg))
         except NotFoundError:
             try:
-                await self.js.add_stream(cfg)
+                await self._placed(cfg.name or "", lambda: self.js.add_stream(cfg))
             except BadRequestError as e:
                 raise BusError(f"cannot create stream {cfg.name}: {e}") from e
+
+    async def _placed(self, stream: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        """Creates or updates a stream, waiting (at most ``limits.placement_wait_s``) while a cluster
+        cannot place its replicas yet: a cluster just formed, whose meta leader has not yet heard from
+        every peer, or one electing a meta leader. Past the bound the last refusal is raised."""
+        delay = 0.1
+        deadline = time.monotonic() + self.limits.placement_wait_s
+        while True:
+            try:
+                return await make()
+            except (ServiceUnavailableError, BadRequestError, nats.errors.TimeoutError) as e:
+                unplaced = isinstance(e, ServiceUnavailableError | nats.errors.TimeoutError) or \
+                    getattr(e, "err_code", None) in _NOT_PLACED_YET
+                if not unplaced or time.monotonic() + delay > deadline:
+                    raise
+                log.info("stream_placement_retried", stream=stream, error=str(e), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     async def kv(self, bucket: str) -> Bucket:
         """The bucket, created if it does not exist yet (with `limits`' replicas; a lease bucket with TTLs)."""
@@ -681,9 +702,10 @@ class Bus:
                     info = await self.js.stream_info(f"KV_{bucket}")
                 except NotFoundError:
                     lease = bucket in LEASE_BUCKETS
-                    await self.js.create_key_value(KeyValueConfig(
+                    config = KeyValueConfig(
                         bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE,
-                        replicas=self.limits.replicas, limit_marker_ttl=_LEASE_MARKER_TTL_S if lease else None))
+                        replicas=self.limits.replicas, limit_marker_ttl=_LEASE_MARKER_TTL_S if lease else None)
+                    await self._placed(f"KV_{bucket}", lambda: self.js.create_key_value(config))
                     info = await self.js.stream_info(f"KV_{bucket}")
                 self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
             return self._kv[bucket]
@@ -695,7 +717,7 @@ class Bus:
         if bucket in LEASE_BUCKETS and not info.config.subject_delete_marker_ttl:
             wanted = dataclasses.replace(wanted, allow_msg_ttl=True, subject_delete_marker_ttl=_LEASE_MARKER_TTL_S)
         if wanted != info.config:
-            await self.js.update_stream(wanted)
+            await self._placed(f"KV_{bucket}", lambda: self.js.update_stream(wanted))
             log.info("bucket_updated", bucket=bucket, replicas=wanted.num_replicas,
                      ttl=bool(wanted.subject_delete_marker_ttl))
 

@@ -156,7 +156,7 @@ class NatsServer:
         ready = False
         in_cluster = bool(self.config.cluster_name)  # its route port is said after "ready"
         lines: list[bytes] = []
-        log_file = (self.config.store_dir / SERVER_LOG).open("ab")
+        log_file = (self.config.store_dir / SERVER_LOG).open("ab", buffering=0)  # readable as it happens
         try:
             while True:
                 line = await self._proc.stderr.readline()
