@@ -379,6 +379,7 @@ class ChainedKVWriter:
         self._ack_timeout_s = ack_timeout_s
         self._order = asyncio.Lock()  # FIFO: buffers reach the connection in the order of their sequence
         self._buffer: list[tuple[str, bytes, int | None]] = []  # (key, value, expected revision), not sent
+        self._sent_of: dict[str, int] = {}  # key -> sequence of this writer's newest write of it sent
         self._writes: dict[int, tuple[str, int | None]] = {}  # acknowledgement asked: sequence -> (key, expected)
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (sequence, id, future)
         self.broken: Exception | None = None
@@ -421,16 +422,30 @@ class ChainedKVWriter:
             last = len(buffer) - 1
             for i, (key, value, expected) in enumerate(buffer):
                 sequence = self._sent + 1
-                headers = {
-                    Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected or 0),
-                    Header.EXPECTED_LAST_SEQUENCE: str(self._sent),
-                }
+                headers = {Header.EXPECTED_LAST_SEQUENCE: str(self._sent)}
+                previous = self._sent_unacknowledged(key)
+                # A replicated stream refuses a write whose subject has another write in flight
+                # ("wrong last sequence": its leader checks against what it has applied, not
+                # proposed). Expecting exactly this writer's own write in flight is implied by the
+                # chain (every write before this one stored, none between them), so that check is
+                # left to the chain; any other expectation is the server's to refuse.
+                if previous is None or expected != previous:
+                    headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected or 0)
+                self._sent_of[key] = sequence
                 reply = ""
                 if i == last:
                     self._writes[sequence] = (key, expected)
                     reply = f"{self._inbox}{sequence}"
                 await self._nc.publish(self._subject_prefix + key, value, reply=reply, headers=headers)
                 self._sent = sequence
+
+    def _sent_unacknowledged(self, key: str) -> int | None:
+        """The sequence of this writer's newest write of ``key`` already sent, if not acknowledged yet."""
+        sequence = self._sent_of.get(key)
+        if sequence is not None and sequence <= self._durable:
+            del self._sent_of[key]  # stored: the server checks against it as usual
+            return None
+        return sequence
 
     async def flush(self) -> None:
         """Send the buffered writes and wait until every write made so far is acknowledged.

@@ -225,3 +225,35 @@ async def test_a_url_list_with_a_dead_server_connects_to_a_live_one(tmp_path: Pa
                 assert bus.nc.connected_url.netloc == server.url.removeprefix("nats://")
             finally:
                 await bus.close()
+
+
+@pytest.mark.parametrize("size", [1, 3])
+async def test_chained_writes_of_one_key_in_flight_together_are_stored_and_a_stale_one_is_refused(
+        tmp_path: Path, size: int) -> None:
+    """A replicated stream refuses a write whose key has another write in flight; the chain covers it."""
+    from runtime.bus import ChainedKVWriter, ChainedWriteConflict
+
+    server = NatsCluster(NatsServerConfig(store_dir=tmp_path / "nats"), size) if size > 1 else \
+        NatsServer(NatsServerConfig(store_dir=tmp_path / "nats"))
+    async with server:
+        bus = await Bus.connect(server.url, name="test", limits=BusLimits(replicas=size))
+        try:
+            await bus.ensure_base()
+            writer = await ChainedKVWriter.open(bus, "slots")
+            revision = writer.write("slot.1", b"a", None)
+            for value in (b"b", b"c", b"d"):  # one slot's transitions, sent together
+                revision = writer.write("slot.1", value, revision)
+            writer.write("slot.2", b"x", None)
+            await writer.flush()
+            entry = await bus.kv_get("slots", "slot.1")
+            assert entry is not None and (entry.value, entry.revision) == (b"d", revision)
+
+            stale = await ChainedKVWriter.open(bus, "slots")
+            first = stale.write("slot.1", b"e", revision)
+            stale.write("slot.1", b"f", first - 1)  # not what the key holds when it is applied
+            with pytest.raises(ChainedWriteConflict):
+                await stale.flush()
+            entry = await bus.kv_get("slots", "slot.1")
+            assert entry is not None and entry.value == b"e", "the chain's prefix is stored, nothing after"
+        finally:
+            await bus.close()
