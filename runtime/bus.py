@@ -45,6 +45,7 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoKeysError,
+    NoStreamResponseError,
     NotFoundError,
     ServiceUnavailableError,
 )
@@ -61,7 +62,31 @@ KV_BUCKETS = ("slots", "config", "actors")
 LEASE_BUCKETS = frozenset({"actors"})
 _LEASE_MARKER_TTL_S = 60.0  # how long the server keeps the marker of an expired lease (watchers see it live)
 _TTL_UNSUPPORTED = (10166,)  # JSMessageTTLDisabledErr: the bucket's stream takes no per-message TTL
+# a replicated bus's reads give up on one server after this and ask again (until `BusLimits.election_wait_s`):
+# one asked while its stream elects a leader is never answered, and 5 s would add 5 s to every election
+_READ_PROBE_S = 1.0
 _NOT_PLACED_YET = (10005, 10008)  # no suitable peers for placement (yet); JetStream cluster not available (yet)
+
+
+async def through_election(what: str, make: Callable[[], Awaitable[Any]], wait_s: float) -> Any:
+    """A JetStream API request (create a stream or a consumer, read a stream's state or a key) made
+    again, for at most ``wait_s``, while a cluster cannot serve it yet: one just formed, whose meta
+    leader has not yet heard from every peer ("no suitable peers"), or one electing a leader after a
+    server was lost (no answer in time, "unavailable", no responders). Past the bound the last error
+    is raised; with ``wait_s`` = 0 (one server: no election to wait for) the first."""
+    delay = 0.1
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await make()
+        except (ServiceUnavailableError, NoStreamResponseError, BadRequestError, nats.errors.TimeoutError,
+                nats.errors.NoRespondersError) as e:
+            transient = not isinstance(e, BadRequestError) or getattr(e, "err_code", None) in _NOT_PLACED_YET
+            if not transient or time.monotonic() + delay > deadline:
+                raise
+            log.info("jetstream_request_retried", what=what, error=repr(e), retry_in_s=delay)
+        await asyncio.sleep(delay)
+        delay = min(1.0, delay * 2)
 
 
 def server_urls(url: str | Sequence[str]) -> list[str]:
@@ -204,16 +229,36 @@ class WorkMessage:
 class PullConsumer:
     """A queue's durable pull consumer, shared by every actor of its kind (`Bus.pull_consumer`)."""
 
-    def __init__(self, sub: Any) -> None:
+    def __init__(self, sub: Any, name: str = "") -> None:
         self._sub = sub
+        self.name = name
+        self._unavailable_since: float | None = None  # its consumer has had no leader since (a cluster's election)
 
     async def fetch(self, batch: int, timeout_s: float) -> list[WorkMessage]:
-        """Up to ``batch`` messages; waits at most ``timeout_s`` for the first (none came: an empty list)."""
+        """Up to ``batch`` messages; waits at most ``timeout_s`` for the first (none came: an empty list).
+
+        On a cluster, a consumer whose leader is lost answers "unavailable" until its peers elect
+        another: that is no message either, after the same wait (no busy loop), and said once per
+        election (``consumer_unavailable``, then ``consumer_available`` with how long it lasted).
+        """
         try:
             with _translated("fetch"):
-                msgs = await self._sub.fetch(batch=batch, timeout=timeout_s)
+                try:
+                    msgs = await self._sub.fetch(batch=batch, timeout=timeout_s)
+                except ServiceUnavailableError:
+                    msgs = None
         except BusTimeout:  # nothing came in time
+            msgs = []
+        if msgs is None:
+            if self._unavailable_since is None:
+                self._unavailable_since = time.monotonic()
+                log.warning("consumer_unavailable", consumer=self.name, reason="no leader (a cluster's election)")
+            await asyncio.sleep(timeout_s)
             return []
+        if self._unavailable_since is not None:
+            log.info("consumer_available", consumer=self.name,
+                     unavailable_s=round(time.monotonic() - self._unavailable_since, 3))
+            self._unavailable_since = None
         return [WorkMessage(m) for m in msgs]
 
     async def unsubscribe(self) -> None:
@@ -259,7 +304,9 @@ class BusLimits:
     # copies of every stream and bucket the bus creates: 1 on a single server, 3 on a JetStream cluster
     # (a lost server loses nothing, and its streams elect a new leader among the others)
     replicas: int = 1
-    placement_wait_s: float = 15.0  # creating a stream waits this long for a cluster to place its replicas
+    # creating a stream or a consumer waits this long for a cluster to place it or to elect a leader
+    # (measured on loopback under load: elections end 6 to 7 s after a server is lost)
+    election_wait_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.ack_wait_s < 1.0:
@@ -279,8 +326,12 @@ class Bucket(KeyValue):
     whose last record is a delete or purge marker.
     """
 
-    def __init__(self, nc: NatsClient, js: JetStreamContext, name: str, direct: bool) -> None:
+    def __init__(self, nc: NatsClient, js: JetStreamContext, name: str, direct: bool,
+                 election_wait_s: float = 0.0) -> None:
         self.bucket = name
+        self._election_wait_s = election_wait_s  # a replicated bucket's reads wait out its leader's election
+        self._js_quick = nc.jetstream(timeout=_READ_PROBE_S)
+        self._read_timeout_s = _READ_PROBE_S if election_wait_s else 5.0
         self._prefix = f"$KV.{name}."  # a key's subject is prefix + key
         stream = f"KV_{name}"
         super().__init__(name=name, stream=stream, pre=self._prefix, js=js, direct=direct)
@@ -301,7 +352,8 @@ class Bucket(KeyValue):
         keys: list[str] = []
         while True:
             request = {"subjects_filter": f"{self._prefix}>", "offset": len(keys)}
-            reply = await self._nc.request(self._stream_info_subject, json.dumps(request).encode(), 5.0)
+            reply = await through_election(f"list {self.bucket}", lambda request=request: self._nc.request(
+                self._stream_info_subject, json.dumps(request).encode(), self._read_timeout_s), self._election_wait_s)
             info = json.loads(reply.data)
             if "error" in info:
                 raise BusError(f"cannot list the keys of bucket {self.bucket!r}: {info['error']}")
@@ -315,8 +367,10 @@ class Bucket(KeyValue):
         `LEASE_BUCKETS`; nats-py's ``get`` takes it for a value) is a deleted key too."""
         subject = f"{self._prefix}{key}"
         try:
-            msg = await self._js.get_msg(self._stream, subject=None if revision else subject, seq=revision,
-                                         direct=self._direct)
+            js = self._js_quick if self._election_wait_s else self._js
+            msg = await through_election(f"get {self.bucket}/{key}", lambda: js.get_msg(
+                self._stream, subject=None if revision else subject, seq=revision, direct=self._direct),
+                self._election_wait_s)
         except NotFoundError:
             raise KeyNotFoundError from None
         if msg.subject != subject:
@@ -369,9 +423,15 @@ class ChainedKVWriter:
     After any failed write the writer is broken: every later call raises the first error's kind.
     """
 
-    def __init__(self, nc: NatsClient, bucket: str, last_sequence: int, ack_timeout_s: float) -> None:
+    def __init__(self, nc: NatsClient, bucket: str, last_sequence: int, ack_timeout_s: float,
+                 ack_every_write: bool = False) -> None:
         self._nc = nc
         self.bucket = bucket
+        # A replicated stream electing a leader drops a write it cannot take, which says nothing when
+        # no reply was asked: the next acknowledged write would then find the chain broken, as if
+        # another writer had written. So there each write asks for its acknowledgement, and the first
+        # refusal ("no stream answered") is the error the writer reports.
+        self._ack_every_write = ack_every_write
         self._subject_prefix = f"$KV.{bucket}."
         self._last = last_sequence  # sequence of the newest write made (buffered or sent)
         self._sent = last_sequence  # sequence of the newest write sent
@@ -389,8 +449,9 @@ class ChainedKVWriter:
     @classmethod
     async def open(cls, bus: Bus, bucket: str, ack_timeout_s: float = 10.0) -> ChainedKVWriter:
         await bus.kv(bucket)
-        info = await bus.js.stream_info(f"KV_{bucket}")
-        writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s)
+        info = await bus._through_election(f"open {bucket}", lambda: bus.js_reads.stream_info(f"KV_{bucket}"))
+        writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s,
+                     ack_every_write=(info.config.num_replicas or 1) > 1)
         writer._sub = await bus.nc.subscribe(f"{writer._inbox}*", cb=writer._on_ack)
         return writer
 
@@ -433,7 +494,7 @@ class ChainedKVWriter:
                     headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected or 0)
                 self._sent_of[key] = sequence
                 reply = ""
-                if i == last:
+                if i == last or self._ack_every_write:
                     self._writes[sequence] = (key, expected)
                     reply = f"{self._inbox}{sequence}"
                 await self._nc.publish(self._subject_prefix + key, value, reply=reply, headers=headers)
@@ -654,16 +715,17 @@ class Bus:
             cc = ConsumerConfig(durable_name=q.durable, ack_policy=AckPolicy.EXPLICIT,
                                 ack_wait=lim.ack_wait_s, max_deliver=lim.max_deliver,
                                 max_ack_pending=lim.max_ack_pending, deliver_policy=DeliverPolicy.ALL)
+            add = lambda: self.js.add_consumer(q.stream, cc)  # noqa: E731
             try:
-                await self.js.add_consumer(q.stream, cc)
+                await self._through_election(f"consumer {q.durable}", add)
             except BadRequestError as e:  # exists with another config: update it
                 log.info("consumer_update", stream=q.stream, durable=q.durable, reason=str(e))
-                await self.js.add_consumer(q.stream, cc)
+                await self._through_election(f"consumer {q.durable}", add)
 
     async def pull_consumer(self, q: Queue) -> PullConsumer:
         """Binds to the queue's durable consumer (made by `ensure_queue`)."""
         with _translated(f"bind to {q.stream}/{q.durable}"):
-            return PullConsumer(await self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream))
+            return PullConsumer(await self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream), q.durable)
 
     async def ensure_base(self) -> None:
         """Streams and buckets every run has: LOG, DLQ, and the KV buckets."""
@@ -683,46 +745,45 @@ class Bus:
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
-            await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
-            await self._placed(cfg.name or "", lambda: self.js.update_stream(cfg))
+            await self._through_election(f"open {cfg.name}", lambda: self.js_reads.stream_info(cfg.name))  # type: ignore[arg-type]
+            await self._through_election(cfg.name or "", lambda: self.js.update_stream(cfg))
         except NotFoundError:
             try:
-                await self._placed(cfg.name or "", lambda: self.js.add_stream(cfg))
+                await self._through_election(cfg.name or "", lambda: self.js.add_stream(cfg))
             except BadRequestError as e:
                 raise BusError(f"cannot create stream {cfg.name}: {e}") from e
 
-    async def _placed(self, stream: str, make: Callable[[], Awaitable[Any]]) -> Any:
-        """Creates or updates a stream, waiting (at most ``limits.placement_wait_s``) while a cluster
-        cannot place its replicas yet: a cluster just formed, whose meta leader has not yet heard from
-        every peer, or one electing a meta leader. Past the bound the last refusal is raised."""
-        delay = 0.1
-        deadline = time.monotonic() + self.limits.placement_wait_s
-        while True:
-            try:
-                return await make()
-            except (ServiceUnavailableError, BadRequestError, nats.errors.TimeoutError) as e:
-                unplaced = isinstance(e, ServiceUnavailableError | nats.errors.TimeoutError) or \
-                    getattr(e, "err_code", None) in _NOT_PLACED_YET
-                if not unplaced or time.monotonic() + delay > deadline:
-                    raise
-                log.info("stream_placement_retried", stream=stream, error=str(e), retry_in_s=delay)
-            await asyncio.sleep(delay)
-            delay = min(1.0, delay * 2)
+    async def _through_election(self, what: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        return await through_election(what, make, self.election_wait_s)
+
+    @property
+    def js_reads(self) -> JetStreamContext:
+        """The JetStream context for reads that `through_election` asks again: quick ones on a replicated bus."""
+        return self.nc.jetstream(timeout=_READ_PROBE_S) if self.election_wait_s else self.js
+
+    @property
+    def election_wait_s(self) -> float:
+        """How long a request waits out a leader's election: only a replicated stream has one."""
+        return self.limits.election_wait_s if self.limits.replicas > 1 else 0.0
 
     async def kv(self, bucket: str) -> Bucket:
         """The bucket, created if it does not exist yet (with `limits`' replicas; a lease bucket with TTLs)."""
         with _translated(f"open the bucket {bucket}"):
             if bucket not in self._kv:
                 try:
-                    info = await self.js.stream_info(f"KV_{bucket}")
+                    info = await self._through_election(f"open {bucket}",
+                                                        lambda: self.js_reads.stream_info(f"KV_{bucket}"))
                 except NotFoundError:
                     lease = bucket in LEASE_BUCKETS
                     config = KeyValueConfig(
                         bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE,
                         replicas=self.limits.replicas, limit_marker_ttl=_LEASE_MARKER_TTL_S if lease else None)
-                    await self._placed(f"KV_{bucket}", lambda: self.js.create_key_value(config))
+                    await self._through_election(f"KV_{bucket}", lambda: self.js.create_key_value(config))
                     info = await self.js.stream_info(f"KV_{bucket}")
-                self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
+                # a replicated bucket is read from its leader: a direct get may be answered by any replica,
+                # also one that is still catching up after a restart (the reconciler read keys as absent)
+                direct = bool(info.config.allow_direct) and (info.config.num_replicas or 1) == 1
+                self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=direct, election_wait_s=self.election_wait_s)
             return self._kv[bucket]
 
     async def _update_bucket(self, bucket: str) -> None:
@@ -732,7 +793,7 @@ class Bus:
         if bucket in LEASE_BUCKETS and not info.config.subject_delete_marker_ttl:
             wanted = dataclasses.replace(wanted, allow_msg_ttl=True, subject_delete_marker_ttl=_LEASE_MARKER_TTL_S)
         if wanted != info.config:
-            await self._placed(f"KV_{bucket}", lambda: self.js.update_stream(wanted))
+            await self._through_election(f"KV_{bucket}", lambda: self.js.update_stream(wanted))
             log.info("bucket_updated", bucket=bucket, replicas=wanted.num_replicas,
                      ttl=bool(wanted.subject_delete_marker_ttl))
 
@@ -824,7 +885,7 @@ class Bus:
             await self.health.up.wait()
             generation = self.health.num_outages  # a drop at any point after this renews the watch
             try:
-                watcher = await kv.watch(keys)
+                watcher = await self._through_election(f"watch {bucket}", lambda: kv.watch(keys))
             except (nats.errors.Error, OSError):
                 if self.health.num_outages != generation or self.health.down.is_set():
                     continue  # it failed because the connection dropped meanwhile: watch again once back
@@ -863,7 +924,8 @@ class Bus:
                 config = dataclasses.replace(config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                              opt_start_seq=next_seq, opt_start_time=None)
             try:
-                sub = await self.js.subscribe(subject, ordered_consumer=True, config=config)
+                sub = await self._through_election(f"follow {subject}", lambda config=config: self.js.subscribe(
+                    subject, ordered_consumer=True, config=config))
             except (nats.errors.Error, OSError):
                 if self.health.num_outages != generation or self.health.down.is_set():
                     continue
@@ -945,9 +1007,12 @@ class Bus:
 
     # --- publishing -------------------------------------------------------------------------
     async def publish_durable(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
-        """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window."""
+        """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window. With a
+        ``msg_id`` (a copy that was stored after all is dropped), published again while a replicated
+        stream elects its leader."""
         with _translated(f"publish on {subject}"):
-            await self.js.publish(subject, data, headers=_msg_id_headers(msg_id))
+            publish = lambda: self.js.publish(subject, data, headers=_msg_id_headers(msg_id))  # noqa: E731
+            await (self._through_election(f"publish on {subject}", publish) if msg_id else publish())
 
     async def publish_unconfirmed(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         """Publish into a stream without waiting for the server's acknowledgement (no reply, no

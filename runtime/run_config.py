@@ -64,7 +64,7 @@ class BusSection:
 
     def __post_init__(self) -> None:
         check_ranges(self, "bus")
-        if self.url:
+        if self.url or isinstance(self.url, tuple):  # an empty list is a mistake, not "embedded"
             try:
                 server_urls(self.url)
             except ValueError as e:
