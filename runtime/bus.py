@@ -13,6 +13,7 @@ import dataclasses
 import heapq
 import json
 import math
+import re
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -548,7 +549,14 @@ class ChainedKVWriter:
             return
         error = reply.get("error")
         if error and error.get("err_code") in (10071, 10164):  # wrong last (subject) sequence
-            self._fail(ChainedWriteConflict(self.bucket, key, expected))
+            found = re.search(r"wrong last sequence: (\d+)", error.get("description") or "")
+            if found and int(found.group(1)) < sequence - 1:
+                # the bucket is behind this writer's own chain: writes before this one were dropped
+                # (a replicated stream losing its leader with them in flight), nobody wrote ahead of it
+                self._fail(KVWriteFailed(f"the writes to {self.bucket!r} before {key!r} (sequence {sequence}) were "
+                                         f"not stored: the stream ends at {found.group(1)}"))
+            else:
+                self._fail(ChainedWriteConflict(self.bucket, key, expected))
         elif error:
             self._fail(KVWriteFailed(f"write of {key!r} failed: {error}"))
         elif reply.get("seq") != sequence:

@@ -257,3 +257,30 @@ async def test_chained_writes_of_one_key_in_flight_together_are_stored_and_a_sta
             assert entry is not None and entry.value == b"e", "the chain's prefix is stored, nothing after"
         finally:
             await bus.close()
+
+
+async def test_a_chain_whose_own_writes_were_dropped_is_a_failed_write_and_a_foreign_write_a_conflict(
+        tmp_path: Path) -> None:
+    """A leader lost with writes in flight drops them without a word: the next write finds the bucket
+    behind the chain. That is this writer's failure (resume from the store), not another writer's (stop)."""
+    from runtime.bus import ChainedKVWriter, ChainedWriteConflict, KVWriteFailed
+
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
+        bus = await Bus.connect(server.url, name="test")
+        try:
+            await bus.ensure_base()
+            dropped = await ChainedKVWriter.open(bus, "slots")
+            dropped._sent += 2  # two writes sent that the stream never stored (as an election drops them)
+            dropped._last += 2
+            dropped.write("slot.9", b"x", None)
+            with pytest.raises(KVWriteFailed, match="were not stored") as failed:
+                await dropped.flush()
+            assert not isinstance(failed.value, ChainedWriteConflict)
+
+            fenced = await ChainedKVWriter.open(bus, "slots")
+            await bus.kv_put("slots", "slot.1", b"another reconciler")
+            fenced.write("slot.8", b"x", None)
+            with pytest.raises(ChainedWriteConflict):
+                await fenced.flush()
+        finally:
+            await bus.close()
