@@ -550,9 +550,10 @@ class ChainedKVWriter:
         error = reply.get("error")
         if error and error.get("err_code") in (10071, 10164):  # wrong last (subject) sequence
             found = re.search(r"wrong last sequence: (\d+)", error.get("description") or "")
-            if found and int(found.group(1)) < sequence - 1:
-                # the bucket is behind this writer's own chain: writes before this one were dropped
-                # (a replicated stream losing its leader with them in flight), nobody wrote ahead of it
+            if self._ack_every_write and self._durable < sequence - 1 and found and int(found.group(1)) < sequence - 1:
+                # an earlier write of the chain was never acknowledged (each one asks, and they come in
+                # order) and the bucket ends before it: dropped (a replicated stream losing its leader
+                # with it in flight), not overtaken by another writer
                 self._fail(KVWriteFailed(f"the writes to {self.bucket!r} before {key!r} (sequence {sequence}) were "
                                          f"not stored: the stream ends at {found.group(1)}"))
             else:

@@ -262,11 +262,12 @@ async def test_chained_writes_of_one_key_in_flight_together_are_stored_and_a_sta
 async def test_a_chain_whose_own_writes_were_dropped_is_a_failed_write_and_a_foreign_write_a_conflict(
         tmp_path: Path) -> None:
     """A leader lost with writes in flight drops them without a word: the next write finds the bucket
-    behind the chain. That is this writer's failure (resume from the store), not another writer's (stop)."""
+    behind the chain, with writes before it never acknowledged (on a replicated bucket each one asks).
+    That is this writer's failure (resume from the store), not another writer's (stop)."""
     from runtime.bus import ChainedKVWriter, ChainedWriteConflict, KVWriteFailed
 
-    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
-        bus = await Bus.connect(server.url, name="test")
+    async with NatsCluster(NatsServerConfig(store_dir=tmp_path / "nats"), size=3) as cluster:
+        bus = await Bus.connect(cluster.url, name="test", limits=BusLimits(replicas=3))
         try:
             await bus.ensure_base()
             dropped = await ChainedKVWriter.open(bus, "slots")
