@@ -518,8 +518,9 @@ class Actor:
             raise_if_cancelled()
 
     async def _register(self) -> None:
+        # with the lease as its TTL: the server itself removes the entry of an actor that stops renewing it
         await self.bus.kv_put("actors", registration_key(self.identity.kind, self.identity.actor_id),
-                              msgpack.packb(self.describe(), use_bin_type=True))
+                              msgpack.packb(self.describe(), use_bin_type=True), ttl_s=self.settings.lease_s)
 
     # --- live configuration -------------------------------------------------------------------------
     async def _watch_config(self) -> None:

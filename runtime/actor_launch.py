@@ -17,6 +17,7 @@ any of them finds its run the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Mapping
@@ -63,7 +64,8 @@ def actor_env(address: RunAddress, role: str, base: Mapping[str, str]) -> dict[s
     env = {k: v for k, v in base.items() if k != CREDENTIALS_ENV and k not in TLS_ENV}
     if address.credentials_dir:
         credentials = read_credentials(address.credentials_dir, role)
-        env[CREDENTIALS_ENV] = json.dumps({"user": credentials.user, "password": credentials.password})
+        # an NKEY seed or a .creds file travels as its path (present on every node, like TLS files)
+        env[CREDENTIALS_ENV] = json.dumps({k: v for k, v in dataclasses.asdict(credentials).items() if v})
     for name, value in zip(TLS_ENV, (address.tls_ca_file, address.tls_cert_file, address.tls_key_file), strict=True):
         if value:
             env[name] = value
@@ -80,8 +82,9 @@ def bus_options_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     if raw := environ.get(CREDENTIALS_ENV):
         try:
             data = json.loads(raw)
-            credentials = BusCredentials(str(data["user"]), str(data["password"]))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{CREDENTIALS_ENV} is malformed ({e!r}); expected JSON {{'user', 'password'}}") from None
+            credentials = BusCredentials(**{k: str(v) for k, v in data.items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{CREDENTIALS_ENV} is malformed ({e!r}); expected JSON {{'user', and 'password', "
+                              "'nkey_seed_file' or 'creds_file'}}") from None
     ca, cert, key = (environ.get(name, "") for name in TLS_ENV)
     return {"credentials": credentials, "tls": tls_context(ca, cert, key)}

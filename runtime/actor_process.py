@@ -22,7 +22,7 @@ import uvloop
 from runtime.actor import ActorContext, ActorIdentity, ActorSettings
 from runtime.actor_launch import bus_options_from_env
 from runtime.blob import BlobStore, open_store
-from runtime.bus import Bus, BusLimits
+from runtime.bus import Bus
 from runtime.codehash import code_hash
 from runtime.errors import ConfigError
 from runtime.events import EventLog
@@ -77,7 +77,7 @@ async def _serve(args: argparse.Namespace) -> None:
     log = structlog.get_logger("runtime.actor_process")
     try:
         # the run's ack wait, for the consumers the actor makes (what the connection used is the same default)
-        bus.limits = BusLimits(ack_wait_s=cfg.runtime.bus.ack_wait_s)
+        bus.limits = cfg.runtime.bus.limits()
         cls = import_entry(spec.entry)
         module_file = Path(sys.modules[spec.entry.partition(":")[0]].__file__ or ".").resolve()
         identity = ActorIdentity.here(args.kind, args.actor_id, code_hash(extra_roots=(module_file.parent,)))

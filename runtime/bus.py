@@ -12,12 +12,15 @@ import contextlib
 import dataclasses
 import heapq
 import json
+import math
+import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -37,12 +40,15 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import (
+    APIError,
     BadRequestError,
     KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoKeysError,
+    NoStreamResponseError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
 
@@ -52,6 +58,53 @@ from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 log = structlog.get_logger(__name__)
 
 KV_BUCKETS = ("slots", "config", "actors", "run")  # run: the run's record (runtime.run_state)
+# Buckets whose keys are leases: each write may carry a TTL (`Bus.kv_put`'s ``ttl_s``), and the server
+# removes a key whose TTL ran out, leaving a delete marker that watchers see (nats-server >= 2.11).
+LEASE_BUCKETS = frozenset({"actors"})
+_LEASE_MARKER_TTL_S = 60.0  # how long the server keeps the marker of an expired lease (watchers see it live)
+_TTL_UNSUPPORTED = (10166,)  # JSMessageTTLDisabledErr: the bucket's stream takes no per-message TTL
+# a replicated bus's reads give up on one server after this and ask again (until `BusLimits.election_wait_s`):
+# one asked while its stream elects a leader is never answered, and 5 s would add 5 s to every election
+_READ_PROBE_S = 1.0
+_NOT_PLACED_YET = (10005, 10008)  # no suitable peers for placement (yet); JetStream cluster not available (yet)
+
+
+async def through_election(what: str, make: Callable[[], Awaitable[Any]], wait_s: float) -> Any:
+    """A JetStream API request (create a stream or a consumer, read a stream's state or a key) made
+    again, for at most ``wait_s``, while a cluster cannot serve it yet: one just formed, whose meta
+    leader has not yet heard from every peer ("no suitable peers"), or one electing a leader after a
+    server was lost (no answer in time, "unavailable", no responders). Past the bound the last error
+    is raised; with ``wait_s`` = 0 (one server: no election to wait for) the first."""
+    delay = 0.1
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await make()
+        except (ServiceUnavailableError, NoStreamResponseError, BadRequestError, nats.errors.TimeoutError,
+                nats.errors.NoRespondersError) as e:
+            transient = not isinstance(e, BadRequestError) or getattr(e, "err_code", None) in _NOT_PLACED_YET
+            if not transient or time.monotonic() + delay > deadline:
+                raise
+            log.info("jetstream_request_retried", what=what, error=repr(e), retry_in_s=delay)
+        await asyncio.sleep(delay)
+        delay = min(1.0, delay * 2)
+
+
+def server_urls(url: str | Sequence[str]) -> list[str]:
+    """The servers a connection may use: a list of URLs, or one string of comma-separated URLs (as NATS
+    tools take them), e.g. ``nats://a:4222,nats://b:4222``.
+
+    Raises:
+        ValueError: no URL, or one that is not ``nats://`` or ``tls://`` HOST:PORT.
+    """
+    urls = [u.strip() for u in (url.split(",") if isinstance(url, str) else url)]
+    if not urls or not all(urls):
+        raise ValueError(f"bus URL {url!r}: expected one or more nats://HOST:PORT (a list, or comma-separated)")
+    for u in urls:
+        parsed = urlsplit(u)
+        if parsed.scheme not in ("nats", "tls") or not parsed.hostname:
+            raise ValueError(f"bus URL {u!r} (in {url!r}): expected nats://HOST:PORT or tls://HOST:PORT")
+    return urls
 
 
 @dataclass(frozen=True)
@@ -177,16 +230,36 @@ class WorkMessage:
 class PullConsumer:
     """A queue's durable pull consumer, shared by every actor of its kind (`Bus.pull_consumer`)."""
 
-    def __init__(self, sub: Any) -> None:
+    def __init__(self, sub: Any, name: str = "") -> None:
         self._sub = sub
+        self.name = name
+        self._unavailable_since: float | None = None  # its consumer has had no leader since (a cluster's election)
 
     async def fetch(self, batch: int, timeout_s: float) -> list[WorkMessage]:
-        """Up to ``batch`` messages; waits at most ``timeout_s`` for the first (none came: an empty list)."""
+        """Up to ``batch`` messages; waits at most ``timeout_s`` for the first (none came: an empty list).
+
+        On a cluster, a consumer whose leader is lost answers "unavailable" until its peers elect
+        another: that is no message either, after the same wait (no busy loop), and said once per
+        election (``consumer_unavailable``, then ``consumer_available`` with how long it lasted).
+        """
         try:
             with _translated("fetch"):
-                msgs = await self._sub.fetch(batch=batch, timeout=timeout_s)
+                try:
+                    msgs = await self._sub.fetch(batch=batch, timeout=timeout_s)
+                except ServiceUnavailableError:
+                    msgs = None
         except BusTimeout:  # nothing came in time
+            msgs = []
+        if msgs is None:
+            if self._unavailable_since is None:
+                self._unavailable_since = time.monotonic()
+                log.warning("consumer_unavailable", consumer=self.name, reason="no leader (a cluster's election)")
+            await asyncio.sleep(timeout_s)
             return []
+        if self._unavailable_since is not None:
+            log.info("consumer_available", consumer=self.name,
+                     unavailable_s=round(time.monotonic() - self._unavailable_since, 3))
+            self._unavailable_since = None
         return [WorkMessage(m) for m in msgs]
 
     async def unsubscribe(self) -> None:
@@ -229,10 +302,18 @@ class BusLimits:
     reconnect_wait_s: float = 0.5  # between reconnect attempts (forever: an outage is bounded above)
     ping_interval_s: int = 10  # a silent dead peer is found after ping_interval_s * max_outstanding_pings
     max_outstanding_pings: int = 3
+    # copies of every stream and bucket the bus creates: 1 on a single server, 3 on a JetStream cluster
+    # (a lost server loses nothing, and its streams elect a new leader among the others)
+    replicas: int = 1
+    # creating a stream or a consumer waits this long for a cluster to place it or to elect a leader
+    # (measured on loopback under load: elections end 6 to 7 s after a server is lost)
+    election_wait_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.ack_wait_s < 1.0:
             raise ValueError(f"ack_wait_s={self.ack_wait_s} is too small for in_progress heartbeats; use >= 1")
+        if not 1 <= self.replicas <= 5:
+            raise ValueError(f"replicas={self.replicas}: JetStream keeps 1 to 5 copies of a stream")
 
 
 class Bucket(KeyValue):
@@ -246,8 +327,12 @@ class Bucket(KeyValue):
     whose last record is a delete or purge marker.
     """
 
-    def __init__(self, nc: NatsClient, js: JetStreamContext, name: str, direct: bool) -> None:
+    def __init__(self, nc: NatsClient, js: JetStreamContext, name: str, direct: bool,
+                 election_wait_s: float = 0.0) -> None:
         self.bucket = name
+        self._election_wait_s = election_wait_s  # a replicated bucket's reads wait out its leader's election
+        self._js_quick = nc.jetstream(timeout=_READ_PROBE_S)
+        self._read_timeout_s = _READ_PROBE_S if election_wait_s else 5.0
         self._prefix = f"$KV.{name}."  # a key's subject is prefix + key
         stream = f"KV_{name}"
         super().__init__(name=name, stream=stream, pre=self._prefix, js=js, direct=direct)
@@ -268,7 +353,8 @@ class Bucket(KeyValue):
         keys: list[str] = []
         while True:
             request = {"subjects_filter": f"{self._prefix}>", "offset": len(keys)}
-            reply = await self._nc.request(self._stream_info_subject, json.dumps(request).encode(), 5.0)
+            reply = await through_election(f"list {self.bucket}", lambda request=request: self._nc.request(
+                self._stream_info_subject, json.dumps(request).encode(), self._read_timeout_s), self._election_wait_s)
             info = json.loads(reply.data)
             if "error" in info:
                 raise BusError(f"cannot list the keys of bucket {self.bucket!r}: {info['error']}")
@@ -276,6 +362,27 @@ class Bucket(KeyValue):
             keys += [s[len(self._prefix) :] for s in page]
             if not page or len(keys) >= info.get("total", 0):
                 return keys
+
+    async def _get(self, key: str, revision: int | None = None) -> KeyValue.Entry:
+        """nats-py's read of a key, except that a delete marker the server placed (a TTL that ran out,
+        `LEASE_BUCKETS`; nats-py's ``get`` takes it for a value) is a deleted key too."""
+        subject = f"{self._prefix}{key}"
+        try:
+            js = self._js_quick if self._election_wait_s else self._js
+            msg = await through_election(f"get {self.bucket}/{key}", lambda: js.get_msg(
+                self._stream, subject=None if revision else subject, seq=revision, direct=self._direct),
+                self._election_wait_s)
+        except NotFoundError:
+            raise KeyNotFoundError from None
+        if msg.subject != subject:
+            raise KeyNotFoundError(message=f"expected {subject!r}, but got {msg.subject!r}")
+        entry = KeyValue.Entry(bucket=self.bucket, key=key, value=msg.data, revision=msg.seq, delta=None,
+                               created=None, operation=None)
+        headers = msg.headers or {}
+        operation = headers.get("KV-Operation")
+        if operation in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+            raise KeyDeletedError(entry, operation or "PURGE")
+        return entry
 
     async def _is_live(self, key: str) -> bool:
         try:
@@ -317,9 +424,15 @@ class ChainedKVWriter:
     After any failed write the writer is broken: every later call raises the first error's kind.
     """
 
-    def __init__(self, nc: NatsClient, bucket: str, last_sequence: int, ack_timeout_s: float) -> None:
+    def __init__(self, nc: NatsClient, bucket: str, last_sequence: int, ack_timeout_s: float,
+                 ack_every_write: bool = False) -> None:
         self._nc = nc
         self.bucket = bucket
+        # A replicated stream electing a leader drops a write it cannot take, which says nothing when
+        # no reply was asked: the next acknowledged write would then find the chain broken, as if
+        # another writer had written. So there each write asks for its acknowledgement, and the first
+        # refusal ("no stream answered") is the error the writer reports.
+        self._ack_every_write = ack_every_write
         self._subject_prefix = f"$KV.{bucket}."
         self._last = last_sequence  # sequence of the newest write made (buffered or sent)
         self._sent = last_sequence  # sequence of the newest write sent
@@ -327,6 +440,7 @@ class ChainedKVWriter:
         self._ack_timeout_s = ack_timeout_s
         self._order = asyncio.Lock()  # FIFO: buffers reach the connection in the order of their sequence
         self._buffer: list[tuple[str, bytes, int | None]] = []  # (key, value, expected revision), not sent
+        self._sent_of: dict[str, int] = {}  # key -> sequence of this writer's newest write of it sent
         self._writes: dict[int, tuple[str, int | None]] = {}  # acknowledgement asked: sequence -> (key, expected)
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (sequence, id, future)
         self.broken: Exception | None = None
@@ -336,8 +450,9 @@ class ChainedKVWriter:
     @classmethod
     async def open(cls, bus: Bus, bucket: str, ack_timeout_s: float = 10.0) -> ChainedKVWriter:
         await bus.kv(bucket)
-        info = await bus.js.stream_info(f"KV_{bucket}")
-        writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s)
+        info = await bus._through_election(f"open {bucket}", lambda: bus.js_reads.stream_info(f"KV_{bucket}"))
+        writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s,
+                     ack_every_write=(info.config.num_replicas or 1) > 1)
         writer._sub = await bus.nc.subscribe(f"{writer._inbox}*", cb=writer._on_ack)
         return writer
 
@@ -369,16 +484,30 @@ class ChainedKVWriter:
             last = len(buffer) - 1
             for i, (key, value, expected) in enumerate(buffer):
                 sequence = self._sent + 1
-                headers = {
-                    Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected or 0),
-                    Header.EXPECTED_LAST_SEQUENCE: str(self._sent),
-                }
+                headers = {Header.EXPECTED_LAST_SEQUENCE: str(self._sent)}
+                previous = self._sent_unacknowledged(key)
+                # A replicated stream refuses a write whose subject has another write in flight
+                # ("wrong last sequence": its leader checks against what it has applied, not
+                # proposed). Expecting exactly this writer's own write in flight is implied by the
+                # chain (every write before this one stored, none between them), so that check is
+                # left to the chain; any other expectation is the server's to refuse.
+                if previous is None or expected != previous:
+                    headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected or 0)
+                self._sent_of[key] = sequence
                 reply = ""
-                if i == last:
+                if i == last or self._ack_every_write:
                     self._writes[sequence] = (key, expected)
                     reply = f"{self._inbox}{sequence}"
                 await self._nc.publish(self._subject_prefix + key, value, reply=reply, headers=headers)
                 self._sent = sequence
+
+    def _sent_unacknowledged(self, key: str) -> int | None:
+        """The sequence of this writer's newest write of ``key`` already sent, if not acknowledged yet."""
+        sequence = self._sent_of.get(key)
+        if sequence is not None and sequence <= self._durable:
+            del self._sent_of[key]  # stored: the server checks against it as usual
+            return None
+        return sequence
 
     async def flush(self) -> None:
         """Send the buffered writes and wait until every write made so far is acknowledged.
@@ -420,7 +549,15 @@ class ChainedKVWriter:
             return
         error = reply.get("error")
         if error and error.get("err_code") in (10071, 10164):  # wrong last (subject) sequence
-            self._fail(ChainedWriteConflict(self.bucket, key, expected))
+            found = re.search(r"wrong last sequence: (\d+)", error.get("description") or "")
+            if self._ack_every_write and self._durable < sequence - 1 and found and int(found.group(1)) < sequence - 1:
+                # an earlier write of the chain was never acknowledged (each one asks, and they come in
+                # order) and the bucket ends before it: dropped (a replicated stream losing its leader
+                # with it in flight), not overtaken by another writer
+                self._fail(KVWriteFailed(f"the writes to {self.bucket!r} before {key!r} (sequence {sequence}) were "
+                                         f"not stored: the stream ends at {found.group(1)}"))
+            else:
+                self._fail(ChainedWriteConflict(self.bucket, key, expected))
         elif error:
             self._fail(KVWriteFailed(f"write of {key!r} failed: {error}"))
         elif reply.get("seq") != sequence:
@@ -469,12 +606,13 @@ class ConnectionHealth:
         self.up.clear()
         self.down.set()
 
-    async def on_reconnected(self) -> None:
+    async def on_reconnected(self, server: str = "") -> None:
+        """``server``: the one it is connected to now (on a cluster, maybe another than before)."""
         outage_s = time.monotonic() - self.down_since if self.down_since is not None else 0.0
         self.down_since = None
         self.down.clear()
         self.up.set()
-        log.info("bus_reconnected", client=self.client, outage_s=round(outage_s, 3))
+        log.info("bus_reconnected", client=self.client, outage_s=round(outage_s, 3), server=server)
 
     async def fail_after_outage(self, url: str, max_outage_s: float) -> None:
         """Returns never: raises BusError once one outage lasts longer than ``max_outage_s``."""
@@ -504,12 +642,16 @@ class Bus:
         self.limits = limits
         self.health = health or ConnectionHealth("?")
         self._kv: dict[str, Bucket] = {}
+        self._no_ttl: set[str] = set()  # buckets whose stream refused a TTL
 
     @classmethod
-    async def connect(cls, url: str, name: str, limits: BusLimits = BusLimits(),
+    async def connect(cls, url: str | Sequence[str], name: str, limits: BusLimits = BusLimits(),
                       connect_timeout_s: float = 5.0, credentials: BusCredentials | None = None,
                       tls: ssl.SSLContext | None = None) -> Bus:
-        """Connects as `credentials`' role (replies under its own inbox prefix), over `tls` if given."""
+        """Connects as `credentials`' role (replies under its own inbox prefix), over `tls` if given, to
+        one of the servers `url` names (`server_urls`); on a cluster, it moves to another when its own
+        is lost, and learns the cluster's other members from the server (`bus_server_discovered`)."""
+        servers = server_urls(url)
         auth: dict[str, Any] = credentials.connect_options() if credentials else {}
         if tls is not None:
             auth["tls"] = tls
@@ -527,17 +669,28 @@ class Bus:
         # peer within ping_interval * max_outstanding_pings; but bound the first connect: nats-py would
         # otherwise retry it forever and a command on a stopped run would hang.
         health = ConnectionHealth(name)
+        nc = NatsClient()
+
+        async def on_reconnected() -> None:
+            await health.on_reconnected(server=_netloc(nc.connected_url))
+
+        async def on_discovered() -> None:
+            log.info("bus_server_discovered", client=name, servers=[_netloc(u) for u in nc.discovered_servers])
+
+        async def on_lame_duck() -> None:  # its server is shutting down: it moves to another one
+            log.warning("bus_server_lame_duck", client=name, server=_netloc(nc.connected_url))
+
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(url, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
-                             max_reconnect_attempts=-1, reconnect_time_wait=limits.reconnect_wait_s,
-                             allow_reconnect=True, ping_interval=limits.ping_interval_s,
-                             max_outstanding_pings=limits.max_outstanding_pings,
-                             disconnected_cb=health.on_disconnected, reconnected_cb=health.on_reconnected,
-                             **auth),
+            await asyncio.wait_for(
+                nc.connect(servers, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
+                           max_reconnect_attempts=-1, reconnect_time_wait=limits.reconnect_wait_s,
+                           allow_reconnect=True, ping_interval=limits.ping_interval_s,
+                           max_outstanding_pings=limits.max_outstanding_pings,
+                           disconnected_cb=health.on_disconnected, reconnected_cb=on_reconnected,
+                           discovered_server_cb=on_discovered, lame_duck_mode_cb=on_lame_duck, **auth),
                 connect_timeout_s)
         except Exception as e:
-            raise BusError(f"cannot connect to NATS at {url}: {e!r}; is the run up?") from e
+            raise BusError(f"cannot connect to NATS at {','.join(servers)}: {e!r}; is the run up?") from e
         return cls(nc, limits, health)
 
     async def close(self, timeout_s: float = 5.0) -> None:
@@ -567,20 +720,21 @@ class Bus:
             await self._ensure_stream(StreamConfig(
                 name=q.stream, subjects=list(q.subjects), retention=RetentionPolicy.WORK_QUEUE,
                 storage=StorageType.FILE, max_bytes=lim.work_max_bytes, discard=DiscardPolicy.NEW,
-                duplicate_window=lim.duplicate_window_s))
+                duplicate_window=lim.duplicate_window_s, num_replicas=lim.replicas))
             cc = ConsumerConfig(durable_name=q.durable, ack_policy=AckPolicy.EXPLICIT,
                                 ack_wait=lim.ack_wait_s, max_deliver=lim.max_deliver,
                                 max_ack_pending=lim.max_ack_pending, deliver_policy=DeliverPolicy.ALL)
+            add = lambda: self.js.add_consumer(q.stream, cc)  # noqa: E731
             try:
-                await self.js.add_consumer(q.stream, cc)
+                await self._through_election(f"consumer {q.durable}", add)
             except BadRequestError as e:  # exists with another config: update it
                 log.info("consumer_update", stream=q.stream, durable=q.durable, reason=str(e))
-                await self.js.add_consumer(q.stream, cc)
+                await self._through_election(f"consumer {q.durable}", add)
 
     async def pull_consumer(self, q: Queue) -> PullConsumer:
         """Binds to the queue's durable consumer (made by `ensure_queue`)."""
         with _translated(f"bind to {q.stream}/{q.durable}"):
-            return PullConsumer(await self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream))
+            return PullConsumer(await self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream), q.durable)
 
     async def ensure_base(self) -> None:
         """Streams and buckets every run has: LOG, DLQ, and the KV buckets."""
@@ -588,34 +742,69 @@ class Bus:
             lim = self.limits
             await self._ensure_stream(StreamConfig(
                 name="LOG", subjects=["log.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-                max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD))
+                max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD,
+                num_replicas=lim.replicas))
             await self._ensure_stream(StreamConfig(
                 name="DLQ", subjects=["dlq.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-                max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD))
+                max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD,
+                num_replicas=lim.replicas))
             for bucket in KV_BUCKETS:
                 await self.kv(bucket)
+                await self._update_bucket(bucket)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
-            await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
-            await self.js.update_stream(cfg)
+            await self._through_election(f"open {cfg.name}", lambda: self.js_reads.stream_info(cfg.name))  # type: ignore[arg-type]
+            await self._through_election(cfg.name or "", lambda: self.js.update_stream(cfg))
         except NotFoundError:
             try:
-                await self.js.add_stream(cfg)
+                await self._through_election(cfg.name or "", lambda: self.js.add_stream(cfg))
             except BadRequestError as e:
                 raise BusError(f"cannot create stream {cfg.name}: {e}") from e
 
+    async def _through_election(self, what: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        return await through_election(what, make, self.election_wait_s)
+
+    @property
+    def js_reads(self) -> JetStreamContext:
+        """The JetStream context for reads that `through_election` asks again: quick ones on a replicated bus."""
+        return self.nc.jetstream(timeout=_READ_PROBE_S) if self.election_wait_s else self.js
+
+    @property
+    def election_wait_s(self) -> float:
+        """How long a request waits out a leader's election: only a replicated stream has one."""
+        return self.limits.election_wait_s if self.limits.replicas > 1 else 0.0
+
     async def kv(self, bucket: str) -> Bucket:
+        """The bucket, created if it does not exist yet (with `limits`' replicas; a lease bucket with TTLs)."""
         with _translated(f"open the bucket {bucket}"):
             if bucket not in self._kv:
                 try:
-                    info = await self.js.stream_info(f"KV_{bucket}")
+                    info = await self._through_election(f"open {bucket}",
+                                                        lambda: self.js_reads.stream_info(f"KV_{bucket}"))
                 except NotFoundError:
-                    await self.js.create_key_value(
-                        KeyValueConfig(bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE))
+                    lease = bucket in LEASE_BUCKETS
+                    config = KeyValueConfig(
+                        bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE,
+                        replicas=self.limits.replicas, limit_marker_ttl=_LEASE_MARKER_TTL_S if lease else None)
+                    await self._through_election(f"KV_{bucket}", lambda: self.js.create_key_value(config))
                     info = await self.js.stream_info(f"KV_{bucket}")
-                self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=bool(info.config.allow_direct))
+                # a replicated bucket is read from its leader: a direct get may be answered by any replica,
+                # also one that is still catching up after a restart (the reconciler read keys as absent)
+                direct = bool(info.config.allow_direct) and (info.config.num_replicas or 1) == 1
+                self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=direct, election_wait_s=self.election_wait_s)
             return self._kv[bucket]
+
+    async def _update_bucket(self, bucket: str) -> None:
+        """A bucket made before (a resumed run, another version): its replicas, and TTLs for a lease bucket."""
+        info = await self.js.stream_info(f"KV_{bucket}")
+        wanted = dataclasses.replace(info.config, num_replicas=self.limits.replicas)
+        if bucket in LEASE_BUCKETS and not info.config.subject_delete_marker_ttl:
+            wanted = dataclasses.replace(wanted, allow_msg_ttl=True, subject_delete_marker_ttl=_LEASE_MARKER_TTL_S)
+        if wanted != info.config:
+            await self._through_election(f"KV_{bucket}", lambda: self.js.update_stream(wanted))
+            log.info("bucket_updated", bucket=bucket, replicas=wanted.num_replicas,
+                     ttl=bool(wanted.subject_delete_marker_ttl))
 
     async def kv_get(self, bucket: str, key: str) -> KVEntry | None:
         """The key's current record; None when there is none (never written, deleted or purged)."""
@@ -627,11 +816,29 @@ class Bus:
                 return None
         return KVEntry(key, entry.value or b"", entry.revision or 0)
 
-    async def kv_put(self, bucket: str, key: str, value: bytes) -> int:
-        """Writes the key whatever it held; returns the new revision."""
+    async def kv_put(self, bucket: str, key: str, value: bytes, ttl_s: float | None = None) -> int:
+        """Writes the key whatever it held; returns the new revision.
+
+        ``ttl_s`` (a lease bucket's keys, `LEASE_BUCKETS`): the server removes the key that long
+        (rounded up to whole seconds, its resolution) after this write unless it is written again,
+        and watchers see the removal. A bucket whose stream takes no TTL (a server before 2.11) gets
+        the write without one: its readers bound the lease themselves (said once, `kv_ttl_unsupported`).
+        """
         with _translated(f"put {bucket}/{key}"):
             kv = await self.kv(bucket)
-            return await kv.put(key, value)
+            if ttl_s is None or bucket in self._no_ttl:
+                return await kv.put(key, value)
+            try:
+                ttl = {Header.MSG_TTL: str(math.ceil(ttl_s))}
+                ack = await self.js.publish(f"$KV.{bucket}.{key}", value, headers=ttl)
+            except APIError as e:
+                if e.err_code not in _TTL_UNSUPPORTED:
+                    raise
+                self._no_ttl.add(bucket)
+                log.warning("kv_ttl_unsupported", bucket=bucket, error=str(e),
+                            consequence="its keys live until deleted; readers enforce the leases")
+                return await kv.put(key, value)
+            return ack.seq
 
     async def kv_create(self, bucket: str, key: str, value: bytes) -> int:
         """Writes the key only if it has no live value; returns the revision.
@@ -687,7 +894,7 @@ class Bus:
             await self.health.up.wait()
             generation = self.health.num_outages  # a drop at any point after this renews the watch
             try:
-                watcher = await kv.watch(keys)
+                watcher = await self._through_election(f"watch {bucket}", lambda: kv.watch(keys))
             except (nats.errors.Error, OSError):
                 if self.health.num_outages != generation or self.health.down.is_set():
                     continue  # it failed because the connection dropped meanwhile: watch again once back
@@ -726,7 +933,8 @@ class Bus:
                 config = dataclasses.replace(config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                              opt_start_seq=next_seq, opt_start_time=None)
             try:
-                sub = await self.js.subscribe(subject, ordered_consumer=True, config=config)
+                sub = await self._through_election(f"follow {subject}", lambda config=config: self.js.subscribe(
+                    subject, ordered_consumer=True, config=config))
             except (nats.errors.Error, OSError):
                 if self.health.num_outages != generation or self.health.down.is_set():
                     continue
@@ -808,9 +1016,12 @@ class Bus:
 
     # --- publishing -------------------------------------------------------------------------
     async def publish_durable(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
-        """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window."""
+        """JetStream publish, acknowledged by the server; ``msg_id`` dedups within the window. With a
+        ``msg_id`` (a copy that was stored after all is dropped), published again while a replicated
+        stream elects its leader."""
         with _translated(f"publish on {subject}"):
-            await self.js.publish(subject, data, headers=_msg_id_headers(msg_id))
+            publish = lambda: self.js.publish(subject, data, headers=_msg_id_headers(msg_id))  # noqa: E731
+            await (self._through_election(f"publish on {subject}", publish) if msg_id else publish())
 
     async def publish_unconfirmed(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         """Publish into a stream without waiting for the server's acknowledgement (no reply, no
@@ -830,6 +1041,11 @@ class Bus:
 
 _END = object()  # a watcher that stopped
 _OUTAGE = object()  # the connection dropped while waiting for a watcher's next entry
+
+
+def _netloc(url: Any) -> str:
+    """HOST:PORT of a server URL as nats-py keeps it (a parsed URL; None when not connected)."""
+    return getattr(url, "netloc", "") or ""
 
 
 def _msg_id_headers(msg_id: str | None) -> dict[str, str] | None:

@@ -101,21 +101,35 @@ class Permissions:
 
 @dataclasses.dataclass(frozen=True)
 class BusCredentials:
-    """One role's user name and password, as stored in ``<credentials dir>/<role>.json``."""
+    """How one role signs in: a user name and password (``<credentials dir>/<role>.json``), an NKEY
+    (``<role>.nk``: the user's seed, which signs the server's challenge; the password never travels),
+    or a JWT user of decentralised auth (``<role>.creds``, as ``nsc`` writes it). ``user``: the role,
+    whose inbox prefix its replies use."""
 
     user: str
-    password: str
+    password: str = ""
+    nkey_seed_file: str = ""
+    creds_file: str = ""
 
     def connect_options(self) -> dict[str, str]:
-        return {"user": self.user, "password": self.password, "inbox_prefix": inbox_prefix(self.user)}
+        options = {"inbox_prefix": inbox_prefix(self.user)}
+        if self.creds_file:
+            options["user_credentials"] = self.creds_file
+        elif self.nkey_seed_file:
+            options["nkeys_seed"] = self.nkey_seed_file
+        else:
+            options.update(user=self.user, password=self.password)
+        return options
 
 
 @dataclasses.dataclass(frozen=True)
 class BusUser:
-    """One user of the server's ``authorization`` block: who (credentials) and what (permissions)."""
+    """One user of the server's ``authorization`` block: who (credentials) and what (permissions).
+    ``nkey``: an NKEY user's public key (``U...``), which the server checks signatures with."""
 
     credentials: BusCredentials
     permissions: Permissions
+    nkey: str = ""
 
 
 def inbox_prefix(role: str) -> str:
@@ -214,23 +228,41 @@ def generate_credentials(directory: Path, roles: Mapping[str, Permissions]) -> l
     users = []
     for role, permissions in everyone.items():
         credentials = BusCredentials(role, secrets.token_urlsafe(24))
-        _write_private(directory / f"{role}.json", json.dumps(dataclasses.asdict(credentials)))
+        _write_private(directory / f"{role}.json", json.dumps({"user": role, "password": credentials.password}))
         users.append(BusUser(credentials, permissions))
     return users
 
 
+_CREDENTIAL_FILES = (".json", ".nk", ".creds")  # a role's file, in this order of preference
+
+
 def read_credentials(directory: Path | str, role: str) -> BusCredentials:
-    """The credentials of `role` from a credentials directory (see `generate_credentials`)."""
-    path = Path(directory) / f"{role}.json"
+    """The credentials of `role` from a credentials directory: ``<role>.json`` (user and password, as
+    `generate_credentials` writes them), ``<role>.nk`` (an NKEY user's seed) or ``<role>.creds`` (a JWT
+    user's credentials file), the first that exists."""
+    paths = [Path(directory) / f"{role}{suffix}" for suffix in _CREDENTIAL_FILES]
     try:
-        data = json.loads(path.read_text())
+        path = next(p for p in paths if p.exists())
+    except StopIteration:
+        raise ConfigError(f"no bus credentials for role {role!r}: none of {', '.join(map(str, paths))} "
+                          "exists") from None
+    try:
+        text = path.read_text()
+        if path.suffix == ".nk":
+            if not text.strip().startswith("SU"):
+                raise ValueError("an NKEY user seed starts with 'SU'")
+            return BusCredentials(role, nkey_seed_file=str(path))
+        if path.suffix == ".creds":
+            if "BEGIN NATS USER JWT" not in text or "BEGIN USER NKEY SEED" not in text:
+                raise ValueError("a .creds file holds a user JWT and its NKEY seed")
+            return BusCredentials(role, creds_file=str(path))
+        data = json.loads(text)
         return BusCredentials(str(data["user"]), str(data["password"]))
-    except FileNotFoundError:
-        raise ConfigError(f"no bus credentials for role {role!r}: {path} does not exist") from None
     except PermissionError:
         raise ConfigError(f"bus credentials {path} are readable by the run's user only; run as that user") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"bus credentials {path} are malformed ({e!r}); expected {{'user', 'password'}}") from None
+        expected = {".json": "{'user', 'password'}", ".nk": "an NKEY user seed", ".creds": "nsc's user credentials"}
+        raise ConfigError(f"bus credentials {path} are malformed ({e!r}); expected {expected[path.suffix]}") from None
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -251,7 +283,8 @@ def authorization_conf(users: Iterable[BusUser]) -> str:
         permissions: dict[str, object] = {"publish": {"allow": list(p.publish)}, "subscribe": subscribe}
         if p.allow_responses:
             permissions["allow_responses"] = True
-        entries.append({"user": u.credentials.user, "password": u.credentials.password, "permissions": permissions})
+        who = {"nkey": u.nkey} if u.nkey else {"user": u.credentials.user, "password": u.credentials.password}
+        entries.append({**who, "permissions": permissions})
     return f"authorization {json.dumps({'users': entries}, indent=1)}\n"
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import tomli_w
 
 from runtime import config as config_mod
-from runtime.bus import BusLimits
+from runtime.bus import BusLimits, server_urls
 from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
@@ -38,7 +38,14 @@ class RunSection:
 
 @dataclass(frozen=True)
 class BusSection:
-    url: str = ""  # empty: start an embedded nats-server in the run directory
+    # empty: start an embedded nats-server (or `embedded_servers` of them) in the run directory; else the
+    # bus's servers: a list of URLs, or one string of comma-separated URLs (the members of a NATS cluster)
+    url: str | tuple[str, ...] = ""
+    # embedded: 1 server, or a JetStream cluster of 3 (5, 7) servers on loopback (runtime.natsserver.NatsCluster)
+    embedded_servers: int = fixed(1, within=Range(1, 7))
+    # copies of each stream and bucket (1..5); 0: 1 on one server, 3 on a cluster (embedded of 3 or more
+    # servers, or a url naming 3 or more); set it for a cluster reached through one URL
+    replicas: int = fixed(0, within=Range(0, 5))
     max_payload_bytes: int = fixed(8 * 1024 * 1024, within=Range(1024, 64 * 1024 * 1024))
     ack_wait_s: float = fixed(30.0, within=Range(1.0, 3600.0))
     # the bus unreachable for longer than this fails the run, saying so
@@ -48,13 +55,43 @@ class BusSection:
     server_max_restarts: int = fixed(5, within=Range(0, 10_000))
     server_restart_window_s: float = fixed(60.0, within=Range(0.0, 86_400.0, lo_open=True))
     auth: bool = True  # embedded: a user per role with per-subject permissions, fresh passwords per start
-    credentials_dir: str = ""  # a remote bus: <role>.json files of its users (runtime.bus_auth); empty: none
+    # a remote bus: per role, <role>.json (user and password), <role>.nk (an NKEY seed) or <role>.creds
+    # (a JWT and seed of decentralised auth) of its users (runtime.bus_auth); empty: none
+    credentials_dir: str = ""
     tls_ca_file: str = ""  # a remote bus over TLS: the CA that signed its certificate ...
     tls_cert_file: str = ""  # ... and the client's certificate and key, if it asks for one
     tls_key_file: str = ""
 
     def __post_init__(self) -> None:
         check_ranges(self, "bus")
+        if self.url or isinstance(self.url, tuple):  # an empty list is a mistake, not "embedded"
+            try:
+                server_urls(self.url)
+            except ValueError as e:
+                raise ValueError(f"bus.url: {e}") from None
+        if self.embedded_servers > 1 and self.embedded_servers % 2 == 0:
+            raise ValueError(f"bus.embedded_servers={self.embedded_servers}: a JetStream cluster needs an odd "
+                             "number of servers (3, 5 or 7) to keep a quorum when one is lost; or 1")
+        if self.embedded_servers > 1 and self.url:
+            raise ValueError(f"bus.embedded_servers={self.embedded_servers} starts servers, bus.url names "
+                             f"servers ({self.url!r}): set one of them")
+        if not self.url and self.replicas > self.embedded_servers:
+            raise ValueError(f"bus.replicas={self.replicas} is more than the {self.embedded_servers} embedded "
+                             "server(s) can keep: raise bus.embedded_servers, or lower bus.replicas")
+
+    @property
+    def num_servers(self) -> int:
+        """How many servers the run starts, or its url names (a cluster behind one URL counts one)."""
+        return len(server_urls(self.url)) if self.url else self.embedded_servers
+
+    @property
+    def num_replicas(self) -> int:
+        """Copies of each stream and bucket: `replicas`, or by default 1 on one server and 3 on a cluster."""
+        return self.replicas or (3 if self.num_servers >= 3 else 1)
+
+    def limits(self) -> BusLimits:
+        """What every process of the run creates streams and consumers with."""
+        return BusLimits(ack_wait_s=self.ack_wait_s, replicas=self.num_replicas)
 
 
 @dataclass(frozen=True)

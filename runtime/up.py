@@ -1,6 +1,7 @@
 """Start a run: ``python -m runtime.up [--config run.toml] [--set key=value ...] [--resume RUN]``.
 
-Starts the bus (an embedded nats-server in the run directory unless ``bus.url`` names one), creates
+Starts the bus (an embedded nats-server, or a cluster of ``bus.embedded_servers``, in the run directory
+unless ``bus.url`` names servers), creates
 its streams and buckets, starts the supervisor and the actors the configuration lists, and shows
 progress until the run finishes, fails, or is stopped (Ctrl-C or SIGTERM: every actor drains first).
 
@@ -38,7 +39,7 @@ import uvloop
 
 from runtime import config as config_mod
 from runtime.blob import open_store
-from runtime.bus import Bus, BusLimits, Inbound
+from runtime.bus import Bus, Inbound, server_urls
 from runtime.bus_auth import (
     SUPERVISOR,
     Permissions,
@@ -48,7 +49,7 @@ from runtime.bus_auth import (
 from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
 from runtime.kv_lease import KVLease
-from runtime.natsserver import NatsServer, NatsServerConfig
+from runtime.natsserver import NatsCluster, NatsServer, NatsServerConfig
 from runtime.run_config import (
     RunConfig,
     RuntimeConfig,
@@ -144,24 +145,25 @@ async def fetch_run_config(run_id: str, overrides: Sequence[str]) -> str:
 async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event_log: EventLog,
                 terminal: IO[str] | None) -> Outcome:
     rt = cfg.runtime
-    server: NatsServer | None = None
+    server: NatsServer | NatsCluster | None = None
     async with contextlib.AsyncExitStack() as stack:
         credentials_dir = rt.bus.credentials_dir
         if rt.bus.url:
-            url = rt.bus.url
+            url = ",".join(server_urls(rt.bus.url))
         else:
             users = generate_credentials(run_dir / "credentials", bus_roles(rt)) if rt.bus.auth else []
             credentials_dir = str(run_dir / "credentials") if users else ""
-            server = NatsServer(NatsServerConfig(store_dir=run_dir / "nats", max_payload_bytes=rt.bus.max_payload_bytes,
-                                                 max_restarts=rt.bus.server_max_restarts,
-                                                 restart_window_s=rt.bus.server_restart_window_s,
-                                                 users=tuple(users)))
+            server_config = NatsServerConfig(store_dir=run_dir / "nats", max_payload_bytes=rt.bus.max_payload_bytes,
+                                             max_restarts=rt.bus.server_max_restarts,
+                                             restart_window_s=rt.bus.server_restart_window_s, users=tuple(users))
+            server = NatsCluster(server_config, rt.bus.embedded_servers) if rt.bus.embedded_servers > 1 \
+                else NatsServer(server_config)
             url = await server.start()
             stack.push_async_callback(server.stop)
         storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
         info = RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time(),
                        credentials_dir, rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file, run_id)
-        bus = await Bus.connect(url, name="supervisor", limits=BusLimits(ack_wait_s=rt.bus.ack_wait_s),
+        bus = await Bus.connect(url, name="supervisor", limits=rt.bus.limits(),
                                 **info.bus_options(SUPERVISOR))
         stack.push_async_callback(bus.close)
         await bus.ensure_base()
@@ -234,7 +236,7 @@ async def _keep_run(lease: KVLease, supervisor: Supervisor) -> None:
     supervisor.request_stop(Outcome.FAILED, "another runtime.up took the run over: this one lost its lease")
 
 
-async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | None, url: str,
+async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | NatsCluster | None, url: str,
                      max_outage_s: float, terminal: IO[str] | None) -> None:
     """Keeps the bus up for the run: restarts the embedded server when it dies (on its port and store:
     clients reconnect and carry on), and fails the run, saying why, when the bus stays unreachable

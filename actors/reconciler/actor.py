@@ -36,7 +36,7 @@ from actors.messages import (
     data_exhausted_subject,
     work_queue_of,
 )
-from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore
+from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.registry_view import LostActor, RegistryView
 from actors.reconciler.slot import Stage
@@ -257,7 +257,10 @@ class ReconcilerActor(Actor):
 
     async def _tick_loop(self) -> None:
         while True:
-            await self._call("tick")
+            try:
+                await self._call("tick")
+            except StoreBroken as e:  # a write not stored (the bus away, a cluster electing a leader): the core
+                log.warning("reconciler_tick_not_recorded", error=str(e))  # was rebuilt from the store; next tick
             raise_if_cancelled()
             for lost in self.registry.expire(time.monotonic()):
                 await self._lose(lost)
@@ -298,7 +301,7 @@ class ReconcilerActor(Actor):
                 continue  # not an actor's own complete entry (a forgery): follows nothing
             if (registered := parse_registration_key(entry.key)) is None:
                 continue  # the removal of a key no actor's lease is under: follows nothing
-            lost = self.registry.observe(registered[1], value, time.monotonic())
+            lost = self.registry.observe(registered[1], value, time.monotonic(), expired=entry.operation == "PURGE")
             if lost is not None:
                 await self._lose(lost)
             await self._count_rollouts_from_registry()

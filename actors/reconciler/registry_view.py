@@ -6,7 +6,8 @@ an actor for lost when
 
 - its lease runs out: no renewal seen for ``lease_s`` (a frozen process, a lost host, a process
   killed where nobody removes its entry), measured on the reader's own clock from the moment it saw
-  the last renewal, so clocks of other hosts never matter;
+  the last renewal, so clocks of other hosts never matter; or the bus itself expired the entry (each
+  renewal carries the lease as the key's TTL, `runtime.bus.LEASE_BUCKETS`), which the watch says;
 - its entry is deleted while it was not stopped (the supervisor deletes the entry of a process that
   died; a process that stops cleanly says ``stopped`` first, and has finished its work).
 
@@ -48,14 +49,18 @@ class RegistryView:
     def __init__(self) -> None:
         self._members: dict[str, _Member] = {}
 
-    def observe(self, key: str, value: bytes | None, now: float) -> LostActor | None:
-        """A watch event: ``value`` is the entry's new value, or None for a delete or purge."""
+    def observe(self, key: str, value: bytes | None, now: float, expired: bool = False) -> LostActor | None:
+        """A watch event: ``value`` is the entry's new value, or None for a delete or purge (``expired``:
+        the bus removed it when its TTL ran out)."""
         member = self._members.get(key)
         if value is None:
             self._members.pop(key, None)
-            if member is not None and member.state != STOPPED and not member.lost:
-                return LostActor(key, member.kind, f"its registry entry was removed while {member.state}")
-            return None
+            if member is None or member.state == STOPPED or member.lost:
+                return None
+            if expired:
+                return LostActor(key, member.kind, f"no lease renewal for {now - member.renewed_at:.1f}s: "
+                                                   "the bus expired its registry entry")
+            return LostActor(key, member.kind, f"its registry entry was removed while {member.state}")
         info = _decode(value)
         if info is None:  # not an actor entry (a handover record) or unreadable: nothing to follow
             return None

@@ -56,3 +56,13 @@ def test_a_stopped_actor_or_an_entry_without_lease_never_expires_and_other_recor
     view.observe("garbage", b"\xc1", now=0.0)
     assert view.expire(now=1e6) == []
     assert view.num_running("rollout") == 1
+
+
+def test_an_entry_the_bus_expired_is_lost_for_its_lease_once_and_a_stopped_one_is_not() -> None:
+    view = RegistryView()
+    view.observe("rollout-1", entry("rollout", "running"), now=0.0)
+    view.observe("rollout-2", entry("rollout", "stopped"), now=0.0)
+    lost = view.observe("rollout-1", None, now=9.5, expired=True)  # the bus's TTL, before the reader's bound
+    assert lost is not None and lost.reason == "no lease renewal for 9.5s: the bus expired its registry entry"
+    assert view.observe("rollout-2", None, now=9.5, expired=True) is None  # it had stopped cleanly
+    assert view.expire(now=100.0) == [] and view.num_running("rollout") == 0
