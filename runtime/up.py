@@ -33,9 +33,10 @@ from runtime.bus_auth import SUPERVISOR, Permissions, actor_permissions, generat
 from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
 from runtime.natsserver import NatsServer, NatsServerConfig
+from runtime.placement import PlacementError
 from runtime.run_config import RunConfig, RuntimeConfig, dump_toml, import_entry, load_run_config
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
-from runtime.supervisor import Outcome, Supervisor
+from runtime.supervisor import Outcome, Supervisor, open_backend
 from runtime.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
@@ -104,7 +105,10 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
         await bus.ensure_base()
         await _publish_live_defaults(bus, cfg, resumed)
         info.write()
-        supervisor = Supervisor(rt, run_dir, bus)
+        backend = open_backend(rt)  # a Ray head or cluster connection (blocking: nothing runs yet)
+        stack.push_async_callback(backend.close)
+        backend.check(rt)
+        supervisor = Supervisor(rt, run_dir, bus, backend)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.request_stop)
@@ -240,6 +244,9 @@ def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
     terminal = None if args.quiet else sys.stdout
     try:
         outcome = uvloop.run(serve(cfg, run_dir, resume_dir is not None, event_log, terminal))
+    except PlacementError as e:  # before any actor started: a cluster that cannot hold the run
+        print(f"placement error: {e}", file=sys.stderr)
+        return 2
     finally:
         event_log.close()
     return 1 if outcome is Outcome.FAILED else 0

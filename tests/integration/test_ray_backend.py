@@ -1,0 +1,185 @@
+"""The Ray placement backend on a real Ray cluster of three nodes on this machine (ray.cluster_utils):
+a head and two workers with distinct custom resources and labels. Actors land where their resources
+ask, a hot swap ships the code on disk through Ray's working_dir, and a worker node removed mid-run
+has its actors placed again on the nodes that remain with every prompt trained once or accounted.
+
+Kept small (Ray is heavy on two shared cores): one cluster for the module, a CPU or two per node,
+shut down at the end whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import LiveRun, run_events, until, write_config
+
+ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+pytestmark = pytest.mark.timeout(600)
+
+PLACED_RUN = """
+[supervisor]
+max_restarts = 10
+backoff_base_s = 0.2
+
+[actors.sandboxed]
+entry = "tests.integration.workers:CounterActor"
+count = 2
+heartbeat_s = 1.0
+[actors.sandboxed.placement]
+resources = {{sandbox = 1}}
+node_labels = {{zone = "a"}}
+
+[actors.trained]
+entry = "tests.integration.workers:CounterActor"
+count = 1
+heartbeat_s = 1.0
+nice = 7
+[actors.trained.placement]
+num_cpus = 0.5
+resources = {{trainer = 1}}
+strategy = "{strategy}"
+"""
+
+
+class RayCluster:
+    """A head (`sandbox` resources) and two workers: ``a`` (`sandbox`, label zone=a), ``b`` (`trainer`, zone=b)."""
+
+    def __init__(self) -> None:
+        checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+        self.cluster = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"sandbox": 8}, "_system_config": checks})
+        self.head = self.cluster.head_node
+        self.a = self.cluster.add_node(num_cpus=1, resources={"sandbox": 8}, labels={"zone": "a"})
+        self.b = self.cluster.add_node(num_cpus=1, resources={"trainer": 2}, labels={"zone": "b"})
+        self.cluster.wait_for_nodes()
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def name_of(self, node_field: str) -> str:
+        """Which of head, a, b an actor's ``node`` (``host/<node id prefix>``) is."""
+        prefix = node_field.rsplit("/", 1)[-1]
+        for name in ("head", "a", "b"):
+            if getattr(self, name).node_id.startswith(prefix):
+                return name
+        return f"unknown {node_field}"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    cluster = RayCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.cluster.shutdown()
+
+
+def _ray_args(cluster: RayCluster, *extra: str) -> tuple[str, ...]:
+    return ("--set", 'runtime.backend="ray"', "--set", f'runtime.ray_address="{cluster.address}"', *extra)
+
+
+async def _nodes_by_kind(run: LiveRun, cluster: RayCluster) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for a in await run.actors():
+        if not a["retiring"]:
+            out.setdefault(a["kind"], []).append(cluster.name_of(a["node"]))
+    return out
+
+
+async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, ray_cluster: RayCluster) -> None:
+    cfg = write_config(tmp_path / "run.toml", PLACED_RUN.format(strategy="pack"))
+    run = await LiveRun(tmp_path / "run", cfg, *_ray_args(ray_cluster)).start(timeout_s=120)
+    try:
+        sandboxed = await run.wait_actors("sandboxed", 2, timeout_s=180)
+        await run.wait_actors("trained", 1, timeout_s=180)
+        assert await _nodes_by_kind(run, ray_cluster) == {"sandboxed": ["a", "a"], "trained": ["b"]}
+        # one OS process each, running the actor itself, niced as configured, started by the node's Ray worker
+        trained = (await run.wait_actors("trained", 1))[0]
+        niceness = {a["id"]: int(Path(f"/proc/{a['pid']}/stat").read_text().split()[18]) for a in [trained, *sandboxed]}
+        assert niceness[trained["id"]] - niceness[sandboxed[0]["id"]] == 7, f"nice reaches Ray's processes: {niceness}"
+        cmdline = Path(f"/proc/{trained['pid']}/cmdline").read_bytes().split(b"\0")
+        assert b"runtime.actor_process" in cmdline and trained["id"].encode() in cmdline
+        # a crash is ours to restart (Ray's restarts are off): a new process, a new id, on a node that fits
+        import os
+        import signal
+        os.kill(sandboxed[0]["pid"], signal.SIGKILL)
+
+        async def replaced() -> bool:
+            nodes = await _nodes_by_kind(run, ray_cluster)
+            ids = {a["id"] for a in await run.actors()}
+            return sandboxed[0]["id"] not in ids and nodes.get("sandboxed") == ["a", "a"]
+
+        await until(replaced, 120, "the killed actor restarted by the supervisor on node a")
+        crashed = run_events(run.run_dir, "actor_crashed")
+        assert any(e.get("actor_id") == sandboxed[0]["id"] for e in crashed)
+    finally:
+        assert await run.stop(timeout_s=120) == 0
+    assert not run_events(run.run_dir, "actor_lost_with_node")
+
+
+PLACEMENT_OF_STAGES = """
+[actors.rollout.placement]
+resources = {sandbox = 1}
+strategy = "spread"
+
+[actors.reward.placement]
+resources = {sandbox = 1}
+strategy = "spread"
+
+[actors.trainer.placement]
+resources = {trainer = 1}
+"""
+
+
+async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray_cluster: RayCluster) -> None:
+    """Last in the module: node ``a`` is gone afterwards. The stage actors on it are lost with it, placed
+    again on the head (the other node with `sandbox`) at once, and their work is re-issued: every prompt
+    is trained once or dropped with a reason, no group twice (the reconciler test's accounting)."""
+    from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
+    from tests.integration.test_reconciler import _account, _durable_table, _num_trained_groups
+
+    num_prompts, group_size, eta = 48, 4, 2
+    run_dir = tmp_path / "run"
+    SimConfig(rollout=StageSim(median_s=0.3, sigma=0.5, max_s=2.0), reward=StageSim(median_s=0.05, max_s=0.5),
+              group=StageSim(median_s=0.02, max_s=0.2), train=StageSim(median_s=0.1, max_s=0.5), seed=3).write(run_dir)
+    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
+        num_prompts=num_prompts, num_slots=32, group_size=group_size, batch_groups=4, eta=eta,
+        rollout_count=2, reward_count=2, stage_timeout_s=30.0) + PLACEMENT_OF_STAGES)
+    run = await LiveRun(run_dir, cfg, *_ray_args(ray_cluster)).start(timeout_s=120)
+    try:
+        assert run.bus is not None
+        for kind, n in (("rollout", 2), ("reward", 2), ("trainer", 1)):
+            await run.wait_actors(kind, n, timeout_s=240)
+        before = {a["id"]: ray_cluster.name_of(a["node"]) for a in await run.actors()}
+        on_a = sorted(i for i, node in before.items() if node == "a")
+        assert on_a, f"spread placed nothing on node a: {before}"
+        assert all(node == "b" for i, node in before.items() if i.startswith("trainer-"))
+        ledger = TrainerLedger(await run.bus.kv(LEDGER_BUCKET))
+        await until(lambda: _num_trained_groups(ledger), 240, "a first trained batch")
+        await asyncio.to_thread(ray_cluster.cluster.remove_node, ray_cluster.a)
+
+        async def replaced() -> dict[str, list[str]] | None:
+            nodes = await _nodes_by_kind(run, ray_cluster)
+            ok = all(len(nodes.get(k, [])) == n and "a" not in nodes[k] for k, n in (("rollout", 2), ("reward", 2)))
+            return nodes if ok else None
+
+        after = await until(replaced, 120, "the lost actors placed again on the remaining nodes")
+        assert set(after["rollout"]) | set(after["reward"]) <= {"head"}
+        lost = {e["actor_id"] for e in run_events(run_dir, "actor_lost_with_node")}
+        assert lost == set(on_a), (lost, on_a)
+
+        async def finished() -> bool:
+            cursor, slots, _ = await _durable_table(run.bus)
+            return cursor.position == num_prompts and all(s.state.name == "EMPTY" for s in slots)
+
+        await until(finished, 300, "every prompt trained or dropped")
+        await _account(run.bus, ledger, num_prompts, group_size, eta)
+        assert not run_events(run_dir, "restart_intensity_exceeded")
+    finally:
+        assert await run.stop(timeout_s=120) == 0
