@@ -173,7 +173,7 @@ class RayBackend:
             busiest = max(self._nodes_of_run, key=lambda n: self._nodes_of_run[n])
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(busiest, soft=True)
         if self.section.ray_working_dir:
-            options["runtime_env"] = {"working_dir": self.section.ray_working_dir, "excludes": WORKING_DIR_EXCLUDES}
+            options["runtime_env"] = await asyncio.to_thread(_ship, self.section.ray_working_dir)
             cwd, pythonpath = "", ["."]  # the node's copy of the working dir, where the host runs
         else:
             cwd = os.getcwd()
@@ -205,6 +205,21 @@ class RayBackend:
 
     async def close(self) -> None:
         await asyncio.to_thread(ray.shutdown)  # a head started here stops with it
+
+
+def _ship(working_dir: str) -> dict[str, Any]:
+    """The runtime_env that carries ``working_dir`` as it is now on this machine to the node.
+
+    A per-actor runtime_env takes only a package URI, so the directory is packaged and uploaded here as
+    ``ray.init`` does for a job's working_dir (Ray's own function, private API: ray 2.60), at every start:
+    the package is named by its content's hash, so unchanged code is hashed, not sent again."""
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    env = {"working_dir": working_dir, "excludes": WORKING_DIR_EXCLUDES}
+    try:
+        return upload_working_dir_if_needed(env, include_gitignore=True, logger=logging.getLogger("ray_ship"))
+    except (OSError, ValueError, TypeError) as e:
+        raise PlacementError(f"runtime.ray_working_dir={working_dir!r} cannot be shipped to the nodes: {e}") from e
 
 
 def _alive_nodes() -> list[dict[str, Any]]:

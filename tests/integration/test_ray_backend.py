@@ -10,12 +10,14 @@ shut down at the end whatever happens.
 from __future__ import annotations
 
 import asyncio
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import LiveRun, run_events, until, write_config
+from tests.integration.harness import REPO, LiveRun, run_events, until, write_config
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
@@ -123,6 +125,47 @@ async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, 
     assert not run_events(run.run_dir, "actor_lost_with_node")
 
 
+def _code_tree(root: Path, version: int) -> Path:
+    """What a node needs to run the counter actor (the runtime, the test worker, the swapped module), as
+    its own directory: shipped to the nodes by Ray's working_dir, not read from the repository."""
+    root.mkdir(exist_ok=True)
+    if not (root / "runtime").exists():
+        shutil.copytree(REPO / "runtime", root / "runtime", ignore=shutil.ignore_patterns("__pycache__"))
+        (root / "tests" / "integration").mkdir(parents=True)
+        for name in ("tests/__init__.py", "tests/integration/__init__.py", "tests/integration/workers.py"):
+            shutil.copy(REPO / name, root / name)
+    (root / "swapped_worker.py").write_text(
+        f"from tests.integration.workers import CounterActor\nVERSION = {version}\n")
+    return root
+
+
+async def test_hot_swap_ships_the_new_code_to_the_nodes(tmp_path: Path, ray_cluster: RayCluster) -> None:
+    code = _code_tree(tmp_path / "code", version=1)
+    cfg = write_config(tmp_path / "run.toml", """
+[actors.counter]
+entry = "swapped_worker:CounterActor"
+count = 1
+heartbeat_s = 1.0
+[actors.counter.placement]
+resources = {sandbox = 1}
+""")
+    run = await LiveRun(tmp_path / "run", cfg, *_ray_args(ray_cluster, "--set", f'runtime.ray_working_dir="{code}"'),
+                        pythonpath=(code,)).start(timeout_s=120)  # runtime.up reads the run's schema from it
+    try:
+        old = (await run.wait_actors("counter", 1, timeout_s=180))[0]
+        old_dir = Path(f"/proc/{old['pid']}/cwd").resolve()
+        assert old_dir != code and (old_dir / "swapped_worker.py").read_text().endswith("VERSION = 1\n"), old_dir
+        _code_tree(code, version=2)
+        report = await run.request("ctl.supervisor.swap", {"kind": "counter"}, timeout=240)
+        assert report["ok"], report
+        new = (await run.wait_actors("counter", 1))[0]
+        assert new["id"] != old["id"] and new["code_hash"] != old["code_hash"], report
+        new_dir = Path(f"/proc/{new['pid']}/cwd").resolve()
+        assert new_dir != old_dir and (new_dir / "swapped_worker.py").read_text().endswith("VERSION = 2\n")
+    finally:
+        assert await run.stop(timeout_s=120) == 0
+
+
 PLACEMENT_OF_STAGES = """
 [actors.rollout.placement]
 resources = {sandbox = 1}
@@ -162,6 +205,7 @@ async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray
         assert all(node == "b" for i, node in before.items() if i.startswith("trainer-"))
         ledger = TrainerLedger(await run.bus.kv(LEDGER_BUCKET))
         await until(lambda: _num_trained_groups(ledger), 240, "a first trained batch")
+        removed_at = time.monotonic()
         await asyncio.to_thread(ray_cluster.cluster.remove_node, ray_cluster.a)
 
         async def replaced() -> dict[str, list[str]] | None:
@@ -170,9 +214,12 @@ async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray
             return nodes if ok else None
 
         after = await until(replaced, 120, "the lost actors placed again on the remaining nodes")
+        print(f"node a removed: {on_a} placed again on {after} within {time.monotonic() - removed_at:.1f}s")
         assert set(after["rollout"]) | set(after["reward"]) <= {"head"}
         lost = {e["actor_id"] for e in run_events(run_dir, "actor_lost_with_node")}
         assert lost == set(on_a), (lost, on_a)
+        # their registry entries went at once, so the reconciler re-issued what they held (no stage timeout)
+        assert set(on_a) <= {e["actor_id"] for e in run_events(run_dir, "actor_lost")}
 
         async def finished() -> bool:
             cursor, slots, _ = await _durable_table(run.bus)
