@@ -173,14 +173,21 @@ class StageActor(Actor):
             await asyncio.sleep(self.heartbeat_every_s)
 
     # --- blobs: typed msgpack records (actors.records), zstd-compressed --------------------------
-    async def put_record(self, key: str, record: Any) -> None:
-        await self.ctx.blob.put(key, zstandard.ZstdCompressor(level=3).compress(encode_record(record)))
+    async def put_record(self, key: str, record: Any, ready: bool = False) -> None:
+        """Writes ``record`` to the blob store; ``ready``: also to the Ray object store when the run has one
+        (runtime.ready_samples), after the durable copy, which stays the source of truth."""
+        data = zstandard.ZstdCompressor(level=3).compress(encode_record(record))
+        await self.ctx.blob.put(key, data)
+        if ready and self.ctx.ready_samples is not None:
+            await self.ctx.ready_samples.put(key, data)
 
-    async def get_record(self, key: str, record_type: type[R]) -> R:
+    async def get_record(self, key: str, record_type: type[R], ready: bool = False) -> R:
         """The record of ``record_type`` at ``key``; WorkRefused when it is missing, corrupt, of another
-        schema or not that type (the stage that wrote it must run again)."""
+        schema or not that type (the stage that wrote it must run again). ``ready``: by reference from the
+        Ray object store when it holds it (runtime.ready_samples), else from the blob store."""
+        raw = await self.ctx.ready_samples.get(key) if ready and self.ctx.ready_samples is not None else None
         try:
-            raw = await self.ctx.blob.get(key)
+            raw = raw if raw is not None else await self.ctx.blob.get(key)
         except KeyError:
             raise WorkRefused(f"blob {key!r} is missing; the stage that wrote it must run again") from None
         except ValueError as e:  # a key no stage writes (outside the store): no retry makes it readable

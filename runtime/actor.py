@@ -114,6 +114,7 @@ class ActorContext:
     blob: Any = None  # runtime.blob.BlobStore
     run_dir: Any = None
     run: Any = None  # runtime.run_config.RunSection: the run's name, seed and step budget
+    ready_samples: Any = None  # runtime.ready_samples.ReadySamples under the Ray backend, else None
 
     @property
     def run_steps(self) -> int:

@@ -21,6 +21,7 @@ from runtime.bus import Bus, BusLimits
 from runtime.codehash import code_hash
 from runtime.events import EventLog
 from runtime.procutil import lower_priority
+from runtime.ready_samples import ReadySamples
 from runtime.run_config import import_entry, load_run_config
 from runtime.rundir import CONFIG_FILE, RunInfo
 
@@ -39,7 +40,8 @@ async def _serve(run_dir: Path, kind: str, actor_id: str, event_log: EventLog, s
     settings = ActorSettings(max_concurrency=spec.max_concurrency, heartbeat_s=spec.heartbeat_s,
                              drain_timeout_s=spec.drain_timeout_s, max_deliveries=spec.max_deliveries,
                              lease_s=spec.lease_s)
-    actor = cls(ActorContext(identity, bus, settings, cfg.app, blob, run_dir, cfg.runtime.run))
+    actor = cls(ActorContext(identity, bus, settings, cfg.app, blob, run_dir, cfg.runtime.run,
+                             ReadySamples.from_environment(str(run_dir))))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, actor.request_drain)

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -39,6 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from runtime import ray_host
 from runtime.placement import ActorLaunch, PlacementError
+from runtime.ready_samples import holder_namespace, kill_holder
 from runtime.run_config import ActorSpec, BackendSection, PlacementSpec, RuntimeConfig
 
 log = structlog.get_logger(__name__)
@@ -118,21 +120,23 @@ class RayProcess:
 class RayBackend:
     """Places actor processes on a Ray cluster (runtime.placement.PlacementBackend)."""
 
-    def __init__(self, section: BackendSection, started_head: bool) -> None:
+    def __init__(self, section: BackendSection, started_head: bool, namespace: str) -> None:
         self.section = section
         self.started_head = started_head
+        self.namespace = namespace  # the run's: its ready-samples holder lives there
         self.address = ray.get_runtime_context().gcs_address
         self._nodes_of_run: dict[str, int] = {}  # node id -> processes placed there ("pack")
 
     @classmethod
-    def connect(cls, section: BackendSection) -> RayBackend:
-        """Connects to ``section.ray_address``, or starts a local head when it is empty.
+    def connect(cls, section: BackendSection, run_dir: Path) -> RayBackend:
+        """Connects to ``section.ray_address``, or starts a local head when it is empty, for the run in ``run_dir``.
 
         Raises:
             PlacementError: the cluster cannot be reached.
         """
         ray.cloudpickle.register_pickle_by_value(ray_host)  # a node needs no copy of the project to host
-        common: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False,
+        namespace = holder_namespace(str(run_dir))
+        common: dict[str, Any] = {"namespace": namespace, "log_to_driver": False, "include_dashboard": False,
                                   "logging_level": logging.WARNING, "configure_logging": False}
         try:
             if section.ray_address:
@@ -144,7 +148,7 @@ class RayBackend:
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise PlacementError(f"cannot reach the Ray cluster at {section.ray_address or 'a new local head'}: "
                                  f"{e}; fix runtime.ray_address (e.g. 'auto' or 'HOST:6379')") from e
-        backend = cls(section, started_head=not section.ray_address)
+        backend = cls(section, not section.ray_address, namespace)
         log.info("ray_connected", address=backend.address, started_head=backend.started_head,
                  nodes=[_describe(n) for n in _alive_nodes()])
         return backend
@@ -204,7 +208,11 @@ class RayBackend:
             self._nodes_of_run.pop(process.node_id, None)
 
     async def close(self) -> None:
-        await asyncio.to_thread(ray.shutdown)  # a head started here stops with it
+        """Ends the run's ready-samples holder (the run is over: nothing will read them), disconnects; a head
+        started here stops with it."""
+        if await asyncio.to_thread(kill_holder, self.namespace):
+            log.info("ready_samples_released", namespace=self.namespace)
+        await asyncio.to_thread(ray.shutdown)
 
 
 def _ship(working_dir: str) -> dict[str, Any]:

@@ -129,6 +129,7 @@ class Supervisor:
         spec = self.config.actors[kind]
         self._counter[kind] += 1
         actor_id = f"{kind}-{self._counter[kind]}-{os.urandom(2).hex()}"
+        log.info("actor_starting", actor_kind=kind, actor_id=actor_id, standby=standby)  # its start-up from here
         proc: PlacedProcess
         try:
             proc = await self.backend.start(actor_launch(self.run_dir, kind, actor_id, spec, standby), spec)
@@ -383,7 +384,7 @@ class Supervisor:
         await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
 
 
-def open_backend(config: RuntimeConfig) -> PlacementBackend:
+def open_backend(config: RuntimeConfig, run_dir: Path) -> PlacementBackend:
     """The placement backend ``config.runtime.backend`` names (Ray imported only when it is asked for).
 
     Raises:
@@ -392,7 +393,7 @@ def open_backend(config: RuntimeConfig) -> PlacementBackend:
     if config.runtime.backend == "ray":
         from runtime.ray_backend import RayBackend
 
-        return RayBackend.connect(config.runtime)
+        return RayBackend.connect(config.runtime, run_dir)
     return LocalBackend()
 
 

@@ -104,10 +104,10 @@ async def serve(cfg: RunConfig, run_dir: Path, resumed: bool, event_log: EventLo
         stack.push_async_callback(bus.close)
         await bus.ensure_base()
         await _publish_live_defaults(bus, cfg, resumed)
-        info.write()
-        backend = open_backend(rt)  # a Ray head or cluster connection (blocking: nothing runs yet)
+        backend = open_backend(rt, run_dir)  # a Ray head or cluster connection (blocking: nothing runs yet)
         stack.push_async_callback(backend.close)
-        backend.check(rt)
+        backend.check(rt)  # before the run is announced: a cluster that cannot hold it starts nothing
+        info.write()
         supervisor = Supervisor(rt, run_dir, bus, backend)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -128,7 +128,7 @@ class TrainerActor(StageActor):
         if learner.version > order.deadline_version:
             raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
                               f"{order.deadline_version}: training it would exceed the staleness bound")
-        groups = [await self.get_record(k, GroupRecord) for k in order.group_keys]
+        groups = [await self.get_record(k, GroupRecord, ready=True) for k in order.group_keys]
         named = [g.group_id for g in groups]
         if len(set(order.group_ids)) != len(order.group_ids) or named != list(order.group_ids):
             raise WorkRefused(f"batch {order.batch_id} names groups {list(order.group_ids)} but its records "
@@ -147,6 +147,8 @@ class TrainerActor(StageActor):
         delivery.task_group.create_task(self._signal_when_uploaded(self._publish()))
         await self._report(row)
         (self.checkpoints / PENDING_ROW).unlink(missing_ok=True)
+        if self.ctx.ready_samples is not None:  # trained: the object store's copies are no longer needed
+            await self.ctx.ready_samples.release(list(order.group_keys))
         return TrainDone(order.batch_id, order.attempt, learner.version)
 
     def _recover_pending_row(self) -> None:

@@ -137,7 +137,8 @@ nice = 10
 
 
 async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry: str,
-                     dashboard: bool = False) -> dict[str, Any]:
+                     dashboard: bool = False, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One run of the NATS side; ``extra``: more runtime.up arguments (tests.bench.placement: the Ray backend)."""
     run_dir = work_dir / "run"
     SimConfig(rollout=NOOP, reward=NOOP, group=NOOP, train=NOOP, records=False, heartbeat_s=5.0).write(run_dir)
     config = work_dir / "run.toml"
@@ -157,7 +158,7 @@ async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry:
     out = open(work_dir / "up.out", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
         [sys.executable, "-m", "runtime.up", "--config", str(config), "--run-dir", str(run_dir), "--quiet",
-         "--set", f"bus.auth={'true' if args.auth == 'on' else 'false'}"],
+         "--set", f"bus.auth={'true' if args.auth == 'on' else 'false'}", *extra],
         cwd=REPO,
         stdout=out,
         stderr=subprocess.STDOUT,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +109,12 @@ async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, 
         assert niceness[trained["id"]] - niceness[sandboxed[0]["id"]] == 7, f"nice reaches Ray's processes: {niceness}"
         cmdline = Path(f"/proc/{trained['pid']}/cmdline").read_bytes().split(b"\0")
         assert b"runtime.actor_process" in cmdline and trained["id"].encode() in cmdline
+        # its events reach ops.tail through the bus's LOG stream (not the node's files)
+        tail = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "ops.tail", str(run.run_dir), "--since", "10m", "--no-follow", "--json",
+            "--actor", trained["id"], "--event", "actor_running"], cwd=REPO, capture_output=True, text=True,
+            timeout=60)
+        assert trained["id"] in tail.stdout and "actor_running" in tail.stdout, tail.stdout + tail.stderr
         # a crash is ours to restart (Ray's restarts are off): a new process, a new id, on a node that fits
         import os
         import signal
@@ -123,6 +131,17 @@ async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, 
     finally:
         assert await run.stop(timeout_s=120) == 0
     assert not run_events(run.run_dir, "actor_lost_with_node")
+
+
+async def test_a_kind_no_node_can_take_is_refused_before_anything_starts(tmp_path: Path,
+                                                                        ray_cluster: RayCluster) -> None:
+    cfg = write_config(tmp_path / "run.toml", PLACED_RUN.format(strategy="default").replace(
+        "resources = {trainer = 1}", "resources = {trainer = 1, sandbox = 1}"))  # no node has both
+    with pytest.raises(RuntimeError) as caught:
+        await LiveRun(tmp_path / "run", cfg, *_ray_args(ray_cluster)).start(timeout_s=120)
+    message = str(caught.value)
+    assert "runtime.up exited 2" in message and "actors.trained.placement asks for" in message, message
+    assert "no node of the Ray cluster" in message and not run_events(tmp_path / "run", "actor_starting")
 
 
 def _code_tree(root: Path, version: int) -> Path:
@@ -228,5 +247,10 @@ async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray
         await until(finished, 300, "every prompt trained or dropped")
         await _account(run.bus, ledger, num_prompts, group_size, eta)
         assert not run_events(run_dir, "restart_intensity_exceeded")
+        # the trainer read ready groups by reference from the object store (the holder on the head survived)
+        reads = run_events(run_dir, "ready_samples_read")
+        assert reads and max(r["num_hits"] for r in reads) > 0, reads[-3:]
+        print(f"object store reads: {max(r['num_hits'] for r in reads)} hits, "
+              f"{max(r['num_misses'] for r in reads)} read from the blob store")
     finally:
         assert await run.stop(timeout_s=120) == 0
