@@ -41,6 +41,7 @@ from typing import Any
 
 import msgpack
 import structlog
+from nats.errors import NoRespondersError
 
 from actors.reconciler.actor import ReconcilerActor
 from runtime.bus import Bus
@@ -221,7 +222,10 @@ async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[
         while True:
             await asyncio.sleep(0.2)
             cpu_samples.append((time.time(), await asyncio.to_thread(cpu_by_role, root_pid)))
-            actors = (await _request(bus, "ctl.supervisor.status"))["actors"]
+            try:
+                actors = (await _request(bus, "ctl.supervisor.status"))["actors"]
+            except NoRespondersError:  # run.json is written just before the supervisor listens
+                continue
             reconciler = [a["id"] for a in actors if a["kind"] == "reconciler"]
             if not reconciler:
                 continue

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import REPO, LiveRun, run_events, until, write_config
+from runtime.codec import Codec
+from tests.integration.harness import REPO, LiveRun, alive, run_events, until, write_config
+from tests.integration.workers import CountRequest
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
@@ -55,12 +57,15 @@ class RayCluster:
 
     def __init__(self) -> None:
         checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-        self.cluster = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "resources": {"sandbox": 8}, "_system_config": checks})
-        self.head = self.cluster.head_node
-        self.a = self.cluster.add_node(num_cpus=1, resources={"sandbox": 8}, labels={"zone": "a"})
-        self.b = self.cluster.add_node(num_cpus=1, resources={"trainer": 2}, labels={"zone": "b"})
-        self.cluster.wait_for_nodes()
+        self.cluster = ray_cluster_utils.Cluster(shutdown_at_exit=True)
+        try:
+            self.head = self.cluster.add_node(num_cpus=1, resources={"sandbox": 8}, _system_config=checks)
+            self.a = self.cluster.add_node(num_cpus=1, resources={"sandbox": 8}, labels={"zone": "a"})
+            self.b = self.cluster.add_node(num_cpus=1, resources={"trainer": 2}, labels={"zone": "b"})
+            self.cluster.wait_for_nodes()
+        except BaseException:  # a half-started cluster is shut down too
+            self.cluster.shutdown()
+            raise
 
     @property
     def address(self) -> str:
@@ -77,7 +82,10 @@ class RayCluster:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
-    cluster = RayCluster()
+    try:
+        cluster = RayCluster()
+    except Exception:  # a node that timed out starting on a loaded machine: once more
+        cluster = RayCluster()
     try:
         yield cluster
     finally:
@@ -144,6 +152,42 @@ async def test_a_kind_no_node_can_take_is_refused_before_anything_starts(tmp_pat
     assert "no node of the Ray cluster" in message and not run_events(tmp_path / "run", "actor_starting")
 
 
+async def test_a_stop_that_times_out_kills_the_process_on_its_node(tmp_path: Path, ray_cluster: RayCluster) -> None:
+    """drain → TERM → KILL through the Ray actor: an actor busy past its drain and TERM timeouts is killed
+    (its whole session, on node a), the run still stops cleanly, and no process is left behind."""
+    cfg = write_config(tmp_path / "run.toml", """
+[supervisor]
+term_timeout_s = 1.0
+
+[actors.counter]
+entry = "tests.integration.workers:CounterActor"
+count = 1
+drain_timeout_s = 1.0
+heartbeat_s = 1.0
+lease_s = 3.0
+[actors.counter.placement]
+resources = {sandbox = 1}
+node_labels = {zone = "a"}
+""")
+    run = await LiveRun(tmp_path / "run", cfg, *_ray_args(ray_cluster)).start(timeout_s=120)
+    try:
+        assert run.bus is not None
+        (actor,) = await run.wait_actors("counter", 1, timeout_s=180)
+        await run.bus.publish_durable("work.count", await Codec([CountRequest]).encode(CountRequest("long", 600.0)),
+                                      msg_id="long")
+
+        async def busy() -> bool:
+            entries = await run.wait_actors("counter", 1)
+            return any(e["id"] == actor["id"] and e["num_inflight"] >= 1 for e in entries)
+
+        await until(busy, 60, "the actor holding the long message")
+    finally:
+        assert await run.stop(timeout_s=120) == 0
+    killed = [e for e in run_events(run.run_dir, "actor_killed") if e.get("actor_id") == actor["id"]]
+    assert [e["reason"] for e in killed] == ["stop_timeout"], killed
+    assert not alive(actor["pid"]), "the killed process is gone"
+
+
 def _code_tree(root: Path, version: int) -> Path:
     """What a node needs to run the counter actor (the runtime, the test worker, the swapped module), as
     its own directory: shipped to the nodes by Ray's working_dir, not read from the repository."""
@@ -200,7 +244,8 @@ resources = {trainer = 1}
 
 
 async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray_cluster: RayCluster) -> None:
-    """Last in the module: node ``a`` is gone afterwards. The stage actors on it are lost with it, placed
+    """Last in the module: node ``a`` is killed (its raylet and workers SIGKILLed: the head notices by its
+    health checks, 3 s here). The stage actors on it are lost with it, placed
     again on the head (the other node with `sandbox`) at once, and their work is re-issued: every prompt
     is trained once or dropped with a reason, no group twice (the reconciler test's accounting)."""
     from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
@@ -218,14 +263,15 @@ async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray
         assert run.bus is not None
         for kind, n in (("rollout", 2), ("reward", 2), ("trainer", 1)):
             await run.wait_actors(kind, n, timeout_s=240)
-        before = {a["id"]: ray_cluster.name_of(a["node"]) for a in await run.actors()}
+        status = await run.actors()
+        before = {a["id"]: ray_cluster.name_of(a["node"]) for a in status}
         on_a = sorted(i for i, node in before.items() if node == "a")
         assert on_a, f"spread placed nothing on node a: {before}"
         assert all(node == "b" for i, node in before.items() if i.startswith("trainer-"))
         ledger = TrainerLedger(await run.bus.kv(LEDGER_BUCKET))
         await until(lambda: _num_trained_groups(ledger), 240, "a first trained batch")
         removed_at = time.monotonic()
-        await asyncio.to_thread(ray_cluster.cluster.remove_node, ray_cluster.a)
+        await asyncio.to_thread(ray_cluster.cluster.remove_node, ray_cluster.a, False)  # SIGKILL: no goodbye
 
         async def replaced() -> dict[str, list[str]] | None:
             nodes = await _nodes_by_kind(run, ray_cluster)
@@ -237,6 +283,8 @@ async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray
         assert set(after["rollout"]) | set(after["reward"]) <= {"head"}
         lost = {e["actor_id"] for e in run_events(run_dir, "actor_lost_with_node")}
         assert lost == set(on_a), (lost, on_a)
+        pids_on_a = [a["pid"] for a in status if a["id"] in on_a]
+        await until(lambda: not any(alive(pid) for pid in pids_on_a), 30, "no process of node a left running")
         # their registry entries went at once, so the reconciler re-issued what they held (no stage timeout)
         assert set(on_a) <= {e["actor_id"] for e in run_events(run_dir, "actor_lost")}
 
