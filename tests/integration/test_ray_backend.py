@@ -285,8 +285,10 @@ async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray
         assert lost == set(on_a), (lost, on_a)
         pids_on_a = [a["pid"] for a in status if a["id"] in on_a]
         await until(lambda: not any(alive(pid) for pid in pids_on_a), 30, "no process of node a left running")
-        # their registry entries went at once, so the reconciler re-issued what they held (no stage timeout)
-        assert set(on_a) <= {e["actor_id"] for e in run_events(run_dir, "actor_lost")}
+        # their registry entries went at once, so the reconciler re-issued what they held (no stage timeout);
+        # a reconciler lost with them starts again from the slot table, where the new attempts are issued
+        if not any(i.startswith("reconciler-") for i in on_a):
+            assert set(on_a) <= {e["actor_id"] for e in run_events(run_dir, "actor_lost")}
 
         async def finished() -> bool:
             cursor, slots, _ = await _durable_table(run.bus)
