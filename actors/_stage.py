@@ -185,7 +185,17 @@ class StageActor(Actor):
         """The record of ``record_type`` at ``key``; WorkRefused when it is missing, corrupt, of another
         schema or not that type (the stage that wrote it must run again). ``ready``: by reference from the
         Ray object store when it holds it (runtime.ready_samples), else from the blob store."""
-        raw = await self.ctx.ready_samples.get(key) if ready and self.ctx.ready_samples is not None else None
+        return await self._decode_record(key, record_type, await self.ctx.ready_samples.get(key)
+                                         if ready and self.ctx.ready_samples is not None else None)
+
+    async def get_records(self, keys: list[str], record_type: type[R], ready: bool = False) -> list[R]:
+        """`get_record` of each of ``keys``; ``ready``: those the Ray object store holds read in one go."""
+        found = (await self.ctx.ready_samples.get_many(keys) if ready and self.ctx.ready_samples is not None
+                 else [None] * len(keys))
+        return [await self._decode_record(k, record_type, raw) for k, raw in zip(keys, found, strict=True)]
+
+    async def _decode_record(self, key: str, record_type: type[R], raw: bytes | None) -> R:
+        """The record at ``key`` from ``raw`` (read from the blob store when None)."""
         try:
             raw = raw if raw is not None else await self.ctx.blob.get(key)
         except KeyError:

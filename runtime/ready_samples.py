@@ -102,19 +102,23 @@ class ReadySamples:
 
     async def get(self, key: str) -> bytes | None:
         """The bytes put under ``key``, or None when the store does not have them (read the blob store)."""
+        return (await self.get_many([key]))[0]
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """The bytes put under each of ``keys`` (one call to the holder, the fetches together), None for
+        those the store does not have (read them from the blob store)."""
         try:
             holder = await self._connected()
-            found = await asyncio.wait_for(holder.find.remote([key]), CALL_TIMEOUT_S)
-            if key not in found:
-                self.num_misses += 1
-                return None
-            data = await asyncio.wait_for(found[key][0], CALL_TIMEOUT_S)
-        except Exception as e:  # the object lost with its node, the holder gone, a timeout: the blob store answers
-            log.warning("ready_sample_not_read", key=key, error=repr(e)[:300])
-            self.num_misses += 1
-            return None
-        self.num_hits += 1
-        return data
+            found = await asyncio.wait_for(holder.find.remote(list(keys)), CALL_TIMEOUT_S)
+            refs = [found[k][0] for k in keys if k in found]
+            values = iter(await asyncio.wait_for(asyncio.gather(*refs), CALL_TIMEOUT_S))
+            out = [next(values) if k in found else None for k in keys]
+        except Exception as e:  # objects lost with their node, the holder gone, a timeout: the blob store answers
+            log.warning("ready_samples_not_read", keys=keys[:8], error=repr(e)[:300])
+            out = [None] * len(keys)
+        self.num_hits += sum(v is not None for v in out)
+        self.num_misses += sum(v is None for v in out)
+        return out
 
     async def release(self, keys: list[str]) -> None:
         """Lets the store drop ``keys`` (trained): their memory and spill space come back."""

@@ -128,7 +128,7 @@ class TrainerActor(StageActor):
         if learner.version > order.deadline_version:
             raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
                               f"{order.deadline_version}: training it would exceed the staleness bound")
-        groups = [await self.get_record(k, GroupRecord, ready=True) for k in order.group_keys]
+        groups = await self.get_records(list(order.group_keys), GroupRecord, ready=True)
         named = [g.group_id for g in groups]
         if len(set(order.group_ids)) != len(order.group_ids) or named != list(order.group_ids):
             raise WorkRefused(f"batch {order.batch_id} names groups {list(order.group_ids)} but its records "

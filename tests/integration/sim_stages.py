@@ -423,7 +423,7 @@ class SimTrainActor(_SimStage):
         """The batch's prompt ids and oldest token version, from its group records."""
         if not self.sim.records:
             return {}
-        groups = [await self.get_record(k, dict, ready=True) for k in order.group_keys]
+        groups = await self.get_records(list(order.group_keys), dict, ready=True)
         if self.ctx.ready_samples is not None:
             log.info("ready_samples_read", num_hits=self.ctx.ready_samples.num_hits,
                      num_misses=self.ctx.ready_samples.num_misses)
