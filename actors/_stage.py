@@ -173,14 +173,31 @@ class StageActor(Actor):
             await asyncio.sleep(self.heartbeat_every_s)
 
     # --- blobs: typed msgpack records (actors.records), zstd-compressed --------------------------
-    async def put_record(self, key: str, record: Any) -> None:
-        await self.ctx.blob.put(key, zstandard.ZstdCompressor(level=3).compress(encode_record(record)))
+    async def put_record(self, key: str, record: Any, ready: bool = False) -> None:
+        """Writes ``record`` to the blob store; ``ready``: also to the Ray object store when the run has one
+        (runtime.ready_samples), after the durable copy, which stays the source of truth."""
+        data = zstandard.ZstdCompressor(level=3).compress(encode_record(record))
+        await self.ctx.blob.put(key, data)
+        if ready and self.ctx.ready_samples is not None:
+            await self.ctx.ready_samples.put(key, data)
 
-    async def get_record(self, key: str, record_type: type[R]) -> R:
+    async def get_record(self, key: str, record_type: type[R], ready: bool = False) -> R:
         """The record of ``record_type`` at ``key``; WorkRefused when it is missing, corrupt, of another
-        schema or not that type (the stage that wrote it must run again)."""
+        schema or not that type (the stage that wrote it must run again). ``ready``: by reference from the
+        Ray object store when it holds it (runtime.ready_samples), else from the blob store."""
+        return await self._decode_record(key, record_type, await self.ctx.ready_samples.get(key)
+                                         if ready and self.ctx.ready_samples is not None else None)
+
+    async def get_records(self, keys: list[str], record_type: type[R], ready: bool = False) -> list[R]:
+        """`get_record` of each of ``keys``; ``ready``: those the Ray object store holds read in one go."""
+        found = (await self.ctx.ready_samples.get_many(keys) if ready and self.ctx.ready_samples is not None
+                 else [None] * len(keys))
+        return [await self._decode_record(k, record_type, raw) for k, raw in zip(keys, found, strict=True)]
+
+    async def _decode_record(self, key: str, record_type: type[R], raw: bytes | None) -> R:
+        """The record at ``key`` from ``raw`` (read from the blob store when None)."""
         try:
-            raw = await self.ctx.blob.get(key)
+            raw = raw if raw is not None else await self.ctx.blob.get(key)
         except KeyError:
             raise WorkRefused(f"blob {key!r} is missing; the stage that wrote it must run again") from None
         except ValueError as e:  # a key no stage writes (outside the store): no retry makes it readable

@@ -116,6 +116,7 @@ class ActorContext:
     run_dir: Any = None
     run: Any = None  # runtime.run_config.RunSection: the run's name, seed and step budget
     run_id: str = ""  # the run's id (runtime.run_state): stable across resumes, whatever the directory
+    ready_samples: Any = None  # runtime.ready_samples.ReadySamples under the Ray backend, else None
 
     @property
     def run_steps(self) -> int:

@@ -27,6 +27,7 @@ from runtime.codehash import code_hash
 from runtime.errors import ConfigError
 from runtime.events import EventLog
 from runtime.procutil import lower_priority
+from runtime.ready_samples import ReadySamples
 from runtime.run_config import RunConfig, import_entry, load_run_config
 from runtime.run_state import RunNotFound, check_run_id, read_run_config, read_run_record
 from runtime.rundir import CONFIG_FILE
@@ -84,7 +85,8 @@ async def _serve(args: argparse.Namespace) -> None:
         settings = ActorSettings(max_concurrency=spec.max_concurrency, heartbeat_s=spec.heartbeat_s,
                                  drain_timeout_s=spec.drain_timeout_s, max_deliveries=spec.max_deliveries,
                                  lease_s=spec.lease_s)
-        actor = cls(ActorContext(identity, bus, settings, cfg.app, blob, args.run_dir, cfg.runtime.run, args.run))
+        actor = cls(ActorContext(identity, bus, settings, cfg.app, blob, args.run_dir, cfg.runtime.run, args.run,
+                                 ReadySamples.from_environment(str(args.run_dir))))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, actor.request_drain)

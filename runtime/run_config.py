@@ -21,7 +21,9 @@ from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
 from runtime.events import EventLogConfig
 
-RUNTIME_SECTIONS = ("run", "bus", "storage", "supervisor", "health", "log", "dashboard", "actors")
+RUNTIME_SECTIONS = ("run", "runtime", "bus", "storage", "supervisor", "health", "log", "dashboard", "actors")
+BACKENDS = ("local", "ray")
+STRATEGIES = ("default", "spread", "pack")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,53 @@ class RunSection:
 
     def __post_init__(self) -> None:
         check_ranges(self, "run")
+
+
+@dataclass(frozen=True)
+class BackendSection:
+    """The ``[runtime]`` table: where the supervisor places actor processes (runtime.placement)."""
+
+    backend: str = "local"  # "local": subprocesses of runtime.up; "ray": Ray actors on a Ray cluster
+    ray_address: str = ""  # a running cluster ("auto", "host:6379"); empty: start a local Ray head
+    # code on a cluster's nodes: empty, the nodes see the supervisor's code at its paths (one image or a
+    # shared filesystem); a directory, shipped to every node as Ray's runtime_env working_dir at each start
+    # (content-addressed: a hot swap after the code changed ships the new code, unchanged code is not sent)
+    ray_working_dir: str = ""
+    # a Ray actor not started within this (no node with its resources free) is a failed start
+    ray_place_timeout_s: float = fixed(120.0, within=Range(1.0, 86_400.0))
+    ray_head_num_cpus: int = fixed(0, within=Range(0, 4096))  # the local head's CPUs; 0: the machine's
+    # the local head declares a Ray node dead after this many missed health checks, one a second
+    ray_head_node_lost_checks: int = fixed(5, within=Range(1, 1000))
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "runtime")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"runtime.backend={self.backend!r} must be one of {BACKENDS}")
+        if self.backend == "local" and self.ray_address:
+            raise ValueError(f"runtime.ray_address={self.ray_address!r} is set but runtime.backend is 'local': "
+                             "set runtime.backend = \"ray\" to place actors on that cluster")
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """Where one actor kind's processes may run: ``[actors.<kind>.placement]``, read by the Ray backend
+    (the local backend runs every process on its own machine and checks nothing of it)."""
+
+    num_cpus: float = fixed(0.0, within=Range(0.0, 4096.0))  # reserved on its node; 0: none (Ray's default)
+    num_gpus: float = fixed(0.0, within=Range(0.0, 1024.0))
+    resources: dict[str, float] = field(default_factory=dict)  # custom node resources, e.g. {sandbox = 1}
+    node_labels: dict[str, str] = field(default_factory=dict)  # only nodes carrying these labels (hard)
+    # "spread": across nodes; "pack": onto as few nodes as fit; "default": Ray's (pack to 50%, then spread)
+    strategy: str = "default"
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "actors.<kind>.placement")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"placement strategy {self.strategy!r} must be one of {STRATEGIES}")
+        bad = {k: v for k, v in self.resources.items() if not 0 <= v <= 1_000_000 or k in ("CPU", "GPU")}
+        if bad:
+            raise ValueError(f"placement resources {bad} must be custom resources (not CPU/GPU: use num_cpus, "
+                             "num_gpus) with amounts in [0, 1e6]")
 
 
 @dataclass(frozen=True)
@@ -196,6 +245,7 @@ class ActorSpec:
     # How long the actor's registry entry outlives its last renewal (renewed every third of it): a
     # killed or frozen actor is declared lost, and its work re-issued, this long after its last renewal.
     lease_s: float = fixed(10.0, within=Range(1.0, 3600.0))
+    placement: PlacementSpec = PlacementSpec()  # its resources on a cluster (the Ray backend)
 
     def __post_init__(self) -> None:
         check_ranges(self, "actors.<kind>")
@@ -209,6 +259,7 @@ class ActorSpec:
 @dataclass(frozen=True)
 class RuntimeConfig:
     run: RunSection = RunSection()
+    runtime: BackendSection = BackendSection()
     bus: BusSection = BusSection()
     storage: StorageSection = StorageSection()
     supervisor: SupervisorSection = SupervisorSection()

@@ -1,5 +1,6 @@
-"""The supervisor (local backend): each actor its own OS process, restarted on crash under an intensity
-limit, drained on stop, replaced on hot swap.
+"""The supervisor: each actor its own OS process, restarted on crash under an intensity limit, drained
+on stop, replaced on hot swap; the process placed by a backend (runtime.placement: a local subprocess,
+or a Ray actor on a cluster), the policy here the same for every backend.
 
 Restart strategy is OTP's one_for_one: a crashed process is restarted alone, after an exponential
 backoff; more than ``max_restarts`` restarts within ``restart_window_s`` means something is wrong
@@ -11,6 +12,11 @@ place at once (no backoff: it is ready) and a new standby is started behind it.
 
 Stop order for one process: ``ctl.<kind>.<id>.drain`` (finish in-flight work, ack, hand over), then SIGTERM,
 then SIGKILL. Children run in their own sessions with a parent-death signal: no orphans, ever.
+
+A process lost with its node (a Ray node that died or left) is replaced at once on the nodes that
+remain, outside the restart intensity (the node failed, not the actor: a node carrying six actors
+would otherwise fail the run by itself); its registry entry is removed at once, so the reconciler
+re-issues the work it held without waiting for a timeout.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ import msgpack
 import structlog
 
 from runtime import health
-from runtime.actor_launch import RANK_ENV, WORLD_SIZE_ENV, RunAddress, actor_argv, actor_env
+from runtime.actor_launch import RunAddress
 from runtime.bus import Bus, Inbound
 from runtime.bus_auth import control_subject
 from runtime.errors import BusError
-from runtime.procutil import die_with_parent
+from runtime.local_backend import LocalBackend
+from runtime.placement import PlacedProcess, PlacementBackend, PlacementError, UnplacedProcess, actor_launch
 from runtime.registry import registration_key
 from runtime.run_config import RuntimeConfig
 
@@ -56,7 +63,7 @@ class Outcome(enum.Enum):
 class ActorProcess:
     kind: str
     actor_id: str
-    proc: asyncio.subprocess.Process
+    proc: PlacedProcess
     started_at: float = field(default_factory=time.time)
     retiring: bool = False  # drained on purpose (swap, stop, unhealthy): its exit is not a crash
     health: asyncio.Task[None] | None = None  # its health checks (runtime.health), while it runs
@@ -69,11 +76,13 @@ class ActorProcess:
 
 
 class Supervisor:
-    def __init__(self, config: RuntimeConfig, run_dir: Path, bus: Bus, address: RunAddress) -> None:
+    def __init__(self, config: RuntimeConfig, run_dir: Path, bus: Bus, address: RunAddress,
+                 backend: PlacementBackend | None = None) -> None:
         self.config = config
         self.run_dir = run_dir
         self.address = address  # what an actor process needs to find the run (runtime.actor_launch)
         self.bus = bus
+        self.backend: PlacementBackend = backend or LocalBackend()
         self.procs: dict[str, ActorProcess] = {}
         self.outcome = Outcome.RUNNING
         self.failure: str | None = None
@@ -124,22 +133,17 @@ class Supervisor:
         spec = self.config.actors[kind]
         self._counter[kind] += 1
         actor_id = f"{kind}-{self._counter[kind]}-{os.urandom(2).hex()}"
-        env = actor_env(self.address, kind, os.environ)
-        if spec.threads:
-            env.update(OMP_NUM_THREADS=str(spec.threads), MKL_NUM_THREADS=str(spec.threads))
-        if spec.ranks > 1:  # one of a process group: its rank and the group's size (the kind finds its peers)
-            env.update({RANK_ENV: str(rank), WORLD_SIZE_ENV: str(spec.ranks)})
-        out_path = self.run_dir / "logs" / f"{actor_id}.out"
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(out_path, "ab") as out:
-            proc = await asyncio.create_subprocess_exec(
-                *actor_argv(self.address, self.run_dir, kind, actor_id, standby=standby),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
-                env=env)
+        log.info("actor_starting", actor_kind=kind, actor_id=actor_id, standby=standby)  # its start-up from here
+        proc: PlacedProcess
+        try:
+            launch = actor_launch(self.address, self.run_dir, kind, actor_id, spec, rank=rank, standby=standby)
+            proc = await self.backend.start(launch, spec)
+        except PlacementError as e:  # a failed start is a crash: restarted with backoff, within the intensity
+            log.error("actor_not_placed", actor_kind=kind, actor_id=actor_id, error=str(e))
+            proc = UnplacedProcess(e)
         ap = ActorProcess(kind, actor_id, proc, standby=standby, rank=rank)
         self.procs[actor_id] = ap
-        log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid, standby=standby)
+        log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid, node=proc.node, standby=standby)
         self._tg.create_task(self._watch(ap))
         if self.config.health.interval_s > 0:
             ap.health = self._tg.create_task(self._check_health(ap))
@@ -157,15 +161,18 @@ class Supervisor:
             log.info("actor_exited", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc)
             if rc != 0:  # asked to stop, it did not stop cleanly: say so, not only "stopped"
                 log.error("actor_stopped_uncleanly", actor_kind=ap.kind, actor_id=ap.actor_id, returncode=rc,
-                          log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+                          log_file=ap.proc.output_tail())
                 self.unclean_exits.append(f"{ap.actor_id} exited {rc} (see logs/{ap.actor_id}.out)")
             return
         if bus_down:
             await self._restart_after_outage(ap, rc)
             return
+        if ap.proc.lost is not None:
+            await self._replace_lost(ap)
+            return
         num_recent = self._count_restart(ap)
         log.error("actor_crashed", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc,
-                  num_recent_restarts=num_recent, log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+                  num_recent_restarts=num_recent, log_file=ap.proc.output_tail())
         if self._stop.is_set():
             return
         if not ap.standby and await self._promote(ap.kind, ap.actor_id):
@@ -209,7 +216,7 @@ class Supervisor:
             recent.popleft()
         if len(recent) > sup.max_restarts:
             reason = (f"{ap.kind} crashed {len(recent)} times within {sup.restart_window_s}s "  # unhealthy counts too
-                      f"(limit {sup.max_restarts}); see {self.run_dir / 'logs' / (ap.actor_id + '.out')}")
+                      f"(limit {sup.max_restarts}); see {ap.proc.output_tail()}")
             log.error("restart_intensity_exceeded", actor_kind=ap.kind, num_restarts=len(recent),
                       window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
             self.request_stop(Outcome.FAILED, reason)
@@ -243,7 +250,7 @@ class Supervisor:
         outside the restart intensity: no restart could connect before, and counting these would fail the
         run for the bus's fault under the actor's name. The bus guard bounds the wait (bus.max_outage_s)."""
         log.error("actor_crashed_during_bus_outage", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid,
-                  returncode=rc, log_file=str(self.run_dir / "logs" / f"{ap.actor_id}.out"))
+                  returncode=rc, log_file=ap.proc.output_tail())
         stop = asyncio.ensure_future(self._stop.wait())
         back = asyncio.ensure_future(self.bus.health.up.wait())
         try:
@@ -256,6 +263,16 @@ class Supervisor:
         await self._deregister(ap)
         new = await self._spawn(ap.kind, standby=ap.standby, rank=ap.rank)
         log.info("actor_restarted", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id, after="bus outage")
+
+    async def _replace_lost(self, ap: ActorProcess) -> None:
+        """A process lost with its node: a standby of its kind takes its place, else a new process is placed
+        at once on the nodes that remain (its entry was removed by `_watch`: its work is re-issued)."""
+        log.error("actor_lost_with_node", actor_kind=ap.kind, actor_id=ap.actor_id, node=ap.proc.node,
+                  reason=ap.proc.lost, standby=ap.standby)
+        new = (None if ap.standby else await self._promote(ap.kind, ap.actor_id)) or await self._spawn(
+            ap.kind, standby=ap.standby, rank=ap.rank)
+        log.info("actor_replaced", actor_kind=ap.kind, old_id=ap.actor_id, new_id=new.actor_id,
+                 old_node=ap.proc.node, new_node=new.proc.node, check="node_lost")
 
     async def _deregister(self, ap: ActorProcess) -> None:
         try:
@@ -288,9 +305,7 @@ class Supervisor:
     async def _kill(self, ap: ActorProcess, reason: str) -> None:
         """SIGKILL to the process's whole session (its sandboxes too), then its exit."""
         log.error("actor_killed", actor_id=ap.actor_id, pid=ap.pid, reason=reason)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(ap.proc.pid, signal.SIGKILL)
-        await ap.proc.wait()
+        await ap.proc.kill()
 
     # --- hot swap --------------------------------------------------------------------------------------
     async def swap(self, kind: str) -> dict[str, Any]:
@@ -355,8 +370,8 @@ class Supervisor:
             return
         if verb == "status":
             reply: dict[str, Any] = {"ok": True, "outcome": self.outcome.value, "actors": [
-                {"id": p.actor_id, "kind": p.kind, "pid": p.pid, "retiring": p.retiring, "standby": p.standby,
-                 "uptime_s": round(time.time() - p.started_at, 1)} for p in self.procs.values()]}
+                {"id": p.actor_id, "kind": p.kind, "pid": p.pid, "node": p.proc.node, "retiring": p.retiring,
+                 "standby": p.standby, "uptime_s": round(time.time() - p.started_at, 1)} for p in self.procs.values()]}
         elif verb == "stop":
             self.request_stop(Outcome.STOPPED)
             reply = {"ok": True}
@@ -377,7 +392,20 @@ class Supervisor:
         await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
 
 
-async def _wait_exit(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+def open_backend(config: RuntimeConfig, run_dir: Path) -> PlacementBackend:
+    """The placement backend ``config.runtime.backend`` names (Ray imported only when it is asked for).
+
+    Raises:
+        PlacementError: the Ray cluster cannot be reached.
+    """
+    if config.runtime.backend == "ray":
+        from runtime.ray_backend import RayBackend
+
+        return RayBackend.connect(config.runtime, run_dir)
+    return LocalBackend()
+
+
+async def _wait_exit(proc: PlacedProcess, timeout: float) -> bool:
     try:
         await asyncio.wait_for(proc.wait(), timeout)
         return True

@@ -50,6 +50,7 @@ from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
 from runtime.kv_lease import KVLease
 from runtime.natsserver import NatsCluster, NatsServer, NatsServerConfig
+from runtime.placement import PlacementError
 from runtime.run_config import (
     RunConfig,
     RuntimeConfig,
@@ -68,7 +69,7 @@ from runtime.run_state import (
     publish_run,
 )
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
-from runtime.supervisor import Outcome, Supervisor
+from runtime.supervisor import Outcome, Supervisor, open_backend
 from runtime.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
@@ -174,8 +175,11 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         record = RunRecord(run_id, rt.run.name, storage_url, rt.storage.s3_endpoint, time.time())
         await publish_run(bus, store, record, dump_toml(cfg.to_toml_tree()), resumed=resumed)
         await _publish_live_defaults(bus, cfg, resumed)
+        backend = open_backend(rt, run_dir)  # a Ray head or cluster connection (blocking: nothing runs yet)
+        stack.push_async_callback(backend.close)
+        backend.check(rt)  # before the run is announced: a cluster that cannot hold it starts nothing
         info.write()
-        supervisor = Supervisor(rt, run_dir, bus, info.address())
+        supervisor = Supervisor(rt, run_dir, bus, info.address(), backend)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.request_stop)
@@ -358,6 +362,9 @@ def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
         outcome = uvloop.run(serve(cfg, run_dir, run_id, resumed is not None, event_log, terminal))
     except ConfigError as e:  # the bus or the store belongs to another run, or another runtime.up runs this one
         print(f"configuration error: {e}", file=sys.stderr)
+    except PlacementError as e:  # before any actor started: a cluster that cannot hold the run
+        print(f"placement error: {e}", file=sys.stderr)
+        return 2
         return 2
     finally:
         event_log.close()

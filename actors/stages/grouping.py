@@ -44,7 +44,7 @@ class GroupingActor(StageActor):
                     if m]
         key = f"groups/{order.group_id}/a{order.attempt}"
         await self.put_record(key, GroupRecord(order.group_id, order.prompt_id, min(versions, default=0),
-                                               max(versions, default=0), time.time(), samples))
+                                               max(versions, default=0), time.time(), samples), ready=True)
         log.info("group_checkpointed", group_id=order.group_id, key=key, prompt_id=order.prompt_id,
                  num_samples=len(samples),
                  mean_reward=sum(s.reward for s in samples) / len(samples),

@@ -306,7 +306,7 @@ class TrainerActor(StageActor):
             await asyncio.to_thread(self.ranks.broadcast_plan, plan)
             await self._train_plan(plan, order)
             return TrainDone(order.batch_id, order.attempt, learner.version)
-        groups = [await self.get_record(k, GroupRecord) for k in order.group_keys]
+        groups = await self.get_records(list(order.group_keys), GroupRecord, ready=True)
         named = [g.group_id for g in groups]
         if len(set(order.group_ids)) != len(order.group_ids) or named != list(order.group_ids):
             raise WorkRefused(f"batch {order.batch_id} names groups {list(order.group_ids)} but its records "
@@ -325,6 +325,8 @@ class TrainerActor(StageActor):
         delivery.task_group.create_task(self._signal_when_uploaded(self._publish()))
         await self._report(row)
         await self.ctx.blob.delete(PENDING_ROW)
+        if self.ctx.ready_samples is not None:  # trained: the object store's copies are no longer needed
+            await self.ctx.ready_samples.release(list(order.group_keys))
         return TrainDone(order.batch_id, order.attempt, learner.version)
 
     async def _latest_checkpoint(self) -> Path | None:

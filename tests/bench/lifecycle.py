@@ -41,6 +41,7 @@ from typing import Any
 
 import msgpack
 import structlog
+from nats.errors import NoRespondersError
 
 from actors.reconciler.actor import ReconcilerActor
 from runtime.bus import Bus
@@ -137,7 +138,8 @@ nice = 10
 
 
 async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry: str,
-                     dashboard: bool = False) -> dict[str, Any]:
+                     dashboard: bool = False, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One run of the NATS side; ``extra``: more runtime.up arguments (tests.bench.placement: the Ray backend)."""
     run_dir = work_dir / "run"
     SimConfig(rollout=NOOP, reward=NOOP, group=NOOP, train=NOOP, records=False, heartbeat_s=5.0).write(run_dir)
     config = work_dir / "run.toml"
@@ -157,7 +159,7 @@ async def nats_trial(args: argparse.Namespace, work_dir: Path, reconciler_entry:
     out = open(work_dir / "up.out", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
         [sys.executable, "-m", "runtime.up", "--config", str(config), "--run-dir", str(run_dir), "--quiet",
-         "--set", f"bus.auth={'true' if args.auth == 'on' else 'false'}"],
+         "--set", f"bus.auth={'true' if args.auth == 'on' else 'false'}", *extra],
         cwd=REPO,
         stdout=out,
         stderr=subprocess.STDOUT,
@@ -220,7 +222,10 @@ async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[
         while True:
             await asyncio.sleep(0.2)
             cpu_samples.append((time.time(), await asyncio.to_thread(cpu_by_role, root_pid)))
-            actors = (await _request(bus, "ctl.supervisor.status"))["actors"]
+            try:
+                actors = (await _request(bus, "ctl.supervisor.status"))["actors"]
+            except NoRespondersError:  # run.json is written just before the supervisor listens
+                continue
             reconciler = [a["id"] for a in actors if a["kind"] == "reconciler"]
             if not reconciler:
                 continue

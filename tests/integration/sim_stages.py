@@ -284,9 +284,9 @@ class _SimStage(StageActor):
         if roll < knobs.refuse_rate + knobs.error_rate:
             raise SimError(f"simulated error in {self.stage.value} {what}")
 
-    async def put(self, key: str, record: dict[str, Any]) -> str:
+    async def put(self, key: str, record: dict[str, Any], ready: bool = False) -> str:
         if self.sim.records:  # an untyped record, of the schema the stage base reads
-            await self.put_record(key, {**record, "schema": RECORD_SCHEMA})
+            await self.put_record(key, {**record, "schema": RECORD_SCHEMA}, ready=ready)
         return key
 
 
@@ -412,7 +412,7 @@ class SimGroupActor(_SimStage):
                 advantages=[r["reward"] - mean for r in rewards], min_version=min(r["min_version"] for r in rewards)
             )
         await self.simulate(order.group_id)
-        key = await self.put(f"groups/{order.group_id}/a{order.attempt}", record)
+        key = await self.put(f"groups/{order.group_id}/a{order.attempt}", record, ready=True)
         return GroupDone(order.group_id, order.attempt, key)
 
 
@@ -474,7 +474,10 @@ class SimTrainActor(_SimStage):
         """The batch's prompt ids and oldest token version, from its group records."""
         if not self.sim.records:
             return {}
-        groups = [await self.get_record(k, dict) for k in order.group_keys]
+        groups = await self.get_records(list(order.group_keys), dict, ready=True)
+        if self.ctx.ready_samples is not None:
+            log.info("ready_samples_read", num_hits=self.ctx.ready_samples.num_hits,
+                     num_misses=self.ctx.ready_samples.num_misses)
         if [g["group_id"] for g in groups] != list(order.group_ids):
             raise WorkRefused(f"batch {order.batch_id}: group records do not match its groups")
         return {"prompt_ids": [g["prompt_id"] for g in groups], "min_version": min(g["min_version"] for g in groups)}

@@ -73,6 +73,7 @@ HELPERS = {
     "stream_states": "Bus.stream_states: one JetStream API request (5 s)",
     "pull_consumer": "Bus.pull_consumer: a pull_subscribe_bind (core subscribe, no round trip)",
 }
+READY_SAMPLES = "ReadySamples.put/get: asyncio.wait_for(CALL_TIMEOUT_S) on each Ray call (runtime.ready_samples)"
 SLOT_STORE = "a slot store call: one KV request (JetStream API, 5 s)"
 PIPELINE_SYNC = "ChainedKVWriter.flush: asyncio.wait_for(ack_timeout_s) on the acknowledgements"
 LISTED = {  # (file, callee as written) -> its bound, where the callee's name alone does not tell
@@ -92,6 +93,8 @@ LISTED = {  # (file, callee as written) -> its bound, where the callee's name al
     ("model/weight_sync/publisher.py", "self._encoded.get"): "an asyncio.Queue between encoder and uploader: no I/O",
     ("model/weight_sync/publisher.py", "put"): "its local put: self._retry.run of one store.put (" + BLOB + ")",
     ("ops/dashboard/feeds.py", "self._pending.get"): "an asyncio.Queue of group keys the event log named: no I/O",
+    ("actors/_stage.py", "self.ctx.ready_samples.put"): READY_SAMPLES,
+    ("actors/_stage.py", "self.ctx.ready_samples.get"): READY_SAMPLES,
 }
 UNBOUNDED_BY_DESIGN: dict[tuple[str, str], str] = {
     # (file, verb) -> why it may wait without end; none today (ops.tail --follow waits on Bus.follow,

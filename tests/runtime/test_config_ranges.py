@@ -105,7 +105,7 @@ def _leaves(schema: type, prefix: str = "") -> list[tuple[str, dataclasses.Field
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             out += _leaves(hint, f"{prefix}{f.name}.")  # type: ignore[arg-type]
-        elif typing.get_origin(hint) is dict:
+        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(typing.get_args(hint)[1]):
             out += _leaves(typing.get_args(hint)[1], f"{prefix}{f.name}.<name>.")
         else:
             out.append((prefix + f.name, f, hint))
