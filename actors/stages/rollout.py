@@ -114,7 +114,8 @@ class RolloutActor(StageActor):
             log.warning("rollout_workspace_over_budget", sample_id=order.sample_id, reason=violation)
         await self.put_record(f"{key}/trajectory", RolloutRecord(order.sample_id, order.prompt_id, traj, violation))
         log.info("rollout_finished", sample_id=order.sample_id, prompt_id=order.prompt_id, end=traj.end.value,
-                 num_tokens=len(traj.token_ids), num_turns=traj.num_turns, min_version=traj.min_version,
+                 num_tokens=traj.num_tokens, num_turns=traj.num_turns, num_summaries=traj.num_summaries,
+                 num_summary_tokens=traj.num_summary_tokens, min_version=traj.min_version,
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3))
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)
 
