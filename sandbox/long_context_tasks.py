@@ -1,12 +1,12 @@
 """The long-context task family: facts spread over several files that must be read one by one and combined.
 
-A task asks for ``f(x)`` in ``solution.py`` returning ``x`` plus a three-digit number whose digits are the
-keys written at the end of ``notes/1.txt``, ``notes/2.txt`` and ``notes/3.txt``, in that order. Each note
-is mostly filler, so reading all three (one ``read_file`` each: the agent cannot know a key without
-reading its file), plus the prompt, the calls and the answer, takes about 800 tokens of the byte-level
-policy: more than one 640-token window holds. An agent whose window ends before the last read fails; one
+A task asks for ``f(i)`` in ``solution.py`` returning the key written at the end of ``notes/<i>.txt`` for
+i = 1, 2, 3 (the answer combines the three: ``return (8,9,4)[i-1]``). Each note is mostly filler, so
+reading all three (one ``read_file`` each: the agent cannot know a key without reading its file), plus
+the prompt, the calls and the answer, takes about 800 tokens of the byte-level policy: more than one
+640-token window holds. An agent whose window ends before the last read fails; one
 that summarizes the keys it has read can finish in a second window. The hidden tests are I/O cases as
-for the built-in generator (partial credit: a wrong number fails every case, a right one passes all).
+for the built-in generator, one per note (partial credit: each key right is a third of the tests).
 
 Splits are the generator's (``sandbox.task_generator.split_of``: one fifth of ids held out), and every
 task's text is a function of its id alone, so every process derives the same tasks.
@@ -19,7 +19,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from sandbox.task_generator import HIDDEN_TESTS_PATH, NUM_CASES, split_of
+from sandbox.task_generator import HIDDEN_TESTS_PATH, split_of
 from sandbox.tasks import Task
 
 __all__ = ["DIFFICULTY", "NOTE_PATHS", "NoteFacts", "all_long_context_tasks", "count_long_context_tasks",
@@ -33,13 +33,14 @@ _WORDS = ("log", "ok", "tmp", "run", "sync", "step", "warm", "idle", "skip", "se
 
 @dataclass(frozen=True)
 class NoteFacts:
-    """What a task hides in its notes: each note's path and key digit, and the number they make."""
+    """What a task hides in its notes: each note's path and key digit."""
 
     keys: tuple[tuple[str, int], ...]
 
     @property
-    def number(self) -> int:
-        return int("".join(str(k) for _, k in self.keys))
+    def answer(self) -> str:
+        """The expression of the reference solution: ``(8,9,4)[i-1]``."""
+        return f"({','.join(str(k) for _, k in self.keys)})[i-1]"
 
 
 def _filler(rng: random.Random) -> str:
@@ -56,18 +57,18 @@ def _make(number: int) -> Task:
     rng = random.Random(task_id)
     digits = [int(c) for c in str(number)]
     files = {path: f"{_filler(rng)}key: {digit}\n" for path, digit in zip(NOTE_PATHS, digits, strict=True)}
-    files["solution.py"] = "def f(x):\n    pass\n"
-    cases = [{"args": [v], "expected": v + number} for v in (rng.randint(-50, 50) for _ in range(NUM_CASES))]
+    files["solution.py"] = "def f(i):\n    pass\n"
+    cases = [{"args": [i], "expected": digit} for i, digit in enumerate(digits, start=1)]
     spec = {"module": "solution", "function": "f", "cases": cases}
     return Task(
         id=task_id,
-        prompt="Write f(x) in solution.py that returns x plus the number whose digits are the keys in "
-               "notes/1.txt, notes/2.txt, notes/3.txt.",
+        prompt="Write f(i) in solution.py that returns the key in notes/i.txt, for each of notes/1.txt, "
+               "notes/2.txt, notes/3.txt.",
         files=files,
         hidden_tests={HIDDEN_TESTS_PATH: json.dumps(spec)},
         test_command="",
         difficulty=DIFFICULTY,
-        reference_solution={"solution.py": f"def f(x):\n    return x+{number}\n"},
+        reference_solution={"solution.py": f"def f(i):\n    return ({','.join(map(str, digits))})[i-1]\n"},
     )
 
 

@@ -51,9 +51,10 @@ def test_the_family_is_stable_split_and_its_facts_make_the_answer() -> None:
     assert generate_long_context_tasks(3, 10) != generate_long_context_tasks(4, 10)
     for task in train[:50]:
         facts = note_facts(task)
-        assert [p for p, _ in facts.keys] == list(NOTE_PATHS) and f"x+{facts.number}" in task.reference_solution[
-            "solution.py"]
-        assert all(str(facts.number) not in task.files[p] for p in NOTE_PATHS), "no note gives the whole answer"
+        assert [p for p, _ in facts.keys] == list(NOTE_PATHS)
+        assert f"return {facts.answer}" in task.reference_solution["solution.py"]
+        for path, key in facts.keys:  # each note gives its key alone, on its last line
+            assert task.files[path].endswith(f"key: {key}\n") and task.files[path].count("key:") == 1
     with pytest.raises(ValueError, match="holds"):
         generate_long_context_tasks(0, len(train) + 1)
     with pytest.raises(ValueError, match="not a long-context task"):
