@@ -10,8 +10,9 @@ a summary asked past 560) and with the same settings without summaries (today's 
 JSON line: per seed and mode pass@1, summaries per episode and tokens per summary, and the means.
 
 The second form draws the picture: pass@1 on vs off per seed for each result (the starting policy, and the
-policy after RL), and the RL run's held-out evaluations over its versions (pass@1, summaries per episode,
-summary length) from its metrics.jsonl.
+policy after RL), and over the RL run's policy versions the training reward (its metrics.jsonl; held-out
+evaluations too when its evaluator wrote any) and, from its rollouts' ``rollout_finished`` events, the
+summaries per episode and the tokens per summary.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", type=int, default=32, help="held-out long-context tasks")
     p.add_argument("--samples", type=int, default=2, help="episodes per task and seed")
     p.add_argument("--label", default="", help="a name for the result (the picture's legend)")
+    p.add_argument("--modes", nargs="+", default=["on", "off"], choices=["on", "off"], help="summaries on / off")
     p.add_argument("--plot", type=Path, nargs="+", help="result JSON files to draw")
     p.add_argument("--rl-run", type=Path, help="the RL run directory whose evaluations to draw")
     p.add_argument("--out", type=Path, help="the picture (with --plot)")
@@ -54,6 +56,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     _, model = load_checkpoint(args.checkpoint)
     tasks = generate_long_context_tasks(0, args.tasks, "heldout")
     modes = {"on": LONG_CONTEXT_AGENT, "off": dataclasses.replace(LONG_CONTEXT_AGENT, summarize_at_tokens=0)}
+    modes = {mode: modes[mode] for mode in args.modes}
     per_seed: dict[str, dict[str, Any]] = {}
     for seed in args.seeds:
         for mode, agent in modes.items():
@@ -77,6 +80,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "samples_per_task": args.samples, "seeds": args.seeds, "per_seed": per_seed, "mean": means}
 
 
+def rollout_curve(run_dir: Path) -> list[dict[str, Any]]:
+    """Per policy version (a rollout's newest token's): episodes, summaries per episode, tokens per summary."""
+    by_version: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((run_dir / "logs").glob("rollout-*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # a half-written last line of a live run
+                continue
+            if event.get("event") == "rollout_finished":
+                by_version.setdefault(int(event["max_version"]), []).append(event)
+    curve = []
+    for version, events in sorted(by_version.items()):
+        summaries = sum(e.get("num_summaries", 0) for e in events)
+        curve.append({"version": version, "episodes": len(events), "summaries_per_episode": summaries / len(events),
+                      "tokens_per_summary": sum(e.get("num_summary_tokens", 0) for e in events) / max(1, summaries)})
+    return curve
+
+
 def plot(results: list[dict[str, Any]], rl_run: Path | None, out: Path) -> Path:
     import matplotlib
 
@@ -89,24 +111,39 @@ def plot(results: list[dict[str, Any]], rl_run: Path | None, out: Path) -> Path:
     for i, result in enumerate(results):
         seeds = result["seeds"]
         for j, mode in enumerate(("on", "off")):
+            if mode not in result["per_seed"][str(seeds[0])]:
+                continue
             xs = [k + (2 * i + j) * width for k in range(len(seeds))]
-            ys = [100 * result["per_seed"][str(s)][mode]["pass_at_1"] for s in seeds]
-            ax.bar(xs, ys, width, label=f"{result['label']}: summaries {mode}")
+            ys = [result["per_seed"][str(s)][mode]["mean_reward"] for s in seeds]
+            pass_at_1 = 100 * result["mean"][mode]["pass_at_1"]
+            ax.bar(xs, ys, width, label=f"{result['label']}: summaries {mode} (pass@1 {pass_at_1:.1f}%)")
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(seeds))], [f"seed {s}" for s in seeds])
-    ax.set(ylabel="held-out pass@1 (%)", title="long-context family: summaries on vs off")
+    ax.set(ylabel="held-out mean reward (a third per key)", title="long-context family: summaries on vs off")
+    ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     if rl_run:
-        evals = sorted((r for r in read_metrics(rl_run / "metrics.jsonl", kind="eval", missing_ok=False)),
-                       key=lambda r: r["version"])
-        versions = [r["version"] for r in evals]
-        axes[0][1].plot(versions, [100 * r["pass_at_1"] for r in evals], marker="o")
-        axes[0][1].set(xlabel="policy version", ylabel="held-out pass@1 (%)", title="RL with summaries on")
-        axes[0][2].plot(versions, [r.get("summaries_per_episode", 0) for r in evals], marker="o",
+        rows = read_metrics(rl_run / "metrics.jsonl", missing_ok=False)
+        train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["version"])
+        evals = sorted((r for r in rows if r["kind"] == "eval"), key=lambda r: r["version"])
+        axes[0][1].plot([r["version"] for r in train], [r["reward_mean"] for r in train], marker=".",
+                        label="training reward (a third per key)")
+        axes[0][1].plot([r["version"] for r in train], [r["pass_rate"] for r in train], marker=".",
+                        label="training pass rate")
+        if evals:
+            axes[0][1].plot([r["version"] for r in evals], [r["pass_at_1"] for r in evals], marker="o",
+                            label="held-out pass@1")
+        axes[0][1].set(xlabel="policy version", ylabel="fraction", title="RL with summaries on")
+        axes[0][1].legend(fontsize=7)
+        curve = rollout_curve(rl_run)
+        versions = [c["version"] for c in curve]
+        axes[0][2].plot(versions, [c["summaries_per_episode"] for c in curve], marker="o",
                         label="summaries per episode")
         twin = axes[0][2].twinx()
-        twin.plot(versions, [r.get("summary_tokens_per_summary", 0) for r in evals], marker="s", color="tab:orange",
+        twin.plot(versions, [c["tokens_per_summary"] for c in curve], marker="s", color="tab:orange",
                   label="tokens per summary")
-        axes[0][2].set(xlabel="policy version", ylabel="summaries per episode", title="summaries during RL")
+        axes[0][2].set(xlabel="policy version of the rollout", ylabel="summaries per episode",
+                       title="summaries in RL rollouts", ylim=(0, 2.5))
+        twin.set_ylim(0, 64)
         twin.set_ylabel("tokens per summary")
         axes[0][2].legend(loc="upper left", fontsize=7)
         twin.legend(loc="upper right", fontsize=7)
@@ -124,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.plot:
         if args.out is None:
             sys.exit("--plot needs --out")
-        print(plot([json.loads(p.read_text()) for p in args.plot], args.rl_run, args.out))
+        # the result is the last line (the library's events may come before it on stdout)
+        print(plot([json.loads(p.read_text().strip().splitlines()[-1]) for p in args.plot], args.rl_run, args.out))
         return
     if args.checkpoint is None:
         sys.exit("give --checkpoint DIR (or --plot)")
