@@ -119,7 +119,7 @@ def plot(results: list[dict[str, Any]], rl_run: Path | None, out: Path) -> Path:
             ax.bar(xs, ys, width, label=f"{result['label']}: summaries {mode} (pass@1 {pass_at_1:.1f}%)")
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(seeds))], [f"seed {s}" for s in seeds])
     ax.set(ylabel="held-out mean reward (a third per key)", title="long-context family: summaries on vs off")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.6 * max(ax.get_ylim()[1], 0.01))  # room for the legend above the bars
     ax.legend(fontsize=7)
     if rl_run:
         rows = read_metrics(rl_run / "metrics.jsonl", missing_ok=False)
