@@ -14,6 +14,7 @@ from actors.reconciler.scheduling import SchedulingConfig
 from actors.training.lr_schedule import LRSchedule
 from model.device import check_device_spec
 from runtime.config import Range, check_ranges, fixed, live
+from sandbox.long_context_tasks import count_long_context_tasks
 from sandbox.task_generator import count_tasks
 
 __all__ = [
@@ -52,14 +53,29 @@ class TasksSection:
     # The shipped starting policy was supervised on difficulty-1 families only; harder families give it
     # no reward to learn from (every group all zero), so the default run trains where it can learn.
     difficulties: tuple[int, ...] = fixed((1,), within=Range(1, 10))
+    # generated: sandbox.task_generator's families (of `difficulties`); long_context: sandbox.long_context_tasks
+    # (facts over several files, more than one window: run it with agent.summarize_at_tokens set)
+    family: str = "generated"
 
     def __post_init__(self) -> None:
         check_ranges(self, "tasks")
+        if self.family not in ("generated", "long_context"):
+            raise ValueError(f"tasks.family={self.family!r}: use generated or long_context")
         for split, wanted in (("train", self.num_train), ("heldout", self.num_heldout)):
-            available = count_tasks(split, self.difficulties)
+            available = self.count(split)
             if not 0 <= wanted <= available:
                 raise ValueError(f"tasks.num_{split}={wanted}, but the {split} split holds {available} tasks of "
-                                 f"difficulties {list(self.difficulties)}; use at most {available} (0: all)")
+                                 f"{self._what()}; use at most {available} (0: all)")
+
+    def count(self, split: str) -> int:
+        """How many tasks of this family (and difficulties) ``split`` holds."""
+        if self.family == "long_context":
+            return count_long_context_tasks(split)
+        return count_tasks(split, self.difficulties)
+
+    def _what(self) -> str:
+        return "the long-context family" if self.family == "long_context" else (
+            f"difficulties {list(self.difficulties)}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,7 @@ class RewardSection:
     weight_final_tokens: float = fixed(1.0, within=Range(0.0, 100.0))
     weight_tool_calls: float = fixed(5.0, within=Range(0.0, 1000.0))
     weight_turns: float = fixed(5.0, within=Range(0.0, 1000.0))
+    weight_summary_tokens: float = fixed(1.0, within=Range(0.0, 100.0))  # a chain's summaries (agent.summarize_*)
     malformed_call_penalty: float = live(0.1, within=Range(0.0, 1.0))
 
     def __post_init__(self) -> None:

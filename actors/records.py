@@ -8,7 +8,9 @@ reads. Stage actors keep them zstd-compressed (actors._stage); this module is th
 
 Every record carries ``schema``: the layout this code reads (`RECORD_SCHEMA`). A record of another
 schema (schema 1 was the untyped maps written before these types: trajectory records had no schema
-field at all), or one that does not decode as its type, is a `RecordError` naming the record's key,
+field at all; schema 2 had one flat token list per trajectory, schema 3 a chain of segments, each with its
+tokens, loss mask, behaviour log-probs, temperatures, versions and router choices), or one that does not
+decode as its type, is a `RecordError` naming the record's key,
 type, schema and the field at fault: never a KeyError deep inside a reader.
 """
 
@@ -37,7 +39,7 @@ __all__ = [
     "encode_record",
 ]
 
-RECORD_SCHEMA = 2
+RECORD_SCHEMA = 3
 R = TypeVar("R")
 
 

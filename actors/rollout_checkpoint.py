@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import structlog
 import zstandard
 
-from actors.agent.episode import Trajectory
+from actors.agent.episode import Segment, Trajectory
 from actors.records import RECORD_SCHEMA, RecordError, decode_record, encode_record
 from runtime.blob import BlobError
 from sandbox import Environment, LayerStore, SandboxLimits, Snapshot, export_snapshot_bytes, import_snapshot_bytes
@@ -236,21 +236,25 @@ class RolloutCheckpoints:
 
 
 def _transcript_copy(traj: Trajectory) -> Trajectory:
-    """``traj`` as it is now: later turns of the episode append to its lists (its router choices tensor is
-    replaced, never written in place, so it is shared)."""
-    return dataclasses.replace(
-        traj, token_ids=list(traj.token_ids), loss_mask=list(traj.loss_mask),
-        behaviour_logprobs=list(traj.behaviour_logprobs), logprob_temperatures=list(traj.logprob_temperatures),
-        versions=list(traj.versions), tool_uses=list(traj.tool_uses))
+    """``traj`` as it is now: later turns of the episode append to its current segment's lists and to its
+    chain of segments (a segment's router choices tensor is replaced, never written in place, so it is shared)."""
+    segments = [dataclasses.replace(
+        seg, token_ids=list(seg.token_ids), loss_mask=list(seg.loss_mask),
+        behaviour_logprobs=list(seg.behaviour_logprobs), logprob_temperatures=list(seg.logprob_temperatures),
+        versions=list(seg.versions)) for seg in traj.segments]
+    return dataclasses.replace(traj, segments=segments, tool_uses=list(traj.tool_uses))
 
 
 def num_policy_tokens(traj: Trajectory) -> int:
-    """The tokens of ``traj`` the policy sampled."""
-    return sum(traj.loss_mask)
+    """The tokens of ``traj`` the policy sampled, over every segment (summaries included)."""
+    return sum(sum(seg.loss_mask) for seg in traj.segments)
 
 
 def _consistent(traj: Trajectory) -> bool:
-    """Every per-token field of the transcript has one entry per token."""
-    lengths = {len(traj.token_ids), len(traj.loss_mask), len(traj.behaviour_logprobs),
-               len(traj.logprob_temperatures), len(traj.versions)}
-    return len(lengths) == 1 and (traj.topk_ids_TLK is None or traj.topk_ids_TLK.shape[0] == len(traj.token_ids))
+    """The transcript has a segment, and every per-token field of each has one entry per token."""
+    def whole(seg: Segment) -> bool:
+        lengths = {len(seg.token_ids), len(seg.loss_mask), len(seg.behaviour_logprobs),
+                   len(seg.logprob_temperatures), len(seg.versions)}
+        return len(lengths) == 1 and (seg.topk_ids_TLK is None or seg.topk_ids_TLK.shape[0] == len(seg.token_ids))
+
+    return bool(traj.segments) and all(whole(seg) for seg in traj.segments)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.config import TasksSection
-from sandbox.task_generator import count_tasks, generate_tasks
+from sandbox.long_context_tasks import generate_long_context_tasks
+from sandbox.task_generator import generate_tasks
 from sandbox.tasks import Task
 
 __all__ = ["TaskCatalog"]
@@ -20,8 +21,10 @@ class TaskCatalog:
     @classmethod
     def build(cls, section: TasksSection) -> TaskCatalog:
         def split(name: str, n: int) -> tuple[Task, ...]:
-            return tuple(generate_tasks(section.seed, n or count_tasks(name, section.difficulties), name,
-                                        section.difficulties))
+            n = n or section.count(name)
+            if section.family == "long_context":
+                return tuple(generate_long_context_tasks(section.seed, n, name))
+            return tuple(generate_tasks(section.seed, n, name, section.difficulties))
 
         return cls(split("train", section.num_train), split("heldout", section.num_heldout))
 

@@ -12,6 +12,24 @@ or the wall-clock timeout. Tokens the policy sampled carry loss mask 1, their be
 temperature it is taken at (model.sampling: the tempered distribution before top-p, which the trainer
 scores at that temperature), their policy version and their router choices; template and tool-output
 tokens carry mask 0 (and temperature 1).
+
+Self-summarization (``agent.summarize_at_tokens`` > 0) makes an episode a chain of segments. When, after a
+tool result, a segment's context plus the next turn's allowance would pass the threshold (and fewer than
+``agent.max_summaries`` summaries were written), the tool result is followed by the summary request
+instead of the next turn, and the policy writes a summary of at most ``agent.summary_max_tokens`` tokens:
+
+    ...<|end|><|tool|>{result}<|end|><|user|>{summary_prompt}<|end|><|assistant|>{summary}<|end|>
+
+The next segment starts from the task prompt and that summary (the summary's own token ids, mask 0 there:
+it is trained once, in the segment that wrote it):
+
+    <|user|>{task prompt}<|end|><|user|>{summary_header}{summary}<|end|><|assistant|>{turn}...
+
+``max_total_tokens`` is each segment's window (the token budget ends the chain when a segment has no room
+left and no summary is allowed); ``max_turns`` counts the tool/answer turns of the whole chain (summaries
+are not turns); the timeout covers the whole chain. The engine keeps no KV cache between ``generate``
+calls (every turn prefills its context), so a new segment costs the prefill of its short prompt: there is
+no shared-prefix cache to reuse.
 """
 
 from __future__ import annotations
@@ -31,16 +49,21 @@ from model.generation import Generation
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from runtime.config import Range, check_ranges, fixed
+from runtime.errors import ConfigError
 from sandbox.tasks import Task
 
 __all__ = [
     "AgentConfig",
     "EpisodeEnd",
+    "Segment",
     "ToolUse",
     "Trajectory",
     "reference_episode_text",
+    "resume_prompt_text",
     "run_episode",
+    "summary_request_text",
     "task_prompt_text",
+    "wants_summary",
 ]
 
 Generate = Callable[[Sequence[int], SamplingParams], Awaitable[Generation]]
@@ -55,12 +78,25 @@ FINAL_ANSWER = "done"
 class AgentConfig:
     max_turns: int = fixed(3, within=Range(1, 1000))
     max_new_tokens_per_turn: int = fixed(160, within=Range(1, 1_000_000))
-    max_total_tokens: int = fixed(640, within=Range(1, 10_000_000))
+    max_total_tokens: int = fixed(640, within=Range(1, 10_000_000))  # one segment's window
     tool_output_max_chars: int = fixed(400, within=Range(0, 10_000_000))
     episode_timeout_s: float = fixed(300.0, within=Range(0.0, 86_400.0, lo_open=True))
+    summarize_at_tokens: int = fixed(0, within=Range(0, 10_000_000))  # 0: no summaries (the window truncates)
+    max_summaries: int = fixed(2, within=Range(0, 1000))
+    summary_max_tokens: int = fixed(64, within=Range(1, 1_000_000))
+    summary_prompt: str = "Summarize your progress."  # the request after the tool result
+    summary_header: str = "Notes: "  # before the summary in the next segment's prompt
 
     def __post_init__(self) -> None:
         check_ranges(self, "agent")
+        for name in ("summary_prompt", "summary_header"):
+            text = getattr(self, name)
+            if not isinstance(text, str) or any(t in text for t in (USER, ASSISTANT, TOOL, END)):
+                raise ConfigError(f"agent.{name}={text!r} must be a string without role or end markers")
+
+    @property
+    def summarizes(self) -> bool:
+        return self.summarize_at_tokens > 0 and self.max_summaries > 0
 
 
 class EpisodeEnd(enum.StrEnum):
@@ -79,9 +115,11 @@ class ToolUse:
 
 
 @dataclass
-class Trajectory:
-    """Everything the reward, grouping and trainer stages need from one episode (stored typed, in the
-    records of actors.records: the router choices as int16 bytes)."""
+class Segment:
+    """One context window of an episode: what the trainer packs as one sequence.
+
+    ``summary_len``: the tokens of the summary the policy wrote at this segment's end (0 for the chain's last
+    segment, which has none)."""
 
     token_ids: list[int]
     loss_mask: list[int]
@@ -90,6 +128,21 @@ class Trajectory:
     versions: list[int]  # -1 where the policy did not sample the token
     topk_ids_TLK: torch.Tensor | None  # router choices used to compute each position (int16)
     prompt_len: int
+    summary_len: int = 0
+
+    @classmethod
+    def of_prompt(cls, prompt: Sequence[int]) -> Segment:
+        n = len(prompt)
+        return cls(list(prompt), [0] * n, [0.0] * n, [1.0] * n, [-1] * n, None, n)
+
+
+@dataclass
+class Trajectory:
+    """Everything the reward, grouping and trainer stages need from one episode (stored typed, in the
+    records of actors.records: the router choices as int16 bytes): a chain of segments, one without
+    summaries, and the chain's counters (over every segment: the reward's length penalty counts the chain)."""
+
+    segments: list[Segment]
     end: EpisodeEnd
     tool_uses: list[ToolUse] = field(default_factory=list)
     num_turns: int = 0
@@ -97,6 +150,7 @@ class Trajectory:
     num_tool_output_tokens: int = 0
     num_final_tokens: int = 0
     num_thinking_tokens: int = 0
+    num_summary_tokens: int = 0
     duration_s: float = 0.0
     generate_s: float = 0.0
     tools_s: float = 0.0
@@ -106,17 +160,47 @@ class Trajectory:
         return sum(u.malformed for u in self.tool_uses)
 
     @property
+    def num_summaries(self) -> int:
+        return len(self.segments) - 1  # a summary always starts the next segment
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens over every segment (a summary counts once where written, once in the next prompt)."""
+        return sum(len(s.token_ids) for s in self.segments)
+
+    @property
+    def policy_token_ids(self) -> list[int]:
+        """Every token the policy sampled, in order, over the chain."""
+        return [t for s in self.segments for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
+
+    @property
     def min_version(self) -> int:
-        sampled = [v for v in self.versions if v >= 0]
+        sampled = [v for s in self.segments for v in s.versions if v >= 0]
         return min(sampled) if sampled else 0
 
     @property
     def max_version(self) -> int:
-        return max(self.versions, default=0)
+        return max((v for s in self.segments for v in s.versions), default=0)
 
 
 def task_prompt_text(task: Task) -> str:
     return f"{USER}{task.prompt}{END}{ASSISTANT}"
+
+
+def summary_request_text(config: AgentConfig) -> str:
+    """What follows a tool result's end when the policy is asked for a summary (the assistant continues)."""
+    return f"{USER}{config.summary_prompt}{END}{ASSISTANT}"
+
+
+def resume_prompt_text(task: Task, summary: str, config: AgentConfig) -> str:
+    """The prompt of the segment after a summary (as text: the chain itself keeps the summary's token ids)."""
+    return f"{USER}{task.prompt}{END}{USER}{config.summary_header}{summary}{END}{ASSISTANT}"
+
+
+def wants_summary(context_len: int, num_summaries: int, config: AgentConfig) -> bool:
+    """After a tool result: would the segment's context plus the next turn's allowance pass the threshold?"""
+    return (config.summarizes and num_summaries < config.max_summaries
+            and context_len + config.max_new_tokens_per_turn > config.summarize_at_tokens)
 
 
 def reference_episode_text(task: Task) -> list[tuple[str, bool]]:
@@ -134,21 +218,20 @@ def reference_episode_text(task: Task) -> list[tuple[str, bool]]:
 async def run_episode(task: Task, generate: Generate, call_tool: CallTool, tokenizer: ByteTokenizer,
                       config: AgentConfig, sampling: SamplingParams, *, start: Trajectory | None = None,
                       on_turn: OnTurn | None = None) -> Trajectory:
-    """Runs one episode; the budget and timeout ends are normal outcomes, not errors.
+    """Runs one episode (a chain of segments); the budget and timeout ends are normal outcomes, not errors.
 
     Args:
         start: the transcript of an earlier run of this episode after some turns (a rollout checkpoint,
             actors.rollout_checkpoint), continued here as if never interrupted: with the same sampling
             seed and policy versions the rest of the episode is the same token for token. Its turns, and
             its ``duration_s``, count against the budgets. Taken over (mutated), not copied.
-        on_turn: awaited after every turn that continues the episode (its tool result appended), with the
-            transcript so far (``duration_s`` up to date); it must copy what it keeps.
+        on_turn: awaited after every turn that continues the episode (its tool result appended, or the
+            summary that starts the next segment written), with the transcript so far (``duration_s`` up to
+            date); it must copy what it keeps.
     """
     started = time.monotonic()
     if start is None:
-        prompt = tokenizer.encode(task_prompt_text(task))
-        traj = Trajectory(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [1.0] * len(prompt),
-                          [-1] * len(prompt), None, len(prompt), EpisodeEnd.TURN_BUDGET)
+        traj = Trajectory([Segment.of_prompt(tokenizer.encode(task_prompt_text(task)))], EpisodeEnd.TURN_BUDGET)
     else:
         traj = start
     earlier_s = traj.duration_s
@@ -172,15 +255,13 @@ async def _turns(task: Task, generate: Generate, call_tool: CallTool, tokenizer:
                  config: AgentConfig, sampling: SamplingParams, traj: Trajectory, end_id: int,
                  turn_done: OnTurn) -> EpisodeEnd:
     while traj.num_turns < config.max_turns:
-        budget = min(config.max_new_tokens_per_turn, config.max_total_tokens - len(traj.token_ids))
+        seg = traj.segments[-1]
+        budget = min(config.max_new_tokens_per_turn, config.max_total_tokens - len(seg.token_ids))
         if budget <= 0:
             return EpisodeEnd.TOKEN_BUDGET
         params = dataclasses.replace(sampling, max_new_tokens=budget, stop_token_ids=(end_id,),
                                      stop_strings=(TOOL_CLOSE,))
-        t0 = time.monotonic()
-        gen = await generate(list(traj.token_ids), params)
-        traj.generate_s += time.monotonic() - t0
-        _append_generation(traj, gen)
+        gen = await _generate(generate, seg, params, traj)
         traj.num_turns += 1
         text = tokenizer.decode(gen.token_ids)
         found = find_tool_call(text)
@@ -202,10 +283,43 @@ async def _turns(task: Task, generate: Generate, call_tool: CallTool, tokenizer:
         num_output = len(tokenizer.encode(output))
         traj.tool_uses.append(ToolUse(getattr(found, "name", ""), ok, isinstance(found, ToolCallError), num_output))
         traj.num_tool_output_tokens += num_output
-        _append_context(traj, suffix)
-        if traj.num_turns < config.max_turns:  # a checkpoint after the last turn would never be resumed
-            await turn_done(traj)
+        last_turn = traj.num_turns >= config.max_turns  # a summary no turn would read is not asked for
+        if last_turn or not wants_summary(len(seg.token_ids) + len(suffix), traj.num_summaries, config):
+            _append_context(seg, suffix)
+            if not last_turn:  # a checkpoint after the last turn would never be resumed
+                await turn_done(traj)
+            continue
+        _append_context(seg, suffix[:-1] + tokenizer.encode(summary_request_text(config)))  # ASSISTANT is last
+        if not await _summarize(task, generate, tokenizer, config, sampling, traj, end_id):
+            return EpisodeEnd.TOKEN_BUDGET
+        await turn_done(traj)
     return EpisodeEnd.TURN_BUDGET
+
+
+async def _summarize(task: Task, generate: Generate, tokenizer: ByteTokenizer, config: AgentConfig,
+                     sampling: SamplingParams, traj: Trajectory, end_id: int) -> bool:
+    """The policy's summary at the end of the last segment, and the next segment started from it; False when
+    the window has no room left for one (the chain ends on its token budget)."""
+    seg = traj.segments[-1]
+    budget = min(config.summary_max_tokens, config.max_total_tokens - len(seg.token_ids))
+    if budget <= 0:
+        return False
+    params = dataclasses.replace(sampling, max_new_tokens=budget, stop_token_ids=(end_id,), stop_strings=())
+    gen = await _generate(generate, seg, params, traj)
+    seg.summary_len = len(gen.token_ids)
+    traj.num_summary_tokens += len(gen.token_ids)
+    summary = gen.token_ids[:-1] if gen.token_ids and gen.token_ids[-1] == end_id else gen.token_ids
+    before, after = resume_prompt_text(task, "\x00", config).split("\x00")
+    traj.segments.append(Segment.of_prompt(tokenizer.encode(before) + list(summary) + tokenizer.encode(after)))
+    return True
+
+
+async def _generate(generate: Generate, seg: Segment, params: SamplingParams, traj: Trajectory) -> Generation:
+    t0 = time.monotonic()
+    gen = await generate(list(seg.token_ids), params)
+    traj.generate_s += time.monotonic() - t0
+    _append_generation(seg, gen)
+    return gen
 
 
 async def _use_tool(found: ToolCall | ToolCallError, call_tool: CallTool) -> tuple[bool, str]:
@@ -214,31 +328,31 @@ async def _use_tool(found: ToolCall | ToolCallError, call_tool: CallTool) -> tup
     return await call_tool(found.name, found.args)
 
 
-def _append_generation(traj: Trajectory, gen: Generation) -> None:
-    start = len(traj.token_ids)
+def _append_generation(seg: Segment, gen: Generation) -> None:
+    start = len(seg.token_ids)
     n = len(gen.token_ids)
-    traj.token_ids += gen.token_ids
-    traj.loss_mask += [1] * n
-    traj.behaviour_logprobs += gen.logprobs
-    traj.logprob_temperatures += [gen.logprob_temperature] * n
-    traj.versions += gen.versions
+    seg.token_ids += gen.token_ids
+    seg.loss_mask += [1] * n
+    seg.behaviour_logprobs += gen.logprobs
+    seg.logprob_temperatures += [gen.logprob_temperature] * n
+    seg.versions += gen.versions
     rows = gen.topk_ids_TLK.to(torch.int16)
-    if traj.topk_ids_TLK is None:
-        traj.topk_ids_TLK = rows.clone()
+    if seg.topk_ids_TLK is None:
+        seg.topk_ids_TLK = rows.clone()
         return
     # Keep the routing each sampled token was produced with: rows before this turn's prompt end stay,
     # rows from the last prompt position on come from this generation.
-    merged = torch.cat([traj.topk_ids_TLK[: start - 1], rows[start - 1:]], dim=0)
-    traj.topk_ids_TLK = merged
+    merged = torch.cat([seg.topk_ids_TLK[: start - 1], rows[start - 1:]], dim=0)
+    seg.topk_ids_TLK = merged
     assert merged.shape[0] == start + n
 
 
-def _append_context(traj: Trajectory, ids: list[int]) -> None:
-    traj.token_ids += ids
-    traj.loss_mask += [0] * len(ids)
-    traj.behaviour_logprobs += [0.0] * len(ids)
-    traj.logprob_temperatures += [1.0] * len(ids)
-    traj.versions += [-1] * len(ids)
-    if traj.topk_ids_TLK is not None:
-        pad = torch.full((len(ids), *traj.topk_ids_TLK.shape[1:]), -1, dtype=torch.int16)
-        traj.topk_ids_TLK = torch.cat([traj.topk_ids_TLK, pad], dim=0)
+def _append_context(seg: Segment, ids: list[int]) -> None:
+    seg.token_ids += ids
+    seg.loss_mask += [0] * len(ids)
+    seg.behaviour_logprobs += [0.0] * len(ids)
+    seg.logprob_temperatures += [1.0] * len(ids)
+    seg.versions += [-1] * len(ids)
+    if seg.topk_ids_TLK is not None:
+        pad = torch.full((len(ids), *seg.topk_ids_TLK.shape[1:]), -1, dtype=torch.int16)
+        seg.topk_ids_TLK = torch.cat([seg.topk_ids_TLK, pad], dim=0)

@@ -1,8 +1,11 @@
 """The grouping actor: turn a prompt's G rewarded samples into a training-ready group checkpoint.
 
-Advantages are Dr. GRPO's: reward minus the group mean, no std normalisation. The checkpoint holds
-each sample's tokens, loss mask, behaviour log-probs, per-token policy versions, router choices,
-reward components and advantage, tagged with the group's min/max policy version.
+Advantages are Dr. GRPO's: reward minus the group mean, no std normalisation. A sample is a chain of
+segments (actors.agent.episode: self-summarization); its reward grades the chain's final workspace once, so
+the group's advantages are one per chain, over the chains of the prompt, and the learner gives a chain's
+advantage to every policy token of every segment, its summaries included. The checkpoint holds each
+sample's segments (tokens, loss mask, behaviour log-probs, per-token policy versions, router choices), reward
+components and advantage, tagged with the group's min/max policy version.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ class GroupingActor(StageActor):
         advantages = advantages_dr_grpo(torch.tensor([r.reward for r in rewards], dtype=torch.float64))
         samples = tuple(GroupSample(r.sample_id, r.reward, r.components, adv, rollout.trajectory, r.tests)
                         for r, rollout, adv in zip(rewards, rollouts, advantages.tolist(), strict=True))
-        versions = [v for s in samples for v, m in zip(s.trajectory.versions, s.trajectory.loss_mask, strict=True)
-                    if m]
+        versions = [v for s in samples for seg in s.trajectory.segments
+                    for v, m in zip(seg.versions, seg.loss_mask, strict=True) if m]
         key = f"groups/{order.group_id}/a{order.attempt}"
         await self.put_record(key, GroupRecord(order.group_id, order.prompt_id, min(versions, default=0),
                                                max(versions, default=0), time.time(), samples), ready=True)

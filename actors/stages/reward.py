@@ -3,6 +3,9 @@
     reward = pass fraction − length_coef · C(x) − malformed_call_penalty · (number of malformed calls)
     C(x)   = ((1 + k·x)^(1−q) − 1) / (k·(1−q)),   x = weighted count of the episode's tokens, calls and turns
 
+A chain (self-summarization: actors.agent.episode) is graded once, on its final workspace, and its length
+counts every segment: the trajectory's counters are the chain's, its summaries a term of their own.
+
 Every component is recorded beside the reward, so a run's reward can always be taken apart.
 """
 
@@ -40,7 +43,8 @@ def compute_reward(traj: Trajectory, num_passed: int, num_tests: int, cfg: Rewar
          + cfg.weight_tool_output_tokens * traj.num_tool_output_tokens
          + cfg.weight_final_tokens * traj.num_final_tokens
          + cfg.weight_tool_calls * len(traj.tool_uses)
-         + cfg.weight_turns * traj.num_turns)
+         + cfg.weight_turns * traj.num_turns
+         + cfg.weight_summary_tokens * traj.num_summary_tokens)
     pass_fraction = num_passed / num_tests if num_tests else 0.0
     length = cfg.length_coef * length_penalty(x, cfg.k, cfg.q)
     malformed = cfg.malformed_call_penalty * traj.num_malformed_calls

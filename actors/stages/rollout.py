@@ -140,7 +140,8 @@ class RolloutActor(StageActor):
         await self.put_record(f"{key}/trajectory", RolloutRecord(order.sample_id, order.prompt_id, traj, violation))
         num_resumed = num_policy_tokens(resume.checkpoint.trajectory) if resume.checkpoint else 0
         log.info("rollout_finished", sample_id=order.sample_id, prompt_id=order.prompt_id, end=traj.end.value,
-                 num_tokens=len(traj.token_ids), num_turns=traj.num_turns, min_version=traj.min_version,
+                 num_tokens=traj.num_tokens, num_turns=traj.num_turns, num_summaries=traj.num_summaries,
+                 num_summary_tokens=traj.num_summary_tokens, min_version=traj.min_version,
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3),
                  num_generated_tokens=num_policy_tokens(traj) - num_resumed, num_resumed_tokens=num_resumed,
                  num_resumed_turns=resume.num_turns, num_checkpoints=progress.num_written,

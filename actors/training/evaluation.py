@@ -70,6 +70,8 @@ class EpisodeResult:
     num_tokens: int
     num_tool_calls: int
     final_text: str
+    num_summaries: int = 0
+    num_summary_tokens: int = 0
 
     @property
     def reward(self) -> float:
@@ -141,6 +143,10 @@ class EvalResult:
                 }
                 for d, r in self.by_difficulty.items()
             },
+            # self-summarization (agent.summarize_at_tokens): how often the policy summarized, and how long
+            "summaries_per_episode": round(_mean([e.num_summaries for e in self.episodes]), 4),
+            "summary_tokens_per_summary": round(sum(e.num_summary_tokens for e in self.episodes)
+                                                / max(1, sum(e.num_summaries for e in self.episodes)), 2),
             "duration_s": round(self.duration_s, 2),
         }
 
@@ -177,7 +183,7 @@ async def _one_episode(
         outcome = await score(env, task)
     finally:
         env.close()
-    generated = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
+    generated = traj.policy_token_ids
     return EpisodeResult(
         task_id=task.id,
         difficulty=task.difficulty,
@@ -185,9 +191,11 @@ async def _one_episode(
         num_passed=outcome.num_passed,
         num_tests=outcome.num_total,
         end=traj.end,
-        num_tokens=len(traj.token_ids),
+        num_tokens=traj.num_tokens,
         num_tool_calls=len(traj.tool_uses),
         final_text=tokenizer.decode(generated)[-200:],
+        num_summaries=traj.num_summaries,
+        num_summary_tokens=traj.num_summary_tokens,
     )
 
 

@@ -9,6 +9,15 @@ actors.training.lr_schedule as a function of the version, set on the optimizer j
 state that makes a restart exact — weights, Adam moments, version, the batch ids already trained —
 is saved together, atomically.
 
+A sample is a chain of segments (actors.agent.episode: self-summarization): each segment is packed as its
+own sequence (attention never crosses segments, as the policy never saw one from the other), and every
+position of every segment carries the chain's one advantage, so the loss mask alone decides which tokens
+train: every token the policy sampled, summaries included, and no template or tool-output token. The loss
+normaliser keeps its meaning: the policy-gradient sum over every trained token of the batch, whichever
+segment holds it, divided by the constant ``trainer.loss_normalizer`` (model.loss); a chain of K segments
+weighs as the sum of its segments' tokens, exactly as if they had been one long sequence. A chain of one
+segment packs and trains exactly as a trajectory did before chains.
+
 Each token is scored at the temperature its behaviour log-prob was recorded at (the trajectory's
 ``logprob_temperatures``; model.sampling states the rule, top-p included), so on-policy the importance
 ratio is exactly 1; every step reports the ratio's mean, median, min and max. A step whose inputs, loss,
@@ -174,8 +183,8 @@ class Learner:
         self.trained_batches.append(batch_id)
         self.trained_groups.update((g.group_id, self.version) for g in groups)
         elapsed = time.perf_counter() - started
-        lags = [self.version - 1 - v for s in samples for v, keep in
-                zip(s.trajectory.versions, s.trajectory.loss_mask, strict=True) if keep]
+        lags = [self.version - 1 - v for s in samples for seg in s.trajectory.segments
+                for v, keep in zip(seg.versions, seg.loss_mask, strict=True) if keep]
         histogram: dict[str, int] = {}
         for lag in lags:
             histogram[str(lag)] = histogram.get(str(lag), 0) + 1
@@ -189,7 +198,8 @@ class Learner:
             grad_norm=grad_norm, lr=lr, reward_mean=sum(rewards) / len(rewards),
             pass_rate=sum(s.components.pass_fraction == 1.0 for s in samples) / len(samples),
             lag_min=min(lags, default=0), lag_max=max(lags, default=0), lag_histogram=histogram,
-            num_versions_in_batch=len({v for s in samples for v in s.trajectory.versions if v >= 0}),
+            num_versions_in_batch=len({v for s in samples for seg in s.trajectory.segments for v in seg.versions
+                                       if v >= 0}),
             replay_replaced_fraction=replaced, step_s=elapsed,
             tokens_per_s=num_tokens / elapsed if elapsed > 0 else 0.0,
             skipped=refused.stage.value if refused else "",
@@ -201,7 +211,8 @@ class Learner:
         """The loss of ``samples``, its metrics, the per-position log-probs, the batch, the replay counters and
         the importance ratios of the trained tokens. ``masked``: every token out of the loss (a rank without a
         sequence of its own joins the collectives with one, contributing exactly 0)."""
-        batch = pack_sequences([s.trajectory.token_ids for s in samples]).to(self.device)
+        # a chain's segments are separate sequences of one sample (its advantage reaches each of them)
+        batch = pack_sequences([seg.token_ids for s in samples for seg in s.trajectory.segments]).to(self.device)
         behaviour, temperatures, mask, advantages, replay = (
             t.to(self.device) for t in _aligned(samples, batch.num_tokens))
         if masked:
@@ -230,7 +241,9 @@ class Learner:
         if refused is not None:
             return torch.tensor(float("nan")), _NO_TOKENS, float("nan"), 0.0, 0, refused
         ranks = self.ranks
-        share = [samples[i] for i in ranks.my_share([len(s.trajectory.token_ids) for s in samples], self.cost)]
+        # a chain goes whole to one rank, balanced by its tokens over every segment (its cost as one sequence
+        # of that length: an over-estimate for a chain of several, whose attention is per segment)
+        share = [samples[i] for i in ranks.my_share([s.trajectory.num_tokens for s in samples], self.cost)]
         loss, m, scored, batch, stats, ratios = self._forward_loss(share or samples[:1], masked=not share)
         share_tokens = batch.num_tokens if share else 0
         num_tokens = int(ranks.sum(share_tokens))
@@ -238,7 +251,8 @@ class Learner:
         replaced = ranks.combine_routing(stats).replaced_fraction
         total_loss = torch.tensor(ranks.sum(float(loss.detach())))
         if ranks.any(not bool(torch.isfinite(loss))):
-            culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens, share)
+            culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens,
+                                            [s for s in share for _ in s.trajectory.segments])
             named = tuple(n for part in ranks.gather(culprits if share else ()) for n in part)  # type: ignore[attr-defined]
             refused = NonFiniteStep(NonFiniteStage.LOSS, named or sample_ids(samples), f"loss={float(total_loss)}")
             return total_loss, m, float("nan"), replaced, num_tokens, refused
@@ -364,21 +378,20 @@ class Learner:
 def _aligned(samples: Sequence[GroupSample], num_tokens: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per packed position p: behaviour log-prob, its temperature, loss mask and advantage of token p+1;
-    router rows of p."""
+    router rows of p. Sequences are the samples' segments in order; each takes its chain's advantage."""
     behaviour = torch.zeros(num_tokens)
     temperatures = torch.ones(num_tokens)
     mask = torch.zeros(num_tokens, dtype=torch.bool)
     advantages = torch.zeros(num_tokens)
     replay_rows = []
     offset = 0
-    for s in samples:
-        t = s.trajectory
+    for sample, t in ((s, seg) for s in samples for seg in s.trajectory.segments):
         n = len(t.token_ids)
         behaviour[offset:offset + n - 1] = torch.tensor(t.behaviour_logprobs[1:])
         # float32 from the same Python floats as the sampler's temperatures: the same division, bit for bit
         temperatures[offset:offset + n - 1] = torch.tensor(t.logprob_temperatures[1:], dtype=torch.float32)
         mask[offset:offset + n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
-        advantages[offset:offset + n] = s.advantage
+        advantages[offset:offset + n] = sample.advantage
         assert t.topk_ids_TLK is not None  # check_trajectories refused a sample without its router choices
         replay_rows.append(t.topk_ids_TLK[:n].long())
         offset += n

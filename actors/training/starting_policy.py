@@ -16,6 +16,14 @@ sharpen and hard ones to discover. The result is evaluated on the whole held-out
 (temperature 1) and greedily, and saved as an HF-layout safetensors checkpoint with a JSON card.
 
     python -m actors.training.starting_policy [--out DIR] [--steps N] [--seed S]
+    python -m actors.training.starting_policy --chains-from BASE_DIR [--out DIR] [--steps N] [--seed S]
+
+The second form is the chain stage (`build_chain_policy`): a starting policy continued on reference chains of
+the long-context family (actors.training.reference_chains: episodes that summarize when their window fills,
+each segment one example, the policy's turns and summaries trained), mixed with the base recipe's own
+examples so that what the base policy does is kept; the result is evaluated on held-out long-context tasks
+with summarization on and off. RL on that family starts from it (``policy.checkpoint``). The default run's
+recipe, its hash and its shipped checkpoint are unchanged by it.
 
 `ensure_starting_policy(cache_dir)` is what a run calls: it returns a checkpoint built by the current
 recipe (same recipe hash), from the cache, from the copy shipped in `actors/training/assets/`, or built now.
@@ -43,19 +51,23 @@ import torch
 
 from actors.agent.episode import AgentConfig, reference_episode_text
 from actors.training.evaluation import EvalResult, evaluate, greedy, sampled
-from model.checkpoint import save_checkpoint
+from actors.training.reference_chains import LONG_CONTEXT_AGENT, chain_sft_examples, reference_chain
+from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import ModelConfig, tiny
 from model.pretrain import PretrainConfig, Segment, pretrain
 from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
+from sandbox.long_context_tasks import generate_long_context_tasks
 from sandbox.task_generator import generate_tasks
 from sandbox.tasks import Task
 
 __all__ = [
     "CARD_NAME",
     "SHIPPED_DIR",
+    "ChainStageRecipe",
     "StartingPolicyCard",
     "StartingPolicyRecipe",
+    "build_chain_policy",
     "build_starting_policy",
     "default_recipe",
     "ensure_starting_policy",
@@ -314,12 +326,83 @@ def ensure_starting_policy(
     return target
 
 
+@dataclasses.dataclass(frozen=True)
+class ChainStageRecipe:
+    """The chain stage: a starting policy continued on reference chains of the long-context family.
+
+    Args:
+        seed: seeds the data order and the sampled evaluation.
+        num_chain_tasks: long-context train tasks whose reference chains are trained on (each chain gives one
+            example per segment).
+        num_base_examples: examples of the base recipe mixed in (its train split, difficulty 1).
+        num_eval_tasks: held-out long-context tasks evaluated, with summarization on and off.
+        agent: the episode settings the reference chains are made with and evaluated under (summarization on;
+            off is the same with ``summarize_at_tokens = 0``).
+    """
+
+    seed: int = 0
+    num_chain_tasks: int = 300
+    num_base_examples: int = 300
+    num_eval_tasks: int = 32
+    agent: AgentConfig = LONG_CONTEXT_AGENT
+    pretrain: PretrainConfig = dataclasses.field(default_factory=lambda: PretrainConfig(
+        num_steps=150, batch_size=8, lr=2e-3, min_lr=2e-4, warmup_steps=10, log_every=10))
+    num_threads: int = 1
+
+    def examples(self) -> list[list[Segment]]:
+        chains = [ex for task in generate_long_context_tasks(self.seed, self.num_chain_tasks, "train")
+                  for ex in chain_sft_examples(reference_chain(task, self.agent))]
+        return chains + sft_examples(default_recipe(self.seed).train_tasks()[: self.num_base_examples])
+
+
+def build_chain_policy(out_dir: str | os.PathLike[str], base_dir: str | os.PathLike[str],
+                       recipe: ChainStageRecipe | None = None) -> dict[str, Any]:
+    """Continue the policy at ``base_dir`` on ``recipe``'s data, evaluate it on held-out long-context tasks
+    with summarization on and off, save it (bf16) and its card into ``out_dir``; returns the card."""
+    recipe = recipe or ChainStageRecipe()
+    started = time.monotonic()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.num_threads)
+    try:
+        _, model = load_checkpoint(base_dir)
+        examples = recipe.examples()
+        result = pretrain(model, examples, ByteTokenizer(), dataclasses.replace(recipe.pretrain, seed=recipe.seed))
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(torch.bfloat16).float())
+        tasks = generate_long_context_tasks(recipe.seed, recipe.num_eval_tasks, "heldout")
+        off = dataclasses.replace(recipe.agent, summarize_at_tokens=0)
+        evals = {name: asyncio.run(evaluate(model, tasks, sampling=sampled(1.0, 1.0, seed=recipe.seed),
+                                            agent_config=agent)).summary()
+                 for name, agent in (("summarize_on", recipe.agent), ("summarize_off", off))}
+    finally:
+        torch.set_num_threads(threads)
+    out = Path(out_dir)
+    save_checkpoint(model, out, dtype=torch.bfloat16)
+    card = {"base": str(base_dir), "recipe": dataclasses.asdict(recipe), "num_examples": result.num_examples,
+            "num_train_tokens": result.num_tokens, "final_loss": round(result.losses[-1], 5),
+            "heldout_long_context": evals, "build_s": round(time.monotonic() - started, 1),
+            "torch_version": torch.__version__}
+    (out / CARD_NAME).write_text(json.dumps(card, indent=2, sort_keys=True, default=str) + "\n")
+    log.info("chain_policy_built", directory=str(out), **{f"pass_at_1_{k}": v["pass_at_1"] for k, v in evals.items()})
+    return card
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build the starting policy (SFT on train tasks, held-out eval).")
     parser.add_argument("--out", default="starting_policy", help="output directory (default: ./starting_policy)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chains-from", default=None, metavar="BASE_DIR",
+                        help="the chain stage: continue the policy at BASE_DIR on long-context reference chains")
     args = parser.parse_args(argv)
+    if args.chains_from:
+        chain = ChainStageRecipe(seed=args.seed)
+        if args.steps is not None:
+            chain = dataclasses.replace(chain, pretrain=dataclasses.replace(chain.pretrain, num_steps=args.steps))
+        card = build_chain_policy(args.out, args.chains_from, chain)
+        print(json.dumps({k: v for k, v in card.items() if k != "recipe"}, indent=2))
+        return
     recipe = default_recipe(seed=args.seed, num_steps=args.steps)
     card = build_starting_policy(args.out, recipe)
     print(json.dumps({k: v for k, v in dataclasses.asdict(card).items() if k != "recipe"}, indent=2))

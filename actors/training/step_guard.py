@@ -63,14 +63,17 @@ def check_trajectories(samples: Sequence[GroupSample]) -> None:
         ValueError: naming the sample and the fields.
     """
     for s in samples:
-        t = s.trajectory
-        lengths = {k: len(getattr(t, k)) for k in PER_TOKEN_FIELDS}
-        if set(lengths.values()) != {len(t.token_ids)}:
-            raise ValueError(f"sample {s.sample_id}: {len(t.token_ids)} tokens but per-token fields of "
-                             f"lengths {lengths}")
-        if t.topk_ids_TLK is None or t.topk_ids_TLK.shape[0] < len(t.token_ids):
-            shape = None if t.topk_ids_TLK is None else list(t.topk_ids_TLK.shape)
-            raise ValueError(f"sample {s.sample_id}: {len(t.token_ids)} tokens but router choices of shape {shape}")
+        if not s.trajectory.segments:
+            raise ValueError(f"sample {s.sample_id}: a trajectory without segments")
+        for i, t in enumerate(s.trajectory.segments):
+            lengths = {k: len(getattr(t, k)) for k in PER_TOKEN_FIELDS}
+            if set(lengths.values()) != {len(t.token_ids)}:
+                raise ValueError(f"sample {s.sample_id} segment {i}: {len(t.token_ids)} tokens but per-token fields "
+                                 f"of lengths {lengths}")
+            if t.topk_ids_TLK is None or t.topk_ids_TLK.shape[0] < len(t.token_ids):
+                shape = None if t.topk_ids_TLK is None else list(t.topk_ids_TLK.shape)
+                raise ValueError(f"sample {s.sample_id} segment {i}: {len(t.token_ids)} tokens but router choices "
+                                 f"of shape {shape}")
 
 
 def non_finite_inputs(samples: Sequence[GroupSample]) -> NonFiniteStep | None:
@@ -78,10 +81,9 @@ def non_finite_inputs(samples: Sequence[GroupSample]) -> NonFiniteStep | None:
     bad: list[str] = []
     reasons: list[str] = []
     for s in samples:
-        t = s.trajectory
-        trained = [j for j, keep in enumerate(t.loss_mask) if keep]
-        behaviour = [t.behaviour_logprobs[j] for j in trained]
-        temps = [t.logprob_temperatures[j] for j in trained]
+        segments = s.trajectory.segments
+        behaviour = [t.behaviour_logprobs[j] for t in segments for j, keep in enumerate(t.loss_mask) if keep]
+        temps = [t.logprob_temperatures[j] for t in segments for j, keep in enumerate(t.loss_mask) if keep]
         why = []
         if not math.isfinite(s.advantage):
             why.append(f"advantage={s.advantage}")
@@ -99,9 +101,10 @@ def non_finite_inputs(samples: Sequence[GroupSample]) -> NonFiniteStep | None:
 
 def samples_at_positions(positions_T: torch.Tensor, seq_lens: Sequence[int],
                          samples: Sequence[GroupSample]) -> tuple[str, ...]:
-    """Ids of the packed samples that own the True positions of ``positions_T`` (in packing order)."""
+    """Ids of the samples that own the True positions of ``positions_T`` (in packing order); ``samples`` names
+    the sample of each packed sequence (a chain's segments are several sequences of one sample)."""
     owner = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
-    return tuple(samples[i].sample_id for i in owner[positions_T.cpu()].unique().tolist())
+    return tuple(dict.fromkeys(samples[i].sample_id for i in owner[positions_T.cpu()].unique().tolist()))
 
 
 def non_finite_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.episode import EpisodeEnd, ToolUse, Trajectory
+from actors.agent.episode import EpisodeEnd, Segment, ToolUse, Trajectory
 from actors.records import (
     RECORD_SCHEMA,
     GroupRecord,
@@ -32,8 +32,9 @@ from runtime.blob import open_store
 
 
 def _trajectory(n: int = 6) -> Trajectory:
-    return Trajectory(list(range(n)), [0, 0] + [1] * (n - 2), [0.0] + [-0.5] * (n - 1), [1.0] * n,
-                      [-1, -1] + [3] * (n - 2), torch.arange(n * 2 * 2, dtype=torch.int16).reshape(n, 2, 2), 2,
+    return Trajectory([Segment(list(range(n)), [0, 0] + [1] * (n - 2), [0.0] + [-0.5] * (n - 1), [1.0] * n,
+                               [-1, -1] + [3] * (n - 2), torch.arange(n * 2 * 2, dtype=torch.int16).reshape(n, 2, 2),
+                               2)],
                       EpisodeEnd.FINAL_ANSWER, [ToolUse("write_file", True, False, 4)], num_turns=2)
 
 
@@ -46,15 +47,18 @@ def _group() -> GroupRecord:
 
 
 def _same_trajectory(a: Trajectory, b: Trajectory) -> bool:
-    return torch.equal(a.topk_ids_TLK, b.topk_ids_TLK) and {**vars(a), "topk_ids_TLK": None} == {
-        **vars(b), "topk_ids_TLK": None}
+    return len(a.segments) == len(b.segments) and all(
+        torch.equal(x.topk_ids_TLK, y.topk_ids_TLK) and {**vars(x), "topk_ids_TLK": None} == {
+            **vars(y), "topk_ids_TLK": None} for x, y in zip(a.segments, b.segments, strict=True)) and {
+        **vars(a), "segments": None} == {**vars(b), "segments": None}
 
 
 def test_each_record_round_trips_typed() -> None:
     rollout = RolloutRecord("e0-p1-s0", "p1", _trajectory(), "workspace over its byte budget")
     back = decode_record(encode_record(rollout), RolloutRecord, "samples/e0-p1-s0/a0/trajectory")
     assert isinstance(back.trajectory, Trajectory) and back.trajectory.end is EpisodeEnd.FINAL_ANSWER
-    assert back.trajectory.topk_ids_TLK.dtype == torch.int16 and _same_trajectory(back.trajectory, rollout.trajectory)
+    assert back.trajectory.segments[0].topk_ids_TLK.dtype == torch.int16
+    assert _same_trajectory(back.trajectory, rollout.trajectory)
     assert back.workspace_violation == rollout.workspace_violation and back.schema == RECORD_SCHEMA
     reward = RewardRecord("e0-p1-s0", "p1", "samples/e0-p1-s0/a0", 1.0, _BREAKDOWN,
                           (TestResult("t0", True), TestResult("t1", False)))
@@ -74,10 +78,10 @@ def test_records_written_before_the_types_are_refused_naming_record_and_schema()
     old_rollout = _tree(RolloutRecord("s0", "p1", _trajectory()))
     del old_rollout["schema"]
     with pytest.raises(RecordError, match=r"RolloutRecord 'samples/s0/a0/trajectory' is of schema 1 \(none "
-                                          r"written\); this code reads schema 2"):
+                                          r"written\); this code reads schema 3"):
         decode_record(msgpack.packb(old_rollout), RolloutRecord, "samples/s0/a0/trajectory")
     old_group = {**_tree(_group()), "schema": 1}
-    with pytest.raises(RecordError, match=r"GroupRecord 'groups/e0-p1/a0' is of schema 1; this code reads schema 2"):
+    with pytest.raises(RecordError, match=r"GroupRecord 'groups/e0-p1/a0' is of schema 1; this code reads schema 3"):
         decode_record(msgpack.packb(old_group), GroupRecord, "groups/e0-p1/a0")
     newer = {**_tree(_group()), "schema": RECORD_SCHEMA + 1}
     with pytest.raises(RecordError, match=f"is of schema {RECORD_SCHEMA + 1}"):
@@ -89,30 +93,33 @@ def _broken(change: str) -> bytes:
     sample = tree["samples"][1]
     match change:
         case "missing field":
-            del sample["trajectory"]["versions"]
+            del sample["trajectory"]["segments"][0]["versions"]
         case "unknown field":
-            sample["trajectory"]["versoins"] = []
+            sample["trajectory"]["segments"][0]["versoins"] = []
         case "wrong type":
             sample["advantage"] = "high"
         case "wrong enum":
             sample["trajectory"]["end"] = "gave_up"
         case "short tensor":
-            sample["trajectory"]["topk_ids_TLK"]["data"] = b"\x00" * 3
+            sample["trajectory"]["segments"][0]["topk_ids_TLK"]["data"] = b"\x00" * 3
         case "tensor not a map":
-            sample["trajectory"]["topk_ids_TLK"] = [1, 2]
+            sample["trajectory"]["segments"][0]["topk_ids_TLK"] = [1, 2]
     return msgpack.packb(tree, use_bin_type=True)
 
 
+_SEG = r"samples\[1\]\.trajectory\.segments\[0\]"
+
+
 @pytest.mark.parametrize(("change", "said"), [
-    ("missing field", r"samples\[1\]\.trajectory \(sample 'e0-p1-s1'\): object missing required field 'versions'"),
-    ("unknown field", r"samples\[1\]\.trajectory \(sample 'e0-p1-s1'\): object contains unknown field 'versoins'"),
+    ("missing field", _SEG + r" \(sample 'e0-p1-s1'\): object missing required field 'versions'"),
+    ("unknown field", _SEG + r" \(sample 'e0-p1-s1'\): object contains unknown field 'versoins'"),
     ("wrong type", r"samples\[1\]\.advantage \(sample 'e0-p1-s1'\): expected 'float', got 'str'"),
     ("wrong enum", r"samples\[1\]\.trajectory\.end \(sample 'e0-p1-s1'\): invalid enum value 'gave_up'"),
-    ("short tensor", r"samples\[1\]\.trajectory\.topk_ids_TLK \(sample 'e0-p1-s1'\): int16 tensor of shape"),
-    ("tensor not a map", r"samples\[1\]\.trajectory\.topk_ids_TLK \(sample 'e0-p1-s1'\)"),
+    ("short tensor", _SEG + r"\.topk_ids_TLK \(sample 'e0-p1-s1'\): int16 tensor of shape"),
+    ("tensor not a map", _SEG + r"\.topk_ids_TLK \(sample 'e0-p1-s1'\)"),
 ])
 def test_a_malformed_record_names_the_record_the_field_and_the_sample(change: str, said: str) -> None:
-    with pytest.raises(RecordError, match=r"GroupRecord 'groups/e0-p1/a0' \(schema 2\) is malformed at " + said):
+    with pytest.raises(RecordError, match=r"GroupRecord 'groups/e0-p1/a0' \(schema 3\) is malformed at " + said):
         decode_record(_broken(change), GroupRecord, "groups/e0-p1/a0")
 
 
@@ -146,5 +153,5 @@ async def test_a_stage_refuses_an_unreadable_record_for_the_writer_to_run_again(
         await store.put("groups/old/a0", zstandard.ZstdCompressor().compress(msgpack.packb(old)))
         with pytest.raises(WorkRefused, match=r"GroupRecord 'groups/old/a0' is of schema 1.*must run again"):
             await StageActor.get_record(stage, "groups/old/a0", GroupRecord)  # type: ignore[arg-type]
-        with pytest.raises(WorkRefused, match=r"RewardRecord 'groups/g/a0' \(schema 2\) is malformed"):
+        with pytest.raises(WorkRefused, match=r"RewardRecord 'groups/g/a0' \(schema 3\) is malformed"):
             await StageActor.get_record(stage, "groups/g/a0", RewardRecord)  # type: ignore[arg-type]

@@ -22,10 +22,10 @@ import pytest
 import torch
 import zstandard
 
-from actors.agent.episode import AgentConfig, Trajectory, reference_episode_text, run_episode
+from actors.agent.episode import AgentConfig, EpisodeEnd, Segment, Trajectory, reference_episode_text, run_episode
 from actors.blob_collector import BlobCollector
 from actors.config import TasksSection
-from actors.rollout_checkpoint import RolloutCheckpoints, checkpoint_key
+from actors.rollout_checkpoint import RolloutCheckpoint, RolloutCheckpoints, checkpoint_key, num_policy_tokens
 from actors.task_catalog import TaskCatalog
 from model.chat import ToolCall, render_tool_call
 from model.engine import EngineConfig, GenerationEngine
@@ -137,14 +137,23 @@ async def _attempt(checkpoints: RolloutCheckpoints, store: LayerStore, task: Tas
         env.close()
 
 
+def _tokens(t: Trajectory) -> list[list[int]]:
+    return [seg.token_ids for seg in t.segments]
+
+
 def _same(a: Trajectory, b: Trajectory) -> None:
-    assert a.token_ids == b.token_ids
-    assert a.loss_mask == b.loss_mask and a.versions == b.versions
-    assert a.behaviour_logprobs == b.behaviour_logprobs and a.logprob_temperatures == b.logprob_temperatures
-    assert a.topk_ids_TLK is not None and b.topk_ids_TLK is not None and torch.equal(a.topk_ids_TLK, b.topk_ids_TLK)
-    assert (a.end, a.num_turns, a.prompt_len, a.tool_uses) == (b.end, b.num_turns, b.prompt_len, b.tool_uses)
-    assert (a.num_tool_call_tokens, a.num_tool_output_tokens, a.num_final_tokens, a.num_thinking_tokens) == (
-        b.num_tool_call_tokens, b.num_tool_output_tokens, b.num_final_tokens, b.num_thinking_tokens)
+    assert len(a.segments) == len(b.segments)
+    for x, y in zip(a.segments, b.segments, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.loss_mask == y.loss_mask and x.versions == y.versions
+        assert x.behaviour_logprobs == y.behaviour_logprobs and x.logprob_temperatures == y.logprob_temperatures
+        assert x.topk_ids_TLK is not None and y.topk_ids_TLK is not None and torch.equal(x.topk_ids_TLK,
+                                                                                        y.topk_ids_TLK)
+        assert (x.prompt_len, x.summary_len) == (y.prompt_len, y.summary_len)
+    assert (a.end, a.num_turns, a.tool_uses) == (b.end, b.num_turns, b.tool_uses)
+    assert (a.num_tool_call_tokens, a.num_tool_output_tokens, a.num_final_tokens, a.num_thinking_tokens,
+            a.num_summary_tokens) == (b.num_tool_call_tokens, b.num_tool_output_tokens, b.num_final_tokens,
+                                      b.num_thinking_tokens, b.num_summary_tokens)
 
 
 @pytest.mark.parametrize("killed_after", [1, 2, 3, 4])
@@ -186,12 +195,12 @@ def test_resuming_with_another_seed_or_a_fresh_workspace_diverges(
         env = RolloutCheckpoints.rebuild(layer_store, resume.checkpoint, task.limits)
         other_seed, _ = await _attempt(checkpoints, layer_store, task, attempt=1, seed=18, env=env,
                                        start=resume.checkpoint.trajectory)
-        assert other_seed is not None and other_seed.token_ids != whole.token_ids
+        assert other_seed is not None and _tokens(other_seed) != _tokens(whole)
         resume = await checkpoints.newest("e0-p0-s0", task.id, 0, version_floor=3, eta=0)  # attempt 0's turn 3
         assert resume.checkpoint is not None and resume.num_turns == 3
         blank, _ = await _attempt(checkpoints, layer_store, task, attempt=2, seed=17,
                                   start=resume.checkpoint.trajectory)  # a fresh environment: f2.txt missing
-        assert blank is not None and blank.token_ids != whole.token_ids, "turn 4 reads what turn 3 wrote"
+        assert blank is not None and _tokens(blank) != _tokens(whole), "turn 4 reads what turn 3 wrote"
 
     asyncio.run(main())
 
@@ -296,5 +305,35 @@ def test_a_resumed_episode_on_a_fresh_engine_samples_what_the_uninterrupted_one_
         resumed = await attempt(checkpoints, resume.checkpoint.trajectory, resume.checkpoint.seed, None)
         assert resumed is not None
         _same(whole, resumed)
+
+    asyncio.run(main())
+
+
+def test_a_chain_of_segments_is_checkpointed_and_read_back_whole(tmp_path: Path) -> None:
+    """A transcript past a summary (two segments, each with its own router choices) round-trips; a resumed
+    chain goes on in its last segment."""
+    def segment(n: int, version: int, summary_len: int) -> Segment:
+        seg = Segment.of_prompt(list(range(4)))
+        seg.token_ids += list(range(10, 10 + n))
+        seg.loss_mask += [1] * n
+        seg.behaviour_logprobs += [-0.5] * n
+        seg.logprob_temperatures += [0.7] * n
+        seg.versions += [version] * n
+        seg.topk_ids_TLK = torch.randint(0, 8, (4 + n, 2, 2), dtype=torch.int16)
+        seg.summary_len = summary_len
+        return seg
+
+    chain = Trajectory([segment(6, 3, 6), segment(5, 4, 0)], EpisodeEnd.TURN_BUDGET, num_turns=3,
+                       num_summary_tokens=6)
+
+    async def main() -> None:
+        checkpoints = RolloutCheckpoints(open_store(f"file://{tmp_path}/blobs"))
+        await checkpoints.write(RolloutCheckpoint("e0-p0-s0", "t0", 0, 17, chain, b""))
+        resume = await checkpoints.newest("e0-p0-s0", "t0", 1, version_floor=4, eta=1)
+        assert resume.checkpoint is not None and resume.num_turns == 3
+        _same(chain, resume.checkpoint.trajectory)
+        assert num_policy_tokens(resume.checkpoint.trajectory) == 11, "every segment's sampled tokens"
+        stale = await checkpoints.newest("e0-p0-s0", "t0", 1, version_floor=5, eta=1)
+        assert stale.checkpoint is None, "the first segment's tokens (version 3) are past the bound"
 
     asyncio.run(main())

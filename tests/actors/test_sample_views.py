@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 import zstandard
 
-from actors.agent.episode import EpisodeEnd, Trajectory
+from actors.agent.episode import EpisodeEnd, Segment, Trajectory
 from actors.records import GroupRecord, GroupSample, RewardBreakdown, TestResult, encode_record
-from actors.sample_views import group_sample_views
+from actors.sample_views import SEGMENT_BREAK, group_sample_views
 from model.tokenizer import ByteTokenizer
 
 
 def _record() -> bytes:
     tok = ByteTokenizer()
     ids = tok.encode("ab") + tok.encode("é!")  # "é" is two byte tokens: one run decodes it whole
-    trajectory = Trajectory(token_ids=ids, loss_mask=[0, 0, 1, 1, 1], behaviour_logprobs=[0.0, 0.0, -0.5, -0.1, -1.0],
-                            logprob_temperatures=[1.0] * 5, versions=[-1, -1, 3, 3, 4], topk_ids_TLK=None,
-                            prompt_len=2, end=EpisodeEnd.FINAL_ANSWER)
+    trajectory = Trajectory([Segment(token_ids=ids, loss_mask=[0, 0, 1, 1, 1],
+                                     behaviour_logprobs=[0.0, 0.0, -0.5, -0.1, -1.0], logprob_temperatures=[1.0] * 5,
+                                     versions=[-1, -1, 3, 3, 4], topk_ids_TLK=None, prompt_len=2)],
+                            end=EpisodeEnd.FINAL_ANSWER)
     components = RewardBreakdown(1.0, 2, 2, 0.0, 0.0, 0, 0.0, 1.0)
     sample = GroupSample("s1", 1.0, components, 0.5, trajectory, (TestResult("t1", True), TestResult("t2", True)))
     record = GroupRecord("g1", "p1", 3, 4, 0.0, (sample,))
@@ -36,3 +37,15 @@ def test_what_is_not_a_group_record_is_a_clear_error() -> None:
         group_sample_views("groups/g1/a0", b"junk")
     with pytest.raises(ValueError, match="GroupRecord 'groups/g1/a0'"):
         group_sample_views("groups/g1/a0", zstandard.ZstdCompressor().compress(b"\x93\x01\x02\x03"))
+
+
+def test_a_chains_segments_follow_one_another_after_a_break() -> None:
+    tok = ByteTokenizer()
+    segments = [Segment(tok.encode(text), [0, 1], [0.0, -0.5], [1.0] * 2, [-1, 2], None, 1, summary_len=s)
+                for text, s in (("ab", 1), ("cd", 0))]
+    sample = GroupSample("s1", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5,
+                         Trajectory(segments, EpisodeEnd.FINAL_ANSWER))
+    stored = zstandard.ZstdCompressor().compress(encode_record(GroupRecord("g1", "p1", 2, 2, 0.0, (sample,))))
+    (view,) = group_sample_views("groups/g1/a0", stored)
+    assert [run[0] for run in view["tokens"]] == ["a", "b", SEGMENT_BREAK, "c", "d"]
+    assert view["num_summaries"] == 1 and view["num_tokens"] == 4

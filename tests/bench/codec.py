@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import torch
 
-from actors.agent.episode import EpisodeEnd, ToolUse, Trajectory
+from actors.agent.episode import EpisodeEnd, Segment, ToolUse, Trajectory
 from actors.messages import COMPLETION_TYPES, all_order_types
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import (
@@ -159,12 +159,25 @@ def _check(value: Any, hint: Any, path: str) -> Any:
 
 
 # --- the peer for records: plain maps, as stored before they were typed ------------------------------
+def _segment_to_dict(s: Segment) -> dict[str, Any]:
+    d = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
+    topk = s.topk_ids_TLK.to(torch.int16).contiguous()
+    d["topk_ids_TLK"] = {"shape": list(topk.shape), "data": topk.numpy().tobytes()}
+    return d
+
+
+def _segment_from_dict(d: dict[str, Any]) -> Segment:
+    d = dict(d)
+    topk = d["topk_ids_TLK"]
+    d["topk_ids_TLK"] = torch.frombuffer(bytearray(topk["data"]), dtype=torch.int16).reshape(topk["shape"]).clone()
+    return Segment(**d)
+
+
 def _trajectory_to_dict(t: Trajectory) -> dict[str, Any]:
     d = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
     d["end"] = t.end.value
     d["tool_uses"] = [dataclasses.asdict(u) for u in t.tool_uses]
-    topk = t.topk_ids_TLK.to(torch.int16).contiguous()
-    d["topk_ids_TLK"] = {"shape": list(topk.shape), "data": topk.numpy().tobytes()}
+    d["segments"] = [_segment_to_dict(s) for s in t.segments]
     return d
 
 
@@ -172,8 +185,7 @@ def _trajectory_from_dict(d: dict[str, Any]) -> Trajectory:
     d = dict(d)
     d["end"] = EpisodeEnd(d["end"])
     d["tool_uses"] = [ToolUse(**u) for u in d["tool_uses"]]
-    topk = d["topk_ids_TLK"]
-    d["topk_ids_TLK"] = torch.frombuffer(bytearray(topk["data"]), dtype=torch.int16).reshape(topk["shape"]).clone()
+    d["segments"] = [_segment_from_dict(s) for s in d["segments"]]
     return Trajectory(**d)
 
 
@@ -194,7 +206,7 @@ def trajectory(num_tokens: int, seed: int) -> Trajectory:
     g = torch.Generator().manual_seed(seed)
     cfg = ModelConfig()
     prompt = num_tokens // 4
-    return Trajectory(
+    return Trajectory([Segment(
         token_ids=torch.randint(0, 256, (num_tokens,), generator=g).tolist(),
         loss_mask=[0] * prompt + [1] * (num_tokens - prompt),
         behaviour_logprobs=(-torch.rand(num_tokens, generator=g)).tolist(),
@@ -202,7 +214,7 @@ def trajectory(num_tokens: int, seed: int) -> Trajectory:
         versions=[-1] * prompt + [3] * (num_tokens - prompt),
         topk_ids_TLK=torch.randint(0, cfg.num_experts, (num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok),
                                    generator=g, dtype=torch.int16),
-        prompt_len=prompt, end=EpisodeEnd.FINAL_ANSWER,
+        prompt_len=prompt)], end=EpisodeEnd.FINAL_ANSWER,
         tool_uses=[ToolUse("write_file", True, False, 12)], num_turns=2, num_tool_call_tokens=60,
         num_tool_output_tokens=12, num_final_tokens=5, num_thinking_tokens=40, duration_s=1.5, generate_s=1.2,
         tools_s=0.2)

@@ -47,7 +47,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.episode import EpisodeEnd, Trajectory
+from actors.agent.episode import EpisodeEnd, Segment, Trajectory
 from actors.agent.policy import weights_run_name
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
@@ -343,7 +343,7 @@ class SimRolloutActor(_SimStage):
     async def _turns(self, order: RolloutOrder, delivery: Delivery) -> tuple[int, int]:
         """The episode's turns, from the newest usable checkpoint on; (min, max) version of its tokens."""
         sim, checkpoints = self.sim, RolloutCheckpoints(self.ctx.blob)
-        traj = Trajectory([], [], [], [], [], None, 0, EpisodeEnd.TURN_BUDGET)
+        traj = Trajectory([Segment.of_prompt([])], EpisodeEnd.TURN_BUDGET)  # one segment: no summaries here
         if sim.rollout_checkpoints and (order.attempt > 0 or delivery.num_delivered > 1):
             resume = await checkpoints.newest(order.sample_id, order.prompt_id, order.attempt,
                                               version_floor=self.version, eta=self.config.reconciler.scheduling.eta)
@@ -359,11 +359,12 @@ class SimRolloutActor(_SimStage):
             duration = sim.rollout.duration(self.rng)
             if duration:
                 await asyncio.sleep(duration)
-            traj.token_ids += [traj.num_turns % 256] * n
-            traj.loss_mask += [1] * n
-            traj.behaviour_logprobs += [-1.0] * n
-            traj.logprob_temperatures += [1.0] * n
-            traj.versions += [self.version] * n
+            seg = traj.segments[-1]
+            seg.token_ids += [traj.num_turns % 256] * n
+            seg.loss_mask += [1] * n
+            seg.behaviour_logprobs += [-1.0] * n
+            seg.logprob_temperatures += [1.0] * n
+            seg.versions += [self.version] * n
             traj.num_turns += 1
             log.info("sim_rollout_turn", sample_id=order.sample_id, attempt=order.attempt, num_tokens=n)
             if sim.rollout_checkpoints and traj.num_turns < sim.rollout_turns:

@@ -112,7 +112,7 @@ async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) 
     mixed = 0
     for blob in (run.run_dir / "blobs" / "samples").glob("*/a*/trajectory"):
         record = decode_record(zstandard.ZstdDecompressor().decompress(blob.read_bytes()), RolloutRecord, str(blob))
-        mixed += len({v for v in record.trajectory.versions if v >= 0}) >= 2
+        mixed += len({v for seg in record.trajectory.segments for v in seg.versions if v >= 0}) >= 2
     assert mixed >= 1, "some trajectories carry tokens of two versions: weights swapped mid-rollout"
 
 

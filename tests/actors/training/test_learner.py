@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from actors.agent.episode import EpisodeEnd, Trajectory
+from actors.agent.episode import EpisodeEnd, Segment, Trajectory
 from actors.config import TrainerSection
 from actors.records import GroupRecord, GroupSample, RewardBreakdown, decode_record, encode_record
 from actors.training.learner import Learner
@@ -45,12 +45,12 @@ def _group(model: MoETransformer, rewards: list[float], seed: int, temperature: 
     samples, offset = [], 0
     for i, (ids, reward, adv) in enumerate(zip(prompts, rewards, advantages, strict=True)):
         n, prompt = len(ids), 4
-        trajectory = Trajectory(
+        trajectory = Trajectory([Segment(
             token_ids=ids, loss_mask=[0] * prompt + [1] * (n - prompt),
             behaviour_logprobs=[0.0, *logp_T[offset:offset + n - 1].tolist()],
             logprob_temperatures=[1.0] * prompt + [temperature] * (n - prompt),
             versions=[-1] * prompt + [0] * (n - prompt),
-            topk_ids_TLK=out.topk_ids_TLK[offset:offset + n].to(torch.int16), prompt_len=prompt,
+            topk_ids_TLK=out.topk_ids_TLK[offset:offset + n].to(torch.int16), prompt_len=prompt)],
             end=EpisodeEnd.FINAL_ANSWER)
         components = RewardBreakdown(reward, int(reward == 1.0), 1, 0.0, 0.0, 0, 0.0, reward)
         samples.append(GroupSample(f"s{seed}-{i}", reward, components, adv, trajectory))
@@ -82,7 +82,7 @@ def test_groups_sampled_at_different_temperatures_train_on_policy_together() -> 
     m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([cold, hot], "b")
     assert abs(m.ratio_min - 1.0) < 1e-5 and abs(m.ratio_max - 1.0) < 1e-5
     for s in hot.samples:  # the same batch scored at one temperature for all is visibly off-policy
-        t = s.trajectory
+        t = s.trajectory.segments[0]
         t.logprob_temperatures = [0.8 if x == 1.3 else x for x in t.logprob_temperatures]
     m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([cold, hot], "b")
     assert m.ratio_max - m.ratio_min > 0.1
@@ -94,7 +94,7 @@ def test_the_ratio_statistics_report_an_off_policy_batch() -> None:
     model = seeded_model(small_config(), seed=1)
     group = _group(model, [1.0, 0.0, 0.5, 0.0], seed=2, temperature=0.5)
     for s in group.samples:
-        t = s.trajectory
+        t = s.trajectory.segments[0]
         t.logprob_temperatures = [1.0] * len(t.token_ids)
     m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([group], "b0")
     assert m.ratio_min < 1.0 < m.ratio_max and m.ratio_median != 1.0
@@ -208,7 +208,7 @@ def _unchanged(a: MoETransformer, b: MoETransformer) -> bool:
 
 
 def _poison_behaviour(group: GroupRecord, index: int, value: float) -> str:
-    t = group.samples[index].trajectory
+    t = group.samples[index].trajectory.segments[0]
     t.behaviour_logprobs[t.loss_mask.index(1) + 2] = value
     return group.samples[index].sample_id
 
@@ -221,7 +221,7 @@ def test_an_unusable_temperature_or_log_prob_is_refused(field: str, value: float
     model = seeded_model(small_config(), seed=1)
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
     groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
-    t = groups[0].samples[1].trajectory
+    t = groups[0].samples[1].trajectory.segments[0]
     getattr(t, field)[-1] = value
     m = learner.step(groups, "b0")
     assert (m.skipped, m.non_finite_sample_ids) == ("input", ("s2-1",)) and _unchanged(model, learner.model)
@@ -261,7 +261,7 @@ def test_a_non_finite_loss_from_the_forward_names_the_sample() -> None:
     model = seeded_model(small_config(), seed=1)
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
     groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
-    t = groups[0].samples[2].trajectory
+    t = groups[0].samples[2].trajectory.segments[0]
     t.logprob_temperatures[-1] = 1e-40
     m = learner.step(groups, "b0")
     assert (m.skipped, m.non_finite_sample_ids) == ("loss", ("s2-2",))
@@ -286,8 +286,8 @@ def test_a_non_finite_gradient_is_not_applied_and_the_samples_are_named() -> Non
     model = seeded_model(small_config(), seed=1)
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
     groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
-    ids = groups[0].samples[3].trajectory.token_ids
-    others = {t for s in groups[0].samples[:3] for t in s.trajectory.token_ids}
+    ids = groups[0].samples[3].trajectory.segments[0].token_ids
+    others = {t for s in groups[0].samples[:3] for t in s.trajectory.segments[0].token_ids}
     only_here = next(t for t in ids if t not in others)
     embedding = next(p for name, p in learner.model.named_parameters() if "embed" in name)
 
@@ -353,10 +353,10 @@ def test_a_trajectory_without_per_token_temperatures_is_refused_by_name() -> Non
     # a stored group whose trajectory lacks the field (a rollout older than per-token temperatures): its
     # record is refused when the trainer reads it, naming the sample and the field
     stored = msgspec.msgpack.decode(encode_record(_group(model, [1.0, 0.0], seed=2)))
-    del stored["samples"][1]["trajectory"]["logprob_temperatures"]
+    del stored["samples"][1]["trajectory"]["segments"][0]["logprob_temperatures"]
     with pytest.raises(ValueError, match=r"s2-1.*logprob_temperatures"):
         decode_record(msgspec.msgpack.encode(stored), GroupRecord, "groups/g2/a0")
     groups = [_group(model, [1.0, 0.0], seed=2)]
-    groups[0].samples[0].trajectory.logprob_temperatures.pop()
-    with pytest.raises(ValueError, match=r"s2-0: \d+ tokens"):
+    groups[0].samples[0].trajectory.segments[0].logprob_temperatures.pop()
+    with pytest.raises(ValueError, match=r"s2-0 segment 0: \d+ tokens"):
         Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step(groups, "b0")
