@@ -185,28 +185,29 @@ class StageActor(Actor):
         """The record of ``record_type`` at ``key``; WorkRefused when it is missing, corrupt, of another
         schema or not that type (the stage that wrote it must run again). ``ready``: by reference from the
         Ray object store when it holds it (runtime.ready_samples), else from the blob store."""
-        return await self._decode_record(key, record_type, await self.ctx.ready_samples.get(key)
-                                         if ready and self.ctx.ready_samples is not None else None)
+        return await _read_record(self.ctx.blob, key, record_type, await self.ctx.ready_samples.get(key)
+                                  if ready and self.ctx.ready_samples is not None else None)
 
     async def get_records(self, keys: list[str], record_type: type[R], ready: bool = False) -> list[R]:
         """`get_record` of each of ``keys``; ``ready``: those the Ray object store holds read in one go."""
         found = (await self.ctx.ready_samples.get_many(keys) if ready and self.ctx.ready_samples is not None
                  else [None] * len(keys))
-        return [await self._decode_record(k, record_type, raw) for k, raw in zip(keys, found, strict=True)]
+        return [await _read_record(self.ctx.blob, k, record_type, raw) for k, raw in zip(keys, found, strict=True)]
 
-    async def _decode_record(self, key: str, record_type: type[R], raw: bytes | None) -> R:
-        """The record at ``key`` from ``raw`` (read from the blob store when None)."""
-        try:
-            raw = raw if raw is not None else await self.ctx.blob.get(key)
-        except KeyError:
-            raise WorkRefused(f"blob {key!r} is missing; the stage that wrote it must run again") from None
-        except ValueError as e:  # a key no stage writes (outside the store): no retry makes it readable
-            raise WorkRefused(f"blob key {key[:200]!r} is invalid: {e}") from None
-        try:
-            data = zstandard.ZstdDecompressor().decompress(raw)
-        except zstandard.ZstdError as e:
-            raise WorkRefused(f"blob {key!r} is corrupt ({e}); the stage that wrote it must run again") from None
-        try:
-            return decode_record(data, record_type, key)
-        except RecordError as e:
-            raise WorkRefused(f"{e}; the stage that wrote it must run again") from None
+
+async def _read_record(blob: Any, key: str, record_type: type[R], raw: bytes | None) -> R:
+    """The record at ``key`` from ``raw`` (read from ``blob``, the run's store, when None)."""
+    try:
+        raw = raw if raw is not None else await blob.get(key)
+    except KeyError:
+        raise WorkRefused(f"blob {key!r} is missing; the stage that wrote it must run again") from None
+    except ValueError as e:  # a key no stage writes (outside the store): no retry makes it readable
+        raise WorkRefused(f"blob key {key[:200]!r} is invalid: {e}") from None
+    try:
+        data = zstandard.ZstdDecompressor().decompress(raw)
+    except zstandard.ZstdError as e:
+        raise WorkRefused(f"blob {key!r} is corrupt ({e}); the stage that wrote it must run again") from None
+    try:
+        return decode_record(data, record_type, key)
+    except RecordError as e:
+        raise WorkRefused(f"{e}; the stage that wrote it must run again") from None
