@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.bench.failover import _rollouts_done, _wait
+from tests.bench.failover import _rollouts_done, _wait, stop_run
 from tests.bench.lifecycle import cpu_by_role
 from tests.integration.harness import run_events
 
@@ -117,13 +116,7 @@ def trial(mode: str, args: argparse.Namespace, out_dir: Path, n: int) -> dict[st
                 "dashboard_machine_share": round(cpu.get("dashboard", 0.0) / ((end - start) * os.cpu_count()), 4),
                 "watched": seen, "load_avg_1m": round(os.getloadavg()[0], 2), "run_dir": str(run_dir)}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_run(proc)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -86,13 +86,18 @@ def trial(standby: bool, args: argparse.Namespace, out_dir: Path, n: int) -> dic
                 "rollouts_before": before, "rollouts_after": after,
                 "throughput_kept": round(after / before, 3) if before else None, "run_dir": str(run_dir)}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_run(proc)
+
+
+def stop_run(proc: subprocess.Popen) -> None:
+    """A bench's run stopped as an operator would (SIGTERM: every actor drains), killed if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
