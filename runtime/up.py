@@ -362,9 +362,9 @@ def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
         outcome = uvloop.run(serve(cfg, run_dir, run_id, resumed is not None, event_log, terminal))
     except ConfigError as e:  # the bus or the store belongs to another run, or another runtime.up runs this one
         print(f"configuration error: {e}", file=sys.stderr)
+        return 2
     except PlacementError as e:  # before any actor started: a cluster that cannot hold the run
         print(f"placement error: {e}", file=sys.stderr)
-        return 2
         return 2
     finally:
         event_log.close()
