@@ -111,6 +111,21 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         await until(lambda: _points(browser, "chart-slots") >= 2, 60, "slot-table samples charted")
         _screenshot(browser, tmp_path, "dashboard-start")
 
+        # a rollout actor killed early (the short run must still be going when its replacement starts): the
+        # table shows the replacement with the restart counted, and the crash
+        victim = (await run.wait_actors("rollout", 1))[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        def health_cells(d: webdriver.Chrome) -> dict[str, list[str]]:
+            return d.execute_script(
+                "return Object.fromEntries([...document.querySelectorAll('#actor-table tbody tr')].map("
+                "r => [r.cells[1].textContent, [r.cells[9].textContent, r.cells[10].textContent]]))")
+
+        WebDriverWait(browser, 120, poll_frequency=1).until(
+            lambda d: any(h == "ok" and r == "1" for h, r in health_cells(d).values()))
+        assert browser.execute_script(f"return window.dashboard.state.health[{victim['id']!r}].health") == "crashed"
+        _screenshot(browser, tmp_path, "dashboard-restart")
+
         # the curves gain points as the trainer publishes versions, without a page reload
         first = _points(browser, "chart-reward")
         await until(lambda: _points(browser, "chart-reward") >= first + 2, 300, "two more training steps charted")
@@ -165,19 +180,6 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
             assert time.monotonic() < deadline, "the reconciler's trained-samples counter did not move"
             await asyncio.sleep(1.0)
 
-        # a rollout actor killed: the table shows its replacement with the restart counted, and the crash
-        victim = (await run.wait_actors("rollout", 1))[0]
-        os.kill(victim["pid"], signal.SIGKILL)
-
-        def health_cells(d: webdriver.Chrome) -> dict[str, list[str]]:
-            return d.execute_script(
-                "return Object.fromEntries([...document.querySelectorAll('#actor-table tbody tr')].map("
-                "r => [r.cells[1].textContent, [r.cells[9].textContent, r.cells[10].textContent]]))")
-
-        WebDriverWait(browser, 120, poll_frequency=1).until(
-            lambda d: any(h == "ok" and r == "1" for h, r in health_cells(d).values()))
-        assert browser.execute_script(f"return window.dashboard.state.health[{victim['id']!r}].health") == "crashed"
-        _screenshot(browser, tmp_path, "dashboard-restart")
 
         # the event stream filters by level: at "error" only errors (and worse) stay listed
         Select(browser.find_element(By.ID, "event-level")).select_by_visible_text("error")

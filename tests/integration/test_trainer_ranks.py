@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import read_run_metrics
 from tests.integration.harness import LiveRun, run_events, until
 
 pytestmark = pytest.mark.timeout(900)
@@ -32,8 +32,12 @@ def _rank_of(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
-def _train_rows(run_dir: Path) -> list[dict]:
-    return read_metrics(run_dir / "metrics.jsonl", kind="train")
+async def _train_rows(run_dir: Path) -> list[dict]:
+    return await read_run_metrics(run_dir, kind="train")
+
+
+async def _at_least(run_dir: Path, steps: int) -> bool:
+    return len(await _train_rows(run_dir)) >= steps
 
 
 def test_two_trainer_ranks_train_restart_together_after_a_kill_and_train_nothing_twice(tmp_path: Path) -> None:
@@ -45,17 +49,17 @@ def test_two_trainer_ranks_train_restart_together_after_a_kill_and_train_nothing
     async def scenario() -> None:
         await live.start()
         try:
-            await until(lambda: len(_train_rows(run_dir)) >= 2, 400, "two steps of the group")
+            await until(lambda: _at_least(run_dir, 2), 400, "two steps of the group")
             trainers = [a for a in await live.actors() if a["kind"] == "trainer"]
             assert sorted(_rank_of(a["pid"]) for a in trainers) == [0, 1]
             (rank1,) = [a for a in trainers if _rank_of(a["pid"]) == 1]
             os.kill(rank1["pid"], signal.SIGKILL)
-            await until(lambda: len(_train_rows(run_dir)) >= STEPS, 600, f"{STEPS} steps after the kill")
+            await until(lambda: _at_least(run_dir, STEPS), 600, f"{STEPS} steps after the kill")
         finally:
             await live.stop(timeout_s=120)
 
     asyncio.run(scenario())
-    rows = _train_rows(run_dir)
+    rows = asyncio.run(_train_rows(run_dir))
     assert [r["version"] for r in rows] == list(range(1, STEPS + 1))  # each version trained and reported once
     groups = [g for r in rows for g in r["group_ids"]]
     assert len(groups) == len(set(groups)), "a group was trained twice"

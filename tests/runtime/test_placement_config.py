@@ -66,5 +66,6 @@ def test_one_launch_for_every_backend(tmp_path: Path) -> None:
     assert launch.env == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
     assert launch.output_path == tmp_path / "logs" / "sandbox-1-ab12.out"
     assert actor_launch(address, tmp_path, "k", "k-1-00", ActorSpec(entry="m:C", threads=0)).env == {}
-    ranked = actor_launch(address, tmp_path, "trainer", "trainer-1-00", ActorSpec(entry="m:C", ranks=2), rank=1)
+    ranked = actor_launch(address, tmp_path, "trainer", "trainer-1-00", ActorSpec(entry="m:C", ranks=2, threads=0),
+                          rank=1)
     assert ranked.env == {"ASYNCRL_RANK": "1", "ASYNCRL_WORLD_SIZE": "2"}
