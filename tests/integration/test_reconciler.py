@@ -244,6 +244,8 @@ async def _run_with_kills(tmp_path: Path, *, checkpoints: bool, rollout_failures
     needed = ROLLOUT_TURNS * TOKENS_PER_TURN * len({t["sample_id"] for t in turns})
     figures = {"generated": generated, "needed": needed, "regenerated": generated - needed, "elapsed_s": elapsed,
                "num_resumed": len(run_events(run_dir, "rollout_resumed")),
+               # what the resumed attempts did not generate again: a restart from scratch would have
+               "resumed_tokens": TOKENS_PER_TURN * sum(e["num_turns"] for e in run_events(run_dir, "rollout_resumed")),
                "num_killed_rollout_actors": killed_stages.count("rollout")}
     print(f"rollout tokens (checkpoints {'on' if checkpoints else 'off'}): {figures}")
     return figures
@@ -259,14 +261,22 @@ async def test_2000_samples_survive_kills(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)  # two runs of the scenario
 async def test_rollout_checkpoints_and_adoption_cut_the_work_kills_regenerate(tmp_path: Path) -> None:
     """The same scenario (seeds, kills) without and with checkpoints and adoption, the rollouts' own failures
-    off so that every re-generated token is the kills' doing: at most 10% of restart-from-scratch."""
+    off so that every re-generated token is the kills' doing: at most 10% of restart-from-scratch.
+
+    Two runs' kills land at different moments (a kill with few rollouts in flight costs little), so the two
+    runs' ratio is printed, and the bound is asserted within the run with checkpoints, against the same
+    kills: a restart from scratch would have regenerated at least what it regenerated plus every token the
+    resumed attempts took from their checkpoints (the work adoption kept is not even counted)."""
     scratch = await _run_with_kills(tmp_path / "scratch", checkpoints=False, rollout_failures=False)
     kept = await _run_with_kills(tmp_path / "checkpoints", checkpoints=True, rollout_failures=False)
     assert scratch["regenerated"] > 0, "the kills cost a restart-from-scratch run work"
-    ratio = kept["regenerated"] / scratch["regenerated"]
+    from_scratch = kept["regenerated"] + kept["resumed_tokens"]
     print(f"rollout tokens regenerated because of kills: {kept['regenerated']} with checkpoints and adoption, "
-          f"{scratch['regenerated']} from scratch ({ratio:.1%})")
-    assert ratio <= 0.10, (kept, scratch)
+          f"{scratch['regenerated']} in the run from scratch ({kept['regenerated'] / scratch['regenerated']:.1%}); "
+          f"at least {from_scratch} from scratch under the same kills "
+          f"({kept['regenerated'] / max(1, from_scratch):.1%})")
+    assert kept["resumed_tokens"] > 0, "the kills interrupted rollouts that resumed from checkpoints"
+    assert kept["regenerated"] <= 0.10 * from_scratch, (kept, scratch)
 
 
 async def _account(bus: Bus, ledger: TrainerLedger, num_prompts: int, group_size: int, eta: int) -> None:
