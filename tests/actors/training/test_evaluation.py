@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -14,24 +14,11 @@ from model.generation import FinishReason, Generation
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
-from sandbox.errors import SandboxUnavailable
 from sandbox.layers import LayerStore
 from sandbox.task_generator import generate_tasks
 from sandbox.tasks import Task
 
 TOKENIZER = ByteTokenizer()
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[LayerStore]:
-    try:
-        s = LayerStore()
-    except SandboxUnavailable as e:
-        pytest.skip(f"sandbox unavailable on this host: {e}")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _tasks() -> list[Task]:

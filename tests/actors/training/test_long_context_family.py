@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from actors.training.reference_chains import LONG_CONTEXT_AGENT, ReferencePolicy
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from sandbox.env import Environment
-from sandbox.errors import SandboxUnavailable
 from sandbox.layers import LayerStore
 from sandbox.long_context_tasks import (
     NOTE_PATHS,
@@ -29,18 +27,6 @@ from sandbox.long_context_tasks import (
 )
 from sandbox.task_generator import generate_tasks
 from sandbox.tools import ToolBox
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[LayerStore]:
-    try:
-        s = LayerStore()
-    except SandboxUnavailable as e:
-        pytest.skip(f"sandbox unavailable on this host: {e}")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def test_the_family_is_stable_split_and_its_facts_make_the_answer() -> None:
