@@ -35,7 +35,7 @@ import structlog
 
 from ops.tail import event_time
 from runtime.blob import open_store
-from tests.bench.lifecycle import RECONCILERS, nats_trial
+from tests.bench.lifecycle import RECONCILERS, _median_of, nats_trial
 from tests.integration.harness import LiveRun, run_events
 
 RAY_ARGS = ("--set", 'runtime.backend="ray"', "--set", "runtime.ray_head_num_cpus=2")
@@ -128,16 +128,6 @@ async def fetch_bench(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _median(trials: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in trials[0].items():
-        if isinstance(value, dict):
-            out[key] = {k: round(statistics.median(t[key][k] for t in trials), 3) for k in value}
-        else:
-            out[key] = round(statistics.median(t[key] for t in trials), 3)
-    return out
-
-
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     startup: dict[str, list[dict[str, Any]]] = {b: [] for b in args.backends}
     lifecycle: dict[str, list[dict[str, Any]]] = {b: [] for b in args.backends}
@@ -153,8 +143,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "placement",
         "params": vars(args),
         "cpus": os.cpu_count(),
-        "startup": {b: _median(t) for b, t in startup.items() if t},
-        "lifecycle": {b: _median(t) for b, t in lifecycle.items() if t},
+        "startup": {b: _median_of(t) for b, t in startup.items() if t},
+        "lifecycle": {b: _median_of(t) for b, t in lifecycle.items() if t},
         "fetch_batch": await fetch_bench(args) if args.sizes_kib else {},
         "load_avg_1m_at_end": os.getloadavg()[0],
     }
