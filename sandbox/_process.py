@@ -113,6 +113,7 @@ class RunningCommand:
         self._init_pidfd: int | None = None
         self._kill_wanted = False
         self._loop = asyncio.get_running_loop()
+        self._init_watch = asyncio.Lock()
         # the info pipe closes itself at end of file, not before: bwrap writes more after the pid,
         # and a closed pipe would SIGPIPE it
         pipes.info.on_data = self._find_init
@@ -153,17 +154,24 @@ class RunningCommand:
         # a zombie still accepts signal 0: it has exited when its pidfd reads as ready
         return bool(select.select([self._init_pidfd], [], [], 0)[0])
 
+    async def wait_init_exit(self) -> None:
+        """Until the sandbox's init has exited (unbounded: the caller bounds it). Waiters take
+        turns on the pidfd's one reader, so none removes another's."""
+        async with self._init_watch:
+            if self._init_pidfd is None or self.init_exited():
+                return
+            exited = self._loop.create_future()
+            self._loop.add_reader(self._init_pidfd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await exited
+            finally:
+                self._loop.remove_reader(self._init_pidfd)
+
     async def _wait_init_exit(self) -> bool:
-        if self._init_pidfd is None or self.init_exited():
-            return True
-        exited = self._loop.create_future()
-        self._loop.add_reader(self._init_pidfd, lambda: exited.done() or exited.set_result(None))
         try:
-            await asyncio.wait_for(exited, _REAP_TIMEOUT_S)
+            await asyncio.wait_for(self.wait_init_exit(), _REAP_TIMEOUT_S)
         except TimeoutError:
             return False
-        finally:
-            self._loop.remove_reader(self._init_pidfd)
         return True
 
     async def terminate(self) -> bool:

@@ -95,6 +95,7 @@ class Environment:
         self._lingering: set[RunningCommand] = set()  # killed, but their init did not exit in time
         self._num_starting = 0
         self._endings: set[asyncio.Task[None]] = set()  # ending commands whose run() was cancelled while forking
+        self._settled = asyncio.Event()  # set whenever a command stops starting or running: `wait_idle` looks again
         self._closed = False
         self._cgroup: EnvCgroup | None = None
         self._spawner: Spawner | None = None
@@ -210,6 +211,7 @@ class Environment:
             running = await self._spawn(cmd, extra_ro_binds, stdin)
         finally:
             self._num_starting -= 1
+            self._settled.set()
         if self._closed:  # closed while it started: it must not outlive the environment
             running.kill()
         proc, out, err = running.proc, running.pipes.stdout, running.pipes.stderr
@@ -238,21 +240,45 @@ class Environment:
             emptied = await running.terminate()
         finally:
             self._procs.discard(running)
+            self._settled.set()
         if emptied:
             running.close()
             return
         self._lingering.add(running)
         log.error("sandbox_process_lingering", env=self.id, note="init did not exit after SIGKILL")
 
-    def _check_quiescent(self, action: str) -> None:
-        """Refuse ``action`` while any command runs or any killed one may still have processes."""
+    def _num_busy(self) -> int:
+        """Commands starting, running, or killed with processes possibly still alive."""
         for running in list(self._lingering):
             if running.init_exited():
                 self._lingering.discard(running)
                 running.close()
-        busy = self._num_starting + len(self._procs) + len(self._lingering)
-        if busy:
+        return self._num_starting + len(self._procs) + len(self._lingering)
+
+    def _check_quiescent(self, action: str) -> None:
+        """Refuse ``action`` while any command runs or any killed one may still have processes."""
+        if busy := self._num_busy():
             raise SandboxStateError(f"Environment {self.id} has {busy} running command(s); expected idle to {action}")
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Until no command starts, runs, or lingers after its kill: then `snapshot` is allowed.
+
+        A cancelled `run` returns before its sandbox is gone (the kill and the reap go on behind
+        it, and a start cancelled mid-fork ends once the fork returns); this is the wait for that.
+
+        Raises:
+            TimeoutError: still busy after ``timeout_s`` (a killed sandbox that does not die
+                stays busy; see `snapshot`).
+            SandboxStateError: the environment is closed.
+        """
+        self._check_open()
+        async with asyncio.timeout(timeout_s):
+            while self._num_busy():
+                if self._num_starting or self._procs:
+                    self._settled.clear()
+                    await self._settled.wait()
+                else:  # only killed ones that outlived their reap: their inits' exits
+                    await asyncio.gather(*(running.wait_init_exit() for running in self._lingering))
 
     async def _spawn(
         self, cmd: str, extra_ro_binds: tuple[tuple[str, str], ...], stdin: bytes | None
@@ -294,6 +320,7 @@ class Environment:
     def _end_abandoned(self, pipes: CommandPipes, proc: SpawnedProcess | None) -> None:
         """End what a fork started for a run() cancelled meanwhile, as any killed command ends."""
         self._num_starting -= 1
+        self._settled.set()
         if proc is None:
             pipes.close()
             return

@@ -45,8 +45,8 @@ async def _write_until_accepted(bus: Bus, key: str, timeout_s: float) -> float:
 
 
 async def test_a_cluster_replicates_every_stream_and_carries_on_when_a_server_is_killed(tmp_path: Path) -> None:
-    # restarted 6 s after a kill: within an election timeout, the old leader would come back as the leader
-    cluster = NatsCluster(NatsServerConfig(store_dir=tmp_path / "nats", restart_delay_s=6.0), size=3)
+    # restarted 20 s after a kill (an election under load took over 6 s in CI): the writes must go through without it
+    cluster = NatsCluster(NatsServerConfig(store_dir=tmp_path / "nats", restart_delay_s=20.0), size=3)
     await cluster.start()
     supervised = asyncio.create_task(cluster.supervise())
     bus = await Bus.connect(cluster.urls, name="test", limits=BusLimits(replicas=3))
@@ -71,7 +71,7 @@ async def test_a_cluster_replicates_every_stream_and_carries_on_when_a_server_is
             _, new_leader, _ = await _stream_replicas(bus, "KV_slots")
             restarted = [e for e in events if e["event"] == "nats_server_restarted"]
             assert not restarted, "the write went through while the killed server was still down"
-            while not restarted and time.monotonic() - killed_at < 30:
+            while not restarted and time.monotonic() - killed_at < 45:
                 await asyncio.sleep(0.1)
                 restarted = [e for e in events if e["event"] == "nats_server_restarted"]
         print(f"KV writes stalled {stall_s:.2f}s after kill -9 of the stream leader {leader}; new leader {new_leader}")

@@ -275,7 +275,7 @@ async def test_cancelled_command_is_killed(store: LayerStore, tight: SandboxLimi
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.2)
+        await env.wait_idle(30.0)  # the kill and reap go on behind the cancelled run
         assert sandbox_pids() == []
         assert env.num_running == 0
         env.snapshot().release()  # idle again

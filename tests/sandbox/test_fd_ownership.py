@@ -76,7 +76,7 @@ async def test_a_command_cancelled_while_starting_leaves_no_process(store: Layer
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.sleep(0.3)
+            await env.wait_idle(30.0)  # idle means no process of it is left
             if left := sandbox_pids():
                 survivors.append((delay, left))
                 for pid in left:  # the next round starts clean

@@ -259,8 +259,12 @@ async def test_a_command_that_outlives_its_kill_blocks_snapshots_until_it_is_gon
     monkeypatch.setattr("sandbox._process._REAP_TIMEOUT_S", 0.5)
     try:
         with Environment.create(store, {}, tight.replace(wall_time_s=30.0)) as env:
-            task = asyncio.create_task(env.run("while :; do echo x >> log; sleep 0.01; done", timeout_s=1.0))
-            await asyncio.sleep(0.5)
+            task = asyncio.create_task(env.run("while :; do echo x >> log; sleep 0.01; done", timeout_s=5.0))
+            log = os.path.join(env.workspace_path, "log")
+            for _ in range(600):  # the loop writes: bwrap, the init and bash exist to be frozen
+                if os.path.exists(log):
+                    break
+                await asyncio.sleep(0.05)
             for pid in sorted(sandbox_pids()):  # bwrap, tini, bash: everything of the sandbox uid
                 with contextlib.suppress(ProcessLookupError), open(os.path.join(freezer, "cgroup.procs"), "w") as f:
                     f.write(str(pid))  # (a short-lived sleep may be gone already)
@@ -270,12 +274,11 @@ async def test_a_command_that_outlives_its_kill_blocks_snapshots_until_it_is_gon
             assert result.timed_out
             with pytest.raises(SandboxStateError, match="running"):
                 env.snapshot()
+            with pytest.raises(TimeoutError):  # bounded while they cannot die
+                await env.wait_idle(0.5)
             with open(os.path.join(freezer, "freezer.state"), "w") as f:
                 f.write("THAWED")
-            for _ in range(100):
-                if not sandbox_pids():
-                    break
-                await asyncio.sleep(0.05)
+            await env.wait_idle(30.0)  # the killed inits exit once thawed
             assert sandbox_pids() == []
             env.snapshot().release()  # gone: the environment is usable again
     finally:
