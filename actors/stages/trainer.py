@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 
 import msgpack
 import structlog
+import torch
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent.policy import load_run_policy, use_training_precision, weights_run_name
@@ -82,6 +83,14 @@ log = structlog.get_logger(__name__)
 __all__ = ["TrainerActor"]
 
 T = TypeVar("T")
+
+
+def _on_device(device: torch.device, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in this worker thread with ``device`` current: CUDA's current device is per thread, and
+    what launches on it (Triton's kernels, tensors made on plain ``cuda``) must find the rank's own GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return fn(*args)
 
 
 class StepBudgetReached(RuntimeError):
@@ -122,7 +131,7 @@ class TrainerActor(StageActor):
         cfg = self.config
         self.checkpoints = Path(self.ctx.run_dir) / "checkpoints"  # this machine's cache of the stored ones
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        device = rank_device(resolve_device(cfg.policy.device), self.layout.rank)  # each rank its own GPU
+        self.device = device = rank_device(resolve_device(cfg.policy.device), self.layout.rank)  # its own GPU
         if self.layout.world_size > 1:
             self.group = TrainerGroup(self.bus, self.layout, device, cfg.trainer.rendezvous_timeout_s,
                                       cfg.trainer.collective_timeout_s)
@@ -134,12 +143,12 @@ class TrainerActor(StageActor):
         latest = await self._collective(self.ranks.broadcast_plan, latest)
         num_steps = self.ctx.run_steps  # the length of a cosine lr schedule
         if latest is not None:
-            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps, device, self.ranks)
+            self.learner = await self._compute(Learner.load, latest, cfg.trainer, num_steps, device, self.ranks)
             use_training_precision(self.learner.model, cfg.policy)
         else:
             policy = dataclasses.replace(cfg.policy, device=str(device))
             model = await load_run_policy(self.ctx, policy, training=True)
-            self.learner = await asyncio.to_thread(Learner, model, cfg.trainer, 0, num_steps, self.ranks)
+            self.learner = await self._compute(Learner, model, cfg.trainer, 0, num_steps, self.ranks)
         if self.layout.rank == 0:  # the only one that writes rows
             await self._recover_pending_row()
         self.run_name = weights_run_name(self.ctx)
@@ -188,7 +197,6 @@ class TrainerActor(StageActor):
     def status(self) -> dict[str, Any]:
         return {"version": self.learner.version, "num_trained_batches": len(self.learner.trained_batches)}
 
-    # --- the group (actors.trainer.ranks > 1) --------------------------------------------------------
     async def _collective(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, a call that may wait on the other ranks: in a thread when there are any (the event
         loop keeps serving the bus meanwhile), in place for a group of one (its collectives return at once)."""
@@ -196,6 +204,12 @@ class TrainerActor(StageActor):
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
+    async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, work on the model: in a thread (the event loop keeps serving the bus), on this rank's
+        device."""
+        return await asyncio.to_thread(_on_device, self.device, fn, *args)
+
+    # --- the group (actors.trainer.ranks > 1) --------------------------------------------------------
     async def background(self, tg: asyncio.TaskGroup) -> None:
         if self.ranks.distributed:
             tg.create_task(self._watch_group())
@@ -233,6 +247,7 @@ class TrainerActor(StageActor):
             except RuntimeError as e:  # a peer already gone: it does not need to hear it
                 log.warning("trainer_group_stop_unheard", error=repr(e))
 
+    # --- one step: the same sequence on every rank (one rank: a group of one) ------------------------
     async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
         learner = self.learner
         trained = {g: learner.trained_groups[g] for g in order.group_ids if g in learner.trained_groups}
@@ -260,7 +275,7 @@ class TrainerActor(StageActor):
         groups = await self._read_share(plan)
         learner = self.learner
         started = time.monotonic()
-        metrics = await asyncio.to_thread(learner.step, groups, plan.batch_id)
+        metrics = await self._compute(learner.step, groups, plan.batch_id)
         row = None
         if order is not None:
             self.num_samples += metrics.num_samples
@@ -318,7 +333,7 @@ class TrainerActor(StageActor):
         """Saves the learner (``Learner.save``, into the local cache) and stores it in the run's store:
         the step counts as checkpointed once the stored copy's manifest is written. With ranks, each rank
         saves its shard into the cache they share and rank 0, once all are written, stores the whole."""
-        saved = await asyncio.to_thread(self.learner.save, self.checkpoints)
+        saved = await self._compute(self.learner.save, self.checkpoints)
         if self.layout.rank > 0:
             return
         await upload_checkpoint(self.ctx.blob, saved)
