@@ -13,6 +13,13 @@ has formed rank 0 marks it ``formed``. The group lives and dies as one:
   opens the next generation, which the restarted rank joins;
 - a rank whose peer died while they were in a collective gets gloo's error there and fails too.
 
+The backend follows the trainer's device (``policy.device``): gloo on the CPU; on CUDA one group with two
+backends, ``cpu:gloo,cuda:nccl``: NCCL carries what lives on the GPU (gradients, the experts' all-to-all),
+gloo what lives on the CPU (plans, records and flags, whose object collectives torch runs on the CPU when
+the group has a CPU backend). Each rank computes on its own GPU: ``cuda`` without an index is GPU
+``rank mod count`` of those the process sees (one per rank on a host with several; under Ray each rank
+sees only the one it was given), made the current device before the group forms, as NCCL requires.
+
 So a rank killed with -9 fails the step in progress (its order is redelivered, not acknowledged), every
 rank of the group restarts, and the new group resumes from the newest checkpoint; the trainer's ledger
 of trained groups is in that checkpoint, so nothing is trained twice.
@@ -27,6 +34,7 @@ from datetime import timedelta
 
 import msgpack
 import structlog
+import torch
 import torch.distributed as dist
 
 from actors.training.ranks import RankLayout
@@ -35,7 +43,8 @@ from runtime.errors import RevisionMismatch
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["RENDEZVOUS_KEY", "GroupBroken", "TrainerGroup"]
+__all__ = ["RENDEZVOUS_KEY", "GroupBroken", "TrainerGroup", "init_process_group", "process_group_backend",
+           "rank_device"]
 
 BUCKET = "actors"
 RENDEZVOUS_KEY = "handover.trainer.rendezvous"  # beside the registry: a handover key, not an actor's entry
@@ -69,12 +78,49 @@ def _host() -> str:
         return "127.0.0.1"
 
 
-class TrainerGroup:
-    """This process's membership of the trainer's ``torch.distributed`` group (gloo)."""
+def process_group_backend(device: torch.device) -> str:
+    """The ``torch.distributed`` backend of a trainer computing on ``device``.
 
-    def __init__(self, bus: Bus, layout: RankLayout, timeout_s: float, collective_timeout_s: float) -> None:
+    Raises:
+        ValueError: a device type with no backend here (only cpu and cuda are).
+    """
+    if device.type == "cpu":
+        return "gloo"
+    if device.type == "cuda":  # CPU tensors (plans, objects, flags) still need gloo beside NCCL
+        return "cpu:gloo,cuda:nccl"
+    raise ValueError(f"the trainer's ranks have no process group backend for device {device}: use cpu or cuda")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device ``rank`` computes on: ``device``, with a CUDA device's index chosen per rank when it has none
+    (GPU rank mod the number this process sees); an explicit ``cuda:N`` is kept."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(f"trainer rank {rank} is to compute on {device}, but this process sees no CUDA GPU")
+    return torch.device("cuda", rank % count)
+
+
+def init_process_group(store: dist.Store, layout: RankLayout, device: torch.device, timeout_s: float) -> None:
+    """Joins this process to the group as ``layout.rank`` with the backend for ``device`` (blocks until
+    all ``layout.world_size`` ranks have joined)."""
+    backend = process_group_backend(device)
+    if device.type == "cuda":  # NCCL binds a rank to the current device: this rank's own GPU, never GPU 0 for all
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=layout.rank, world_size=layout.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    log.info("trainer_process_group_initialised", rank=layout.rank, backend=backend, device=str(device))
+
+
+class TrainerGroup:
+    """This process's membership of the trainer's ``torch.distributed`` group (gloo, or gloo and NCCL on CUDA)."""
+
+    def __init__(self, bus: Bus, layout: RankLayout, device: torch.device, timeout_s: float,
+                 collective_timeout_s: float) -> None:
         self.bus = bus
         self.layout = layout
+        self.device = device
         self.timeout_s = timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.generation: Generation | None = None
@@ -129,8 +175,7 @@ class TrainerGroup:
     def _init(self, store: dist.Store) -> None:
         # A peer that dies breaks every collective at once (gloo: "connection closed by peer"); the timeout
         # bounds only a peer that lives and never calls: ranks > 0 wait for rank 0's next plan this long.
-        dist.init_process_group("gloo", store=store, rank=self.layout.rank, world_size=self.layout.world_size,
-                                timeout=timedelta(seconds=self.collective_timeout_s))
+        init_process_group(store, self.layout, self.device, self.collective_timeout_s)
 
     async def watch_broken(self) -> None:
         """Returns when this generation is marked broken (rank 0 then fails, and the group restarts)."""

@@ -30,6 +30,11 @@ rank 0 announces the version once every rank's part is durable (the ranks wait f
 tell each other: a rank's upload is part of its step here, not in the background). A rank that dies fails
 the step on every rank (the order is redelivered), the group restarts together and resumes from the
 newest checkpoint, whose ledger keeps any group from training twice.
+
+One rank is a group of one: the same sequence (``_train_plan``), its collectives identities called in
+place (``RankGroup`` of world size 1). The one difference is where the upload is awaited: a lone rank
+tells nobody, so its upload runs in the background while it reports the step (the order is acked once
+the version is announced).
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import structlog
+import torch
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent.policy import load_run_policy, use_training_precision, weights_run_name
@@ -52,7 +59,7 @@ from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import TrainDone, TrainOrder
 from actors.records import GroupRecord
-from actors.trainer_group import RENDEZVOUS_KEY, GroupBroken, TrainerGroup
+from actors.trainer_group import RENDEZVOUS_KEY, GroupBroken, TrainerGroup, rank_device
 from actors.training.checkpoint_store import (
     download_checkpoint,
     prune_checkpoints,
@@ -74,6 +81,16 @@ from runtime.metrics_log import metrics_key, numbered, write_metrics
 log = structlog.get_logger(__name__)
 
 __all__ = ["TrainerActor"]
+
+T = TypeVar("T")
+
+
+def _on_device(device: torch.device, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in this worker thread with ``device`` current: CUDA's current device is per thread, and
+    what launches on it (Triton's kernels, tensors made on plain ``cuda``) must find the rank's own GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return fn(*args)
 
 
 class StepBudgetReached(RuntimeError):
@@ -108,31 +125,30 @@ class TrainerActor(StageActor):
                                  self.config.trainer.expert_parallel)
         if self.layout.rank > 0:
             self.queues = ()  # only rank 0 takes orders; the others follow its plans
-        self.ranks: RankGroup | None = None
         self._following: asyncio.Future[Any] | None = None  # a rank > 0's plan in progress
 
     async def setup(self) -> None:
         cfg = self.config
         self.checkpoints = Path(self.ctx.run_dir) / "checkpoints"  # this machine's cache of the stored ones
         self.checkpoints.mkdir(parents=True, exist_ok=True)
+        self.device = device = rank_device(resolve_device(cfg.policy.device), self.layout.rank)  # its own GPU
         if self.layout.world_size > 1:
-            self.group = TrainerGroup(self.bus, self.layout, cfg.trainer.rendezvous_timeout_s,
+            self.group = TrainerGroup(self.bus, self.layout, device, cfg.trainer.rendezvous_timeout_s,
                                       cfg.trainer.collective_timeout_s)
             await self.group.join()
             self.exit_stack.callback(self.group.leave)  # the last thing this process does with its peers
-            self.ranks = await asyncio.to_thread(RankGroup, self.layout)
+        self.ranks = await asyncio.to_thread(RankGroup, self.layout)  # one rank: a group of one, no collective
         # rank 0 fetches the store's newest checkpoint into the cache the ranks share; they all load it
         latest = await self._latest_checkpoint() if self.layout.rank == 0 else None
-        if self.ranks is not None:
-            latest = await asyncio.to_thread(self.ranks.broadcast_plan, latest)
+        latest = await self._collective(self.ranks.broadcast_plan, latest)
         num_steps = self.ctx.run_steps  # the length of a cosine lr schedule
         if latest is not None:
-            self.learner = await asyncio.to_thread(Learner.load, latest, cfg.trainer, num_steps,
-                                                   resolve_device(cfg.policy.device), self.ranks)
+            self.learner = await self._compute(Learner.load, latest, cfg.trainer, num_steps, device, self.ranks)
             use_training_precision(self.learner.model, cfg.policy)
         else:
-            model = await load_run_policy(self.ctx, cfg.policy, training=True)
-            self.learner = await asyncio.to_thread(Learner, model, cfg.trainer, 0, num_steps, self.ranks)
+            policy = dataclasses.replace(cfg.policy, device=str(device))
+            model = await load_run_policy(self.ctx, policy, training=True)
+            self.learner = await self._compute(Learner, model, cfg.trainer, 0, num_steps, self.ranks)
         if self.layout.rank == 0:  # the only one that writes rows
             await self._recover_pending_row()
         self.run_name = weights_run_name(self.ctx)
@@ -140,7 +156,7 @@ class TrainerActor(StageActor):
                                                 world_size=self.layout.world_size)
         self.publisher = WeightPublisher(self.ctx.blob, self.publisher_config)
         await self.exit_stack.enter_async_context(self.publisher)
-        if self.ranks is not None:
+        if self.ranks.distributed:
             self.exit_stack.push_async_callback(self._stop_group)  # before the publisher closes
         self.signal_codec = Codec([WeightsPublished])
         self.started_at = time.monotonic()
@@ -150,32 +166,29 @@ class TrainerActor(StageActor):
         await self._announce_current()
 
     async def _announce_current(self) -> None:
-        """The learner's version is in the store (verified, or published now) and announced, before any order."""
+        """The learner's version is in the store (verified, or published now) and announced, before any order.
+        Rank 0's view of the store decides for the group: every rank publishes its part again, or none does."""
         version = self.learner.version
-        reader = WeightSubscriber(self.ctx.blob, SubscriberConfig(run=self.run_name))
-        try:
-            published = await reader.versions()
-        finally:
-            reader.close()
-        if self.ranks is not None:  # rank 0's view decides for the group: every rank republishes, or none
-            complete = await asyncio.to_thread(self.ranks.broadcast_plan, version in published)
-            if not complete:
-                log.warning("weights_republishing", version=version, rank=self.layout.rank)
-                await self._publish_group()
-            elif self.layout.rank == 0:
-                key = manifest_key(self.publisher_config.key_prefix, self.run_name, version)
-                await self._announce(WeightsPublished(self.run_name, version, key, 0))
+        published: list[int] = []
+        if self.layout.rank == 0:
+            reader = WeightSubscriber(self.ctx.blob, SubscriberConfig(run=self.run_name))
+            try:
+                published = await reader.versions()
+            finally:
+                reader.close()
+            if published and published[-1] > version:  # steps after the newest checkpoint were lost with the process
+                log.error("weights_ahead_of_checkpoint", version=version, newest_published=published[-1],
+                          fix="trainer.checkpoint_every = 1 keeps every announced version in a checkpoint")
+        if not await self._collective(self.ranks.broadcast_plan, version in published):
+            # killed between its checkpoint and the manifest: publish it again
+            log.warning("weights_republishing", version=version, rank=self.layout.rank,
+                        newest_published=published[-1] if published else None)
+            await self._announce_when_durable(self._submit_weights())
             return
-        if published and published[-1] > version:  # steps after the newest checkpoint were lost with the process
-            log.error("weights_ahead_of_checkpoint", version=version, newest_published=published[-1],
-                      fix="trainer.checkpoint_every = 1 keeps every announced version in a checkpoint")
-        if version not in published:  # killed between its checkpoint and the manifest: publish it again
-            log.warning("weights_republishing", version=version, newest_published=published[-1] if published else None)
-            await self._signal_when_uploaded(self._publish())
-            return
-        key = manifest_key(self.publisher_config.key_prefix, self.run_name, version)
-        log.info("weights_verified", version=version, manifest_key=key)
-        await self._announce(WeightsPublished(self.run_name, version, key, 0))
+        if self.layout.rank == 0:
+            key = manifest_key(self.publisher_config.key_prefix, self.run_name, version)
+            log.info("weights_verified", version=version, manifest_key=key)
+            await self._announce(WeightsPublished(self.run_name, version, key, 0))
 
     async def on_config_change(self, key: str, old: Any, new: Any) -> None:
         if key == "trainer.lr":  # the schedule's peak: the rest of the schedule keeps its shape at the new height
@@ -184,9 +197,21 @@ class TrainerActor(StageActor):
     def status(self) -> dict[str, Any]:
         return {"version": self.learner.version, "num_trained_batches": len(self.learner.trained_batches)}
 
+    async def _collective(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a call that may wait on the other ranks: in a thread when there are any (the event
+        loop keeps serving the bus meanwhile), in place for a group of one (its collectives return at once)."""
+        if self.ranks.distributed:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, work on the model: in a thread (the event loop keeps serving the bus), on this rank's
+        device."""
+        return await asyncio.to_thread(_on_device, self.device, fn, *args)
+
     # --- the group (actors.trainer.ranks > 1) --------------------------------------------------------
     async def background(self, tg: asyncio.TaskGroup) -> None:
-        if self.ranks is not None:
+        if self.ranks.distributed:
             tg.create_task(self._watch_group())
             if self.layout.rank > 0:
                 tg.create_task(self._follow())
@@ -200,7 +225,6 @@ class TrainerActor(StageActor):
 
     async def _follow(self) -> None:
         """A rank > 0: rank 0's plans, one after another, until it says stop."""
-        assert self.ranks is not None
         while True:
             plan = await asyncio.to_thread(self.ranks.broadcast_plan, None)
             if plan is None:
@@ -215,7 +239,6 @@ class TrainerActor(StageActor):
                 log.info("plan_refused", batch_id=plan.batch_id, rank=self.layout.rank, reason=str(e))
 
     async def _stop_group(self) -> None:
-        assert self.ranks is not None
         if self._following is not None:
             await asyncio.wait({self._following}, timeout=self.config.trainer.collective_timeout_s)
         if self.layout.rank == 0:  # the others stop following
@@ -224,68 +247,7 @@ class TrainerActor(StageActor):
             except RuntimeError as e:  # a peer already gone: it does not need to hear it
                 log.warning("trainer_group_stop_unheard", error=repr(e))
 
-    async def _read_share(self, plan: TrainPlan) -> list[GroupRecord]:
-        """The plan's groups: this rank reads its share from storage, the group exchanges them. A read that
-        fails on one rank fails the plan on every rank (WorkRefused), never a collective left unpaired."""
-        assert self.ranks is not None
-        mine: dict[int, GroupRecord | str] = {}
-        for i in self.ranks.share_of(len(plan.group_keys)):
-            try:
-                mine[i] = await self.get_record(plan.group_keys[i], GroupRecord)
-            except WorkRefused as e:
-                mine[i] = str(e)
-        records = await asyncio.to_thread(self.ranks.exchange, mine, len(plan.group_keys))
-        errors = [r for r in records if isinstance(r, str)]
-        if errors:
-            raise WorkRefused(errors[0])
-        groups = [r for r in records if isinstance(r, GroupRecord)]
-        named = [g.group_id for g in groups]
-        if len(set(plan.group_ids)) != len(plan.group_ids) or named != list(plan.group_ids):
-            raise WorkRefused(f"batch {plan.batch_id} names groups {list(plan.group_ids)} but its records "
-                              f"hold {named}")
-        return groups
-
-    async def _train_plan(self, plan: TrainPlan, order: TrainOrder | None = None) -> StepMetrics:
-        """One step of the group on ``plan`` (every rank); rank 0 also writes the row and reports."""
-        groups = await self._read_share(plan)
-        learner = self.learner
-        started = time.monotonic()
-        metrics = await asyncio.to_thread(learner.step, groups, plan.batch_id)
-        row = None
-        if order is not None:
-            self.num_samples += metrics.num_samples
-            row = self._row(metrics, order, busy_s=self.busy_s + time.monotonic() - started)
-            await self.ctx.blob.put(PENDING_ROW, json.dumps(row).encode())
-        if learner.version % self.config.trainer.checkpoint_every == 0:
-            await self._save_checkpoint()
-        self.busy_s += time.monotonic() - started
-        await self._publish_group()
-        if row is not None:
-            await self._report(row)
-            await self.ctx.blob.delete(PENDING_ROW)
-        return metrics
-
-    async def _publish_group(self) -> None:
-        """Every rank uploads its part of the version; rank 0 announces it once all parts are durable."""
-        assert self.ranks is not None
-        version = self.learner.version
-        self.last_submitted = version
-        part = self.publisher.snapshot(weights_to_publish(self.learner.model, self.layout))
-        try:
-            published: PublishedVersion | None = await self.publisher.submit(version, part)
-        except Exception as e:  # said to the others: nobody announces a version with a part missing
-            log.error("weights_publish_failed", version=version, rank=self.layout.rank, error=repr(e))
-            published = None
-        durable = await asyncio.to_thread(self.ranks.gather, published is not None)
-        if not all(durable):
-            self.fail(f"publishing weights version {version} failed on ranks "
-                      f"{[r for r, ok in enumerate(durable) if not ok]}")
-            raise RuntimeError(f"weights version {version} is not durable on every rank")
-        if self.layout.rank == 0 and published is not None:
-            await self._announce(WeightsPublished(self.run_name, published.version, published.manifest_key,
-                                                  published.num_encoded_bytes))
-            log.info("weights_announced", version=version, world_size=self.layout.world_size)
-
+    # --- one step: the same sequence on every rank (one rank: a group of one) ------------------------
     async def work(self, order: TrainOrder, delivery: Delivery) -> TrainDone:
         learner = self.learner
         trained = {g: learner.trained_groups[g] for g in order.group_ids if g in learner.trained_groups}
@@ -301,33 +263,63 @@ class TrainerActor(StageActor):
         if learner.version > order.deadline_version:
             raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
                               f"{order.deadline_version}: training it would exceed the staleness bound")
-        if self.ranks is not None:  # rank 0 of a group: the plan goes to every rank, the step is theirs
-            plan = TrainPlan(order.batch_id, tuple(order.group_keys), tuple(order.group_ids))
-            await asyncio.to_thread(self.ranks.broadcast_plan, plan)
-            await self._train_plan(plan, order)
-            return TrainDone(order.batch_id, order.attempt, learner.version)
-        groups = await self.get_records(list(order.group_keys), GroupRecord, ready=True)
-        named = [g.group_id for g in groups]
-        if len(set(order.group_ids)) != len(order.group_ids) or named != list(order.group_ids):
-            raise WorkRefused(f"batch {order.batch_id} names groups {list(order.group_ids)} but its records "
-                              f"hold {named}")
+        plan = TrainPlan(order.batch_id, tuple(order.group_keys), tuple(order.group_ids))
+        await self._collective(self.ranks.broadcast_plan, plan)  # the other ranks, if any, take the step too
+        await self._train_plan(plan, order, delivery)
+        return TrainDone(order.batch_id, order.attempt, learner.version)
+
+    async def _train_plan(self, plan: TrainPlan, order: TrainOrder | None = None,
+                          delivery: Delivery | None = None) -> StepMetrics:
+        """One step on ``plan``, the same sequence on every rank; rank 0, which took the ``order`` (its
+        ``delivery`` holds a lone rank's background upload), also writes the row, reports and releases."""
+        groups = await self._read_share(plan)
+        learner = self.learner
         started = time.monotonic()
-        metrics = await asyncio.to_thread(learner.step, groups, order.batch_id)
-        self.num_samples += metrics.num_samples
-        row = self._row(metrics, order, busy_s=self.busy_s + time.monotonic() - started)
-        # The step's row is written before its checkpoint: a trainer killed between the checkpoint and
-        # the metrics get it when it restarts (`_recover_pending_row`), once, and never twice.
-        await self.ctx.blob.put(PENDING_ROW, json.dumps(row).encode())
+        metrics = await self._compute(learner.step, groups, plan.batch_id)
+        row = None
+        if order is not None:
+            self.num_samples += metrics.num_samples
+            row = self._row(metrics, order, busy_s=self.busy_s + time.monotonic() - started)
+            # The step's row is written before its checkpoint: a trainer killed between the checkpoint and
+            # the metrics get it when it restarts (`_recover_pending_row`), once, and never twice.
+            await self.ctx.blob.put(PENDING_ROW, json.dumps(row).encode())
         if learner.version % self.config.trainer.checkpoint_every == 0:
             await self._save_checkpoint()
         self.busy_s += time.monotonic() - started
-        # Upload runs in the background; the order is acked once the new version is announced.
-        delivery.task_group.create_task(self._signal_when_uploaded(self._publish()))
-        await self._report(row)
-        await self.ctx.blob.delete(PENDING_ROW)
-        if self.ctx.ready_samples is not None:  # trained: the object store's copies are no longer needed
+        announced = self._announce_when_durable(self._submit_weights())
+        if self.ranks.distributed:  # its gather is a collective: every rank meets it here, before the next step's
+            await announced
+        else:  # the upload runs in the background; the order is acked once the new version is announced
+            assert delivery is not None, "a lone rank trains only the orders it takes"
+            delivery.task_group.create_task(announced)
+        if row is not None:
+            await self._report(row)
+            await self.ctx.blob.delete(PENDING_ROW)
+        if order is not None and self.ctx.ready_samples is not None:  # trained: the object store's copies go
             await self.ctx.ready_samples.release(list(order.group_keys))
-        return TrainDone(order.batch_id, order.attempt, learner.version)
+        return metrics
+
+    async def _read_share(self, plan: TrainPlan) -> list[GroupRecord]:
+        """The plan's groups: this rank reads its share (all of them on one rank) and the group exchanges
+        them. A read that fails on one rank fails the plan on every rank (WorkRefused), never a collective
+        left unpaired."""
+        share = list(self.ranks.share_of(len(plan.group_keys)))
+        mine: dict[int, GroupRecord | str]
+        try:
+            records = await self.get_records([plan.group_keys[i] for i in share], GroupRecord, ready=True)
+            mine = dict(zip(share, records, strict=True))
+        except WorkRefused as e:  # said to the others in place of the records
+            mine = dict.fromkeys(share, str(e))
+        every = await self._collective(self.ranks.exchange, mine, len(plan.group_keys))
+        errors = [r for r in every if isinstance(r, str)]
+        if errors:
+            raise WorkRefused(errors[0])
+        groups = [r for r in every if isinstance(r, GroupRecord)]
+        named = [g.group_id for g in groups]
+        if len(set(plan.group_ids)) != len(plan.group_ids) or named != list(plan.group_ids):
+            raise WorkRefused(f"batch {plan.batch_id} names groups {list(plan.group_ids)} but its records "
+                              f"hold {named}")
+        return groups
 
     async def _latest_checkpoint(self) -> Path | None:
         """The newest checkpoint in the run's store, fetched into the local cache; a run from before
@@ -341,7 +333,7 @@ class TrainerActor(StageActor):
         """Saves the learner (``Learner.save``, into the local cache) and stores it in the run's store:
         the step counts as checkpointed once the stored copy's manifest is written. With ranks, each rank
         saves its shard into the cache they share and rank 0, once all are written, stores the whole."""
-        saved = await asyncio.to_thread(self.learner.save, self.checkpoints)
+        saved = await self._compute(self.learner.save, self.checkpoints)
         if self.layout.rank > 0:
             return
         await upload_checkpoint(self.ctx.blob, saved)
@@ -363,28 +355,44 @@ class TrainerActor(StageActor):
             log.info("train_row_recovered", version=version, batch_id=row.get("batch_id"))
         await self.ctx.blob.delete(PENDING_ROW)
 
-    def _publish(self) -> tuple[int, asyncio.Future[PublishedVersion]]:
-        # The step's whole share of publishing: one copy into recycled bf16 buffers.
+    def _submit_weights(self) -> tuple[int, asyncio.Future[PublishedVersion]]:
+        """This rank's part of the learner's version (all of it on one rank) to the publisher: the step's whole
+        share of publishing is one copy into recycled bf16 buffers; encoding and upload run in the background."""
         version = self.learner.version
         self.last_submitted = version
-        return version, self.publisher.submit(version, self.publisher.snapshot(self.learner.model.state_dict()))
+        part = weights_to_publish(self.learner.model, self.layout)
+        return version, self.publisher.submit(version, self.publisher.snapshot(part))
 
-    async def _signal_when_uploaded(self, submitted: tuple[int, asyncio.Future[PublishedVersion]]) -> None:
+    async def _announce_when_durable(self, submitted: tuple[int, asyncio.Future[PublishedVersion]]) -> None:
+        """Waits for this rank's upload; rank 0 announces the version once every rank's part is durable. A
+        version not durable everywhere is never announced: the newest fails the trainer (restarted, it
+        publishes that version again); an older one is only logged, a newer one supersedes it (a lone rank's:
+        a group waits for each version before its next step)."""
         version, future = submitted
+        error: Exception | None = None
+        published: PublishedVersion | None = None
         try:
             published = await future
-        except Exception as e:
-            if version < self.last_submitted:  # a newer version supersedes it; readers catch up from that one
-                log.warning("weights_publish_failed", version=version, superseded_by=self.last_submitted, error=repr(e))
+        except Exception as e:  # said to the other ranks: nobody announces a version with a part missing
+            error = e
+        durable = await self._collective(self.ranks.gather, error is None)
+        if published is None or not all(durable):
+            failed = [r for r, ok in enumerate(durable) if not ok]
+            if version < self.last_submitted:
+                log.warning("weights_publish_failed", version=version, superseded_by=self.last_submitted,
+                            ranks=failed, error=repr(error))
                 return
             # The newest version would never reach anyone: fail loudly; the restarted trainer publishes it again.
-            self.fail(f"publishing weights version {version} failed: {e!r}")
-            raise
+            self.fail(f"publishing weights version {version} failed on ranks {failed}: {error!r}")
+            raise error or RuntimeError(f"weights version {version} is not durable on ranks {failed}")
+        if self.layout.rank > 0:
+            return
         await self._announce(WeightsPublished(self.run_name, published.version, published.manifest_key,
                                               published.num_encoded_bytes))
         log.info("weights_announced", version=published.version, base_version=published.base_version,
-                 num_encoded_bytes=published.num_encoded_bytes, num_weight_bytes=published.num_weight_bytes,
-                 encode_s=round(published.encode_s, 4), upload_s=round(published.upload_s, 4))
+                 world_size=self.layout.world_size, num_encoded_bytes=published.num_encoded_bytes,
+                 num_weight_bytes=published.num_weight_bytes, encode_s=round(published.encode_s, 4),
+                 upload_s=round(published.upload_s, 4))
 
     async def _announce(self, msg: WeightsPublished) -> None:
         await self.bus.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))

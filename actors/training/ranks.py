@@ -20,6 +20,9 @@ parameters. Each step:
   expert norms summed over the expert group; every rank then scales by the same factor.
 - decisions (a non-finite loss, gradient or update) are all-reduced, so every rank refuses or applies
   the same step.
+- devices: on CUDA the group has NCCL for CUDA tensors and gloo for CPU ones (actors.trainer_group), so
+  each collective's tensor says which carries it: gradients, their norms and the experts' all-to-all stay
+  on the model's device (NCCL); flags, sums and objects (plans, records, metrics) are on the CPU (gloo).
 
 Single rank (``RankGroup.single()``): no collective at all, the learner's path of before.
 """
@@ -47,6 +50,7 @@ T = TypeVar("T")
 _STACKED_TO_PROJ = {"w_gate_EFD": "gate_proj", "w_up_EFD": "up_proj", "w_down_EDF": "down_proj"}
 
 _EXPERT_PARAMS = ("w_gate_EFD", "w_up_EFD", "w_down_EDF")
+_OBJECTS = torch.device("cpu")  # where object collectives run: gloo's side of the group on every device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +153,7 @@ class RankGroup:
         if not self.distributed:
             return plan
         box = [plan if self.layout.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, device=_OBJECTS)
         return box[0]
 
     def read_share(self, keys: Sequence[str], read: Callable[[str], T]) -> list[T]:
@@ -176,7 +180,7 @@ class RankGroup:
         if not self.distributed:
             return [obj]
         out: list[object] = [None] * self.layout.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj)  # on the CPU (gloo) when the group has a CPU backend, as ours always does
         return out
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
@@ -198,8 +202,9 @@ class RankGroup:
         params = [p for p in model.parameters() if p.grad is not None]
         if not self.distributed:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        dense_sq = torch.zeros((), dtype=torch.float64)
-        expert_sq = torch.zeros((), dtype=torch.float64)
+        device = params[0].device if params else torch.device("cpu")  # the sums' all-reduce runs where the grads are
+        dense_sq = torch.zeros((), dtype=torch.float64, device=device)
+        expert_sq = torch.zeros((), dtype=torch.float64, device=device)
         for name, p in model.named_parameters():
             if p.grad is None:
                 continue
@@ -248,6 +253,8 @@ def weights_to_publish(model: MoETransformer, layout: RankLayout) -> dict[str, t
     per-expert HF names with their global index (``checked_state`` turns the assembled names back into
     this model's). Without expert parallelism every tensor is dense."""
     state = model.state_dict()
+    if layout.world_size == 1:  # a lone rank publishes every tensor
+        return state
     if layout.expert_parallel == 1:
         return rank_part(state, layout.rank, layout.world_size)
     dense = {n: t for n, t in state.items() if not is_expert_param(n)}

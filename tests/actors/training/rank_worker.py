@@ -49,14 +49,16 @@ def full_state(learner: Learner) -> dict[str, torch.Tensor]:
     return out
 
 
-def step_once(layout: RankLayout, replay: bool, kl_coef: float = 0.0) -> tuple[dict[str, torch.Tensor], dict]:
+def step_once(layout: RankLayout, replay: bool, kl_coef: float = 0.0,
+              device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+    """One step of the rank ``layout`` on ``device``; the full state comes back on the CPU."""
     torch.manual_seed(0)
     model = starting_model()
     groups = batch(model)
     config = TrainerSection(lr=LR, router_replay=replay, kl_coef=kl_coef)
-    learner = Learner(copy.deepcopy(model), config, ranks=RankGroup(layout))
+    learner = Learner(copy.deepcopy(model).to(device), config, ranks=RankGroup(layout))
     metrics = learner.step(groups, "b0")
-    return full_state(learner), dataclasses.asdict(metrics)
+    return {k: t.cpu() for k, t in full_state(learner).items()}, dataclasses.asdict(metrics)
 
 
 def main(rank: int, world_size: int, expert_parallel: int, replay: bool, kl_coef: float, rendezvous: str,
