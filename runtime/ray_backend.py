@@ -148,7 +148,10 @@ class RayBackend:
             else:
                 checks = {"health_check_period_ms": 1000,
                           "health_check_failure_threshold": section.ray_head_node_lost_checks}
-                ray.init(num_cpus=section.ray_head_num_cpus or None, _system_config=checks, **common)
+                # "local": a new head, always; no address would join the cluster RAY_ADDRESS names, or the last
+                # one `ray start` left on this machine (another run's, another user's), not start one
+                ray.init(address="local", num_cpus=section.ray_head_num_cpus or None, _system_config=checks,
+                         **common)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise PlacementError(f"cannot reach the Ray cluster at {section.ray_address or 'a new local head'}: "
                                  f"{e}; fix runtime.ray_address (e.g. 'auto' or 'HOST:6379')") from e

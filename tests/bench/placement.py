@@ -95,7 +95,7 @@ async def fetch_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="bench-placement-fetch-"))
     namespace = holder_namespace(str(work))
-    ray.init(num_cpus=1, namespace=namespace, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, namespace=namespace, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING, configure_logging=False)
     try:
         blob = open_store((work / "blobs").as_uri())

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +25,9 @@ import pytest
 
 from runtime.codec import Codec
 from runtime.events import parse_event
+from runtime.ray_host import RAY_WORKER_ENV
 from tests.integration.harness import REPO, LiveRun, alive, run_events, until, write_config
+from tests.integration.test_actor_runtime import _environment
 from tests.integration.workers import CountRequest
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -48,6 +52,7 @@ entry = "tests.integration.workers:CounterActor"
 count = 1
 heartbeat_s = 1.0
 nice = 7
+threads = 0
 [actors.trained.placement]
 num_cpus = 0.5
 resources = {{trainer = 1}}
@@ -89,10 +94,13 @@ class RayCluster:
         return next((name for name, node in self.nodes.items() if node.node_id.startswith(prefix)),
                     f"unknown {node_field}")
 
+    def raylet_pid(self, name: str) -> int:
+        return self.nodes[name].all_processes["raylet"][0].process.pid
+
     def node_of_pid(self, pid: int) -> str:
         """Which node a process runs on, by the operating system's word, not Ray's or the supervisor's: the
         node whose raylet is among its ancestors (the raylet starts the Ray worker that starts the process)."""
-        raylets = {node.all_processes["raylet"][0].process.pid: name for name, node in self.nodes.items()}
+        raylets = {self.raylet_pid(name): name for name in self.nodes}
         ancestry, at = [], pid
         while at > 1:
             if at in raylets:
@@ -157,6 +165,11 @@ async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, 
         assert niceness[trained["id"]] - niceness[sandboxed[0]["id"]] == 7, f"nice reaches Ray's processes: {niceness}"
         cmdline = Path(f"/proc/{trained['pid']}/cmdline").read_bytes().split(b"\0")
         assert b"runtime.actor_process" in cmdline and trained["id"].encode() in cmdline
+        # the node's environment (its raylet's: this process's), not what Ray sets for its own workers:
+        # ``threads = 0`` leaves torch's default, as it does locally, not Ray's OMP_NUM_THREADS=1
+        assert ray_cluster.node_of_pid(trained["pid"]) == "b"
+        env, node_env = _environment(trained["pid"]), _environment(ray_cluster.raylet_pid("b"))
+        assert {k: env.get(k) for k in RAY_WORKER_ENV} == {k: node_env.get(k) for k in RAY_WORKER_ENV}, env
         # its events reach ops.tail through the bus's LOG stream (not the node's files)
         tail = await asyncio.to_thread(subprocess.run, [
             sys.executable, "-m", "ops.tail", str(run.run_dir), "--since", "10m", "--no-follow", "--json",
@@ -164,8 +177,6 @@ async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, 
             timeout=60)
         assert trained["id"] in tail.stdout and "actor_running" in tail.stdout, tail.stdout + tail.stderr
         # a crash is ours to restart (Ray's restarts are off): a new process, a new id, on a node that fits
-        import os
-        import signal
         os.kill(sandboxed[0]["pid"], signal.SIGKILL)
 
         async def replaced() -> bool:
@@ -226,6 +237,29 @@ node_labels = {zone = "a"}
     killed = [e for e in run_events(run.run_dir, "actor_killed") if e.get("actor_id") == actor["id"]]
     assert [e["reason"] for e in killed] == ["stop_timeout"], killed
     assert not alive(actor["pid"]), "the killed process is gone"
+
+
+async def test_a_run_without_a_ray_address_starts_its_own_head(tmp_path: Path, ray_cluster: RayCluster,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``runtime.ray_address`` empty starts a new head even where ``RAY_ADDRESS`` names a running cluster (a
+    shell on a Ray node; every actor process has it) or ``ray start`` left one on this machine: its actors
+    are not placed on someone else's cluster."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)  # runtime.up inherits it
+    cfg = write_config(tmp_path / "run.toml", """
+[actors.counter]
+entry = "tests.integration.workers:CounterActor"
+count = 1
+heartbeat_s = 1.0
+""")
+    run = await LiveRun(tmp_path / "run", cfg, "--set", 'runtime.backend="ray"', "--set",
+                        "runtime.ray_head_num_cpus=1").start(timeout_s=120)
+    try:
+        (actor,) = await run.wait_actors("counter", 1, timeout_s=180)
+        (connected,) = run_events(run.run_dir, "ray_connected")
+        assert connected["started_head"] and connected["address"] != ray_cluster.address, connected
+        assert ray_cluster.node_of_pid(actor["pid"]).startswith("no node"), "placed on the other cluster"
+    finally:
+        assert await run.stop(timeout_s=120) == 0
 
 
 def _code_tree(root: Path, version: int) -> Path:
