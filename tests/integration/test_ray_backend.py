@@ -252,7 +252,7 @@ count = 1
 heartbeat_s = 1.0
 """)
     run = await LiveRun(tmp_path / "run", cfg, "--set", 'runtime.backend="ray"', "--set",
-                        "runtime.ray_head_num_cpus=1").start(timeout_s=120)
+                        "runtime.ray_head_num_cpus=1").start(timeout_s=300)  # a head's start, under load
     try:
         (actor,) = await run.wait_actors("counter", 1, timeout_s=180)
         (connected,) = run_events(run.run_dir, "ray_connected")
