@@ -3,7 +3,8 @@ trainer, evaluator and dashboard, sandboxed rewards, delta weight sync) on a Ray
 this machine and a NATS JetStream cluster of three servers on loopback, started as a user starts it::
 
     python -m runtime.up --config actors/run.toml --config SHORT_RUN.toml --config PLACEMENT.toml \\
-        --set runtime.backend="ray" --set runtime.ray_address="HEAD:PORT" --set bus.embedded_servers=3
+        --set runtime.backend="ray" --set runtime.ray_address="HEAD:PORT" --set bus.embedded_servers=3 \\
+        --set tasks.num_heldout=4 --set eval.samples_per_task=1
 
 The head carries `control` (the reconciler, grouping, evaluator, dashboard ask for it), one worker
 `sandbox` (rollout, reward), the other `trainer` (the trainer): each kind must run on the one node that has
@@ -29,6 +30,9 @@ from tests.integration.test_ray_backend import HEALTH_CHECKS, _ray_args, _start_
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 STEPS = 3
+# the held-out evaluations at the start and the end are most of the short run's time on 2 cores: a quarter of
+# test_e2e's (4 tasks, 1 sample each), still the real evaluator
+SHORTER_EVALUATION = ("--set", "tasks.num_heldout=4", "--set", "eval.samples_per_task=1")
 # one custom resource per node, none shared: a kind placed anywhere else would be Ray's error or ours
 NODES = {
     "head": {"num_cpus": 2, "resources": {"control": 8}, "_system_config": HEALTH_CHECKS},
@@ -55,8 +59,8 @@ async def test_the_short_run_on_a_ray_cluster_and_a_nats_cluster(tmp_path: Path,
     expected = {kind: _node_with(resource) for kind, resource in RESOURCE_OF_KIND.items()}
     with ray_cluster_of(NODES) as cluster:
         launched = time.monotonic()
-        run = await LiveRun(tmp_path / "run", configs, *_ray_args(cluster), "--set", "bus.embedded_servers=3"
-                            ).start(timeout_s=180)
+        run = await LiveRun(tmp_path / "run", configs, *_ray_args(cluster), "--set", "bus.embedded_servers=3",
+                            *SHORTER_EVALUATION).start(timeout_s=180)
         try:
             assert run.info is not None and len(run.info.nats_url.split(",")) == 3, run.info
             by_os: dict[str, str] = {}
