@@ -189,9 +189,13 @@ class StageActor(Actor):
                                   if ready and self.ctx.ready_samples is not None else None)
 
     async def get_records(self, keys: list[str], record_type: type[R], ready: bool = False) -> list[R]:
-        """`get_record` of each of ``keys``; ``ready``: those the Ray object store holds read in one go."""
-        found = (await self.ctx.ready_samples.get_many(keys) if ready and self.ctx.ready_samples is not None
-                 else [None] * len(keys))
+        """`get_record` of each of ``keys``; ``ready``: those the Ray object store holds read in one go
+        (``ready_samples_read``: how many reads of this process the store answered, how many the blob store)."""
+        found: list[bytes | None] = [None] * len(keys)
+        if ready and self.ctx.ready_samples is not None:
+            found = await self.ctx.ready_samples.get_many(keys)
+            log.info("ready_samples_read", num_hits=self.ctx.ready_samples.num_hits,
+                     num_misses=self.ctx.ready_samples.num_misses)
         return [await _read_record(self.ctx.blob, k, record_type, raw) for k, raw in zip(keys, found, strict=True)]
 
 

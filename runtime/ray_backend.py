@@ -5,7 +5,9 @@ Each actor process is placed by a `runtime.ray_host.ActorHost` Ray actor reservi
 ``[actors.<kind>.placement]`` (``num_cpus``, ``num_gpus``, custom ``resources``, ``node_labels`` as a
 hard label selector, ``strategy``); the host starts the same command the local backend starts
 (runtime.placement.actor_launch) as its child, in its own session, killed with it: one OS process per
-actor, its output in ``<run dir>/logs/<id>.out`` on its node and the end of it returned on exit.
+actor, its output in ``<run dir>/logs/<id>.out`` on its node and the end of it returned on exit. Starts
+overlap (the supervisor asks for a run's processes together; each waits for its own Ray worker, at most
+``ray_place_timeout_s``), except those of a "pack" kind, placed in turn so that each sees where the last went.
 
 Ray restarts nothing (``max_restarts=0``, ``max_task_retries=0``): the supervisor's policy is the only
 one. A host that dies is classified by its node: the node dead or gone (Ray's node health checks,
@@ -126,6 +128,8 @@ class RayBackend:
         self.namespace = namespace  # the run's: its ready-samples holder lives there
         self.address = ray.get_runtime_context().gcs_address
         self._nodes_of_run: dict[str, int] = {}  # node id -> processes placed there ("pack")
+        self._host_class = ray.remote(ray_host.ActorHost)  # one class for every start: exported to the cluster once
+        self._packing = asyncio.Lock()
 
     @classmethod
     def connect(cls, section: BackendSection, run_dir: Path) -> RayBackend:
@@ -144,7 +148,10 @@ class RayBackend:
             else:
                 checks = {"health_check_period_ms": 1000,
                           "health_check_failure_threshold": section.ray_head_node_lost_checks}
-                ray.init(num_cpus=section.ray_head_num_cpus or None, _system_config=checks, **common)
+                # "local": a new head, always; no address would join the cluster RAY_ADDRESS names, or the last
+                # one `ray start` left on this machine (another run's, another user's), not start one
+                ray.init(address="local", num_cpus=section.ray_head_num_cpus or None, _system_config=checks,
+                         **common)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise PlacementError(f"cannot reach the Ray cluster at {section.ray_address or 'a new local head'}: "
                                  f"{e}; fix runtime.ray_address (e.g. 'auto' or 'HOST:6379')") from e
@@ -165,6 +172,14 @@ class RayBackend:
                     f"has it: {[_describe(n) for n in nodes]}; start a node with it or change the placement")
 
     async def start(self, launch: ActorLaunch, spec: ActorSpec) -> RayProcess:
+        """Places one process; starts run together (the supervisor asks for many at once), except "pack"
+        ones, placed one after another so that each goes where the last one landed."""
+        if spec.placement.strategy != "pack":
+            return await self._place(launch, spec)
+        async with self._packing:  # each holder waits at most ray_place_timeout_s
+            return await self._place(launch, spec)
+
+    async def _place(self, launch: ActorLaunch, spec: ActorSpec) -> RayProcess:
         placement = spec.placement
         options: dict[str, Any] = {
             "num_cpus": placement.num_cpus, "num_gpus": placement.num_gpus, "resources": dict(placement.resources),
@@ -183,17 +198,19 @@ class RayBackend:
             cwd = os.getcwd()
             pythonpath = [cwd, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
         env = {**launch.env, "RAY_ADDRESS": self.address}
-        host = ray.remote(ray_host.ActorHost).options(**options).remote()
+        host = self._host_class.options(**options).remote()
         timeout = self.section.ray_place_timeout_s
         try:
             info = await asyncio.wait_for(host.start.remote(list(launch.args), env, cwd, pythonpath,
                                                             str(launch.output_path)), timeout)
         except (TimeoutError, ray.exceptions.RayError) as e:
-            with contextlib.suppress(Exception):
-                ray.kill(host, no_restart=True)
+            _kill_host(host)
             why = f"not started within {timeout}s" if isinstance(e, TimeoutError) else _first_line(e)
             raise PlacementError(f"{launch.actor_id} ({_demand(placement)}, labels {placement.node_labels}): "
                                  f"{why}") from None
+        except BaseException:  # cancelled (a start beside it failed, or the run stops): its host goes too
+            _kill_host(host)
+            raise
         process = RayProcess(host, info, launch, on_exit=self._forget)
         self._nodes_of_run[process.node_id] = self._nodes_of_run.get(process.node_id, 0) + 1
         log.info("actor_placed", actor_id=launch.actor_id, node=process.node, node_id=process.node_id,
@@ -228,6 +245,12 @@ def _ship(working_dir: str) -> dict[str, Any]:
         return upload_working_dir_if_needed(env, include_gitignore=True, logger=logging.getLogger("ray_ship"))
     except (OSError, ValueError, TypeError) as e:
         raise PlacementError(f"runtime.ray_working_dir={working_dir!r} cannot be shipped to the nodes: {e}") from e
+
+
+def _kill_host(host: Any) -> None:
+    """Ends a host that did not start its process (its worker and the resources it holds)."""
+    with contextlib.suppress(Exception):  # dead already, or never placed: nothing held
+        ray.kill(host, no_restart=True)
 
 
 def _alive_nodes() -> list[dict[str, Any]]:

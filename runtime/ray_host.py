@@ -5,7 +5,8 @@ copy of the project to run it; the actor process it starts finds the project's c
 ``PYTHONPATH`` and working directory the backend gives it (a shared image, or Ray's working_dir).
 
 The process is started as the local backend starts it: its own session, SIGKILL when its parent (this
-Ray worker) dies, stdout and stderr appended to its output file on this node. Ray restarts nothing
+Ray worker) dies, stdout and stderr appended to its output file on this node, the node's environment
+(without what Ray sets for its own workers: `RAY_WORKER_ENV`). Ray restarts nothing
 (the backend places it with ``max_restarts=0``): the supervisor's policy is the only one.
 """
 
@@ -23,6 +24,12 @@ from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 OUTPUT_TAIL_BYTES = 4000  # the end of a process's output, returned with its exit status
+# what Ray sets in the environment of its own worker processes, not the node's: OMP_NUM_THREADS=1 for a worker
+# reserving no CPU (it would override a kind's ``threads = 0``, torch's default), its debugger as
+# breakpoint(), its internal flags. A process started here has these as its node has them, as a local one has
+# runtime.up's.
+RAY_WORKER_ENV = ("OMP_NUM_THREADS", "PYTHONBREAKPOINT", "SPT_NOENV", "RAY_JOB_ID", "RAY_RAYLET_PID",
+                  "RAY_OVERRIDE_NODE_ID_FOR_TESTING")
 
 
 def _die_with_parent() -> None:
@@ -32,6 +39,19 @@ def _die_with_parent() -> None:
     except OSError:
         return
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _node_environment() -> dict[str, str]:
+    """This worker's environment with `RAY_WORKER_ENV` as the node has it: as its raylet (this worker's parent,
+    started with the node's environment) has it, absent when that cannot be read."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes().decode(errors="replace")
+        node = dict(entry.split("=", 1) for entry in raw.split("\0") if "=" in entry)
+    except OSError:
+        node = {}
+    env = {k: v for k, v in os.environ.items() if k not in RAY_WORKER_ENV}
+    env.update({k: node[k] for k in RAY_WORKER_ENV if k in node})
+    return env
 
 
 def _start_in_child(niceness: int) -> None:
@@ -57,7 +77,7 @@ class ActorHost:
         working_dir) are made absolute here. Returns its pid and where it runs."""
         here = os.getcwd()
         paths = [str(Path(here, p)) for p in pythonpath]
-        full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(paths)}
+        full_env = {**_node_environment(), **env, "PYTHONPATH": os.pathsep.join(paths)}
         node_niceness = os.getpriority(os.PRIO_PROCESS, os.getppid())  # the raylet's, which started this worker
         self._output = Path(output_path)
         self._output.parent.mkdir(parents=True, exist_ok=True)

@@ -100,13 +100,11 @@ class Supervisor:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                for kind, spec in self.config.actors.items():
-                    for _ in range(spec.count):
-                        for rank in range(spec.ranks):
-                            await self._spawn(kind, rank=rank)
-                for kind, spec in self.config.actors.items():
-                    for _ in range(spec.standby):
-                        await self._spawn(kind, standby=True)
+                await self._spawn_together([(kind, rank) for kind, spec in self.config.actors.items()
+                                            for _ in range(spec.count) for rank in range(spec.ranks)])
+                # spares after the actors, so that a spare never holds the resources an actor waits for
+                await self._spawn_together([(kind, 0) for kind, spec in self.config.actors.items()
+                                            for _ in range(spec.standby)], standby=True)
                 await self._stop.wait()
                 await self._shutdown()
         finally:
@@ -128,6 +126,14 @@ class Supervisor:
                 tg.create_task(self._retire(p))
 
     # --- processes ------------------------------------------------------------------------------------
+    async def _spawn_together(self, starts: list[tuple[str, int]], standby: bool = False) -> list[ActorProcess]:
+        """Starts one process per ``(kind, rank)`` at once: each placement is independent (on Ray each
+        waits for its own worker, bounded by ``runtime.ray_place_timeout_s``), so n starts take about as
+        long as the slowest, not the sum. A start that raises cancels the others (each cleans up)."""
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(self._spawn(kind, standby=standby, rank=rank)) for kind, rank in starts]
+        return [t.result() for t in tasks]
+
     async def _spawn(self, kind: str, standby: bool = False, rank: int = 0) -> ActorProcess:
         assert self._tg is not None
         spec = self.config.actors[kind]
@@ -320,7 +326,7 @@ class Supervisor:
             old_spares = [p for p in self.procs.values() if p.kind == kind and not p.retiring and p.standby]
             old_info = [await self._registry_entry(p) for p in old]
             log.info("swap_started", actor_kind=kind, old=[p.actor_id for p in old])
-            new = [await self._spawn(kind) for _ in range(max(1, len(old)))]
+            new = await self._spawn_together([(kind, 0)] * max(1, len(old)))
             new_info = [await self._wait_running(p) for p in new]
             for p in old:
                 await self._retire(p)

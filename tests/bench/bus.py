@@ -179,7 +179,7 @@ async def start_run(run_dir: Path, concurrency: int, auth: bool) -> tuple[subpro
 async def start_ray(concurrency: int) -> Any:
     import ray  # only the driver needs Ray; the actor process imports this module too
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     handle = ray.remote(max_concurrency=concurrency)(RayEcho).remote()
     await handle.handle.remote(0, time.monotonic())  # the worker process is up
     return handle

@@ -369,7 +369,7 @@ def ray_cpu() -> dict[str, float]:
 def start_ray() -> dict[str, Any]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     classes = {"rollout": RayRollout, "reward": RayReward, "group": RayGroup, "train": RayTrain}
     return {k: ray.remote(num_cpus=0, max_concurrency=256)(c).remote() for k, c in classes.items()}
 

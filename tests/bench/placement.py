@@ -4,8 +4,10 @@
 
 - Start-up: a run of ``--actors`` counter actors (tests/integration/workers.py) under each backend; per
   actor, the seconds from the supervisor's ``actor_starting`` to the actor's own ``actor_running`` (a Ray
-  worker started and the host placed, then the same process start as the local backend), and from
-  ``runtime.up``'s launch to every actor running (the Ray side includes its local head's start).
+  worker started and the host placed, then the same process start as the local backend); from the first
+  ``actor_starting`` to the last ``actor_running`` (placing them all: the sum of the starts if they were
+  placed one at a time); and from ``runtime.up``'s launch to every actor running (the Ray side includes
+  its local head's start).
 - Throughput: ``tests.bench.lifecycle``'s NATS side (the real reconciler, the simulated no-op stages,
   one process per kind) under each backend, lifecycles/s in the steady span.
 - Fetch: a trainer's batch (``--batch-groups`` group checkpoints of each size) from the Ray object store
@@ -69,6 +71,8 @@ async def startup_trial(backend: str, num_actors: int) -> dict[str, Any]:
         running = {r["actor"]: _epoch(r) for r in run_events(run.run_dir, "actor_running")}
         per_actor = [running[a] - t for a, t in starting.items() if a in running]
         return {"actor_start_s_median": statistics.median(per_actor), "actor_start_s_max": max(per_actor),
+                "first_start_to_all_running_s": max(running[a] for a in starting if a in running)
+                - min(starting.values()),
                 "launch_to_all_running_s": all_running_s}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -91,7 +95,7 @@ async def fetch_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="bench-placement-fetch-"))
     namespace = holder_namespace(str(work))
-    ray.init(num_cpus=1, namespace=namespace, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, namespace=namespace, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING, configure_logging=False)
     try:
         blob = open_store((work / "blobs").as_uri())

@@ -475,10 +475,7 @@ class SimTrainActor(_SimStage):
         """The batch's prompt ids and oldest token version, from its group records."""
         if not self.sim.records:
             return {}
-        groups = await self.get_records(list(order.group_keys), dict, ready=True)
-        if self.ctx.ready_samples is not None:
-            log.info("ready_samples_read", num_hits=self.ctx.ready_samples.num_hits,
-                     num_misses=self.ctx.ready_samples.num_misses)
+        groups = await self.get_records(list(order.group_keys), dict, ready=True)  # says ready_samples_read
         if [g["group_id"] for g in groups] != list(order.group_ids):
             raise WorkRefused(f"batch {order.batch_id}: group records do not match its groups")
         return {"prompt_ids": [g["prompt_id"] for g in groups], "min_version": min(g["min_version"] for g in groups)}

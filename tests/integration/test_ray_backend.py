@@ -10,17 +10,24 @@ shut down at the end whatever happens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from runtime.codec import Codec
+from runtime.events import parse_event
+from runtime.ray_host import RAY_WORKER_ENV
 from tests.integration.harness import REPO, LiveRun, alive, run_events, until, write_config
+from tests.integration.test_actor_runtime import _environment
 from tests.integration.workers import CountRequest
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -45,6 +52,7 @@ entry = "tests.integration.workers:CounterActor"
 count = 1
 heartbeat_s = 1.0
 nice = 7
+threads = 0
 [actors.trained.placement]
 num_cpus = 0.5
 resources = {{trainer = 1}}
@@ -52,16 +60,25 @@ strategy = "{strategy}"
 """
 
 
-class RayCluster:
-    """A head (`sandbox` resources) and two workers: ``a`` (`sandbox`, label zone=a), ``b`` (`trainer`, zone=b)."""
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+# name -> ray.cluster_utils add_node options; the first is the head
+NODES: dict[str, dict[str, Any]] = {
+    "head": {"num_cpus": 1, "resources": {"sandbox": 8}, "_system_config": HEALTH_CHECKS},
+    "a": {"num_cpus": 1, "resources": {"sandbox": 8}, "labels": {"zone": "a"}},
+    "b": {"num_cpus": 1, "resources": {"trainer": 2}, "labels": {"zone": "b"}},
+}
 
-    def __init__(self) -> None:
-        checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+
+class RayCluster:
+    """A Ray cluster of ``nodes`` on this machine (by default: a head with `sandbox` resources and two
+    workers: ``a`` (`sandbox`, label zone=a), ``b`` (`trainer`, zone=b))."""
+
+    def __init__(self, nodes: dict[str, dict[str, Any]] = NODES) -> None:
         self.cluster = ray_cluster_utils.Cluster(shutdown_at_exit=True)
+        self.nodes: dict[str, Any] = {}
         try:
-            self.head = self.cluster.add_node(num_cpus=1, resources={"sandbox": 8}, _system_config=checks)
-            self.a = self.cluster.add_node(num_cpus=1, resources={"sandbox": 8}, labels={"zone": "a"})
-            self.b = self.cluster.add_node(num_cpus=1, resources={"trainer": 2}, labels={"zone": "b"})
+            for name, options in nodes.items():
+                self.nodes[name] = self.cluster.add_node(**options)
             self.cluster.wait_for_nodes()
         except BaseException:  # a half-started cluster is shut down too
             self.cluster.shutdown()
@@ -72,24 +89,47 @@ class RayCluster:
         return self.cluster.address
 
     def name_of(self, node_field: str) -> str:
-        """Which of head, a, b an actor's ``node`` (``host/<node id prefix>``) is."""
+        """Which node an actor's ``node`` (``host/<node id prefix>``, the supervisor's word) is."""
         prefix = node_field.rsplit("/", 1)[-1]
-        for name in ("head", "a", "b"):
-            if getattr(self, name).node_id.startswith(prefix):
-                return name
-        return f"unknown {node_field}"
+        return next((name for name, node in self.nodes.items() if node.node_id.startswith(prefix)),
+                    f"unknown {node_field}")
+
+    def raylet_pid(self, name: str) -> int:
+        return self.nodes[name].all_processes["raylet"][0].process.pid
+
+    def node_of_pid(self, pid: int) -> str:
+        """Which node a process runs on, by the operating system's word, not Ray's or the supervisor's: the
+        node whose raylet is among its ancestors (the raylet starts the Ray worker that starts the process)."""
+        raylets = {self.raylet_pid(name): name for name in self.nodes}
+        ancestry, at = [], pid
+        while at > 1:
+            if at in raylets:
+                return raylets[at]
+            ancestry.append(at)
+            try:
+                at = int(Path(f"/proc/{at}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+        return f"no node's raylet above {ancestry}"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[RayCluster]:
+@contextlib.contextmanager
+def ray_cluster_of(nodes: dict[str, dict[str, Any]]) -> Iterator[RayCluster]:
+    """A `RayCluster` of ``nodes``, shut down at the end whatever happens."""
     try:
-        cluster = RayCluster()
+        cluster = RayCluster(nodes)
     except Exception:  # a node that timed out starting on a loaded machine: once more
-        cluster = RayCluster()
+        cluster = RayCluster(nodes)
     try:
         yield cluster
     finally:
         cluster.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    with ray_cluster_of(NODES) as cluster:
+        yield cluster
 
 
 def _ray_args(cluster: RayCluster, *extra: str) -> tuple[str, ...]:
@@ -104,6 +144,12 @@ async def _nodes_by_kind(run: LiveRun, cluster: RayCluster) -> dict[str, list[st
     return out
 
 
+def _start_order(run_dir: Path) -> list[str]:
+    """The supervisor's start events in the order it logged them."""
+    rows = [parse_event(line) for line in (run_dir / "logs" / "supervisor.jsonl").read_text().splitlines()]
+    return [r["event"] for r in rows if r and r.get("event") in ("actor_starting", "actor_spawned")]
+
+
 async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, ray_cluster: RayCluster) -> None:
     cfg = write_config(tmp_path / "run.toml", PLACED_RUN.format(strategy="pack"))
     run = await LiveRun(tmp_path / "run", cfg, *_ray_args(ray_cluster)).start(timeout_s=120)
@@ -111,12 +157,19 @@ async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, 
         sandboxed = await run.wait_actors("sandboxed", 2, timeout_s=180)
         await run.wait_actors("trained", 1, timeout_s=180)
         assert await _nodes_by_kind(run, ray_cluster) == {"sandboxed": ["a", "a"], "trained": ["b"]}
+        # placed together, not one after another: the supervisor asked for all three before any was placed
+        assert _start_order(run.run_dir)[:4] == ["actor_starting"] * 3 + ["actor_spawned"], _start_order(run.run_dir)
         # one OS process each, running the actor itself, niced as configured, started by the node's Ray worker
         trained = (await run.wait_actors("trained", 1))[0]
         niceness = {a["id"]: int(Path(f"/proc/{a['pid']}/stat").read_text().split()[18]) for a in [trained, *sandboxed]}
         assert niceness[trained["id"]] - niceness[sandboxed[0]["id"]] == 7, f"nice reaches Ray's processes: {niceness}"
         cmdline = Path(f"/proc/{trained['pid']}/cmdline").read_bytes().split(b"\0")
         assert b"runtime.actor_process" in cmdline and trained["id"].encode() in cmdline
+        # the node's environment (its raylet's: this process's), not what Ray sets for its own workers:
+        # ``threads = 0`` leaves torch's default, as it does locally, not Ray's OMP_NUM_THREADS=1
+        assert ray_cluster.node_of_pid(trained["pid"]) == "b"
+        env, node_env = _environment(trained["pid"]), _environment(ray_cluster.raylet_pid("b"))
+        assert {k: env.get(k) for k in RAY_WORKER_ENV} == {k: node_env.get(k) for k in RAY_WORKER_ENV}, env
         # its events reach ops.tail through the bus's LOG stream (not the node's files)
         tail = await asyncio.to_thread(subprocess.run, [
             sys.executable, "-m", "ops.tail", str(run.run_dir), "--since", "10m", "--no-follow", "--json",
@@ -124,8 +177,6 @@ async def test_actors_land_on_the_nodes_their_resources_ask_for(tmp_path: Path, 
             timeout=60)
         assert trained["id"] in tail.stdout and "actor_running" in tail.stdout, tail.stdout + tail.stderr
         # a crash is ours to restart (Ray's restarts are off): a new process, a new id, on a node that fits
-        import os
-        import signal
         os.kill(sandboxed[0]["pid"], signal.SIGKILL)
 
         async def replaced() -> bool:
@@ -186,6 +237,29 @@ node_labels = {zone = "a"}
     killed = [e for e in run_events(run.run_dir, "actor_killed") if e.get("actor_id") == actor["id"]]
     assert [e["reason"] for e in killed] == ["stop_timeout"], killed
     assert not alive(actor["pid"]), "the killed process is gone"
+
+
+async def test_a_run_without_a_ray_address_starts_its_own_head(tmp_path: Path, ray_cluster: RayCluster,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``runtime.ray_address`` empty starts a new head even where ``RAY_ADDRESS`` names a running cluster (a
+    shell on a Ray node; every actor process has it) or ``ray start`` left one on this machine: its actors
+    are not placed on someone else's cluster."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)  # runtime.up inherits it
+    cfg = write_config(tmp_path / "run.toml", """
+[actors.counter]
+entry = "tests.integration.workers:CounterActor"
+count = 1
+heartbeat_s = 1.0
+""")
+    run = await LiveRun(tmp_path / "run", cfg, "--set", 'runtime.backend="ray"', "--set",
+                        "runtime.ray_head_num_cpus=1").start(timeout_s=300)  # a head's start, under load
+    try:
+        (actor,) = await run.wait_actors("counter", 1, timeout_s=180)
+        (connected,) = run_events(run.run_dir, "ray_connected")
+        assert connected["started_head"] and connected["address"] != ray_cluster.address, connected
+        assert ray_cluster.node_of_pid(actor["pid"]).startswith("no node"), "placed on the other cluster"
+    finally:
+        assert await run.stop(timeout_s=120) == 0
 
 
 def _code_tree(root: Path, version: int) -> Path:
@@ -271,7 +345,7 @@ async def test_a_worker_node_removed_mid_run_loses_no_prompt(tmp_path: Path, ray
         ledger = TrainerLedger(await run.bus.kv(LEDGER_BUCKET))
         await until(lambda: _num_trained_groups(ledger), 240, "a first trained batch")
         removed_at = time.monotonic()
-        await asyncio.to_thread(ray_cluster.cluster.remove_node, ray_cluster.a, False)  # SIGKILL: no goodbye
+        await asyncio.to_thread(ray_cluster.cluster.remove_node, ray_cluster.nodes["a"], False)  # SIGKILL: no goodbye
 
         async def replaced() -> dict[str, list[str]] | None:
             nodes = await _nodes_by_kind(run, ray_cluster)
