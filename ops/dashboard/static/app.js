@@ -281,6 +281,7 @@ async function showSample(id, tr) {
         const tok = document.createElement("span"), p = position + i;
         const b = behaviour[segment][p], t = trainer && trainer[segment] ? trainer[segment][p] : NaN;
         tok.textContent = tokenText; tok.className = "token";
+        tok.dataset.version = version; tok.style.background = versionColor(version);
         tok.dataset.behaviour = b;
         let title = `version ${version} · behaviour ${b.toFixed(4)}`;
         if (Number.isFinite(t)) {
