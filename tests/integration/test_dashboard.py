@@ -210,6 +210,10 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         for tok in scored:
             assert tok["d"] == pytest.approx(tok["t"] - tok["b"], abs=1e-6) and "trainer" in tok["title"]
             assert tok["marked"] == (abs(tok["d"]) > 0.2), tok
+        largest = browser.execute_script(  # the largest differences listed, with both log-probs, largest first
+            "return [...document.querySelectorAll('#largest-deltas tbody tr')]"
+            ".map(r => Math.abs(+r.cells[4].textContent))")
+        assert len(largest) == min(20, num_scored) and largest == sorted(largest, reverse=True), largest
         _rollout_screenshot(browser, tmp_path, "dashboard-trainer-logprobs")
 
         # one Prometheus scrape target for the run: every documented family, every actor labelled, values move

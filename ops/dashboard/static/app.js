@@ -291,7 +291,7 @@ async function showSample(id, tr) {
           if (Math.abs(delta) > LARGE_DELTA) tok.classList.add("large-delta");
         } else title += trainer ? " · trainer: not scored" : " · trainer: not trained yet";
         tok.title = title;
-        perToken.push({ b, t });
+        perToken.push({ b, t, text: tokenText, segment, position: p });
         span.appendChild(tok);
       });
     } else span.textContent = piece;
@@ -307,6 +307,26 @@ async function showSample(id, tr) {
   }
   detail.appendChild(summary);
   detail.appendChild(text);
+  if (trainer) detail.appendChild(largestDeltas(perToken));
+}
+
+// the tokens whose trainer log-prob is furthest from their behaviour one, each with both, Δ and the ratio
+function largestDeltas(tokens, count = 20) {
+  const scored = tokens.filter(x => Number.isFinite(x.t)).sort((x, y) => Math.abs(y.t - y.b) - Math.abs(x.t - x.b));
+  const table = document.createElement("table"); table.id = "largest-deltas";
+  table.createCaption().textContent = `the ${Math.min(count, scored.length)} tokens of largest |Δ| (of ${scored.length})`;
+  const head = table.createTHead().insertRow();
+  for (const title of ["token", "segment:position", "behaviour", "trainer", "Δ", "ratio"]) {
+    const th = document.createElement("th"); th.textContent = title; head.appendChild(th);
+  }
+  const body = table.createTBody();
+  for (const x of scored.slice(0, count)) {
+    const tr = body.insertRow(), delta = x.t - x.b;
+    if (Math.abs(delta) > LARGE_DELTA) tr.className = "large-delta";
+    cell(tr, JSON.stringify(x.text)); cell(tr, `${x.segment}:${x.position}`); cell(tr, x.b.toFixed(4));
+    cell(tr, x.t.toFixed(4)); cell(tr, delta.toExponential(2)); cell(tr, Math.exp(delta).toFixed(4));
+  }
+  return table;
 }
 
 for (const id of ["sample-sort", "sample-failed"]) document.getElementById(id).addEventListener("change", loadSamples);
