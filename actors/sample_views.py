@@ -3,12 +3,12 @@ file names `sample_views`): one stored record in, one JSON-ready view per sample
 
 A group record (`group_sample_views`) gives each sample's whole view: its tokens as runs of consecutive tokens
 that share a policy version and a loss mask (decoded together, so a character split over byte tokens reads
-whole), each with the mean behaviour log-prob of its tokens and, for a trained run, each token's own text
-(`PIECE_SEPARATOR` between them; a byte that only starts a character has "" and the character shows on its
-last byte); the reward and its components, the hidden tests, the tool calls, how the episode ended and the
-advantage grouping gave it. A chain's segments (self-summarization) follow one another in ``tokens``, each
-after a separator run (`SEGMENT_BREAK`, version -1, untrained, no tokens). ``behaviour_logprobs`` has, per
-segment, every token's behaviour log-prob.
+whole), each with the mean behaviour log-prob of its tokens and, for a trained run that is not all ASCII (whose
+tokens are its characters), each token's own text (`PIECE_SEPARATOR` between them; a byte that only starts a
+character has "" and the character shows on its last byte); the reward and its components, the hidden tests,
+the tool calls, how the episode ended and the advantage grouping gave it. A chain's segments (self-summarization)
+follow one another in ``tokens``, each after a separator run (`SEGMENT_BREAK`, version -1, untrained, no
+tokens). ``behaviour_logprobs`` has, per segment, every token's behaviour log-prob.
 
 A sample's `TrainerLogprobs`, stored when the trainer trained it (`trainer_logprob_views`), add to its view
 ``trainer_version`` and ``trainer_logprobs``: per segment, every token's log-prob under the trainer's forward
@@ -93,14 +93,15 @@ def group_sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
 
 def _runs(token_ids: list[int], versions: list[int], mask: list[int], logprobs: list[float]) -> list[list[Any]]:
     """[text, version, trained (0/1), mean behaviour log-prob, number of tokens, the tokens' texts (trained
-    runs; "" otherwise)] per run of tokens alike."""
+    runs but ASCII ones, whose tokens are their characters; "" otherwise)] per run of tokens alike."""
     rows = zip(token_ids, versions, mask, logprobs, strict=False)
     runs = []
     for (version, trained), run in itertools.groupby(rows, key=lambda r: (r[1], r[2])):
         run = list(run)
         ids = [r[0] for r in run]
         mean = sum(r[3] for r in run) / len(run) if trained else 0.0
-        pieces = PIECE_SEPARATOR.join(_pieces(ids)) if trained else ""
+        # an ASCII run's tokens are its characters, one each: the page splits its text (less to keep)
+        pieces = PIECE_SEPARATOR.join(_pieces(ids)) if trained and not all(0 <= i < 128 for i in ids) else ""
         runs.append([_TOKENIZER.decode(ids), version, int(trained), mean, len(run), pieces])
     return runs
 

@@ -274,7 +274,8 @@ async function showSample(id, tr) {
       span.style.background = versionColor(version);
       span.title = `version ${version}, mean behaviour log-prob ${(+logprob).toFixed(3)}`;
     } else span.className = "untrained";
-    const texts = trained && pieces !== undefined && behaviour[segment] ? pieces.split(PIECE_SEPARATOR) : null;
+    // each token's text: given for a run that is not all ASCII, else its characters, one a token
+    const texts = trained && behaviour[segment] ? (pieces ? pieces.split(PIECE_SEPARATOR) : Array.from(piece)) : null;
     if (texts && texts.length === n) {  // each token its own span: its behaviour and trainer log-probs
       span.className = "run";
       texts.forEach((tokenText, i) => {
