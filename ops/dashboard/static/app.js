@@ -195,6 +195,8 @@ function versionColor(version) { return `hsl(${(version * 47) % 360}, 70%, 82%)`
 // exp(trainer - behaviour) is then outside [0.82, 1.22] (on-policy it is exactly 1).
 const LARGE_DELTA = 0.2;
 const PIECE_SEPARATOR = "\x1f";
+// a log-prob near 0 (a confident token) keeps its digits
+function logprobText(x) { return Math.abs(x) >= 1e-3 || x === 0 ? x.toFixed(4) : x.toExponential(2); }
 
 // per-token arrays travel as base64 of little-endian float32 (actors.sample_views)
 function float32s(b64) {
@@ -284,11 +286,11 @@ async function showSample(id, tr) {
         tok.textContent = tokenText; tok.className = "token";
         tok.dataset.version = version; tok.style.background = versionColor(version);
         tok.dataset.behaviour = b;
-        let title = `version ${version} · behaviour ${b.toFixed(4)}`;
+        let title = `version ${version} · behaviour ${logprobText(b)}`;
         if (Number.isFinite(t)) {
           const delta = t - b;
           tok.dataset.trainer = t; tok.dataset.delta = delta;
-          title += ` · trainer ${t.toFixed(4)} · Δ ${delta.toExponential(2)} · ratio ${Math.exp(delta).toFixed(4)}`;
+          title += ` · trainer ${logprobText(t)} · Δ ${delta.toExponential(2)} · ratio ${Math.exp(delta).toFixed(4)}`;
           if (Math.abs(delta) > LARGE_DELTA) tok.classList.add("large-delta");
         } else title += trainer ? " · trainer: not scored" : " · trainer: not trained yet";
         tok.title = title;
@@ -324,8 +326,8 @@ function largestDeltas(tokens, count = 20) {
   for (const x of scored.slice(0, count)) {
     const tr = body.insertRow(), delta = x.t - x.b;
     if (Math.abs(delta) > LARGE_DELTA) tr.className = "large-delta";
-    cell(tr, JSON.stringify(x.text)); cell(tr, `${x.segment}:${x.position}`); cell(tr, x.b.toFixed(4));
-    cell(tr, x.t.toFixed(4)); cell(tr, delta.toExponential(2)); cell(tr, Math.exp(delta).toFixed(4));
+    cell(tr, JSON.stringify(x.text)); cell(tr, `${x.segment}:${x.position}`); cell(tr, logprobText(x.b));
+    cell(tr, logprobText(x.t)); cell(tr, delta.toExponential(2)); cell(tr, Math.exp(delta).toFixed(4));
   }
   return table;
 }
