@@ -5,6 +5,7 @@ reads. Stage actors keep them zstd-compressed (actors._stage); this module is th
     samples/<sample>/a<n>/trajectory        RolloutRecord  (rollout -> reward, grouping)
     samples/<sample>/a<n>/reward-a<m>       RewardRecord   (reward -> grouping)
     groups/<group>/a<n>                     GroupRecord    (grouping -> trainer; its samples are GroupSamples)
+    samples/<sample>/trainer-logprobs       TrainerLogprobs (trainer -> the dashboard's rollout viewer)
 
 Every record carries ``schema``: the layout this code reads (`RECORD_SCHEMA`). A record of another
 schema (schema 1 was the untyped maps written before these types: trajectory records had no schema
@@ -35,8 +36,10 @@ __all__ = [
     "RewardRecord",
     "RolloutRecord",
     "TestResult",
+    "TrainerLogprobs",
     "decode_record",
     "encode_record",
+    "trainer_logprobs_key",
 ]
 
 RECORD_SCHEMA = 3
@@ -112,6 +115,25 @@ class GroupRecord:
     created_at: float
     samples: tuple[GroupSample, ...]
     schema: int = RECORD_SCHEMA
+
+
+@dataclass(frozen=True)
+class TrainerLogprobs:
+    """What the trainer's forward scored a trained sample's tokens at, for people (the rollout viewer): per
+    segment of its chain, one float32 (little-endian bytes) per token, the new policy's log-prob of that token
+    exactly as the loss took it; NaN where the loss mask is 0 and at a segment's first token (nothing predicts
+    it). ``version``: the policy version that computed them (its step made ``version + 1``)."""
+
+    sample_id: str
+    version: int
+    segments: tuple[bytes, ...]
+    schema: int = RECORD_SCHEMA
+
+
+def trainer_logprobs_key(sample_id: str) -> str:
+    """Where a sample's `TrainerLogprobs` are stored: beside its other blobs, so they are collected with its
+    group (actors.blob_collector) and a long run's storage stays bounded."""
+    return f"samples/{sample_id}/trainer-logprobs"
 
 
 @dataclass(frozen=True)

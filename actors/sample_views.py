@@ -1,27 +1,65 @@
 """How the dashboard's rollout viewer sees the RL trainer's samples (``dashboard.sample_views`` in the run
-file names `group_sample_views`): one stored group record in, one JSON-ready view per sample out.
+file names `sample_views`): one stored record in, one JSON-ready view per sample out.
 
-A view carries the sample's tokens as runs of consecutive tokens that share a policy version and a loss
-mask (decoded together, so a character split over byte tokens reads whole), each with the mean behaviour
-log-prob of its tokens; the reward and its components, the hidden tests, the tool calls, how the episode
-ended and the advantage grouping gave it. A chain's segments (self-summarization) follow one another in
-``tokens``, each after a separator run (`SEGMENT_BREAK`, version -1, untrained, no tokens). The trainer's
-own log-probs are not stored, so they are not shown.
+A group record (`group_sample_views`) gives each sample's whole view: its tokens as runs of consecutive tokens
+that share a policy version and a loss mask (decoded together, so a character split over byte tokens reads
+whole), each with the mean behaviour log-prob of its tokens and, for a trained run that is not all ASCII (whose
+tokens are its characters), each token's own text (`PIECE_SEPARATOR` between them; a byte that only starts a
+character has "" and the character shows on its last byte); the reward and its components, the hidden tests,
+the tool calls, how the episode ended and the advantage grouping gave it. A chain's segments (self-summarization)
+follow one another in ``tokens``, each after a separator run (`SEGMENT_BREAK`, version -1, untrained, no
+tokens). ``behaviour_logprobs`` has, per segment, every token's behaviour log-prob.
+
+A sample's `TrainerLogprobs`, stored when the trainer trained it (`trainer_logprob_views`), add to its view
+``trainer_version`` and ``trainer_logprobs``: per segment, every token's log-prob under the trainer's forward
+(NaN where it is not trained). Per-token arrays travel as base64 of little-endian float32 (a few bytes a token:
+the viewer keeps hundreds of groups).
 """
 
 from __future__ import annotations
 
+import base64
+import codecs
 import dataclasses
 import itertools
 from typing import Any
 
+import numpy
 import zstandard
 
-from actors.records import GroupRecord, decode_record
+from actors.records import GroupRecord, TrainerLogprobs, decode_record, trainer_logprobs_key
 from model.tokenizer import ByteTokenizer
 
 _TOKENIZER = ByteTokenizer()
 SEGMENT_BREAK = "\n[context summarized: a new segment]\n"
+PIECE_SEPARATOR = "\x1f"  # between the tokens' texts of a trained run (a token's own \x1f shows as "\u241f")
+_TRAINER_SUFFIX = trainer_logprobs_key("").removeprefix("samples/")  # "/trainer-logprobs"
+
+
+def sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
+    """The views a stored record gives: whole ones from a group record, the trainer's log-probs of a sample
+    from its `TrainerLogprobs` (the dashboard adds those to the sample's kept view).
+
+    Raises:
+        ValueError: a record that does not decompress or is not of the type its key says.
+    """
+    if key.endswith(_TRAINER_SUFFIX):
+        return trainer_logprob_views(key, stored)
+    return group_sample_views(key, stored)
+
+
+def trainer_logprob_views(key: str, stored: bytes) -> list[dict[str, Any]]:
+    """``[{"sample_id", "trainer_version", "trainer_logprobs"}]`` of the `TrainerLogprobs` stored at ``key``."""
+    record = decode_record(_decompress(key, stored), TrainerLogprobs, key)
+    return [{"sample_id": record.sample_id, "trainer_version": record.version,
+             "trainer_logprobs": [base64.b64encode(seg).decode() for seg in record.segments]}]
+
+
+def _decompress(key: str, stored: bytes) -> bytes:
+    try:
+        return zstandard.ZstdDecompressor().decompress(stored)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"record {key!r} does not decompress: {e}") from None
 
 
 def group_sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
@@ -30,11 +68,7 @@ def group_sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
     Raises:
         ValueError: a record that does not decompress or is not a group record (`RecordError` says which).
     """
-    try:
-        data = zstandard.ZstdDecompressor().decompress(stored)
-    except zstandard.ZstdError as e:
-        raise ValueError(f"group record {key!r} does not decompress: {e}") from None
-    record = decode_record(data, GroupRecord, key)
+    record = decode_record(_decompress(key, stored), GroupRecord, key)
     views = []
     for sample in record.samples:
         t = sample.trajectory
@@ -52,16 +86,39 @@ def group_sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
             "tokens": [run for i, seg in enumerate(t.segments)
                        for run in ([[SEGMENT_BREAK, -1, 0, 0.0, 0]] if i else [])
                        + _runs(seg.token_ids, seg.versions, seg.loss_mask, seg.behaviour_logprobs)],
+            "behaviour_logprobs": [_float32_base64(seg.behaviour_logprobs) for seg in t.segments],
         })
     return views
 
 
 def _runs(token_ids: list[int], versions: list[int], mask: list[int], logprobs: list[float]) -> list[list[Any]]:
-    """[text, version, trained (0/1), mean behaviour log-prob, number of tokens] per run of tokens alike."""
+    """[text, version, trained (0/1), mean behaviour log-prob, number of tokens, the tokens' texts (trained
+    runs but ASCII ones, whose tokens are their characters; "" otherwise)] per run of tokens alike."""
     rows = zip(token_ids, versions, mask, logprobs, strict=False)
     runs = []
     for (version, trained), run in itertools.groupby(rows, key=lambda r: (r[1], r[2])):
         run = list(run)
+        ids = [r[0] for r in run]
         mean = sum(r[3] for r in run) / len(run) if trained else 0.0
-        runs.append([_TOKENIZER.decode([r[0] for r in run]), version, int(trained), mean, len(run)])
+        # an ASCII run's tokens are its characters, one each: the page splits its text (less to keep)
+        pieces = PIECE_SEPARATOR.join(_pieces(ids)) if trained and not all(0 <= i < 128 for i in ids) else ""
+        runs.append([_TOKENIZER.decode(ids), version, int(trained), mean, len(run), pieces])
     return runs
+
+
+def _pieces(token_ids: list[int]) -> list[str]:
+    """Each token's own text: a byte token adds what it completes of a UTF-8 character, a special token its name."""
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces = []
+    for token in token_ids:
+        if 0 <= token < 256:
+            piece = utf8.decode(bytes([token]))
+        else:
+            piece = utf8.decode(b"", final=True) + _TOKENIZER.decode([token])
+            utf8.reset()
+        pieces.append(piece.replace(PIECE_SEPARATOR, "\u241f"))
+    return pieces
+
+
+def _float32_base64(values: list[float]) -> str:
+    return base64.b64encode(numpy.asarray(values, dtype="<f4").tobytes()).decode()

@@ -58,7 +58,7 @@ from actors.agent.weights_follower import weights_subject
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import TrainDone, TrainOrder
-from actors.records import GroupRecord
+from actors.records import GroupRecord, TrainerLogprobs, trainer_logprobs_key
 from actors.trainer_group import RENDEZVOUS_KEY, GroupBroken, TrainerGroup, rank_device
 from actors.training.checkpoint_store import (
     download_checkpoint,
@@ -73,7 +73,7 @@ from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfi
 from model.weight_sync.manifest import manifest_key
 from runtime.actor import ActorContext, Delivery
 from runtime.actor_launch import RANK_ENV, WORLD_SIZE_ENV
-from runtime.blob import BlobNotFound
+from runtime.blob import BlobError, BlobNotFound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 from runtime.metrics_log import metrics_key, numbered, write_metrics
@@ -276,6 +276,7 @@ class TrainerActor(StageActor):
         learner = self.learner
         started = time.monotonic()
         metrics = await self._compute(learner.step, groups, plan.batch_id)
+        await self._store_trainer_logprobs(learner.trained_logprobs)
         row = None
         if order is not None:
             self.num_samples += metrics.num_samples
@@ -320,6 +321,20 @@ class TrainerActor(StageActor):
             raise WorkRefused(f"batch {plan.batch_id} names groups {list(plan.group_ids)} but its records "
                               f"hold {named}")
         return groups
+
+    async def _store_trainer_logprobs(self, records: list[TrainerLogprobs]) -> None:
+        """The step's log-probs of its trained tokens, each sample's beside its other blobs (collected with its
+        group), for the rollout viewer, which the event tells where they are. For people only: a store that
+        fails here costs the viewer those samples, never the step."""
+        if not records:
+            return
+        keys = {r.sample_id: trainer_logprobs_key(r.sample_id) for r in records}
+        try:
+            await asyncio.gather(*(self.put_record(keys[r.sample_id], r) for r in records))
+        except (BlobError, OSError) as e:
+            log.warning("trainer_logprobs_not_stored", version=records[0].version, error=repr(e))
+            return
+        log.info("trainer_logprobs_stored", version=records[0].version, keys=keys)
 
     async def _latest_checkpoint(self) -> Path | None:
         """The newest checkpoint in the run's store, fetched into the local cache; a run from before

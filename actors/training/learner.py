@@ -24,6 +24,11 @@ ratio is exactly 1; every step reports the ratio's mean, median, min and max. A 
 gradient or update holds a NaN or inf is not applied (actors.training.step_guard): the version still advances,
 as for a batch without signal, the weights stay those of the last good step, and the step's metrics and
 a ``step_skipped_non_finite`` event name the offending samples.
+
+For people, each step keeps what its forward scored every trained token of its samples at
+(`Learner.trained_logprobs`: the detached log-probs the loss took, copied off the device once per step, float32
+as computed; no extra forward): the trainer stage stores them for the rollout viewer, beside the behaviour
+log-probs the sampler recorded.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.config import TrainerSection
-from actors.records import GroupRecord, GroupSample
+from actors.records import GroupRecord, GroupSample, TrainerLogprobs
 from actors.training.lr_schedule import LRSchedule
 from actors.training.ranks import RankGroup, is_expert_param
 from actors.training.sharded_checkpoint import is_sharded, read_config, read_shards, shard_tensors, write_shard
@@ -135,6 +140,8 @@ class Learner:
         self.schedule = LRSchedule.for_run(config.lr_schedule, config.lr, config.lr_min_ratio, num_steps)
         self.trained_batches: list[str] = []
         self.trained_groups: dict[str, int] = {}  # group id -> the version its step made: trained once
+        # the last step's forward, per sample of this rank's share: its trained tokens' log-probs (for people)
+        self.trained_logprobs: list[TrainerLogprobs] = []
         self.router_replay = (RouterReplayConfig(config.replay_plausibility_factor) if config.router_replay
                               else None)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.schedule.lr_at(version),
@@ -165,6 +172,7 @@ class Learner:
         if not samples:
             raise ValueError(f"batch {batch_id} has no samples")
         check_trajectories(samples)
+        self.trained_logprobs = []
         # Without a KL term a sample whose advantage is exactly 0 (its group's rewards all equal) adds
         # nothing to the gradient: leaving it out of the forward gives the same update for less compute.
         computed = samples if self.config.kl_coef > 0 else [s for s in samples if s.advantage != 0.0]
@@ -207,10 +215,11 @@ class Learner:
 
     def _forward_loss(
         self, samples: Sequence[GroupSample], *, masked: bool = False
-    ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, RoutingStats, torch.Tensor]:
-        """The loss of ``samples``, its metrics, the per-position log-probs, the batch, the replay counters and
-        the importance ratios of the trained tokens. ``masked``: every token out of the loss (a rank without a
-        sequence of its own joins the collectives with one, contributing exactly 0)."""
+    ) -> tuple[torch.Tensor, PolicyLossMetrics, torch.Tensor, PackedBatch, RoutingStats, torch.Tensor, torch.Tensor]:
+        """The loss of ``samples``, its metrics, the per-position log-probs (the reference's added: any non-finite
+        one shows), the batch, the replay counters, the importance ratios of the trained tokens and the policy's
+        per-position log-probs as the loss took them (detached). ``masked``: every token out of the loss (a rank
+        without a sequence of its own joins the collectives with one, contributing exactly 0)."""
         # a chain's segments are separate sequences of one sample (its advantage reaches each of them)
         batch = pack_sequences([seg.token_ids for s in samples for seg in s.trajectory.segments]).to(self.device)
         behaviour, temperatures, mask, advantages, replay = (
@@ -228,7 +237,7 @@ class Learner:
         loss, m = policy_loss(logp, behaviour, advantages, mask, loss_cfg, ref, entropy)
         ratios = torch.exp((logp.detach() - behaviour)[mask])
         stats = RoutingStats() if masked else out.routing_stats
-        return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, stats, ratios
+        return loss, m, logp.detach() + (0.0 if ref is None else ref), batch, stats, ratios, logp.detach()
 
     def _optimize(
         self, samples: Sequence[GroupSample]
@@ -244,7 +253,9 @@ class Learner:
         # a chain goes whole to one rank, balanced by its tokens over every segment (its cost as one sequence
         # of that length: an over-estimate for a chain of several, whose attention is per segment)
         share = [samples[i] for i in ranks.my_share([s.trajectory.num_tokens for s in samples], self.cost)]
-        loss, m, scored, batch, stats, ratios = self._forward_loss(share or samples[:1], masked=not share)
+        loss, m, scored, batch, stats, ratios, policy_logp = self._forward_loss(share or samples[:1], masked=not share)
+        if share:
+            self.trained_logprobs = _trainer_logprobs(share, policy_logp, self.version)
         share_tokens = batch.num_tokens if share else 0
         num_tokens = int(ranks.sum(share_tokens))
         m = ranks.combine_loss_metrics(m, ratios)
@@ -396,6 +407,24 @@ def _aligned(samples: Sequence[GroupSample], num_tokens: int
         replay_rows.append(t.topk_ids_TLK[:n].long())
         offset += n
     return behaviour, temperatures, mask, advantages, torch.cat(replay_rows, dim=0)
+
+
+def _trainer_logprobs(samples: Sequence[GroupSample], logp_T: torch.Tensor, version: int) -> list[TrainerLogprobs]:
+    """Each sample's `TrainerLogprobs` from the packed per-position log-probs of its forward (position p scores
+    token p+1 of its sequence; a sample's segments are consecutive sequences, as `_aligned` lays them out)."""
+    values = logp_T.float().cpu()  # one copy off the device for the whole step
+    out, offset = [], 0
+    for sample in samples:
+        segments = []
+        for seg in sample.trajectory.segments:
+            n = len(seg.token_ids)
+            row = torch.full((n,), float("nan"))
+            trained = torch.tensor(seg.loss_mask[1:], dtype=torch.bool)
+            row[1:][trained] = values[offset:offset + n - 1][trained]
+            segments.append(row.numpy().astype("<f4").tobytes())
+            offset += n
+        out.append(TrainerLogprobs(sample.sample_id, version, tuple(segments)))
+    return out
 
 
 def _local_moments(moments: dict[str, torch.Tensor], model: MoETransformer) -> dict[str, torch.Tensor]:

@@ -63,7 +63,8 @@ async def follow_events(bus: Bus, view: RunView, samples: SampleFetcher | None =
         async for msg in messages:
             line = msg.data.decode(errors="replace")
             view.add_line(line, msg.subject.rsplit(".", 1)[-1])  # log.<kind>.<level>
-            if samples is not None and SampleFetcher.EVENT in line and (event := parse_event(line)) is not None:
+            if (samples is not None and any(name in line for name in SampleFetcher.EVENTS)
+                    and (event := parse_event(line)) is not None):
                 samples.notice(event)
     finally:
         await messages.aclose()  # type: ignore[attr-defined]
@@ -72,40 +73,70 @@ async def follow_events(bus: Bus, view: RunView, samples: SampleFetcher | None =
 class SampleFetcher:
     """Reads the group records the event log names (``group_checkpointed`` with its ``key``) from the
     blob store, turns them into sample views with the application's ``views`` function (in a thread:
-    decompressing and decoding is CPU work) and offers them to the shelf. At most ``max_pending`` keys
-    wait: a burst beyond that is skipped and counted (the viewer samples; it never holds the run up)."""
+    decompressing and decoding is CPU work) and offers them to the shelf; and, once a sample is trained,
+    the records of the trainer's log-probs the log names (``trainer_logprobs_stored`` with ``keys``, sample
+    id -> key) of the samples the shelf still keeps, whose partial views it merges into theirs. At most
+    ``max_pending`` events wait: a burst beyond that is skipped and counted (the viewer samples; it never
+    holds the run up)."""
 
     EVENT = "group_checkpointed"  # the event that names a stored group record (with its key)
+    AMEND_EVENT = "trainer_logprobs_stored"  # names later records of samples ({sample id: key}) that add to views
+    EVENTS = (EVENT, AMEND_EVENT)
 
     def __init__(self, blob: BlobStore, views: SampleViews, shelf: RolloutShelf, max_pending: int = 256) -> None:
         self.shelf = shelf
         self._blob, self._views = blob, views
-        self._pending: asyncio.Queue[str] = asyncio.Queue(max_pending)
+        # a group record's key, or a step's {sample id: key} of records that amend kept views
+        self._pending: asyncio.Queue[str | dict[str, str]] = asyncio.Queue(max_pending)
         self.num_skipped = 0
         self.num_unreadable = 0
+        self._idle = asyncio.Event()  # everything noticed so far is on the shelf (or skipped)
+        self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until every event noticed so far is handled (`run` must be running)."""
+        await self._idle.wait()
 
     def notice(self, event: dict[str, object]) -> None:
-        key = event.get("key")
-        if event.get("event") != self.EVENT or not isinstance(key, str):
+        name, key, keys = event.get("event"), event.get("key"), event.get("keys")
+        if name == self.EVENT and isinstance(key, str):
+            item: str | dict[str, str] = key
+        elif name == self.AMEND_EVENT and isinstance(keys, dict):
+            item = {str(k): v for k, v in keys.items() if isinstance(v, str)}
+        else:
             return
         try:
-            self._pending.put_nowait(key)
+            self._pending.put_nowait(item)
+            self._idle.clear()
         except asyncio.QueueFull:
             self.num_skipped += 1
 
     async def run(self) -> None:
         while True:
-            key = await self._pending.get()
-            try:
-                stored = await self._blob.get(key)  # bounded by the store's timeouts and attempts
-                views = await asyncio.to_thread(self._views, key, stored)
-            except KeyError:
-                continue  # collected since (a replayed log names groups long trained): nothing to show
-            except (ValueError, OSError) as e:  # unreadable or the store failing: skip it, say so
-                self.num_unreadable += 1
-                log.warning("dashboard_sample_unreadable", key=key, error=str(e))
-                continue
-            self.shelf.offer(views)
+            item = await self._pending.get()  # in the log's order: a group is offered before its samples train
+            if isinstance(item, str):
+                views = await self._read(item)
+                if views:
+                    self.shelf.offer(views)
+            else:
+                for sample_id, key in item.items():
+                    if self.shelf.has(sample_id):  # only what the shelf keeps is read: its retention bounds this
+                        for partial in await self._read(key):
+                            self.shelf.amend(partial)
+            if self._pending.empty():
+                self._idle.set()
+
+    async def _read(self, key: str) -> list[SampleView]:
+        """The views of the record at ``key``; none when it is gone or unreadable (said, and counted)."""
+        try:
+            stored = await self._blob.get(key)  # bounded by the store's timeouts and attempts
+            return await asyncio.to_thread(self._views, key, stored)
+        except KeyError:
+            return []  # collected since (a replayed log names groups long trained): nothing to show
+        except (ValueError, OSError) as e:  # unreadable or the store failing: skip it, say so
+            self.num_unreadable += 1
+            log.warning("dashboard_sample_unreadable", key=key, error=str(e))
+            return []
 
 
 async def watch_config(bus: Bus, view: RunView) -> None:

@@ -5,7 +5,9 @@ The application says how to turn one stored group record into views of its sampl
 dict per sample; the RL trainer's is ``actors.sample_views:group_sample_views``), so the dashboard reads no
 application record itself. A view has at least ``sample_id``, ``group_id``, ``prompt_id``, ``version``
 (the newest policy version among its tokens), ``reward`` and ``passed``; the page shows whatever else it
-carries (tokens with their versions and loss mask, reward components, tests, the group's advantages).
+carries (tokens with their versions and loss mask, reward components, tests, the group's advantages). A
+later record of a sample (the trainer's log-probs of its tokens, once it is trained) gives a partial view,
+``sample_id`` and the fields it adds, which `RolloutShelf.amend` merges into the kept sample's view.
 
 Retention is sampled, so a week-long run holds what a short one does: the last ``keep_last`` groups, and
 a reservoir of ``per_version`` groups for each policy version; past ``max_versions`` versions, every
@@ -37,6 +39,7 @@ class RolloutShelf:
         self.limits = limits
         self._rng = random.Random(seed)
         self._groups: dict[str, list[SampleView]] = {}  # group id -> its sample views, kept while referenced
+        self._group_of: dict[str, str] = {}  # sample id -> its kept group's id
         self._arrival: dict[str, int] = {}  # group id -> arrival number (the "latest" order)
         self._last: collections.deque[str] = collections.deque()
         self._reservoir: dict[int, list[str]] = {}  # version -> group ids sampled for it
@@ -50,7 +53,9 @@ class RolloutShelf:
         group_id = str(views[0]["group_id"])
         version = max(int(v.get("version", 0)) for v in views)
         self._num_offered += 1
+        self._release_views(group_id)  # the same group offered again (a replayed record): its new views
         self._groups[group_id] = views
+        self._group_of.update((str(v["sample_id"]), group_id) for v in views)
         self._arrival[group_id] = self._num_offered
         self._last.append(group_id)
         if len(self._last) > self.limits.keep_last:
@@ -85,8 +90,28 @@ class RolloutShelf:
     def _release(self, group_id: str) -> None:
         if group_id in self._last or self._in_reservoir(group_id):
             return  # still kept by the other rule
-        self._groups.pop(group_id, None)
+        self._release_views(group_id)
         self._arrival.pop(group_id, None)
+
+    def _release_views(self, group_id: str) -> None:
+        for view in self._groups.pop(group_id, ()):
+            self._group_of.pop(str(view["sample_id"]), None)
+
+    def has(self, sample_id: str) -> bool:
+        """Whether the sample's view is kept (a later record of it is worth reading)."""
+        return sample_id in self._group_of
+
+    def amend(self, partial: SampleView) -> bool:
+        """Merge a later record's fields into the kept view of ``partial["sample_id"]``; False when that sample
+        is not kept (let go since, or never offered): nothing to add them to."""
+        sample_id = str(partial["sample_id"])
+        group_id = self._group_of.get(sample_id)
+        if group_id is None:
+            return False
+        for view in self._groups[group_id]:
+            if view["sample_id"] == sample_id:
+                view.update({k: v for k, v in partial.items() if k not in ("sample_id", "group_id")})
+        return True
 
     # --- what the page asks ------------------------------------------------------------------------
     @property

@@ -4,7 +4,8 @@
     GET  /api/snapshot     everything the page shows now (JSON)
     GET  /api/stream       server-sent events: a snapshot first, then every update as it happens
     GET  /api/samples      the rollout viewer's kept samples (?sort=latest|reward_high|reward_low&prompt=&failed=1)
-    GET  /api/samples/ID   one kept sample whole: its tokens, versions, loss mask, reward, tests, group
+    GET  /api/samples/ID   one kept sample whole: its tokens, versions, loss mask, reward, tests, group, and its
+                           behaviour and (once trained) trainer log-probs per token
     POST /api/config       {"key": "...", "value": "..."}: a live key, validated as ``ops.config set`` does
     GET  /metrics          every actor's Prometheus metrics, labelled run, kind, actor (live runs)
     GET  /healthz          200 while the server runs

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 from actors.blob_collector import BlobCollector
+from actors.records import trainer_logprobs_key
 from runtime.blob import open_store
 
 GROUP_SIZE = 2
@@ -69,3 +70,19 @@ async def test_a_live_group_is_never_deleted(tmp_path: Path) -> None:
             await settle(collector)
             task.cancel()
         assert sorted(await store.list("")) == sorted(keys)
+
+
+async def test_the_trainers_log_probs_of_a_sample_go_with_its_group(tmp_path: Path) -> None:
+    # stored for the rollout viewer beside the sample's blobs: bounded by the same retention, never kept forever
+    async with open_store(f"file://{tmp_path}") as store:
+        await write_group(store, "e0-p0")
+        for j in range(GROUP_SIZE):
+            await store.put(trainer_logprobs_key(f"e0-p0-s{j}"), b"t")
+        collector = BlobCollector(store, group_size=GROUP_SIZE, retention_versions=1, is_live=lambda _: False)
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(collector.run())
+            collector.retire(["e0-p0"], version=1)
+            collector.advance(2)
+            await settle(collector)
+            task.cancel()
+        assert await store.list("") == []

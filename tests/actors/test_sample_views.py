@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import base64
+import math
+
+import numpy
 import pytest
 import zstandard
 
 from actors.agent.episode import EpisodeEnd, Segment, Trajectory
-from actors.records import GroupRecord, GroupSample, RewardBreakdown, TestResult, encode_record
-from actors.sample_views import SEGMENT_BREAK, group_sample_views
+from actors.records import (
+    GroupRecord,
+    GroupSample,
+    RewardBreakdown,
+    TestResult,
+    TrainerLogprobs,
+    encode_record,
+    trainer_logprobs_key,
+)
+from actors.sample_views import PIECE_SEPARATOR, SEGMENT_BREAK, group_sample_views, sample_views
 from model.tokenizer import ByteTokenizer
 
 
@@ -49,3 +61,29 @@ def test_a_chains_segments_follow_one_another_after_a_break() -> None:
     (view,) = group_sample_views("groups/g1/a0", stored)
     assert [run[0] for run in view["tokens"]] == ["a", "b", SEGMENT_BREAK, "c", "d"]
     assert view["num_summaries"] == 1 and view["num_tokens"] == 4
+
+
+def _float32s(b64: str) -> list[float]:
+    return numpy.frombuffer(base64.b64decode(b64), dtype="<f4").tolist()
+
+
+def test_a_trained_run_carries_each_tokens_text_and_the_segment_its_behaviour_log_probs() -> None:
+    (view,) = sample_views("groups/g1/a0", _record())
+    pieces = [run[5].split(PIECE_SEPARATOR) if run[5] else [] for run in view["tokens"]]
+    assert pieces == [[], ["", "é"], []], "a character's first byte has no text of its own: its last shows it"
+    assert (view["tokens"][2][0], view["tokens"][2][4]) == ("!", 1), "an ASCII run: one character a token"
+    (behaviour,) = view["behaviour_logprobs"]
+    assert _float32s(behaviour) == pytest.approx([0.0, 0.0, -0.5, -0.1, -1.0])
+
+
+def test_the_trainers_log_probs_of_a_sample_become_a_partial_view() -> None:
+    values = [numpy.array([math.nan, 1.5, -0.25], dtype="<f4"), numpy.array([math.nan, -2.0], dtype="<f4")]
+    record = TrainerLogprobs("g1-s0", 6, tuple(v.tobytes() for v in values))
+    key = trainer_logprobs_key("g1-s0")
+    (partial,) = sample_views(key, zstandard.ZstdCompressor().compress(encode_record(record)))
+    assert (partial["sample_id"], partial["trainer_version"]) == ("g1-s0", 6) and set(partial) == {
+        "sample_id", "trainer_version", "trainer_logprobs"}
+    decoded = [_float32s(b) for b in partial["trainer_logprobs"]]
+    assert [d[1:] for d in decoded] == [[1.5, -0.25], [-2.0]] and all(math.isnan(d[0]) for d in decoded)
+    with pytest.raises(ValueError, match="TrainerLogprobs"):  # a group record where its key says log-probs
+        sample_views(key, _record())

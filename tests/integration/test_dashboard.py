@@ -6,6 +6,7 @@ finished run from its files. Screenshots are saved (DASHBOARD_SCREENSHOTS=dir ke
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from selenium import webdriver
@@ -92,6 +94,25 @@ async def _scrape(url: str) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def _a_trained_sample(url: str) -> str | None:
+    """A kept sample the trainer's log-probs reached (the viewer's list shows ``trainer_version`` for those)."""
+    listed = _get_json(f"{url}api/samples?limit=1000")["samples"]
+    return next((s["sample_id"] for s in listed if "trainer_version" in s), None)
+
+
+def _rollout_screenshot(driver: webdriver.Chrome, tmp_path: Path, name: str) -> None:
+    driver.execute_script("document.getElementById('rollouts').scrollIntoView()")
+    assert driver.save_screenshot(str(tmp_path / f"{name}.png")), f"no screenshot {name}"
+    if keep := os.environ.get("DASHBOARD_SCREENSHOTS"):
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp_path / f"{name}.png", Path(keep) / f"{name}.png")
+
+
 def _trained_samples(families: dict[str, Any]) -> float:
     (sample,) = [s for s in families["asyncrl_reconciler_lifecycle_counters"].samples
                  if s.labels["key"] == "trained_samples"]
@@ -163,10 +184,37 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         assert sampled and all(int(s["version"]) >= 0 for s in sampled)
         assert all(s["bg"] not in ("rgba(0, 0, 0, 0)", "") for s in sampled), "coloured by version"
         assert any(s["cls"] == "untrained" for s in spans), "the prompt, not sampled, is shown apart"
-        browser.execute_script("document.getElementById('rollouts').scrollIntoView()")
-        browser.save_screenshot(str(tmp_path / "dashboard-rollout.png"))
-        if keep := os.environ.get("DASHBOARD_SCREENSHOTS"):
-            shutil.copy(tmp_path / "dashboard-rollout.png", Path(keep) / "dashboard-rollout.png")
+        _rollout_screenshot(browser, tmp_path, "dashboard-rollout")
+
+        # a trained sample: each trained token with its behaviour and trainer log-probs, the sample's summary
+        trained_id = await until(lambda: asyncio.to_thread(_a_trained_sample, url), 120,
+                                 "a kept sample with the trainer's log-probs")
+        whole = _get_json(f"{url}api/samples/{trained_id}")
+        num_scored = sum(int(numpy.isfinite(numpy.frombuffer(base64.b64decode(seg), dtype="<f4")).sum())
+                         for seg in whole["trainer_logprobs"])
+        assert num_scored > 0
+        WebDriverWait(browser, 60, poll_frequency=2).until(
+            lambda d: sample_rows(d) and d.find_elements(By.CSS_SELECTOR, f'tr[data-sample="{trained_id}"]'))
+        browser.execute_script(f"document.querySelector('#sample-table tr[data-sample=\"{trained_id}\"]').click()")
+        WebDriverWait(browser, 30).until(
+            lambda d: trained_id in d.find_element(By.CSS_SELECTOR, "#sample-detail p").text
+            and d.find_elements(By.ID, "trainer-summary"))
+        summary = browser.find_element(By.ID, "trainer-summary").text
+        assert summary.startswith(f"trainer log-probs (policy version {whole['trainer_version']}"), summary
+        assert "mean |Δ|" in summary and "ratio exp(trainer − behaviour)" in summary, summary
+        scored = browser.execute_script(
+            "return [...document.querySelectorAll('.tokens span.token[data-trainer]')].map(s => ({b: +s.dataset."
+            "behaviour, t: +s.dataset.trainer, d: +s.dataset.delta, title: s.title, marked: s.classList.contains("
+            "'large-delta')}))")
+        assert len(scored) == num_scored, "every scored token of the sample, and only those, shows both log-probs"
+        for tok in scored:
+            assert tok["d"] == pytest.approx(tok["t"] - tok["b"], abs=1e-6) and "trainer" in tok["title"]
+            assert tok["marked"] == (abs(tok["d"]) > 0.2), tok
+        largest = browser.execute_script(  # the largest differences listed, with both log-probs, largest first
+            "return [...document.querySelectorAll('#largest-deltas tbody tr')]"
+            ".map(r => Math.abs(+r.cells[4].textContent))")
+        assert len(largest) == min(20, num_scored) and largest == sorted(largest, reverse=True), largest
+        _rollout_screenshot(browser, tmp_path, "dashboard-trainer-logprobs")
 
         # one Prometheus scrape target for the run: every documented family, every actor labelled, values move
         first_scrape = await _scrape(url)

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import math
+from pathlib import Path
+
+import numpy
+import zstandard
 from aiohttp.test_utils import TestClient, TestServer
 
+from actors.agent.episode import EpisodeEnd, Segment, Trajectory
+from actors.records import (
+    GroupRecord,
+    GroupSample,
+    RewardBreakdown,
+    TrainerLogprobs,
+    encode_record,
+    trainer_logprobs_key,
+)
+from actors.sample_views import sample_views
+from model.tokenizer import ByteTokenizer
+from ops.dashboard.feeds import SampleFetcher
 from ops.dashboard.model import RunView
 from ops.dashboard.rollouts import RolloutShelf, ShelfLimits
 from ops.dashboard.server import build_app
+from runtime.blob import open_store
 
 
 def _group(n: int, version: int, size: int = 2, reward: float = 0.5) -> list[dict]:
@@ -53,3 +73,57 @@ async def test_the_viewer_endpoints() -> None:
         assert (await client.get("/api/samples/missing")).status == 404
     finally:
         await client.close()
+
+
+def test_a_later_record_amends_a_kept_sample_and_nothing_else() -> None:
+    shelf = RolloutShelf(ShelfLimits(keep_last=1, per_version=0, max_versions=8))
+    shelf.offer(_group(1, version=3))
+    assert shelf.has("g1-s0") and not shelf.has("g1-s9")
+    assert shelf.amend({"sample_id": "g1-s0", "group_id": "forged", "trainer_version": 3})
+    whole = shelf.sample("g1-s0")
+    assert whole is not None and whole["trainer_version"] == 3 and whole["group_id"] == "g1"
+    assert "trainer_version" not in (shelf.sample("g1-s1") or {})
+    assert not shelf.amend({"sample_id": "g9-s0", "trainer_version": 3}), "never offered: nothing to add to"
+    shelf.offer(_group(2, version=4))  # keep_last=1 lets g1 go
+    assert not shelf.has("g1-s0") and not shelf.amend({"sample_id": "g1-s0", "trainer_version": 3})
+
+
+async def test_a_trained_samples_api_view_carries_the_trainers_log_probs(tmp_path: Path) -> None:
+    # The real records, the real store and the real feed: a group is checkpointed (the viewer keeps it), its
+    # samples are trained (the trainer's log-probs stored, the event names them): the sample's view gains them.
+    tok = ByteTokenizer()
+    segment = Segment(tok.encode("ab!"), [0, 1, 1], [0.0, -0.5, -1.0], [1.0] * 3, [-1, 2, 2], None, 1)
+    components = RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0)
+    samples = tuple(GroupSample(f"g1-s{i}", 1.0 - i, components, 0.5 - i,
+                                Trajectory([segment], EpisodeEnd.FINAL_ANSWER)) for i in range(2))
+    trainer = numpy.array([math.nan, -0.5, -1.25], dtype="<f4")
+
+    def stored(record: object) -> bytes:
+        return zstandard.ZstdCompressor().compress(encode_record(record))
+
+    async with open_store(f"file://{tmp_path}") as blob:
+        await blob.put("groups/g1/a1", stored(GroupRecord("g1", "p1", 2, 2, 0.0, samples)))
+        await blob.put(trainer_logprobs_key("g1-s0"), stored(TrainerLogprobs("g1-s0", 2, (trainer.tobytes(),))))
+        fetcher = SampleFetcher(blob, sample_views, RolloutShelf())
+        client = TestClient(TestServer(build_app(RunView("r"), shelf=fetcher.shelf)))
+        await client.start_server()
+        run = asyncio.create_task(fetcher.run())
+        try:
+            fetcher.notice({"event": "group_checkpointed", "key": "groups/g1/a1"})
+            await asyncio.wait_for(fetcher.wait_idle(), 10)
+            before = await (await client.get("/api/samples/g1-s0")).json()
+            assert "trainer_logprobs" not in before, "not trained yet: no trainer log-probs (and no error)"
+            assert len(base64.b64decode(before["behaviour_logprobs"][0])) == 3 * 4
+            fetcher.notice({"event": "trainer_logprobs_stored", "version": 2,
+                            "keys": {"g1-s0": trainer_logprobs_key("g1-s0"), "g7-s0": trainer_logprobs_key("g7-s0")}})
+            await asyncio.wait_for(fetcher.wait_idle(), 10)
+            after = await (await client.get("/api/samples/g1-s0")).json()
+            assert after["trainer_version"] == 2
+            values = numpy.frombuffer(base64.b64decode(after["trainer_logprobs"][0]), dtype="<f4")
+            assert numpy.array_equal(values[1:], trainer[1:]) and math.isnan(values[0])
+            other = await (await client.get("/api/samples/g1-s1")).json()
+            assert "trainer_logprobs" not in other, "its log-probs are its own"
+            assert fetcher.num_unreadable == 0, "a sample the viewer does not keep (g7-s0) is not even read"
+        finally:
+            run.cancel()
+            await client.close()

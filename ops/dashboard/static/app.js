@@ -191,6 +191,36 @@ function renderEventKinds() {
 // A token's colour says which policy version sampled it; grey ones were not sampled by the policy
 // (prompt, tool output: loss mask 0), so they carry no gradient.
 function versionColor(version) { return `hsl(${(version * 47) % 360}, 70%, 82%)`; }
+// A trained token whose trainer log-prob is this far (nats) from its behaviour log-prob is marked: the ratio
+// exp(trainer - behaviour) is then outside [0.82, 1.22] (on-policy it is exactly 1).
+const LARGE_DELTA = 0.2;
+const PIECE_SEPARATOR = "\x1f";
+// a log-prob near 0 (a confident token) keeps its digits
+function logprobText(x) { return Math.abs(x) >= 1e-3 || x === 0 ? x.toFixed(4) : x.toExponential(2); }
+
+// per-token arrays travel as base64 of little-endian float32 (actors.sample_views)
+function float32s(b64) {
+  const bin = atob(b64 || ""), bytes = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+  return new Float32Array(bytes.buffer);
+}
+
+// the sample's summary of behaviour vs trainer log-probs over its trained tokens ([{b, t}], t NaN: not scored)
+function trainerSummary(s, tokens) {
+  let count = 0, sumAbs = 0, maxAbs = 0, minRatio = Infinity, maxRatio = -Infinity, large = 0;
+  for (const { b, t } of tokens) {
+    if (!Number.isFinite(t)) continue;
+    const delta = t - b, ratio = Math.exp(delta);
+    count++; sumAbs += Math.abs(delta); maxAbs = Math.max(maxAbs, Math.abs(delta));
+    minRatio = Math.min(minRatio, ratio); maxRatio = Math.max(maxRatio, ratio);
+    if (Math.abs(delta) > LARGE_DELTA) large++;
+  }
+  if (!count) return `trainer log-probs (policy version ${s.trainer_version}): no trained token`;
+  return `trainer log-probs (policy version ${s.trainer_version}, the forward of its step to ${s.trainer_version + 1}): `
+    + `${count} trained tokens · mean |Δ| ${(sumAbs / count).toExponential(2)} · max |Δ| ${maxAbs.toExponential(2)} · `
+    + `ratio exp(trainer − behaviour) min ${minRatio.toFixed(4)} max ${maxRatio.toFixed(4)} · `
+    + `${large} marked (|Δ| > ${LARGE_DELTA})`;
+}
 
 async function loadSamples() {
   const q = new URLSearchParams({ sort: document.getElementById("sample-sort").value,
@@ -230,17 +260,76 @@ async function showSample(id, tr) {
   const legend = document.createElement("p"); legend.className = "legend"; legend.textContent = "policy version: ";
   for (const v of versions) { const span = document.createElement("span"); span.textContent = v; span.style.background = versionColor(v); legend.appendChild(span); }
   const untrained = document.createElement("span"); untrained.textContent = "not sampled (loss mask 0)"; untrained.className = "untrained"; legend.appendChild(untrained);
+  const marked = document.createElement("span"); marked.textContent = `|trainer − behaviour| > ${LARGE_DELTA} (hover a token for both)`; marked.className = "token large-delta"; legend.appendChild(marked);
   detail.appendChild(legend);
+  // behaviour and trainer log-probs per segment, each token's at its position in its segment
+  const behaviour = (s.behaviour_logprobs || []).map(float32s);
+  const trainer = s.trainer_logprobs ? s.trainer_logprobs.map(float32s) : null;
+  const perToken = [];
   const text = document.createElement("div"); text.className = "tokens";
-  for (const [piece, version, trained, logprob] of s.tokens || []) {
+  let segment = 0, position = 0;
+  for (const [piece, version, trained, logprob, n, pieces] of s.tokens || []) {
+    if (n === 0) { segment++; position = 0; }  // a chain's next segment starts after this separator
     const span = document.createElement("span");
-    span.textContent = piece;
     span.dataset.version = version;
-    if (trained) { span.style.background = versionColor(version); span.title = `version ${version}, behaviour log-prob ${(+logprob).toFixed(3)}`; }
-    else span.className = "untrained";
+    if (trained) {
+      span.style.background = versionColor(version);
+      span.title = `version ${version}, mean behaviour log-prob ${(+logprob).toFixed(3)}`;
+    } else span.className = "untrained";
+    // each token's text: given for a run that is not all ASCII, else its characters, one a token
+    const texts = trained && behaviour[segment] ? (pieces ? pieces.split(PIECE_SEPARATOR) : Array.from(piece)) : null;
+    if (texts && texts.length === n) {  // each token its own span: its behaviour and trainer log-probs
+      span.className = "run";
+      texts.forEach((tokenText, i) => {
+        const tok = document.createElement("span"), p = position + i;
+        const b = behaviour[segment][p], t = trainer && trainer[segment] ? trainer[segment][p] : NaN;
+        tok.textContent = tokenText; tok.className = "token";
+        tok.dataset.version = version; tok.style.background = versionColor(version);
+        tok.dataset.behaviour = b;
+        let title = `version ${version} · behaviour ${logprobText(b)}`;
+        if (Number.isFinite(t)) {
+          const delta = t - b;
+          tok.dataset.trainer = t; tok.dataset.delta = delta;
+          title += ` · trainer ${logprobText(t)} · Δ ${delta.toExponential(2)} · ratio ${Math.exp(delta).toFixed(4)}`;
+          if (Math.abs(delta) > LARGE_DELTA) tok.classList.add("large-delta");
+        } else title += trainer ? " · trainer: not scored" : " · trainer: not trained yet";
+        tok.title = title;
+        perToken.push({ b, t, text: tokenText, segment, position: p });
+        span.appendChild(tok);
+      });
+    } else span.textContent = piece;
+    position += n;
     text.appendChild(span);
   }
+  const summary = document.createElement("p"); summary.id = "trainer-summary";
+  if (trainer) summary.textContent = trainerSummary(s, perToken);
+  else {
+    summary.className = "untrained-note";
+    summary.textContent = "trainer log-probs: not trained yet (they come with the step that trains it)"
+      + (s.advantage === 0 ? "; with advantage 0 and no KL term the trainer leaves it out of its forward, so none come" : "");
+  }
+  detail.appendChild(summary);
   detail.appendChild(text);
+  if (trainer) detail.appendChild(largestDeltas(perToken));
+}
+
+// the tokens whose trainer log-prob is furthest from their behaviour one, each with both, Δ and the ratio
+function largestDeltas(tokens, count = 20) {
+  const scored = tokens.filter(x => Number.isFinite(x.t)).sort((x, y) => Math.abs(y.t - y.b) - Math.abs(x.t - x.b));
+  const table = document.createElement("table"); table.id = "largest-deltas";
+  table.createCaption().textContent = `the ${Math.min(count, scored.length)} tokens of largest |Δ| (of ${scored.length})`;
+  const head = table.createTHead().insertRow();
+  for (const title of ["token", "segment:position", "behaviour", "trainer", "Δ", "ratio"]) {
+    const th = document.createElement("th"); th.textContent = title; head.appendChild(th);
+  }
+  const body = table.createTBody();
+  for (const x of scored.slice(0, count)) {
+    const tr = body.insertRow(), delta = x.t - x.b;
+    if (Math.abs(delta) > LARGE_DELTA) tr.className = "large-delta";
+    cell(tr, JSON.stringify(x.text)); cell(tr, `${x.segment}:${x.position}`); cell(tr, logprobText(x.b));
+    cell(tr, logprobText(x.t)); cell(tr, delta.toExponential(2)); cell(tr, Math.exp(delta).toFixed(4));
+  }
+  return table;
 }
 
 for (const id of ["sample-sort", "sample-failed"]) document.getElementById(id).addEventListener("change", loadSamples);
