@@ -79,8 +79,9 @@ async def test_kill_9_during_handling_loses_nothing(tmp_path: Path, counter_conf
         await _collect(run, "test.started", started)
         keys = [f"k{i}" for i in range(400)]
         await _publish(run, keys, sleep_s=0.05)
-        await asyncio.sleep(0.4)
-        os.kill(victims[0]["pid"], signal.SIGKILL)  # mid-flight: it holds unacked messages
+        # mid-flight: killed once it holds work (a fixed delay under load could kill it before it fetched any)
+        await until(lambda: any(s["actor"] == victims[0]["id"] for s in started), 60, "the victim's first handling")
+        os.kill(victims[0]["pid"], signal.SIGKILL)
 
         effects: dict[str, dict] = {}
 
