@@ -34,10 +34,10 @@ from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
 from runtime.blob import open_store
 from sandbox import Environment, LayerStore, ToolBox
-from sandbox.errors import SandboxUnavailable
 from sandbox.tasks import Task
 from tests.model.helpers import seeded_model, small_config
 from tests.sandbox.conftest import TEST_CONFIG
+from tests.sandbox_store import open_layer_store_or_skip
 
 TOKENIZER = ByteTokenizer()
 NUM_LAYERS, TOP_K = 2, 2
@@ -83,10 +83,7 @@ class Interrupted(Exception):
 
 @pytest.fixture
 def layer_store() -> Iterator[LayerStore]:
-    try:
-        store = LayerStore(TEST_CONFIG)
-    except SandboxUnavailable as e:
-        pytest.skip(f"sandbox unavailable on this host: {e}")
+    store = open_layer_store_or_skip(TEST_CONFIG)
     try:
         yield store
     finally:

@@ -11,8 +11,8 @@ import pytest
 
 from sandbox import _mount
 from sandbox.config import SandboxConfig, SandboxLimits
-from sandbox.errors import SandboxUnavailable
 from sandbox.layers import LayerStore
+from tests.sandbox_store import open_layer_store_or_skip
 
 # A uid of our own (not nobody) and a root of our own, so sandboxes that other processes on the
 # machine run at the same time cannot be mistaken for leaks of these tests, nor these for theirs.
@@ -74,10 +74,7 @@ def host_fingerprint() -> dict[str, object]:
 
 @pytest.fixture
 def store() -> Iterator[LayerStore]:
-    try:
-        s = LayerStore(TEST_CONFIG)
-    except SandboxUnavailable as e:
-        pytest.skip(f"sandbox unavailable on this host: {e}")
+    s = open_layer_store_or_skip(TEST_CONFIG)
     try:
         yield s
     finally:

@@ -7,15 +7,12 @@ from collections.abc import Iterator
 import pytest
 
 from sandbox import LayerStore
-from sandbox.errors import SandboxUnavailable
+from tests.sandbox_store import open_layer_store_or_skip
 
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[LayerStore]:
-    try:
-        s = LayerStore()
-    except SandboxUnavailable as e:
-        pytest.skip(f"sandbox unavailable on this host: {e}")
+    s = open_layer_store_or_skip()
     try:
         yield s
     finally:

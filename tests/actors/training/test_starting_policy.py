@@ -16,8 +16,7 @@ from actors.agent.episode import reference_episode_text
 from model.checkpoint import load_checkpoint
 from model.config import ModelConfig
 from model.pretrain import PretrainConfig
-from sandbox.errors import SandboxUnavailable
-from sandbox.layers import LayerStore
+from tests.sandbox_store import open_layer_store_or_skip
 
 SMALL = ModelConfig(
     hidden_size=32,
@@ -33,10 +32,7 @@ SMALL = ModelConfig(
 
 @pytest.fixture(scope="module")
 def sandbox_ok() -> Iterator[None]:
-    try:
-        LayerStore().close()
-    except SandboxUnavailable as e:
-        pytest.skip(f"sandbox unavailable on this host: {e}")
+    open_layer_store_or_skip().close()
     yield
 
 
