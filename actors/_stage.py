@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -24,7 +25,15 @@ import structlog
 import zstandard
 
 from actors.config import RLConfig
-from actors.messages import COMPLETION_TYPES, WorkHeartbeat, WorkHeartbeats, done_subject, order_types, work_queue_of
+from actors.messages import (
+    COMPLETION_TYPES,
+    RECONCILER_KIND,
+    WorkHeartbeat,
+    WorkHeartbeats,
+    done_subject,
+    order_types,
+    work_queue_of,
+)
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RewardGroupOrder, RolloutGroupOrder, StageFailed, bound_to, group_done
 from actors.records import RecordError, decode_record, encode_record
@@ -32,6 +41,7 @@ from runtime.actor import Actor, ActorContext, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 from runtime.errors import BusTimeout, NoResponders
+from runtime.registry import registration_key
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +59,8 @@ class StageActor(Actor):
     stage: ClassVar[Stage]
     Config = RLConfig
     heartbeat_every_s: ClassVar[float] = 5.0
-    still_wanted_timeout_s: ClassVar[float] = 2.0
+    still_wanted_timeout_s: ClassVar[float] = 2.0  # one ask of `_ask_still_wanted`
+    still_wanted_patience_s: ClassVar[float] = 30.0  # all its asks, before a redelivered order is done unasked
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -128,16 +139,9 @@ class StageActor(Actor):
         return bound_to(done, item)
 
     async def _wanted_items(self, order: RolloutGroupOrder | RewardGroupOrder) -> list[bool]:
-        """`_still_wanted` for each item of a group order (the reconciler answers each; without an answer
-        in time, every item is done)."""
+        """`_still_wanted` for each item of a group order (the reconciler answers each)."""
         num = len(order.items)
-        try:
-            beat = await self._work_heartbeat(order)
-            reply = await self.bus.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
-                                           timeout_s=self.still_wanted_timeout_s)
-        except (NoResponders, BusTimeout):
-            return [True] * num
-        answer = msgpack.unpackb(reply, raw=False)
+        answer = await self._ask_still_wanted(order)
         items = answer.get("current_items") if isinstance(answer, dict) else None
         if isinstance(items, list) and len(items) == num:
             return [item is not False for item in items]
@@ -145,16 +149,60 @@ class StageActor(Actor):
 
     async def _still_wanted(self, order: Any) -> bool:
         """The first heartbeat, as a question to the reconciler: a lost actor's orders are re-issued as new
-        attempts at once, and the old ones, redelivered after the bus's ack wait, would be done twice.
-        Without an answer in time (no reconciler, a slow one) the order is done."""
-        beat = await self._work_heartbeat(order)
-        try:
-            reply = await self.bus.request(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat,
-                                           timeout_s=self.still_wanted_timeout_s)
-        except (NoResponders, BusTimeout):
-            return True
-        answer = msgpack.unpackb(reply, raw=False)
+        attempts at once, and the old ones, redelivered after the bus's ack wait, would be done twice."""
+        answer = await self._ask_still_wanted(order)
         return not (isinstance(answer, dict) and answer.get("current") is False)
+
+    async def _ask_still_wanted(self, order: Any) -> Any:
+        """The reconciler's answer (decoded) to "is this attempt still wanted?"; None without one.
+
+        A redelivered order is most often a lost actor's, and the reconciler, the one process that knows
+        whether it was re-issued, may be down itself just then (killed and resuming): doing the order
+        unasked redoes work the table already had done (whole rollouts, in the kill -9 test). So the
+        question waits for an answer: a reconciler that does not answer in time (busy, stopped) is asked
+        again, and with none subscribed the question waits for the next one to register (it subscribes
+        before it registers). Only after ``still_wanted_patience_s`` without an answer is the order done
+        anyway: nothing is lost either way, a superseded completion is ignored."""
+        beat = await self._work_heartbeat(order)
+        subject = f"{HEARTBEAT_SUBJECT}.{self.stage.value}"
+        started, num_asked = time.monotonic(), 0
+        try:
+            async with asyncio.timeout(self.still_wanted_patience_s):
+                while True:
+                    num_asked += 1
+                    try:
+                        reply = await self.bus.request(subject, beat, timeout_s=self.still_wanted_timeout_s)
+                    except BusTimeout:
+                        why = "the reconciler did not answer in time"  # asked again: each ask is bounded
+                    except NoResponders:
+                        why = "no reconciler is subscribed"
+                    else:
+                        if num_asked > 1:
+                            log.info("still_wanted_answered", stage=self.stage.value, key=order.key,
+                                     num_asked=num_asked, waited_s=round(time.monotonic() - started, 3))
+                        return msgpack.unpackb(reply, raw=False)
+                    if num_asked == 1:
+                        log.info("still_wanted_unanswered", stage=self.stage.value, key=order.key, reason=why,
+                                 patience_s=self.still_wanted_patience_s)
+                    if why == "no reconciler is subscribed":
+                        await self._next_reconciler_registration()
+        except TimeoutError:
+            log.warning("still_wanted_never_answered", stage=self.stage.value, key=order.key, num_asked=num_asked,
+                        waited_s=round(time.monotonic() - started, 3),
+                        consequence="the order is done: if it was superseded, its completion is ignored")
+            return None
+
+    async def _next_reconciler_registration(self) -> None:
+        """Returns on the next write of a reconciler's registry entry (a start or a lease renewal), not on
+        the entries there now: a lapsing entry of the one that just died would answer nothing."""
+        entries = self.bus.kv_watch("actors", registration_key(RECONCILER_KIND, "*"))
+        async with contextlib.aclosing(entries):
+            caught_up = False
+            async for entry in entries:
+                if entry is None:
+                    caught_up = True
+                elif caught_up and not entry.deleted:
+                    return
 
     async def _work_heartbeat(self, order: Any) -> bytes:
         """A heartbeat for `order` (for each item of a group order), with its issuance token: the

@@ -26,6 +26,8 @@ from actors.reconciler.work import (
 from runtime.bus import DONE_QUEUE, Queue, work_queue
 from runtime.codec import message
 
+RECONCILER_KIND = "reconciler"  # the one kind that issues orders and answers the stages' heartbeats
+
 ORDER_TYPES: dict[Stage, tuple[str, type]] = {
     Stage.ROLLOUT: ("order.rollout", RolloutOrder),
     Stage.REWARD: ("order.reward", RewardOrder),
@@ -115,6 +117,7 @@ __all__ = [
     "DONE_QUEUE",
     "GROUP_ORDER_TYPES",
     "ORDER_TYPES",
+    "RECONCILER_KIND",
     "DataExhausted",
     "WeightsPublished",
     "WorkHeartbeat",

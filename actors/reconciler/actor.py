@@ -28,6 +28,7 @@ from actors.config import RLConfig
 from actors.messages import (
     COMPLETION_TYPES,
     DONE_QUEUE,
+    RECONCILER_KIND,
     DataExhausted,
     WeightsPublished,
     WorkHeartbeat,
@@ -54,7 +55,7 @@ __all__ = ["ReconcilerActor"]
 
 
 class ReconcilerActor(Actor):
-    kind = "reconciler"
+    kind = RECONCILER_KIND
     queues = (DONE_QUEUE,)
     messages = COMPLETION_TYPES
     Config = RLConfig

@@ -40,6 +40,37 @@ async def _until(predicate: Any, timeout_s: float, what: str) -> float:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+async def _rollout_actor_holding_work(run: LiveRun) -> dict[str, Any]:
+    """The status of a running rollout actor that holds rollouts, once one does."""
+    found: dict[str, Any] = {}
+
+    async def a_rollout_actor_holds_work() -> bool:
+        for actor in await run.actors():
+            if actor["kind"] == "rollout":
+                info = await run.request(control_subject(actor["kind"], actor["id"], "status"))
+                if info["state"] == "running" and info["num_inflight"] >= 1:
+                    found.update(info)
+                    return True
+        return False
+
+    await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
+    return found
+
+
+def _finished(run: LiveRun) -> Any:
+    """A predicate: every prompt admitted and every slot empty again."""
+    assert run.bus is not None
+    slots = KVSlotStore(run.bus, "slots")
+
+    async def finished() -> bool:
+        cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)
+        states = [Slot.decode((await slots.get(k)).value).state for k in await slots.keys()
+                  if k.startswith(SLOT_PREFIX)]
+        return cursor.position == NUM_PROMPTS and all(s is SlotState.EMPTY for s in states)
+
+    return finished
+
+
 async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     SimConfig(rollout=StageSim(median_s=4.0, sigma=0.0, max_s=4.0)).write(run_dir)
@@ -52,26 +83,9 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
         assert run.bus is not None
         await run.wait_actors("rollout", 2, timeout_s=120)
 
-        async def a_rollout_actor_holds_work() -> bool:
-            for actor in await run.actors():
-                if actor["kind"] == "rollout":
-                    info = await run.request(control_subject(actor["kind"], actor["id"], "status"))
-                    if info["state"] == "running" and info["num_inflight"] >= 1:
-                        victim.update(info)
-                        return True
-            return False
-
-        await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
+        victim.update(await _rollout_actor_holding_work(run))
         os.kill(victim["pid"], signal.SIGSTOP)
-        slots = KVSlotStore(run.bus, "slots")
-
-        async def finished() -> bool:
-            cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)
-            states = [Slot.decode((await slots.get(k)).value).state for k in await slots.keys()
-                      if k.startswith(SLOT_PREFIX)]
-            return cursor.position == NUM_PROMPTS and all(s is SlotState.EMPTY for s in states)
-
-        elapsed = await _until(finished, 60, "every prompt trained (the frozen actor's work re-issued)")
+        elapsed = await _until(_finished(run), 60, "every prompt trained (the frozen actor's work re-issued)")
         print(f"finished {elapsed:.1f}s after the rollout actor froze")
         assert victim["id"] not in await (await run.bus.kv("actors")).keys(), "its lapsed entry is removed"
     finally:
@@ -99,31 +113,69 @@ async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_n
         assert run.bus is not None
         await run.wait_actors("rollout", 2, timeout_s=120)
 
-        async def a_rollout_actor_holds_work() -> bool:
-            for actor in await run.actors():
-                if actor["kind"] == "rollout":
-                    info = await run.request(control_subject(actor["kind"], actor["id"], "status"))
-                    if info["state"] == "running" and info["num_inflight"] >= 1:
-                        victim.update(info)
-                        return True
-            return False
-
-        await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
+        victim.update(await _rollout_actor_holding_work(run))
         os.kill(victim["pid"], signal.SIGKILL)
-        slots = KVSlotStore(run.bus, "slots")
-
-        async def finished() -> bool:
-            cursor = CursorRecord.decode((await slots.get(CURSOR_KEY)).value)
-            states = [Slot.decode((await slots.get(k)).value).state for k in await slots.keys()
-                      if k.startswith(SLOT_PREFIX)]
-            return cursor.position == NUM_PROMPTS and all(s is SlotState.EMPTY for s in states)
-
-        await _until(finished, 90, "every prompt trained")
+        await _until(_finished(run), 90, "every prompt trained")
         await asyncio.sleep(8.0)  # past the ack wait: the killed actor's orders come back
     finally:
         assert await run.stop() == 0
     (lost,) = [e for e in run_events(run_dir, "actor_lost") if e["actor_id"] == victim["id"]]
     assert "removed while running" in lost["reason"], lost
+    retried = {(e["sample_id"], e["attempt"] - 1) for e in run_events(run_dir, "work_retried")
+               if e["reason"] == f"actor {victim['id']} lost"}
+    skipped = {(e["key"], e["attempt"]) for e in run_events(run_dir, "superseded_order_skipped")}
+    assert retried and retried <= skipped, (retried, skipped)
+
+
+@pytest.mark.parametrize("outage", ["stopped", "killed"])
+async def test_old_orders_redelivered_while_the_reconciler_is_away_wait_for_it_and_are_not_done_twice(
+    tmp_path: Path, outage: str
+) -> None:
+    """As above, but the killed actor's orders come back while the reconciler cannot answer whether they are
+    still wanted: frozen (SIGSTOP: the question times out) or killed (SIGKILL: nobody subscribed until the
+    supervisor's replacement registers). The question waits for an answer (at most 30 s) instead of
+    doing the superseded rollouts again, as it did before: each one a whole rollout regenerated."""
+    run_dir = tmp_path / "run"
+    SimConfig(rollout=StageSim(median_s=3.0, sigma=0.0, max_s=3.0)).write(run_dir)
+    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
+        num_prompts=NUM_PROMPTS, num_slots=16, group_size=2, batch_groups=1, eta=1, rollout_count=2, reward_count=1,
+        stage_timeout_s=120.0))
+    # frozen, the reconciler keeps its lease (the supervisor must not replace it); killed, its replacement
+    # comes 12 s later, well after the redelivery
+    away = ["actors.reconciler.lease_s=60"] if outage == "stopped" else [
+        "supervisor.backoff_base_s=12", "supervisor.backoff_max_s=12"]
+    run = await LiveRun(run_dir, cfg, *(a for v in ["bus.ack_wait_s=6", *away] for a in ("--set", v))).start()
+    victim: dict[str, Any] = {}
+    try:
+        assert run.bus is not None
+        await run.wait_actors("rollout", 2, timeout_s=120)
+        victim.update(await _rollout_actor_holding_work(run))
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        async def reissued() -> bool:
+            return any(e["reason"] == f"actor {victim['id']} lost" for e in run_events(run_dir, "work_retried"))
+
+        await _until(reissued, 30, "the killed actor's rollouts re-issued")
+        (reconciler,) = [a for a in await run.actors() if a["kind"] == "reconciler"]
+        os.kill(reconciler["pid"], signal.SIGSTOP if outage == "stopped" else signal.SIGKILL)
+
+        async def asked_in_vain() -> bool:
+            return bool(run_events(run_dir, "still_wanted_unanswered"))
+
+        try:  # the killed actor's orders, redelivered after the ack wait (6 s), find no one to answer
+            await _until(asked_in_vain, 30, "a redelivered order's question left unanswered")
+        finally:
+            if outage == "stopped":
+                os.kill(reconciler["pid"], signal.SIGCONT)
+        await _until(_finished(run), 90, "every prompt trained")
+    finally:
+        assert await run.stop() == 0
+    unanswered = run_events(run_dir, "still_wanted_unanswered")
+    reason = "the reconciler did not answer in time" if outage == "stopped" else "no reconciler is subscribed"
+    assert {e["reason"] for e in unanswered} == {reason}, unanswered
+    answered = run_events(run_dir, "still_wanted_answered")
+    assert {e["key"] for e in answered} == {e["key"] for e in unanswered}, "each question got its answer"
+    assert not run_events(run_dir, "still_wanted_never_answered")
     retried = {(e["sample_id"], e["attempt"] - 1) for e in run_events(run_dir, "work_retried")
                if e["reason"] == f"actor {victim['id']} lost"}
     skipped = {(e["key"], e["attempt"]) for e in run_events(run_dir, "superseded_order_skipped")}
