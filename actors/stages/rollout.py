@@ -127,6 +127,8 @@ class RolloutActor(StageActor):
                     delivery.task_group.create_task(progress.write(captured))
 
             start = resume.checkpoint.trajectory if resume.checkpoint else None
+            # counted now: the episode takes the checkpoint's transcript over and appends to it
+            num_resumed_turns, num_resumed = resume.num_turns, num_policy_tokens(start) if start else 0
             traj = await run_episode(task, self._generate, call_tool, self.tokenizer, r.agent, sampling,
                                      start=start, on_turn=on_turn)
             workspace, violation = _export_workspace(env)
@@ -138,13 +140,13 @@ class RolloutActor(StageActor):
         else:  # the policy's doing, not a fault: the sample stands and the reward actor fails every test
             log.warning("rollout_workspace_over_budget", sample_id=order.sample_id, reason=violation)
         await self.put_record(f"{key}/trajectory", RolloutRecord(order.sample_id, order.prompt_id, traj, violation))
-        num_resumed = num_policy_tokens(resume.checkpoint.trajectory) if resume.checkpoint else 0
-        log.info("rollout_finished", sample_id=order.sample_id, prompt_id=order.prompt_id, end=traj.end.value,
+        log.info("rollout_finished", sample_id=order.sample_id, attempt=order.attempt, prompt_id=order.prompt_id,
+                 end=traj.end.value,
                  num_tokens=traj.num_tokens, num_turns=traj.num_turns, num_summaries=traj.num_summaries,
                  num_summary_tokens=traj.num_summary_tokens, min_version=traj.min_version,
                  max_version=traj.max_version, duration_s=round(traj.duration_s, 3),
                  num_generated_tokens=num_policy_tokens(traj) - num_resumed, num_resumed_tokens=num_resumed,
-                 num_resumed_turns=resume.num_turns, num_checkpoints=progress.num_written,
+                 num_resumed_turns=num_resumed_turns, num_checkpoints=progress.num_written,
                  checkpoint_bytes=progress.num_bytes, checkpoint_s=round(progress.seconds, 4),
                  checkpoint_blocking_s=round(progress.blocking_s, 4))
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)

@@ -1,24 +1,26 @@
 """What a rollout checkpoint costs per turn: bytes, milliseconds and share of the turn's time.
 
-Episodes on the default tasks (the built-in difficulty-1 families the default run trains on), run as the
-rollout actor runs them: ``--batch`` episodes at once on one `GenerationEngine` of the default policy's
-architecture (`model.config.tiny`, random weights), each in its own bubblewrap sandbox, with the product's
-checkpoint after each turn: the workspace's snapshot and a copy of the transcript while the episode waits
-(`RolloutCheckpoints.capture`), then beside it the snapshot's export and the record's encoding (in a
-thread) and a put to a ``file://`` blob store (`CapturedCheckpoint.write`). An untrained policy never
-calls a tool, so each turn decodes as many tokens as the reference agent's turn holds and then says the
-reference agent's text (the perfect episode: one ``write_file`` call, then ``done``): the engine's time,
-log-probs, versions and router choices are real, the text is the reference's. A turn's time is the wall
-time from the episode's previous turn end to this turn's end (decoding in a shared batch, the tool call,
-the capture). ``ms`` is the checkpoint's whole cost (capture to put done), ``blocking_ms`` the part the
-episode waited for.
+Episodes on the default tasks (the built-in difficulty-1 families the default run trains on) or, with
+``--family long_context``, on the long-context family (notes to read one by one, more than one window: its
+agent settings, `LONG_CONTEXT_AGENT`, summaries on), run as the rollout actor runs them: ``--batch`` episodes
+at once on one `GenerationEngine` of the default policy's architecture (`model.config.tiny`, random weights),
+each in its own bubblewrap sandbox, with the product's checkpoint after each turn: the workspace's snapshot
+and a copy of the transcript while the episode waits (`RolloutCheckpoints.capture`), then beside it the
+snapshot's export and the record's encoding (in a thread) and a put to a ``file://`` blob store
+(`CapturedCheckpoint.write`). An untrained policy never calls a tool, so each turn decodes as many tokens as
+the reference agent's turn holds and then says the reference agent's text (the perfect episode: on the default
+tasks one ``write_file`` call, then ``done``; on the long-context family `ReferencePolicy`'s reads, summaries,
+write and ``done``): the engine's time, log-probs, versions and router choices are real, the text is the
+reference's, the tools' answers the sandbox's. A turn's time is the wall time from the episode's previous turn
+end to this turn's end (decoding in a shared batch, the tool call, the capture). ``ms`` is the checkpoint's
+whole cost (capture to put done), ``blocking_ms`` the part the episode waited for.
 
 The same episodes run again without checkpoints (alternating order over ``--trials``) to give the wall
 time they add to a batch of episodes (the snapshots run in the event loop, so a batch's episodes wait for
 each other's; the writes compete for the CPU).
 
 Usage (as root, bubblewrap installed):
-    python -m tests.bench.rollout_checkpoint [--batch 64] [--trials 2]
+    python -m tests.bench.rollout_checkpoint [--batch 64] [--trials 2] [--family generated|long_context]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from actors.agent.episode import AgentConfig, Trajectory, reference_episode_text
 from actors.config import TasksSection
 from actors.rollout_checkpoint import CapturedCheckpoint, RolloutCheckpoints
 from actors.task_catalog import TaskCatalog
+from actors.training.reference_chains import LONG_CONTEXT_AGENT, ReferencePolicy
 from model.config import tiny
 from model.engine import EngineConfig, GenerationEngine
 from model.generation import Generation
@@ -59,9 +62,14 @@ from sandbox.tasks import Task
 TOKENIZER = ByteTokenizer()
 
 
-def _reference_turns(task: Task) -> list[list[int]]:
-    """The reference agent's policy turns, as tokens (the trained segments of its episode)."""
-    return [TOKENIZER.encode(text) for text, trained in reference_episode_text(task) if trained]
+def _reference(task: Task, agent: AgentConfig) -> Callable[[Sequence[int], SamplingParams], list[int]]:
+    """What the reference agent says next in a context: its turn's tokens."""
+    if agent.summarize_at_tokens:  # the long-context family's settings
+        policy = ReferencePolicy(task, agent)
+        return lambda prompt_ids, params: TOKENIZER.encode(policy.reply(TOKENIZER.decode(list(prompt_ids))))[
+            : params.max_new_tokens]
+    turns = [TOKENIZER.encode(text) for text, trained in reference_episode_text(task) if trained]
+    return lambda prompt_ids, params: turns[TOKENIZER.decode(list(prompt_ids)).count("<tool>")]
 
 
 @dataclasses.dataclass
@@ -73,10 +81,10 @@ class _Episode:
 
 async def _episode(engine: GenerationEngine, store: LayerStore, blob: Any, record: _Episode, index: int,
                    checkpointed: bool, agent: AgentConfig, writes: asyncio.TaskGroup) -> Trajectory:
-    turns = _reference_turns(record.task)
+    reference = _reference(record.task, agent)
 
     async def generate(prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        ids = turns[TOKENIZER.decode(list(prompt_ids)).count("<tool>")]
+        ids = reference(prompt_ids, params)
         real = await engine.generate(prompt_ids, dataclasses.replace(
             params, max_new_tokens=len(ids), stop_token_ids=(), stop_strings=()))
         return dataclasses.replace(real, token_ids=tuple(ids))  # the engine's work, the reference's words
@@ -136,6 +144,7 @@ def _summary(records: list[_Episode]) -> dict[str, float]:
     turns = [r.turn_ends[i + 1] - r.turn_ends[i] for r in records for i in range(len(r.checkpoints))]
     return {
         "num_checkpoints": len(sizes),
+        "checkpoints_per_episode_median": statistics.median(len(r.checkpoints) for r in records),
         "bytes_median": statistics.median(sizes),
         "bytes_max": max(sizes),
         "ms_median": round(1e3 * statistics.median(costs), 2),  # capture, export, encode, put
@@ -151,13 +160,16 @@ async def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64, help="episodes decoded together (rollout.max_batch_size)")
     parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--family", choices=("generated", "long_context"), default="generated",
+                        help="the default tasks (difficulty 1) or the long-context family")
     args = parser.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     torch.manual_seed(0)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model = MoETransformer(tiny()).init_weights(0).eval()
-    tasks = list(TaskCatalog.build(TasksSection(num_train=args.batch, num_heldout=1)).train)
-    agent = AgentConfig()
+    section = TasksSection(num_train=args.batch, num_heldout=1, family=args.family)
+    tasks = list(TaskCatalog.build(section).train)
+    agent = LONG_CONTEXT_AGENT if args.family == "long_context" else AgentConfig()
     store = LayerStore(SandboxConfig(root_dir="/var/tmp/asyncrl-bench-rollout-checkpoint"))
     walls: dict[bool, list[float]] = {True: [], False: []}
     summaries = []
@@ -173,7 +185,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
         store.close()
     load = os.getloadavg()[0]
     print(json.dumps({
-        "tasks": "default (difficulty 1)", "batch": args.batch, "trials": args.trials, "load_1m": round(load, 1),
+        "tasks": "long-context family" if args.family == "long_context" else "default (difficulty 1)",
+        "batch": args.batch, "trials": args.trials, "load_1m": round(load, 1),
         "per_trial": summaries,
         "wall_s_with": [round(w, 2) for w in walls[True]], "wall_s_without": [round(w, 2) for w in walls[False]],
         "wall_added": round(statistics.median(walls[True]) / statistics.median(walls[False]) - 1, 4),

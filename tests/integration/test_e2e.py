@@ -4,8 +4,10 @@ policy, sandboxed rewards, delta weight sync; plus kill -9 of stage actors in th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -16,9 +18,10 @@ from safetensors.torch import load_file
 
 from actors.__main__ import DEFAULT_RUN_FILE
 from actors.records import RolloutRecord, decode_record
+from actors.rollout_checkpoint import RolloutCheckpoint
 from actors.training.starting_policy import ensure_starting_policy
 from runtime.metrics_log import read_run_metrics
-from tests.integration.harness import REPO, LiveRun, write_config
+from tests.integration.harness import REPO, LiveRun, run_events, until, write_config
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
@@ -162,6 +165,56 @@ async def test_kill_9_of_stage_actors_loses_no_sample(tmp_path: Path, starting_p
     supervisor = (run.run_dir / "logs" / "supervisor.jsonl").read_text()
     assert supervisor.count('"actor_crashed"') == 3 and supervisor.count('"actor_restarted"') == 3
     await assert_every_prompt_accounted(run.run_dir, steps=5)
+
+
+async def test_a_rollout_actor_killed_mid_episode_resumes_them_from_their_checkpoints(
+    tmp_path: Path, starting_policy: Path
+) -> None:
+    """The real rollout actor's own resume path, end to end: killed while it holds episodes with a turn
+    checkpointed and not finished, its re-issued attempts resume from those checkpoints in rebuilt sandboxes,
+    each finishing a transcript whose beginning is the checkpoint's, and the run trains every version with
+    every prompt accounted."""
+    cfg = _short_run(tmp_path, seed=2, steps=3, checkpoint=starting_policy)
+    run = await LiveRun(tmp_path / "run", cfg, "--set", "bus.ack_wait_s=5.0", "--set", "rollout.agent.max_turns=3",
+                        "--set", "rollout.agent.max_new_tokens_per_turn=96").start()
+    blobs, kept = run.run_dir / "blobs", tmp_path / "checkpoints-at-the-kill"
+    try:
+        (victim,) = await run.wait_actors("rollout", 1, timeout_s=180)
+
+        def half_done() -> list[Path]:
+            finished = {e["sample_id"] for e in run_events(run.run_dir, "rollout_finished")}
+            return [c for c in blobs.glob("samples/*/a0/checkpoints/t*") if c.parts[-4] not in finished]
+
+        await until(half_done, 240, "an episode with a turn checkpointed and not finished")
+        os.kill(victim["pid"], signal.SIGKILL)
+        for c in blobs.glob("samples/*/a0/checkpoints/t*"):  # what the dead actor left, before any is collected
+            (kept / c.relative_to(blobs)).parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                shutil.copyfile(c, kept / c.relative_to(blobs))
+        assert await _wait_finished(run, 360) == 0, run.output()
+    finally:
+        await run.stop()
+    assert [r["version"] for r in await _rows(run.run_dir, "train")] == [1, 2, 3]
+    # (a replacement may also resume from checkpoints written after the kill: its own, of attempts it redid)
+    resumed = [e for e in run_events(run.run_dir, "rollout_resumed") if (kept / e["key"]).exists()]
+    assert resumed, "re-issued attempts resumed from the killed actor's checkpoints"
+    finished = {(e["sample_id"], e["attempt"]): e for e in run_events(run.run_dir, "rollout_finished")}
+    for e in resumed:
+        checkpoint = decode_record(zstandard.ZstdDecompressor().decompress((kept / e["key"]).read_bytes()),
+                                   RolloutCheckpoint, e["key"])
+        assert checkpoint.trajectory.num_turns == e["num_turns"] >= 1
+        path = blobs / "samples" / e["sample_id"] / f"a{e['attempt']}" / "trajectory"
+        if not path.exists():  # its group was dropped or trained and collected; the event says what it did
+            continue
+        done = decode_record(zstandard.ZstdDecompressor().decompress(path.read_bytes()), RolloutRecord, str(path))
+        before, after = checkpoint.trajectory.segments[0], done.trajectory.segments[0]
+        n = len(before.token_ids)
+        assert after.token_ids[:n] == before.token_ids and after.versions[:n] == before.versions
+        assert after.behaviour_logprobs[:n] == before.behaviour_logprobs, "the checkpointed turns kept as they were"
+        assert done.trajectory.num_turns >= checkpoint.trajectory.num_turns
+        report = finished[(e["sample_id"], e["attempt"])]
+        assert report["num_resumed_turns"] == e["num_turns"] and report["num_resumed_tokens"] > 0
+    await assert_every_prompt_accounted(run.run_dir, steps=3)
 
 
 async def assert_every_prompt_accounted(run_dir: Path, steps: int) -> None:
