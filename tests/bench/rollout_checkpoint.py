@@ -77,6 +77,7 @@ class _Episode:
     task: Task
     turn_ends: list[float] = dataclasses.field(default_factory=list)
     checkpoints: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)  # bytes, s, blocking s
+    num_summaries: int = 0
 
 
 async def _episode(engine: GenerationEngine, store: LayerStore, blob: Any, record: _Episode, index: int,
@@ -115,6 +116,7 @@ async def _episode(engine: GenerationEngine, store: LayerStore, blob: Any, recor
         traj = await run_episode(record.task, generate, call_tool, TOKENIZER, agent,
                                  SamplingParams(temperature=1.0, seed=index), on_turn=on_turn)
         record.turn_ends.append(time.perf_counter())
+        record.num_summaries = traj.num_summaries
         return traj
     finally:
         env.close()
@@ -145,6 +147,7 @@ def _summary(records: list[_Episode]) -> dict[str, float]:
     return {
         "num_checkpoints": len(sizes),
         "checkpoints_per_episode_median": statistics.median(len(r.checkpoints) for r in records),
+        "summaries_per_episode_mean": round(statistics.mean(r.num_summaries for r in records), 2),
         "bytes_median": statistics.median(sizes),
         "bytes_max": max(sizes),
         "ms_median": round(1e3 * statistics.median(costs), 2),  # capture, export, encode, put
