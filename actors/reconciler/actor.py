@@ -79,6 +79,7 @@ class ReconcilerActor(Actor):
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
         self.num_rejected_registrations = 0
         self.num_rejected_announcements = 0
+        self.registry = RegistryView()
         self.num_rollout_actors = await self._count_rollout_actors()
         r = self.config.reconciler
         self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,
@@ -88,7 +89,6 @@ class ReconcilerActor(Actor):
         await self._resume()
         sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
-        self.registry = RegistryView()
         self.weights_codec = Codec([WeightsPublished])
         sub = await self.bus.subscribe(weights_subject(self.run_name), self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
@@ -283,12 +283,15 @@ class ReconcilerActor(Actor):
         await self.bus.publish(data_exhausted_subject(self.run_name), data)
 
     async def _count_rollout_actors(self) -> int:
-        count = 0
+        """Running rollout actors in the registry now, read into `registry` (the count the watch keeps after)."""
+        now = time.monotonic()
         for key in await self.bus.kv_keys("actors"):
             entry = await self.bus.kv_get("actors", key)
-            if entry is not None:  # else deregistered since the listing
-                count += self._is_running_rollout(key, entry.value)
-        return count
+            registered = parse_registration_key(key)
+            if entry is None or registered is None or self._registration(key, entry.value) is None:
+                continue  # deregistered since the listing, a handover record, a forgery
+            self.registry.observe(registered[1], entry.value, now)
+        return self.registry.num_running("rollout")
 
     async def _watch_rollout_actors(self) -> None:
         """Follows the registry's entries (no requests per event: each would be a round trip and a
@@ -331,11 +334,6 @@ class ReconcilerActor(Actor):
             log.warning("registry_entry_rejected", key=key, reason=str(e),
                         num_rejected=self.num_rejected_registrations)
             return None
-
-    def _is_running_rollout(self, key: str, raw: bytes) -> bool:
-        """A complete registry entry of a running rollout actor; anything else counts for nothing."""
-        info = self._registration(key, raw)
-        return info is not None and info["kind"] == "rollout" and info["state"] == "running"
 
     async def handover(self) -> dict[str, Any] | None:
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""

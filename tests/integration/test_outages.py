@@ -15,6 +15,7 @@ import pytest
 
 from actors.reconciler.actor import ReconcilerActor
 from actors.reconciler.lifecycle import CoreBroken
+from actors.reconciler.registry_view import RegistryView
 from ops import status as ops_status
 from runtime.actor import Actor, ActorContext, ActorIdentity, ActorSettings
 from runtime.bus import Bus
@@ -76,7 +77,7 @@ def _registration(kind: str, actor_id: str) -> dict[str, Any]:
 async def test_reconciler_counts_no_rollout_actor_only_when_there_is_none(tmp_path: Path) -> None:
     async with nats_bus(tmp_path) as bus:
         reconciler = ReconcilerActor.__new__(ReconcilerActor)
-        reconciler.bus, reconciler.num_rejected_registrations = bus, 0
+        reconciler.bus, reconciler.num_rejected_registrations, reconciler.registry = bus, 0, RegistryView()
         assert await reconciler._count_rollout_actors() == 0
         kv = await bus.kv("actors")
         await kv.put(registration_key("rollout", "rollout-1"), msgpack.packb(_registration("rollout", "rollout-1")))
