@@ -20,8 +20,9 @@ the supervisor's own paths (one image on every node, or a shared filesystem: the
 ``PYTHONPATH`` of ``runtime.up`` are the process's); with ``ray_working_dir`` set, that directory is
 shipped with Ray's ``runtime_env`` ``working_dir`` on each start (Ray uploads it content-addressed, so a
 swap after the code changed ships the new code and an unchanged tree is not sent again) and the process
-runs from the node's copy. The run directory itself (run.json, config.toml, logs) must be reachable at
-the same path on every node until the run's state lives on the bus and the blob store.
+runs from the node's copy. The run directory is each node's own local cache and log folder
+(`runtime.rundir`, made where missing): an actor finds its run through the bus's run record and the blob
+store (`runtime.run_state`), and its events reach ``ops.tail`` through the bus's log stream.
 """
 
 from __future__ import annotations
