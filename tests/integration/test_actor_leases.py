@@ -40,6 +40,23 @@ async def _until(predicate: Any, timeout_s: float, what: str) -> float:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+async def _start(tmp_path: Path, rollout_s: float, *settings: str) -> LiveRun:
+    """The run of these tests (two rollout actors, each rollout ``rollout_s``; ``settings`` as ``--set``),
+    once both rollout actors run."""
+    run_dir = tmp_path / "run"
+    SimConfig(rollout=StageSim(median_s=rollout_s, sigma=0.0, max_s=rollout_s)).write(run_dir)
+    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
+        num_prompts=NUM_PROMPTS, num_slots=16, group_size=2, batch_groups=1, eta=1, rollout_count=2, reward_count=1,
+        stage_timeout_s=120.0))
+    run = await LiveRun(run_dir, cfg, *(a for v in settings for a in ("--set", v))).start()
+    try:
+        await run.wait_actors("rollout", 2, timeout_s=120)
+    except BaseException:
+        await run.stop()
+        raise
+    return run
+
+
 async def _rollout_actor_holding_work(run: LiveRun) -> dict[str, Any]:
     """The status of a running rollout actor that holds rollouts, once one does."""
     found: dict[str, Any] = {}
@@ -72,17 +89,10 @@ def _finished(run: LiveRun) -> Any:
 
 
 async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    SimConfig(rollout=StageSim(median_s=4.0, sigma=0.0, max_s=4.0)).write(run_dir)
-    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
-        num_prompts=NUM_PROMPTS, num_slots=16, group_size=2, batch_groups=1, eta=1, rollout_count=2, reward_count=1,
-        stage_timeout_s=120.0))
-    run = await LiveRun(run_dir, cfg, "--set", "bus.ack_wait_s=90").start()
-    victim: dict[str, Any] = {}
+    run = await _start(tmp_path, 4.0, "bus.ack_wait_s=90")
+    run_dir, victim = run.run_dir, {}
     try:
         assert run.bus is not None
-        await run.wait_actors("rollout", 2, timeout_s=120)
-
         victim.update(await _rollout_actor_holding_work(run))
         os.kill(victim["pid"], signal.SIGSTOP)
         elapsed = await _until(_finished(run), 60, "every prompt trained (the frozen actor's work re-issued)")
@@ -102,17 +112,9 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
 async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_not_done_twice(tmp_path: Path) -> None:
     """SIGKILL: the supervisor removes the entry, the reconciler re-issues at once; the killed actor's orders,
     redelivered by the bus after its ack wait (6 s), are recognised as superseded and skipped, not redone."""
-    run_dir = tmp_path / "run"
-    SimConfig(rollout=StageSim(median_s=3.0, sigma=0.0, max_s=3.0)).write(run_dir)
-    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
-        num_prompts=NUM_PROMPTS, num_slots=16, group_size=2, batch_groups=1, eta=1, rollout_count=2, reward_count=1,
-        stage_timeout_s=120.0))
-    run = await LiveRun(run_dir, cfg, "--set", "bus.ack_wait_s=6").start()
-    victim: dict[str, Any] = {}
+    run = await _start(tmp_path, 3.0, "bus.ack_wait_s=6")
+    run_dir, victim = run.run_dir, {}
     try:
-        assert run.bus is not None
-        await run.wait_actors("rollout", 2, timeout_s=120)
-
         victim.update(await _rollout_actor_holding_work(run))
         os.kill(victim["pid"], signal.SIGKILL)
         await _until(_finished(run), 90, "every prompt trained")
@@ -135,20 +137,13 @@ async def test_old_orders_redelivered_while_the_reconciler_is_away_wait_for_it_a
     still wanted: frozen (SIGSTOP: the question times out) or killed (SIGKILL: nobody subscribed until the
     supervisor's replacement registers). The question waits for an answer (at most 30 s) instead of
     doing the superseded rollouts again, as it did before: each one a whole rollout regenerated."""
-    run_dir = tmp_path / "run"
-    SimConfig(rollout=StageSim(median_s=3.0, sigma=0.0, max_s=3.0)).write(run_dir)
-    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
-        num_prompts=NUM_PROMPTS, num_slots=16, group_size=2, batch_groups=1, eta=1, rollout_count=2, reward_count=1,
-        stage_timeout_s=120.0))
     # frozen, the reconciler keeps its lease (the supervisor must not replace it); killed, its replacement
     # comes 12 s later, well after the redelivery
     away = ["actors.reconciler.lease_s=60"] if outage == "stopped" else [
         "supervisor.backoff_base_s=12", "supervisor.backoff_max_s=12"]
-    run = await LiveRun(run_dir, cfg, *(a for v in ["bus.ack_wait_s=6", *away] for a in ("--set", v))).start()
-    victim: dict[str, Any] = {}
+    run = await _start(tmp_path, 3.0, "bus.ack_wait_s=6", *away)
+    run_dir, victim = run.run_dir, {}
     try:
-        assert run.bus is not None
-        await run.wait_actors("rollout", 2, timeout_s=120)
         victim.update(await _rollout_actor_holding_work(run))
         os.kill(victim["pid"], signal.SIGKILL)
 
