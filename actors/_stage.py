@@ -49,6 +49,10 @@ HEARTBEAT_SUBJECT = "heartbeat"
 R = TypeVar("R")
 
 
+class OrderGoesBack(RuntimeError):
+    """The order is not started here after all (the actor drains): nak'ed, and redelivered to another."""
+
+
 class WorkRefused(ValueError):
     """The order cannot be done by anyone (bad input, broken staleness bound): report it, do not retry."""
 
@@ -162,13 +166,16 @@ class StageActor(Actor):
         question waits for an answer: a reconciler that does not answer in time (busy, stopped) is asked
         again, and with none subscribed the question waits for the next one to register (it subscribes
         before it registers). Only after ``still_wanted_patience_s`` without an answer is the order done
-        anyway: nothing is lost either way, a superseded completion is ignored."""
+        anyway: nothing is lost either way, a superseded completion is ignored. An actor asked to drain
+        meanwhile gives the order back (`OrderGoesBack`: nak'ed, redelivered) rather than start it."""
         beat = await self._work_heartbeat(order)
         subject = f"{HEARTBEAT_SUBJECT}.{self.stage.value}"
         started, num_asked = time.monotonic(), 0
         try:
             async with asyncio.timeout(self.still_wanted_patience_s):
                 while True:
+                    if self._drain_requested.is_set():
+                        raise OrderGoesBack(f"draining, and no reconciler said whether {order.key} is still wanted")
                     num_asked += 1
                     try:
                         reply = await self.bus.request(subject, beat, timeout_s=self.still_wanted_timeout_s)
@@ -194,7 +201,16 @@ class StageActor(Actor):
 
     async def _next_reconciler_registration(self) -> None:
         """Returns on the next write of a reconciler's registry entry (a start or a lease renewal), not on
-        the entries there now: a lapsing entry of the one that just died would answer nothing."""
+        the entries there now (a lapsing entry of the one that just died would answer nothing), or once
+        the actor is asked to drain."""
+        async with asyncio.TaskGroup() as tg:
+            registered = tg.create_task(self._reconciler_registered())
+            drained = tg.create_task(self._drain_requested.wait())
+            await asyncio.wait((registered, drained), return_when=asyncio.FIRST_COMPLETED)
+            registered.cancel()
+            drained.cancel()
+
+    async def _reconciler_registered(self) -> None:
         entries = self.bus.kv_watch("actors", registration_key(RECONCILER_KIND, "*"))
         async with contextlib.aclosing(entries):
             caught_up = False
