@@ -179,20 +179,20 @@ class StageActor(Actor):
                     num_asked += 1
                     try:
                         reply = await self.bus.request(subject, beat, timeout_s=self.still_wanted_timeout_s)
-                    except BusTimeout:
-                        why = "the reconciler did not answer in time"  # asked again: each ask is bounded
-                    except NoResponders:
-                        why = "no reconciler is subscribed"
-                    else:
-                        if num_asked > 1:
-                            log.info("still_wanted_answered", stage=self.stage.value, key=order.key,
-                                     num_asked=num_asked, waited_s=round(time.monotonic() - started, 3))
-                        return msgpack.unpackb(reply, raw=False)
-                    if num_asked == 1:
-                        log.info("still_wanted_unanswered", stage=self.stage.value, key=order.key, reason=why,
-                                 patience_s=self.still_wanted_patience_s)
-                    if why == "no reconciler is subscribed":
-                        await self._next_reconciler_registration()
+                    except (BusTimeout, NoResponders) as e:
+                        nobody = isinstance(e, NoResponders)
+                        if num_asked == 1:
+                            log.info("still_wanted_unanswered", stage=self.stage.value, key=order.key,
+                                     reason="no reconciler is subscribed" if nobody
+                                     else "the reconciler did not answer in time",
+                                     patience_s=self.still_wanted_patience_s)
+                        if nobody:  # else asked again at once: each ask is bounded
+                            await self._unless_drained(self._next_reconciler_registration())
+                        continue
+                    if num_asked > 1:
+                        log.info("still_wanted_answered", stage=self.stage.value, key=order.key,
+                                 num_asked=num_asked, waited_s=round(time.monotonic() - started, 3))
+                    return msgpack.unpackb(reply, raw=False)
         except TimeoutError:
             log.warning("still_wanted_never_answered", stage=self.stage.value, key=order.key, num_asked=num_asked,
                         waited_s=round(time.monotonic() - started, 3),
@@ -201,16 +201,7 @@ class StageActor(Actor):
 
     async def _next_reconciler_registration(self) -> None:
         """Returns on the next write of a reconciler's registry entry (a start or a lease renewal), not on
-        the entries there now (a lapsing entry of the one that just died would answer nothing), or once
-        the actor is asked to drain."""
-        async with asyncio.TaskGroup() as tg:
-            registered = tg.create_task(self._reconciler_registered())
-            drained = tg.create_task(self._drain_requested.wait())
-            await asyncio.wait((registered, drained), return_when=asyncio.FIRST_COMPLETED)
-            registered.cancel()
-            drained.cancel()
-
-    async def _reconciler_registered(self) -> None:
+        the entries there now: a lapsing entry of the one that just died would answer nothing."""
         entries = self.bus.kv_watch("actors", registration_key(RECONCILER_KIND, "*"))
         async with contextlib.aclosing(entries):
             caught_up = False

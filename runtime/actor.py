@@ -18,7 +18,7 @@ import enum
 import os
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -217,11 +217,8 @@ class Actor:
         try:
             async with asyncio.TaskGroup() as tg:
                 lease = tg.create_task(self._renew_lease())
-                activated = tg.create_task(self._activated.wait())
-                drained = tg.create_task(self._drain_requested.wait())
-                await asyncio.wait({activated, drained}, return_when=asyncio.FIRST_COMPLETED)
-                for task in (lease, activated, drained):
-                    task.cancel()
+                await self._unless_drained(self._activated.wait())
+                lease.cancel()
         finally:
             await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
 
@@ -267,6 +264,17 @@ class Actor:
 
     def request_drain(self) -> None:
         self._drain_requested.set()
+
+    async def _unless_drained(self, work: Coroutine[Any, Any, Any]) -> bool:
+        """Awaits ``work`` unless a drain is requested first (``work`` is then cancelled); whether it finished.
+        An exception of ``work`` propagates (in an ExceptionGroup)."""
+        async with asyncio.TaskGroup() as tg:
+            done = tg.create_task(work)
+            drained = tg.create_task(self._drain_requested.wait())
+            await asyncio.wait((done, drained), return_when=asyncio.FIRST_COMPLETED)
+            finished = done.done()
+            (drained if finished else done).cancel()
+        return finished
 
     def fail(self, reason: str) -> None:
         """A fault this process cannot recover from (a dead engine, storage that keeps failing): stop

@@ -184,13 +184,8 @@ class RolloutActor(StageActor):
     async def _reach(self, version: int) -> None:
         """Wait for ``version`` in the engine; WeightsUnavailable (the order is nak'ed and comes back) after
         ``rollout.weights_wait_s``, or at once when the actor drains: nothing started, nothing to finish."""
-        async with asyncio.TaskGroup() as tg:  # a reach that times out raises out of here (WeightsUnavailable)
-            reached = tg.create_task(self.weights.reach(version, self.config.rollout.weights_wait_s))
-            drained = tg.create_task(self._drain_requested.wait())
-            await asyncio.wait((reached, drained), return_when=asyncio.FIRST_COMPLETED)
-            in_time = reached.done()
-            (drained if in_time else reached).cancel()
-        if not in_time:
+        # a reach that times out raises out of here (WeightsUnavailable)
+        if not await self._unless_drained(self.weights.reach(version, self.config.rollout.weights_wait_s)):
             raise WeightsUnavailable(f"draining while waiting for weights version {version}; the order goes back")
 
     async def probe(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
@@ -34,6 +33,7 @@ from actors.reconciler.work import GroupOutcome, RolloutDone, RolloutOrder
 from actors.task_catalog import TaskCatalog
 from runtime.bus import Bus
 from runtime.errors import BusTimeout
+from runtime.events import parse_event
 from tests.integration.harness import LiveRun, nats_bus, run_events, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
@@ -173,8 +173,7 @@ async def _chaos(run: LiveRun, rng: random.Random, stop: asyncio.Event, killed: 
         while victim is None and time.monotonic() < deadline and not stop.is_set():
             victims = [a for a in await _live(run, kind) if a["uptime_s"] >= 5.0]
             if kind == "rollout":
-                at_risk = {a["id"]: _turns_at_risk(run, a["id"]) for a in victims}
-                victims = [a for a in victims if at_risk[a["id"]] >= MIN_TURNS_AT_RISK]
+                victims = [a for a in victims if _turns_at_risk(run, a["id"]) >= MIN_TURNS_AT_RISK]
             if victims:
                 victim = rng.choice(victims)
             elif kind == "rollout":
@@ -187,7 +186,6 @@ async def _chaos(run: LiveRun, rng: random.Random, stop: asyncio.Event, killed: 
                 killed.append(victim["kind"])
 
 
-
 def _turns_at_risk(run: LiveRun, actor_id: str) -> int:
     """Turns a rollout actor holds of the rollouts it has not finished (from its event log: the turns it
     generated, and those a resumed attempt started from): what killing it now could cost."""
@@ -197,10 +195,10 @@ def _turns_at_risk(run: LiveRun, actor_id: str) -> int:
     except FileNotFoundError:
         return 0
     for line in lines:
-        if '"sim_rollout_turn"' not in line and '"rollout_resumed"' not in line:
+        if '"sim_rollout_turn"' not in line and '"rollout_resumed"' not in line:  # most lines: not parsed
             continue
-        with contextlib.suppress(ValueError):  # the line being written
-            e = json.loads(line)
+        e = parse_event(line)  # None: the line being written
+        if e is not None:
             done[(e["sample_id"], e["attempt"])] += e.get("num_turns", 1) if e["event"] == "rollout_resumed" else 1
     return sum(n for n in done.values() if n < ROLLOUT_TURNS)
 
