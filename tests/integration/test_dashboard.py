@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+LIVE_STEPS = 1000
 SECTIONS = ("training", "throughput", "pipeline", "rollouts", "actors", "config", "events")
 
 
@@ -120,7 +121,9 @@ def _trained_samples(families: dict[str, Any]) -> float:
 
 
 async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path, browser: webdriver.Chrome) -> None:  # noqa: F811
-    cfg = _short_run(tmp_path, seed=0, steps=4, checkpoint=starting_policy)
+    # more steps than the test lives through: every check below is made against a run still going (the test
+    # stops it), however slow the machine; a run of 4 steps could end under a slow test and take its page along
+    cfg = _short_run(tmp_path, seed=0, steps=LIVE_STEPS, checkpoint=starting_policy)
     run = await LiveRun(tmp_path / "run", cfg, "--set", "dashboard.port=0", "--set", "dashboard.sample_s=0.5").start()
     try:
         url = await _dashboard_url(run)
@@ -132,8 +135,7 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         await until(lambda: _points(browser, "chart-slots") >= 2, 60, "slot-table samples charted")
         _screenshot(browser, tmp_path, "dashboard-start")
 
-        # a rollout actor killed early (the short run must still be going when its replacement starts): the
-        # table shows the replacement with the restart counted, and the crash
+        # a rollout actor killed: the table shows the replacement with the restart counted, and the crash
         victim = (await run.wait_actors("rollout", 1))[0]
         os.kill(victim["pid"], signal.SIGKILL)
 
