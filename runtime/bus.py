@@ -8,6 +8,7 @@ buckets it carries are in docs/ARCHITECTURE.md ("Subjects", "Buckets"); its API 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import heapq
@@ -49,6 +50,7 @@ from nats.js.errors import (
     NoStreamResponseError,
     NotFoundError,
     ServiceUnavailableError,
+    TooManyStalledMsgsError,
 )
 from nats.js.kv import KeyValue
 
@@ -583,6 +585,134 @@ class ChainedKVWriter:
             raise KVWriteFailed(f"an earlier write to {self.bucket!r} failed ({self.broken!r}); open a new writer")
 
 
+@dataclass
+class _Unconfirmed:
+    subject: str
+    data: bytes
+    msg_id: str
+    stored: asyncio.Future[Any]  # nats-py's publish_async future: the stream's acknowledgement
+    deadline: float  # monotonic; not acknowledged by then: published again
+    num_sent: int
+
+
+class ConfirmingPublisher:
+    """Publishes into streams without waiting for each acknowledgement, and sees that each message is stored.
+
+    A sender on a hot path (the reconciler's orders) pays no round trip per message, yet loses none: a
+    message whose acknowledgement does not come within ``confirm_within_s``, or comes as a refusal (a
+    replicated stream electing its leader answers "no responders" or nothing; a full queue refuses), is
+    published again under the same message id (the stream drops a copy it already stored) after a short
+    backoff, until it is stored. Without this, a message lost in a leader election waited for its stage's
+    timeout to be re-issued: a stall of that timeout (20-120 s), not of the election (~6 s).
+
+    `publish` sends at once; `run` (a task of the owner's TaskGroup) checks the acknowledgements in the
+    order they were asked for. Messages not confirmed when `run` is cancelled stay unconfirmed: the
+    owner's successor re-issues from its durable state, as after a crash.
+    """
+
+    _MAX_BACKOFF_S = 2.0
+    _MAX_CONFIRM_WAIT_S = 30.0
+
+    def __init__(self, js: JetStreamContext, confirm_within_s: float = 2.0, stall_s: float = 5.0) -> None:
+        if confirm_within_s <= 0:
+            raise ValueError(f"confirm_within_s={confirm_within_s}: must be > 0")
+        self._js = js
+        self.confirm_within_s = confirm_within_s
+        self._stall_s = stall_s
+        self._unconfirmed: collections.deque[_Unconfirmed] = collections.deque()  # in order of deadline
+        self._waiting = asyncio.Event()  # something is unconfirmed
+        self._settled = asyncio.Event()  # `run` settled some (for `wait_confirmed`)
+        self._backing_off: list[_Unconfirmed] = []  # refused or overdue, to be sent again after a backoff
+        self.num_published = 0
+        self.num_republished = 0
+
+    @property
+    def num_unconfirmed(self) -> int:
+        return len(self._unconfirmed) + len(self._backing_off)
+
+    async def wait_confirmed(self, timeout_s: float) -> None:
+        """Until every message published so far is stored (`run` going meanwhile).
+
+        Raises:
+            BusTimeout: some are not within ``timeout_s``.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.num_unconfirmed:
+                    self._settled.clear()
+                    await self._settled.wait()
+        except TimeoutError as e:
+            raise BusTimeout(f"{self.num_unconfirmed} messages not stored within {timeout_s}s") from e
+
+    async def publish(self, subject: str, data: bytes, msg_id: str) -> None:
+        """Sends the message (no round trip); `run` confirms it, or publishes it again until it is stored.
+
+        Raises:
+            BusTimeout: ``stall_s`` passed with nats-py's limit of unconfirmed messages reached.
+        """
+        self._unconfirmed.append(await self._send(subject, data, msg_id, num_sent=1))
+        self.num_published += 1
+        self._waiting.set()
+
+    async def _send(self, subject: str, data: bytes, msg_id: str, num_sent: int) -> _Unconfirmed:
+        with _translated(f"publish on {subject}"):
+            try:
+                stored = await self._js.publish_async(subject, data, wait_stall=self._stall_s,
+                                                      headers=_msg_id_headers(msg_id))
+            except TooManyStalledMsgsError as e:
+                raise BusTimeout(f"publish on {subject}: {self._stall_s}s with too many unconfirmed messages") from e
+        stored.add_done_callback(_retrieve)  # a refusal is read in `run`, or dropped with an unconfirmed message
+        # a copy sent again waits longer each time: a slow server is not sent more and more copies
+        wait_s = min(self._MAX_CONFIRM_WAIT_S, self.confirm_within_s * 2 ** (num_sent - 1))
+        return _Unconfirmed(subject, data, msg_id, stored, time.monotonic() + wait_s, num_sent)
+
+    async def run(self) -> None:
+        """Confirms the messages as their acknowledgements come; publishes again those refused or overdue."""
+        while True:
+            await self._waiting.wait()  # idle until something is published: no work, nothing to bound
+            oldest = self._unconfirmed[0]
+            await asyncio.wait((oldest.stored,), timeout=max(0.0, oldest.deadline - time.monotonic()))
+            again = self._settle_through(time.monotonic())
+            self._settled.set()
+            if not self._unconfirmed:
+                self._waiting.clear()
+            if again:
+                await self._publish_again(again)
+
+    def _settle_through(self, now: float) -> list[_Unconfirmed]:
+        """Pops the oldest messages whose fate is known (stored, refused, or overdue); the ones to send again."""
+        again = []
+        while self._unconfirmed and (self._unconfirmed[0].stored.done() or self._unconfirmed[0].deadline <= now):
+            message = self._unconfirmed.popleft()
+            stored = message.stored
+            if stored.done() and not stored.cancelled() and stored.exception() is None:
+                continue
+            if not stored.done():
+                stored.cancel()  # a late acknowledgement is dropped by nats-py; the copy sent again is deduplicated
+            again.append(message)
+        return again
+
+    async def _publish_again(self, again: list[_Unconfirmed]) -> None:
+        first = again[0].stored
+        reason = "no acknowledgement" if first.cancelled() else repr(first.exception())
+        backoff_s = min(self._MAX_BACKOFF_S, 0.1 * 2 ** max(m.num_sent for m in again))
+        log.warning("publish_not_confirmed", num_messages=len(again), subjects=sorted({m.subject for m in again}),
+                    reason=reason, num_sent=max(m.num_sent for m in again), again_in_s=backoff_s)
+        self._backing_off = again
+        await asyncio.sleep(backoff_s)  # a stream electing its leader refuses at once: not a busy loop
+        while self._backing_off:
+            m = self._backing_off[0]
+            self._unconfirmed.append(await self._send(m.subject, m.data, m.msg_id, m.num_sent + 1))
+            self._backing_off.pop(0)
+            self.num_republished += 1
+        self._waiting.set()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class ConnectionHealth:
     """Whether a client is connected now, fed by nats-py's disconnect/reconnect callbacks, so that an
     outage is a state one can wait on (event-driven) instead of a flood of reconnect warnings."""
@@ -1023,12 +1153,10 @@ class Bus:
             publish = lambda: self.js.publish(subject, data, headers=_msg_id_headers(msg_id))  # noqa: E731
             await (self._through_election(f"publish on {subject}", publish) if msg_id else publish())
 
-    async def publish_unconfirmed(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
-        """Publish into a stream without waiting for the server's acknowledgement (no reply, no
-        round trip); ``msg_id`` dedups within the window. For senders that already recover a message
-        the stream did not store (e.g. by re-issuing work on a timeout)."""
-        with _translated(f"publish on {subject}"):
-            await self.nc.publish(subject, data, headers=_msg_id_headers(msg_id))
+    def confirming_publisher(self, confirm_within_s: float = 2.0) -> ConfirmingPublisher:
+        """A publisher into streams that pays no round trip per message and publishes again each one not
+        stored (its `run` belongs in the caller's TaskGroup)."""
+        return ConfirmingPublisher(self.js, confirm_within_s)
 
     async def dead_letter(self, queue: str, reason: str, detail: str, data: bytes,
                           **context: Any) -> None:

@@ -86,6 +86,7 @@ class ReconcilerActor(Actor):
                                    is_live=lambda group_id: group_id in self._live_group_ids())
         self.live_groups: set[str] = set()
         self._groups_left: tuple[int, ...] | None = None  # the core's trained/dropped counts at the last retire
+        self.orders_out = self.bus.confirming_publisher()
         await self._resume()
         sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
@@ -195,15 +196,15 @@ class ReconcilerActor(Actor):
     async def _issue(self, orders: list[WorkOrder] | tuple[WorkOrder, ...]) -> None:
         """Publishes the orders into their work streams without waiting for acknowledgements.
 
-        The decision each order carries is already durable (`_call` synced the table first), and
-        an acknowledgement would change nothing: an order the stream did not store is re-issued
-        when its stage's timeout expires (as after a crash, a resume re-issues everything in
-        flight), and a re-published attempt is deduplicated by its message id. So the reconciler
-        pays neither a reply nor a round trip per order.
+        The decision each order carries is already durable (`_call` synced the table first). The
+        acknowledgements are checked behind the reconciler's back (`ConfirmingPublisher`): an order the
+        stream did not store (a cluster electing the stream's leader) is published again under its message
+        id within seconds, instead of waiting for its stage's timeout. So the reconciler pays neither a
+        reply nor a round trip per order, and loses none.
         """
         for order in group_orders(list(orders)):  # a group's rollout (reward) orders in one message
             data = await self.order_codec.encode(order)
-            await self.bus.publish_unconfirmed(f"work.{order.STAGE.value}", data, msg_id=order.msg_id)
+            await self.orders_out.publish(f"work.{order.STAGE.value}", data, msg_id=order.msg_id)
 
     # --- inputs -------------------------------------------------------------------------------
     async def handle(self, msg: Any, delivery: Delivery) -> None:
@@ -250,6 +251,7 @@ class ReconcilerActor(Actor):
             await self._call("update_scheduling", self.config.reconciler.scheduling)
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
+        tg.create_task(self.orders_out.run())
         tg.create_task(self._tick_loop())
         tg.create_task(self._watch_rollout_actors())
         if self.ctx.blob is not None:
@@ -359,6 +361,9 @@ class ReconcilerActor(Actor):
             "scheduling": config_mod.to_dict(self.core.scheduling),
             "num_rejected_registrations": self.num_rejected_registrations,
             "num_rejected_announcements": self.num_rejected_announcements,
+            "num_orders_published": self.orders_out.num_published,
+            "num_orders_published_again": self.orders_out.num_republished,  # not stored in time: sent again
+            "orders_unconfirmed": self.orders_out.num_unconfirmed,
         }
 
 
