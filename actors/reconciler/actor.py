@@ -79,7 +79,7 @@ class ReconcilerActor(Actor):
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
         self.num_rejected_registrations = 0
         self.num_rejected_announcements = 0
-        self.registry = RegistryView()
+        self.registry = RegistryView(witness=self.identity.actor_id)  # its own lease: is the registry live?
         self.num_rollout_actors = await self._count_rollout_actors()
         r = self.config.reconciler
         self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,

@@ -13,11 +13,18 @@ an actor for lost when
 
 A lost actor is reported once; an entry that comes back (a renewal after a pause) makes it alive
 again. Pure bookkeeping: the caller feeds it watch events and the time, and acts on what it returns.
+
+A reader that keeps an entry of its own (the ``witness``: the reconciler's) judges no one while it
+misses its own renewals: then the bucket stored nothing (a cluster electing the bucket's leader) or
+its watch is behind, and everyone's silence is the registry's, not theirs. The time its own renewals
+were missed is credited to every lease, and an entry the bus expired across such a gap is judged by
+the credited lease, not taken as lost at once (the bus's TTL ran while no renewal could be stored).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import msgpack
@@ -41,22 +48,30 @@ class _Member:
     lease_s: float | None  # None: an entry without a lease never expires
     renewed_at: float
     lost: bool = False
+    expired_by_bus: bool = False  # its entry is gone, removed by the bus's TTL across a gap of the witness
 
 
 class RegistryView:
     """Registry entries -> live actors per kind and `LostActor` events (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, witness: str | None = None) -> None:
         self._members: dict[str, _Member] = {}
+        self._witness = witness  # the reader's own entry (see the module docstring)
+        self._witness_gap_ended_at = -math.inf  # when its renewals were last seen again after missed ones
 
     def observe(self, key: str, value: bytes | None, now: float, expired: bool = False) -> LostActor | None:
         """A watch event: ``value`` is the entry's new value, or None for a delete or purge (``expired``:
         the bus removed it when its TTL ran out)."""
         member = self._members.get(key)
         if value is None:
-            self._members.pop(key, None)
             if member is None or member.state == STOPPED or member.lost:
+                self._members.pop(key, None)
                 return None
+            if expired and (self._stale(now) or member.lease_s is None
+                            or now - member.lease_s < self._witness_gap_ended_at):
+                member.expired_by_bus = True  # its TTL ran across the witness's gap: `expire` judges it
+                return None
+            self._members.pop(key)
             if expired:
                 return LostActor(key, member.kind, f"no lease renewal for {now - member.renewed_at:.1f}s: "
                                                    "the bus expired its registry entry")
@@ -65,15 +80,38 @@ class RegistryView:
         if info is None:  # not an actor entry (a handover record) or unreadable: nothing to follow
             return None
         lease = info.get("lease_s")
-        self._members[key] = _Member(str(info["kind"]), str(info["state"]),
-                                     float(lease) if isinstance(lease, int | float) and lease > 0 else None, now)
+        lease_s = float(lease) if isinstance(lease, int | float) and lease > 0 else None
+        if key == self._witness and member is not None and lease_s is not None:
+            self._credit_missed_renewals(member, now, lease_s)
+        self._members[key] = _Member(str(info["kind"]), str(info["state"]), lease_s, now)
         return None
 
+    def _credit_missed_renewals(self, witness: _Member, now: float, lease_s: float) -> None:
+        """The witness renews every third of its lease: a longer gap is time the registry could not be
+        written or read, which no lease is charged for."""
+        missed_s = (now - witness.renewed_at) - lease_s / 3
+        if now - witness.renewed_at <= _overdue_after(lease_s):
+            return
+        for m in self._members.values():
+            if m is not witness:
+                m.renewed_at = min(now, m.renewed_at + missed_s)
+        self._witness_gap_ended_at = now
+
+    def _stale(self, now: float) -> bool:
+        """The witness's own renewal is overdue: the registry (or this reader's watch of it) is behind."""
+        witness = self._members.get(self._witness) if self._witness is not None else None
+        return (witness is not None and witness.lease_s is not None
+                and now - witness.renewed_at > _overdue_after(witness.lease_s))
+
     def expire(self, now: float) -> list[LostActor]:
-        """Actors whose lease ran out since the last call (each reported once)."""
+        """Actors whose lease ran out since the last call (each reported once); none while the witness is
+        overdue."""
+        if self._stale(now):
+            return []
         lost = []
         for actor_id, m in self._members.items():
-            if m.lost or m.state == STOPPED or m.lease_s is None or now - m.renewed_at <= m.lease_s:
+            if (m.lost or m.state == STOPPED or m.lease_s is None or now - m.renewed_at <= m.lease_s
+                    or actor_id == self._witness):
                 continue
             m.lost = True
             lost.append(LostActor(actor_id, m.kind, f"no lease renewal for {now - m.renewed_at:.1f}s "
@@ -83,6 +121,11 @@ class RegistryView:
     def num_running(self, kind: str) -> int:
         """Actors of ``kind`` running with a live lease."""
         return sum(m.kind == kind and m.state == "running" and not m.lost for m in self._members.values())
+
+
+def _overdue_after(lease_s: float) -> float:
+    """A renewal due every third of the lease is overdue past half of it (a renewal's own delay allowed)."""
+    return lease_s / 2
 
 
 def _decode(value: bytes) -> dict[str, Any] | None:

@@ -66,3 +66,55 @@ def test_an_entry_the_bus_expired_is_lost_for_its_lease_once_and_a_stopped_one_i
     assert lost is not None and lost.reason == "no lease renewal for 9.5s: the bus expired its registry entry"
     assert view.observe("rollout-2", None, now=9.5, expired=True) is None  # it had stopped cleanly
     assert view.expire(now=100.0) == [] and view.num_running("rollout") == 0
+
+
+def test_no_one_is_judged_while_the_readers_own_renewals_are_missed_and_that_time_is_credited() -> None:
+    """A cluster electing the bucket's leader stores no renewal for seconds: everyone's silence, the
+    reader's own included, is the registry's, not the actors'."""
+    view = RegistryView(witness="reconciler-1")
+    for t in (0.0, 3.3):
+        view.observe("reconciler-1", entry("reconciler", "running"), now=t)
+        view.observe("rollout-1", entry("rollout", "running"), now=t)
+    view.observe("rollout-dead", entry("rollout", "running"), now=3.3)  # renews no more after this
+    # no renewal of anyone stored from 3.3 to 14.0: past every lease, but the witness is overdue too
+    assert view.expire(now=14.0) == []
+    view.observe("reconciler-1", entry("reconciler", "running"), now=14.0)  # the registry is back
+    assert view.expire(now=14.1) == [], "7.4 s of the gap (14.0 - 3.3 - 3.3) credited to every lease"
+    view.observe("rollout-1", entry("rollout", "running"), now=15.0)  # its own next renewal
+    view.observe("reconciler-1", entry("reconciler", "running"), now=17.3)
+    view.observe("reconciler-1", entry("reconciler", "running"), now=20.6)
+    (lost,) = view.expire(now=20.8)  # 3.3 + 7.4 + 10 = 20.7: the dead one's credited lease ran out
+    assert lost.actor_id == "rollout-dead"
+    assert view.num_running("rollout") == 1
+
+
+def test_an_entry_the_bus_expired_across_the_readers_gap_is_judged_by_its_credited_lease() -> None:
+    view = RegistryView(witness="reconciler-1")
+    view.observe("reconciler-1", entry("reconciler", "running"), now=0.0)
+    view.observe("rollout-1", entry("rollout", "running"), now=0.0)
+    view.observe("reconciler-1", entry("reconciler", "running"), now=12.0)  # 8.7 s of renewals missed
+    # the bus's TTL ran out during the election: no loss at once, the actor renews on its next turn
+    assert view.observe("rollout-1", None, now=12.1, expired=True) is None
+    assert view.num_running("rollout") == 1 and view.expire(now=12.2) == []
+    view.observe("rollout-1", entry("rollout", "running"), now=13.0)
+    view.observe("reconciler-1", entry("reconciler", "running"), now=15.3)
+    assert view.expire(now=22.0) == []
+    # the same purge with the witness renewing all along is a loss at once, as without a witness
+    view.observe("reconciler-1", entry("reconciler", "running"), now=18.6)
+    view.observe("reconciler-1", entry("reconciler", "running"), now=21.9)
+    view.observe("reconciler-1", entry("reconciler", "running"), now=25.2)
+    lost = view.observe("rollout-1", None, now=25.3, expired=True)  # its lease (from 13.0) ran with the witness live
+    assert lost is not None and "the bus expired its registry entry" in lost.reason
+
+
+def test_a_bus_expired_entry_that_never_comes_back_is_lost_when_its_credited_lease_runs_out() -> None:
+    view = RegistryView(witness="reconciler-1")
+    view.observe("reconciler-1", entry("reconciler", "running"), now=0.0)
+    view.observe("rollout-1", entry("rollout", "running"), now=0.0)
+    view.observe("reconciler-1", entry("reconciler", "running"), now=12.0)  # credits 8.7 s
+    assert view.observe("rollout-1", None, now=12.1, expired=True) is None
+    for t in (15.3, 18.6):
+        view.observe("reconciler-1", entry("reconciler", "running"), now=t)
+    (lost,) = view.expire(now=18.8)  # 0 + 8.7 + 10
+    assert lost.actor_id == "rollout-1" and view.num_running("rollout") == 0
+    assert view.observe("rollout-1", None, now=19.0) is None, "the reconciler's delete of it: already reported"
