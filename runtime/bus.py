@@ -8,7 +8,6 @@ buckets it carries are in docs/ARCHITECTURE.md ("Subjects", "Buckets"); its API 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import heapq
@@ -50,7 +49,6 @@ from nats.js.errors import (
     NoStreamResponseError,
     NotFoundError,
     ServiceUnavailableError,
-    TooManyStalledMsgsError,
 )
 from nats.js.kv import KeyValue
 
@@ -590,7 +588,6 @@ class _Unconfirmed:
     subject: str
     data: bytes
     msg_id: str
-    stored: asyncio.Future[Any]  # nats-py's publish_async future: the stream's acknowledgement
     deadline: float  # monotonic; not acknowledged by then: published again
     num_sent: int
 
@@ -601,34 +598,83 @@ class ConfirmingPublisher:
     A sender on a hot path (the reconciler's orders) pays no round trip per message, yet loses none: a
     message whose acknowledgement does not come within ``confirm_within_s``, or comes as a refusal (a
     replicated stream electing its leader answers "no responders" or nothing; a full queue refuses), is
-    published again under the same message id (the stream drops a copy it already stored) after a short
+    published again under the same message id (the stream drops a copy it already stored) after a
     backoff, until it is stored. Without this, a message lost in a leader election waited for its stage's
     timeout to be re-issued: a stall of that timeout (20-120 s), not of the election (~6 s).
 
-    `publish` sends at once; `run` (a task of the owner's TaskGroup) checks the acknowledgements in the
-    order they were asked for. Messages not confirmed when `run` is cancelled stay unconfirmed: the
-    owner's successor re-issues from its durable state, as after a crash.
+    Each message asks its acknowledgement on an inbox of this publisher's (one subscription; an
+    acknowledgement costs a dictionary lookup, its JSON read only when it is a refusal); `run` (a task of
+    the owner's TaskGroup) wakes for refusals and for the oldest message's deadline, not per message.
+    Messages not confirmed when `run` is cancelled stay unconfirmed: the owner's successor re-issues from
+    its durable state, as after a crash.
     """
 
-    _MAX_BACKOFF_S = 2.0
-    _MAX_CONFIRM_WAIT_S = 30.0
+    _MAX_BACKOFF_S = 1.0  # as `through_election`: an election ends within seconds, and is noticed at once
 
-    def __init__(self, js: JetStreamContext, confirm_within_s: float = 2.0, stall_s: float = 5.0) -> None:
+    def __init__(self, nc: NatsClient, confirm_within_s: float = 2.0) -> None:
         if confirm_within_s <= 0:
             raise ValueError(f"confirm_within_s={confirm_within_s}: must be > 0")
-        self._js = js
+        self._nc = nc
         self.confirm_within_s = confirm_within_s
-        self._stall_s = stall_s
-        self._unconfirmed: collections.deque[_Unconfirmed] = collections.deque()  # in order of deadline
-        self._waiting = asyncio.Event()  # something is unconfirmed
-        self._settled = asyncio.Event()  # `run` settled some (for `wait_confirmed`)
-        self._backing_off: list[_Unconfirmed] = []  # refused or overdue, to be sent again after a backoff
+        self._inbox = f"{nc.new_inbox()}."
+        self._sub: Any = None
+        self._next_id = 0
+        self._unconfirmed: dict[int, _Unconfirmed] = {}  # by reply id; in the order sent, so of deadline
+        self._refused: list[tuple[_Unconfirmed, str]] = []  # (message, why), to be sent again
+        self._backing_off: list[_Unconfirmed] = []
+        self._attention = asyncio.Event()  # a refusal came, or the first unconfirmed message was sent
+        self._settled = asyncio.Event()  # some were confirmed or sent again (for `wait_confirmed`)
         self.num_published = 0
         self.num_republished = 0
 
+    async def open(self) -> ConfirmingPublisher:
+        with _translated("subscribe to the acknowledgements' inbox"):
+            self._sub = await self._nc.subscribe(f"{self._inbox}*", cb=self._on_acknowledgement)
+        return self
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await Subscription(self._sub).unsubscribe()
+
     @property
     def num_unconfirmed(self) -> int:
-        return len(self._unconfirmed) + len(self._backing_off)
+        return len(self._unconfirmed) + len(self._refused) + len(self._backing_off)
+
+    async def publish(self, subject: str, data: bytes, msg_id: str) -> None:
+        """Sends the message (no round trip); `run` publishes it again until it is stored."""
+        await self._send(_Unconfirmed(subject, data, msg_id, 0.0, 0))
+        self.num_published += 1
+
+    async def _send(self, message: _Unconfirmed) -> None:
+        if self._sub is None:
+            raise RuntimeError("ConfirmingPublisher.open() first: its acknowledgements have no inbox yet")
+        self._next_id += 1
+        message.deadline = time.monotonic() + self.confirm_within_s
+        message.num_sent += 1
+        if not self.num_unconfirmed:
+            self._attention.set()  # `run` was idle: it now has a deadline to keep
+        self._unconfirmed[self._next_id] = message
+        with _translated(f"publish on {message.subject}"):
+            await self._nc.publish(message.subject, message.data, reply=f"{self._inbox}{self._next_id}",
+                                   headers=_msg_id_headers(message.msg_id))
+
+    async def _on_acknowledgement(self, msg: Msg) -> None:
+        message = self._unconfirmed.pop(int(msg.subject[len(self._inbox):]), None)
+        if message is None:  # late: it was sent again meanwhile, and that copy is followed
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            self._refuse(message, "no stream answered (no leader, or no such stream)")
+        elif b'"error"' in msg.data:
+            try:
+                self._refuse(message, str(json.loads(msg.data).get("error")))
+            except ValueError:
+                self._refuse(message, f"unreadable acknowledgement {msg.data[:200]!r}")
+        else:
+            self._settled.set()
+
+    def _refuse(self, message: _Unconfirmed, why: str) -> None:
+        self._refused.append((message, why))
+        self._attention.set()
 
     async def wait_confirmed(self, timeout_s: float) -> None:
         """Until every message published so far is stored (`run` going meanwhile).
@@ -644,73 +690,40 @@ class ConfirmingPublisher:
         except TimeoutError as e:
             raise BusTimeout(f"{self.num_unconfirmed} messages not stored within {timeout_s}s") from e
 
-    async def publish(self, subject: str, data: bytes, msg_id: str) -> None:
-        """Sends the message (no round trip); `run` confirms it, or publishes it again until it is stored.
-
-        Raises:
-            BusTimeout: ``stall_s`` passed with nats-py's limit of unconfirmed messages reached.
-        """
-        self._unconfirmed.append(await self._send(subject, data, msg_id, num_sent=1))
-        self.num_published += 1
-        self._waiting.set()
-
-    async def _send(self, subject: str, data: bytes, msg_id: str, num_sent: int) -> _Unconfirmed:
-        with _translated(f"publish on {subject}"):
-            try:
-                stored = await self._js.publish_async(subject, data, wait_stall=self._stall_s,
-                                                      headers=_msg_id_headers(msg_id))
-            except TooManyStalledMsgsError as e:
-                raise BusTimeout(f"publish on {subject}: {self._stall_s}s with too many unconfirmed messages") from e
-        stored.add_done_callback(_retrieve)  # a refusal is read in `run`, or dropped with an unconfirmed message
-        # a copy sent again waits longer each time: a slow server is not sent more and more copies
-        wait_s = min(self._MAX_CONFIRM_WAIT_S, self.confirm_within_s * 2 ** (num_sent - 1))
-        return _Unconfirmed(subject, data, msg_id, stored, time.monotonic() + wait_s, num_sent)
-
     async def run(self) -> None:
-        """Confirms the messages as their acknowledgements come; publishes again those refused or overdue."""
+        """Publishes again the messages refused, and those whose acknowledgement is overdue."""
         while True:
-            await self._waiting.wait()  # idle until something is published: no work, nothing to bound
-            oldest = self._unconfirmed[0]
-            await asyncio.wait((oldest.stored,), timeout=max(0.0, oldest.deadline - time.monotonic()))
-            again = self._settle_through(time.monotonic())
-            self._settled.set()
-            if not self._unconfirmed:
-                self._waiting.clear()
+            if self._unconfirmed:
+                oldest = next(iter(self._unconfirmed.values()))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, oldest.deadline - time.monotonic())):
+                        await self._attention.wait()
+            else:
+                await self._attention.wait()  # idle until something is sent: no work, nothing to bound
+            self._attention.clear()
+            again, self._refused = self._refused, []
+            now = time.monotonic()
+            while self._unconfirmed:
+                reply_id, oldest = next(iter(self._unconfirmed.items()))
+                if oldest.deadline > now:
+                    break
+                del self._unconfirmed[reply_id]
+                again.append((oldest, "no acknowledgement"))
             if again:
                 await self._publish_again(again)
+            self._settled.set()
 
-    def _settle_through(self, now: float) -> list[_Unconfirmed]:
-        """Pops the oldest messages whose fate is known (stored, refused, or overdue); the ones to send again."""
-        again = []
-        while self._unconfirmed and (self._unconfirmed[0].stored.done() or self._unconfirmed[0].deadline <= now):
-            message = self._unconfirmed.popleft()
-            stored = message.stored
-            if stored.done() and not stored.cancelled() and stored.exception() is None:
-                continue
-            if not stored.done():
-                stored.cancel()  # a late acknowledgement is dropped by nats-py; the copy sent again is deduplicated
-            again.append(message)
-        return again
-
-    async def _publish_again(self, again: list[_Unconfirmed]) -> None:
-        first = again[0].stored
-        reason = "no acknowledgement" if first.cancelled() else repr(first.exception())
-        backoff_s = min(self._MAX_BACKOFF_S, 0.1 * 2 ** max(m.num_sent for m in again))
-        log.warning("publish_not_confirmed", num_messages=len(again), subjects=sorted({m.subject for m in again}),
-                    reason=reason, num_sent=max(m.num_sent for m in again), again_in_s=backoff_s)
-        self._backing_off = again
+    async def _publish_again(self, again: list[tuple[_Unconfirmed, str]]) -> None:
+        num_sent = max(m.num_sent for m, _ in again)
+        backoff_s = min(self._MAX_BACKOFF_S, 0.1 * 2 ** num_sent)
+        log.warning("publish_not_confirmed", num_messages=len(again), subjects=sorted({m.subject for m, _ in again}),
+                    reason=again[0][1], num_sent=num_sent, again_in_s=backoff_s)
+        self._backing_off = [m for m, _ in again]
         await asyncio.sleep(backoff_s)  # a stream electing its leader refuses at once: not a busy loop
         while self._backing_off:
-            m = self._backing_off[0]
-            self._unconfirmed.append(await self._send(m.subject, m.data, m.msg_id, m.num_sent + 1))
+            await self._send(self._backing_off[0])
             self._backing_off.pop(0)
             self.num_republished += 1
-        self._waiting.set()
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 class ConnectionHealth:
@@ -1153,10 +1166,10 @@ class Bus:
             publish = lambda: self.js.publish(subject, data, headers=_msg_id_headers(msg_id))  # noqa: E731
             await (self._through_election(f"publish on {subject}", publish) if msg_id else publish())
 
-    def confirming_publisher(self, confirm_within_s: float = 2.0) -> ConfirmingPublisher:
+    async def confirming_publisher(self, confirm_within_s: float = 2.0) -> ConfirmingPublisher:
         """A publisher into streams that pays no round trip per message and publishes again each one not
-        stored (its `run` belongs in the caller's TaskGroup)."""
-        return ConfirmingPublisher(self.js, confirm_within_s)
+        stored (its `run` belongs in the caller's TaskGroup; `close` it when done)."""
+        return await ConfirmingPublisher(self.nc, confirm_within_s).open()
 
     async def dead_letter(self, queue: str, reason: str, detail: str, data: bytes,
                           **context: Any) -> None:

@@ -86,7 +86,8 @@ class ReconcilerActor(Actor):
                                    is_live=lambda group_id: group_id in self._live_group_ids())
         self.live_groups: set[str] = set()
         self._groups_left: tuple[int, ...] | None = None  # the core's trained/dropped counts at the last retire
-        self.orders_out = self.bus.confirming_publisher()
+        self.orders_out = await self.bus.confirming_publisher()
+        self.exit_stack.push_async_callback(self.orders_out.close)
         await self._resume()
         sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)

@@ -57,8 +57,7 @@ HELPERS = {
     "ensure_queue": "Bus.ensure_queue: JetStream API requests (5 s each)",
     "ensure_base": "Bus.ensure_base: JetStream API requests (5 s each)",
     "publish_durable": "Bus.publish_durable: js.publish, 5 s",
-    "publish_async": "JetStreamContext.publish_async: a core publish with a reply inbox; its wait for room "
-                     "is bounded by wait_stall (ConfirmingPublisher passes stall_s)",
+    "confirming_publisher": "Bus.confirming_publisher: a core subscribe to its inbox (no round trip)",
     "dead_letter": "Bus.dead_letter: js.publish, 5 s",
     "watch": "a KV watch: its consumer is a JetStream API request (5 s); then events as they come",
     "watch_kv": "Bus.watch_kv: as watch, renewed after an outage",
