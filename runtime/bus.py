@@ -8,9 +8,11 @@ buckets it carries are in docs/ARCHITECTURE.md ("Subjects", "Buckets"); its API 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import heapq
+import itertools
 import json
 import math
 import re
@@ -75,19 +77,24 @@ async def through_election(what: str, make: Callable[[], Awaitable[Any]], wait_s
     leader has not yet heard from every peer ("no suitable peers"), or one electing a leader after a
     server was lost (no answer in time, "unavailable", no responders). Past the bound the last error
     is raised; with ``wait_s`` = 0 (one server: no election to wait for) the first."""
-    delay = 0.1
     deadline = time.monotonic() + wait_s
-    while True:
+    for attempt in itertools.count():
         try:
             return await make()
         except (ServiceUnavailableError, NoStreamResponseError, BadRequestError, nats.errors.TimeoutError,
                 nats.errors.NoRespondersError) as e:
             transient = not isinstance(e, BadRequestError) or getattr(e, "err_code", None) in _NOT_PLACED_YET
+            delay = election_backoff_s(attempt)
             if not transient or time.monotonic() + delay > deadline:
                 raise
             log.info("jetstream_request_retried", what=what, error=repr(e), retry_in_s=delay)
         await asyncio.sleep(delay)
-        delay = min(1.0, delay * 2)
+
+
+def election_backoff_s(attempt: int) -> float:
+    """The wait before the next try of something a cluster electing a leader refused (``attempt`` 0 first):
+    0.1 s doubling to 1 s, as an election ends within seconds and is then noticed at once."""
+    return min(1.0, 0.1 * 2 ** attempt)
 
 
 def server_urls(url: str | Sequence[str]) -> list[str]:
@@ -590,6 +597,7 @@ class _Unconfirmed:
     msg_id: str
     deadline: float  # monotonic; not acknowledged by then: published again
     num_sent: int
+    first_sent_at: float  # monotonic
 
 
 class ConfirmingPublisher:
@@ -609,23 +617,24 @@ class ConfirmingPublisher:
     its durable state, as after a crash.
     """
 
-    _MAX_BACKOFF_S = 1.0  # as `through_election`: an election ends within seconds, and is noticed at once
-
-    def __init__(self, nc: NatsClient, confirm_within_s: float = 2.0) -> None:
-        if confirm_within_s <= 0:
-            raise ValueError(f"confirm_within_s={confirm_within_s}: must be > 0")
+    def __init__(self, nc: NatsClient, confirm_within_s: float = 2.0, give_up_after_s: float = 60.0) -> None:
+        if not 0 < confirm_within_s < give_up_after_s:
+            raise ValueError(f"confirm_within_s={confirm_within_s}, give_up_after_s={give_up_after_s}: "
+                             "expected 0 < confirm_within_s < give_up_after_s")
         self._nc = nc
-        self.confirm_within_s = confirm_within_s
+        self._confirm_within_s = confirm_within_s
+        self._give_up_after_s = give_up_after_s
         self._inbox = f"{nc.new_inbox()}."
         self._sub: Any = None
         self._next_id = 0
         self._unconfirmed: dict[int, _Unconfirmed] = {}  # by reply id; in the order sent, so of deadline
         self._refused: list[tuple[_Unconfirmed, str]] = []  # (message, why), to be sent again
-        self._backing_off: list[_Unconfirmed] = []
+        self._backing_off: collections.deque[_Unconfirmed] = collections.deque()
         self._attention = asyncio.Event()  # a refusal came, or the first unconfirmed message was sent
         self._settled = asyncio.Event()  # some were confirmed or sent again (for `wait_confirmed`)
         self.num_published = 0
         self.num_republished = 0
+        self.num_abandoned = 0
 
     async def open(self) -> ConfirmingPublisher:
         with _translated("subscribe to the acknowledgements' inbox"):
@@ -641,40 +650,39 @@ class ConfirmingPublisher:
         return len(self._unconfirmed) + len(self._refused) + len(self._backing_off)
 
     async def publish(self, subject: str, data: bytes, msg_id: str) -> None:
-        """Sends the message (no round trip); `run` publishes it again until it is stored."""
-        await self._send(_Unconfirmed(subject, data, msg_id, 0.0, 0))
+        """Sends the message (no round trip); `run` publishes it again until it is stored, or for
+        ``give_up_after_s`` (then ``publish_abandoned``: the owner's own recovery, e.g. a stage's timeout,
+        takes over)."""
+        await self._send(_Unconfirmed(subject, data, msg_id, 0.0, 0, time.monotonic()))
         self.num_published += 1
 
     async def _send(self, message: _Unconfirmed) -> None:
+        """Sends (again) and follows the message; a send that fails (a closed connection, the reconnect
+        buffer full) is said and left to its deadline, like a message sent and lost."""
         if self._sub is None:
             raise RuntimeError("ConfirmingPublisher.open() first: its acknowledgements have no inbox yet")
         self._next_id += 1
-        message.deadline = time.monotonic() + self.confirm_within_s
+        message.deadline = time.monotonic() + self._confirm_within_s
         message.num_sent += 1
         if not self.num_unconfirmed:
             self._attention.set()  # `run` was idle: it now has a deadline to keep
         self._unconfirmed[self._next_id] = message
-        with _translated(f"publish on {message.subject}"):
-            await self._nc.publish(message.subject, message.data, reply=f"{self._inbox}{self._next_id}",
-                                   headers=_msg_id_headers(message.msg_id))
+        try:
+            with _translated(f"publish on {message.subject}"):
+                await self._nc.publish(message.subject, message.data, reply=f"{self._inbox}{self._next_id}",
+                                       headers=_msg_id_headers(message.msg_id))
+        except BusError as e:
+            log.warning("publish_send_failed", subject=message.subject, msg_id=message.msg_id, error=str(e))
 
     async def _on_acknowledgement(self, msg: Msg) -> None:
         message = self._unconfirmed.pop(int(msg.subject[len(self._inbox):]), None)
         if message is None:  # late: it was sent again meanwhile, and that copy is followed
             return
-        if msg.headers and msg.headers.get("Status") == "503":
-            self._refuse(message, "no stream answered (no leader, or no such stream)")
-        elif b'"error"' in msg.data:
-            try:
-                self._refuse(message, str(json.loads(msg.data).get("error")))
-            except ValueError:
-                self._refuse(message, f"unreadable acknowledgement {msg.data[:200]!r}")
+        if (refusal := acknowledgement_refusal(msg)) is not None:
+            self._refused.append((message, refusal))
+            self._attention.set()
         else:
             self._settled.set()
-
-    def _refuse(self, message: _Unconfirmed, why: str) -> None:
-        self._refused.append((message, why))
-        self._attention.set()
 
     async def wait_confirmed(self, timeout_s: float) -> None:
         """Until every message published so far is stored (`run` going meanwhile).
@@ -714,16 +722,40 @@ class ConfirmingPublisher:
             self._settled.set()
 
     async def _publish_again(self, again: list[tuple[_Unconfirmed, str]]) -> None:
+        now = time.monotonic()
+        abandoned = [m for m, _ in again if now - m.first_sent_at >= self._give_up_after_s]
+        if abandoned:
+            self.num_abandoned += len(abandoned)
+            log.error("publish_abandoned", num_messages=len(abandoned), msg_ids=[m.msg_id for m in abandoned][:20],
+                      reason=again[0][1], after_s=self._give_up_after_s,
+                      fix="the bus stored none of them: see its servers' logs (a stream lost or full)")
+        again = [(m, why) for m, why in again if now - m.first_sent_at < self._give_up_after_s]
+        if not again:
+            return
         num_sent = max(m.num_sent for m, _ in again)
-        backoff_s = min(self._MAX_BACKOFF_S, 0.1 * 2 ** num_sent)
+        backoff_s = election_backoff_s(num_sent)
         log.warning("publish_not_confirmed", num_messages=len(again), subjects=sorted({m.subject for m, _ in again}),
                     reason=again[0][1], num_sent=num_sent, again_in_s=backoff_s)
-        self._backing_off = [m for m, _ in again]
+        self._backing_off.extend(m for m, _ in again)
         await asyncio.sleep(backoff_s)  # a stream electing its leader refuses at once: not a busy loop
         while self._backing_off:
-            await self._send(self._backing_off[0])
-            self._backing_off.pop(0)
+            await self._send(self._backing_off.popleft())
             self.num_republished += 1
+
+
+def acknowledgement_refusal(msg: Msg) -> str | None:
+    """Why JetStream refused a publish, from its acknowledgement; None if it stored it."""
+    status = (msg.headers or {}).get("Status")
+    if status == "503":
+        return "no stream answered (no leader, or no such stream)"
+    if status:
+        return f"status {status}: {(msg.headers or {}).get('Description', '')}"
+    try:
+        reply = json.loads(msg.data)
+    except ValueError:
+        return f"unreadable acknowledgement {msg.data[:200]!r}"
+    error = reply.get("error") if isinstance(reply, dict) else "not an acknowledgement"
+    return None if error is None else str(error)
 
 
 class ConnectionHealth:

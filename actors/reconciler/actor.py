@@ -365,6 +365,7 @@ class ReconcilerActor(Actor):
             "num_orders_published": self.orders_out.num_published,
             "num_orders_published_again": self.orders_out.num_republished,  # not stored in time: sent again
             "orders_unconfirmed": self.orders_out.num_unconfirmed,
+            "num_orders_abandoned": self.orders_out.num_abandoned,  # never stored: left to the stage timeouts
         }
 
 

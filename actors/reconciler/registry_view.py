@@ -14,11 +14,12 @@ an actor for lost when
 A lost actor is reported once; an entry that comes back (a renewal after a pause) makes it alive
 again. Pure bookkeeping: the caller feeds it watch events and the time, and acts on what it returns.
 
-A reader that keeps an entry of its own (the ``witness``: the reconciler's) judges no one while it
-misses its own renewals: then the bucket stored nothing (a cluster electing the bucket's leader) or
-its watch is behind, and everyone's silence is the registry's, not theirs. The time its own renewals
-were missed is credited to every lease, and an entry the bus expired across such a gap is judged by
-the credited lease, not taken as lost at once (the bus's TTL ran while no renewal could be stored).
+A reader that keeps an entry of its own (the ``witness``: the reconciler's) judges an actor only once it
+has seen a renewal of its own after that actor's lease ran out: while it misses its own renewals, the
+bucket stored nothing (a cluster electing the bucket's leader) or its watch is behind, and everyone's
+silence is the registry's, not theirs. The time its own renewals were missed is credited to every
+lease, and an entry the bus expired across such a gap is judged by the credited lease, not taken as
+lost at once (the bus's TTL ran while no renewal could be stored).
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class RegistryView:
             if member is None or member.state == STOPPED or member.lost:
                 self._members.pop(key, None)
                 return None
-            if expired and (self._stale(now) or member.lease_s is None
-                            or now - member.lease_s < self._witness_gap_ended_at):
+            if expired and member.lease_s is not None and (self._stale(now)
+                                                           or now - member.lease_s < self._witness_gap_ended_at):
                 member.expired_by_bus = True  # its TTL ran across the witness's gap: `expire` judges it
                 return None
             self._members.pop(key)
@@ -104,18 +105,19 @@ class RegistryView:
                 and now - witness.renewed_at > _overdue_after(witness.lease_s))
 
     def expire(self, now: float) -> list[LostActor]:
-        """Actors whose lease ran out since the last call (each reported once); none while the witness is
-        overdue."""
-        if self._stale(now):
-            return []
+        """Actors whose lease ran out since the last call (each reported once): before the witness's latest
+        renewal seen, when there is a witness (see the module docstring)."""
+        witness = self._members.get(self._witness) if self._witness is not None else None
+        seen_live_at = now if witness is None else witness.renewed_at
         lost = []
         for actor_id, m in self._members.items():
-            if (m.lost or m.state == STOPPED or m.lease_s is None or now - m.renewed_at <= m.lease_s
+            if (m.lost or m.state == STOPPED or m.lease_s is None or seen_live_at - m.renewed_at <= m.lease_s
                     or actor_id == self._witness):
                 continue
             m.lost = True
+            gone = ", its entry expired by the bus meanwhile" if m.expired_by_bus else ""
             lost.append(LostActor(actor_id, m.kind, f"no lease renewal for {now - m.renewed_at:.1f}s "
-                                                    f"(lease {m.lease_s:g}s)"))
+                                                    f"(lease {m.lease_s:g}s{gone})"))
         return lost
 
     def num_running(self, kind: str) -> int:

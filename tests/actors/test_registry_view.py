@@ -83,7 +83,10 @@ def test_no_one_is_judged_while_the_readers_own_renewals_are_missed_and_that_tim
     view.observe("rollout-1", entry("rollout", "running"), now=15.0)  # its own next renewal
     view.observe("reconciler-1", entry("reconciler", "running"), now=17.3)
     view.observe("reconciler-1", entry("reconciler", "running"), now=20.6)
-    (lost,) = view.expire(now=20.8)  # 3.3 + 7.4 + 10 = 20.7: the dead one's credited lease ran out
+    # 3.3 + 7.4 + 10 = 20.7: the dead one's credited lease ran out, but the registry was last seen live at 20.6
+    assert view.expire(now=20.8) == []
+    view.observe("reconciler-1", entry("reconciler", "running"), now=23.9)
+    (lost,) = view.expire(now=23.95)
     assert lost.actor_id == "rollout-dead"
     assert view.num_running("rollout") == 1
 
@@ -113,8 +116,42 @@ def test_a_bus_expired_entry_that_never_comes_back_is_lost_when_its_credited_lea
     view.observe("rollout-1", entry("rollout", "running"), now=0.0)
     view.observe("reconciler-1", entry("reconciler", "running"), now=12.0)  # credits 8.7 s
     assert view.observe("rollout-1", None, now=12.1, expired=True) is None
-    for t in (15.3, 18.6):
+    for t in (15.3, 18.6, 21.9):
         view.observe("reconciler-1", entry("reconciler", "running"), now=t)
-    (lost,) = view.expire(now=18.8)  # 0 + 8.7 + 10
+    (lost,) = view.expire(now=22.0)  # its credited lease ran out at 0 + 8.7 + 10, the witness renewed after
     assert lost.actor_id == "rollout-1" and view.num_running("rollout") == 0
+    assert "expired by the bus" in lost.reason, lost.reason
     assert view.observe("rollout-1", None, now=19.0) is None, "the reconciler's delete of it: already reported"
+
+
+def test_a_purge_that_comes_before_the_readers_own_overdue_renewal_waits_for_it() -> None:
+    """After an election the new leader's TTL purges often arrive before the reader's own renewal is stored."""
+    view = RegistryView(witness="reconciler-1")
+    view.observe("reconciler-1", entry("reconciler", "running"), now=0.0)
+    view.observe("rollout-1", entry("rollout", "running"), now=0.0)
+    assert view.observe("rollout-1", None, now=11.0, expired=True) is None  # the witness is overdue (by 5 s)
+    assert view.expire(now=11.1) == [] and view.num_running("rollout") == 1
+    view.observe("reconciler-1", entry("reconciler", "running"), now=11.5)
+    view.observe("rollout-1", entry("rollout", "running"), now=12.0)  # alive: it renews on its next turn
+    view.observe("reconciler-1", entry("reconciler", "running"), now=14.8)
+    assert view.expire(now=15.0) == [] and view.num_running("rollout") == 1
+
+
+def test_an_actor_is_judged_only_after_the_reader_saw_its_own_renewal_past_that_actors_lease() -> None:
+    """Leases of different lengths: a short-lease actor's silence during a gap shorter than the witness's
+    overdue bound is still the registry's, unless the witness renewed after the actor's lease ran out."""
+    view = RegistryView(witness="reconciler-1")
+    view.observe("reconciler-1", entry("reconciler", "running", lease_s=30.0), now=0.0)
+    view.observe("reward-1", entry("reward", "running", lease_s=3.0), now=0.0)
+    assert view.expire(now=9.0) == [], "the witness (renewing every 10 s) has not looked since"
+    view.observe("reconciler-1", entry("reconciler", "running", lease_s=30.0), now=10.0)
+    (lost,) = view.expire(now=10.1)
+    assert lost.actor_id == "reward-1"
+
+
+def test_a_purged_entry_without_a_lease_is_lost_at_once() -> None:
+    view = RegistryView(witness="reconciler-1")
+    view.observe("reconciler-1", entry("reconciler", "running"), now=0.0)
+    view.observe("old-writer", entry("rollout", "running", lease_s=None), now=0.0)
+    lost = view.observe("old-writer", None, now=11.0, expired=True)  # the witness overdue: no matter, no lease
+    assert lost is not None and "the bus expired" in lost.reason

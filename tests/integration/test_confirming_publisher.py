@@ -95,7 +95,7 @@ async def test_a_message_stored_whose_acknowledgement_is_lost_is_sent_again_and_
             for msg_id in ids:
                 await publisher.publish("work.rollout", msg_id.encode(), msg_id=msg_id)
             await _all_confirmed(publisher, timeout_s=30)
-            assert publisher.num_republished == 50
+            assert publisher.num_republished >= 50  # more if a loaded machine delays an acknowledgement past 0.2 s
             assert await _stored_ids(bus, QUEUE.stream) == ids, "each stored once, in order"
         finally:
             confirming.cancel()
@@ -128,7 +128,7 @@ async def test_messages_sent_while_the_stream_elects_a_leader_are_stored_once_it
         stored = await _stored_ids(bus, QUEUE.stream)
         print(f"{len(ids)} messages sent over the first 2 s of an election; all stored {stored_after_s:.2f}s after "
               f"the kill, {publisher.num_republished} sent again")
-        assert stored == ["before", *ids] or sorted(stored) == sorted(["before", *ids]), stored
+        assert sorted(stored) == sorted(["before", *ids]), stored
         assert len(stored) == len(set(stored)), "none stored twice"
         assert publisher.num_republished > 0, "the election lost none of them: the kill did not hit the stream"
         assert stored_after_s < 20.0, "stored within the election and a backoff, not after a stage's timeout"
@@ -137,3 +137,22 @@ async def test_messages_sent_while_the_stream_elects_a_leader_are_stored_once_it
         supervised.cancel()
         await bus.close()
         await cluster.stop()
+
+
+async def test_a_message_no_stream_ever_takes_is_abandoned_loudly_after_the_bound(tmp_path: Path) -> None:
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
+        bus = await Bus.connect(server.url, name="test")
+        publisher = await ConfirmingPublisher(bus.nc, confirm_within_s=0.2, give_up_after_s=1.5).open()
+        confirming = await _running(publisher)
+        try:
+            with structlog.testing.capture_logs() as events:
+                for i in range(3):
+                    await publisher.publish("work.nowhere", b"x", msg_id=f"lost-{i}")
+                await _all_confirmed(publisher, timeout_s=10)  # nothing left to follow: given up on
+            assert publisher.num_abandoned == 3 and publisher.num_unconfirmed == 0
+            (abandoned,) = [e for e in events if e["event"] == "publish_abandoned"]
+            assert abandoned["log_level"] == "error" and abandoned["msg_ids"] == ["lost-0", "lost-1", "lost-2"]
+        finally:
+            confirming.cancel()
+            await publisher.close()
+            await bus.close()
