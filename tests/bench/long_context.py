@@ -1,7 +1,8 @@
 """Self-summarization on the long-context family: held-out pass@1 of a policy with summaries on and off.
 
     .venv/bin/python -m tests.bench.long_context --checkpoint DIR [--seeds 0 1 2] [--tasks 32] [--samples 2]
-    .venv/bin/python -m tests.bench.long_context --plot RESULT.json [RESULT.json ...] --rl-run RUN_DIR --out PNG
+    .venv/bin/python -m tests.bench.long_context --merge RESULT.json [RESULT.json ...] --label LABEL
+    .venv/bin/python -m tests.bench.long_context --plot RESULT.json [RESULT.json ...] --rl-run RUN_DIR [...] --out PNG
 
 The first form evaluates the checkpoint on the first ``--tasks`` held-out long-context tasks (the same tasks for
 every seed), ``--samples`` episodes a task at temperature 1, once per seed (the seed draws the sampling),
@@ -9,10 +10,13 @@ with the family's agent settings (actors.training.reference_chains.LONG_CONTEXT_
 a summary asked past 560) and with the same settings without summaries (today's truncation), and prints one
 JSON line: per seed and mode pass@1, summaries per episode and tokens per summary, and the means.
 
-The second form draws the picture: pass@1 on vs off per seed for each result (the starting policy, and the
-policy after RL), and over the RL run's policy versions the training reward (its metrics.jsonl; held-out
-evaluations too when its evaluator wrote any) and, from its rollouts' ``rollout_finished`` events, the
-summaries per episode and the tokens per summary.
+The second form joins results of one seed each (e.g. each RL run's final policy, evaluated with its own
+seed) into one result of those seeds, under ``--label``.
+
+The third form draws the picture: pass@1 on vs off per seed for each result (the starting policy, and the
+policy after RL), and over each RL run's policy versions the training reward (the run's metrics rows;
+held-out evaluations too when its evaluator wrote any) and, from its rollouts' ``rollout_finished``
+events, the summaries per episode and the tokens per summary.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 from actors.training.evaluation import evaluate, sampled
 from actors.training.reference_chains import LONG_CONTEXT_AGENT
 from model.checkpoint import load_checkpoint
-from runtime.metrics_log import read_metrics
+from runtime.metrics_log import read_run_metrics
 from sandbox.long_context_tasks import generate_long_context_tasks
 
 
@@ -45,8 +49,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=2, help="episodes per task and seed")
     p.add_argument("--label", default="", help="a name for the result (the picture's legend)")
     p.add_argument("--modes", nargs="+", default=["on", "off"], choices=["on", "off"], help="summaries on / off")
+    p.add_argument("--merge", type=Path, nargs="+", help="result JSON files of distinct seeds to join")
     p.add_argument("--plot", type=Path, nargs="+", help="result JSON files to draw")
-    p.add_argument("--rl-run", type=Path, help="the RL run directory whose evaluations to draw")
+    p.add_argument("--rl-run", type=Path, nargs="+", default=[], help="RL run directories whose curves to draw")
     p.add_argument("--out", type=Path, help="the picture (with --plot)")
     return p.parse_args(argv)
 
@@ -73,11 +78,29 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "summary_tokens_per_summary": s["summary_tokens_per_summary"], "ends": ends,
                 "seconds": round(time.monotonic() - started, 1)}
             print(f"seed {seed} {mode}: {per_seed[str(seed)][mode]}", file=sys.stderr)
-    means = {mode: {key: round(statistics.mean(per_seed[str(seed)][mode][key] for seed in args.seeds), 4)
-                    for key in ("pass_at_1", "summaries_per_episode", "summary_tokens_per_summary")}
-             for mode in modes}
     return {"label": args.label or args.checkpoint.name, "checkpoint": str(args.checkpoint), "num_tasks": args.tasks,
-            "samples_per_task": args.samples, "seeds": args.seeds, "per_seed": per_seed, "mean": means}
+            "samples_per_task": args.samples, "seeds": args.seeds, "per_seed": per_seed,
+            "mean": _means(per_seed, args.seeds, list(modes))}
+
+
+def _means(per_seed: dict[str, dict[str, Any]], seeds: list[int], modes: list[str]) -> dict[str, dict[str, float]]:
+    return {mode: {key: round(statistics.mean(per_seed[str(seed)][mode][key] for seed in seeds), 4)
+                   for key in ("pass_at_1", "mean_reward", "summaries_per_episode", "summary_tokens_per_summary")}
+            for mode in modes}
+
+
+def merge(results: list[dict[str, Any]], label: str) -> dict[str, Any]:
+    """Results of distinct seeds (the same tasks and modes) as one result of all their seeds."""
+    seeds = [seed for r in results for seed in r["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--merge: seeds {seeds} repeat; each result must bring its own")
+    if len({(r["num_tasks"], r["samples_per_task"]) for r in results}) != 1:
+        raise SystemExit("--merge: the results evaluated different numbers of tasks or samples per task")
+    modes = sorted(set.intersection(*(set(r["mean"]) for r in results)))
+    per_seed = {str(seed): r["per_seed"][str(seed)] for r in results for seed in r["seeds"]}
+    return {"label": label, "checkpoint": [r["checkpoint"] for r in results], "num_tasks": results[0]["num_tasks"],
+            "samples_per_task": results[0]["samples_per_task"], "seeds": seeds, "per_seed": per_seed,
+            "mean": _means(per_seed, seeds, modes)}
 
 
 def rollout_curve(run_dir: Path) -> list[dict[str, Any]]:
@@ -99,13 +122,14 @@ def rollout_curve(run_dir: Path) -> list[dict[str, Any]]:
     return curve
 
 
-def plot(results: list[dict[str, Any]], rl_run: Path | None, out: Path) -> Path:
+def plot(results: list[dict[str, Any]], rl_runs: list[Path], out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3 if rl_run else 1, figsize=(14 if rl_run else 5, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 3 if rl_runs else 1, figsize=(15 if rl_runs else 5, 4.5), squeeze=False)
+    twin = None
     ax = axes[0][0]
     width = 0.8 / (2 * len(results))
     for i, result in enumerate(results):
@@ -121,32 +145,35 @@ def plot(results: list[dict[str, Any]], rl_run: Path | None, out: Path) -> Path:
     ax.set(ylabel="held-out mean reward (a third per key)", title="long-context family: summaries on vs off")
     ax.set_ylim(0, 1.6 * max(ax.get_ylim()[1], 0.01))  # room for the legend above the bars
     ax.legend(fontsize=7)
-    if rl_run:
-        rows = read_metrics(rl_run / "metrics.jsonl", missing_ok=False)
+    for run in rl_runs:
+        rows = asyncio.run(read_run_metrics(run))
         train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["version"])
         evals = sorted((r for r in rows if r["kind"] == "eval"), key=lambda r: r["version"])
-        axes[0][1].plot([r["version"] for r in train], [r["reward_mean"] for r in train], marker=".",
-                        label="training reward (a third per key)")
-        axes[0][1].plot([r["version"] for r in train], [r["pass_rate"] for r in train], marker=".",
-                        label="training pass rate")
+        line = axes[0][1].plot([r["version"] for r in train], [r["reward_mean"] for r in train], marker=".",
+                               label=f"{run.name}: training reward")[0]
+        axes[0][1].plot([r["version"] for r in train], [r["pass_rate"] for r in train], linestyle=":",
+                        color=line.get_color(), label=f"{run.name}: training pass rate")
         if evals:
             axes[0][1].plot([r["version"] for r in evals], [r["pass_at_1"] for r in evals], marker="o",
-                            label="held-out pass@1")
-        axes[0][1].set(xlabel="policy version", ylabel="fraction", title="RL with summaries on")
-        axes[0][1].legend(fontsize=7)
-        curve = rollout_curve(rl_run)
+                            color=line.get_color(), linestyle="none", label=f"{run.name}: held-out pass@1")
+        curve = rollout_curve(run)
         versions = [c["version"] for c in curve]
-        axes[0][2].plot(versions, [c["summaries_per_episode"] for c in curve], marker="o",
-                        label="summaries per episode")
-        twin = axes[0][2].twinx()
-        twin.plot(versions, [c["tokens_per_summary"] for c in curve], marker="s", color="tab:orange",
-                  label="tokens per summary")
-        axes[0][2].set(xlabel="policy version of the rollout", ylabel="summaries per episode",
+        axes[0][2].plot(versions, [c["summaries_per_episode"] for c in curve], marker="o", color=line.get_color(),
+                        label=f"{run.name}: summaries per episode")
+        if twin is None:
+            twin = axes[0][2].twinx()
+        twin.plot(versions, [c["tokens_per_summary"] for c in curve], marker="s", linestyle="--",
+                  color=line.get_color(), label=f"{run.name}: tokens per summary")
+    if rl_runs:
+        axes[0][1].set(xlabel="policy version", ylabel="fraction (reward: a third per key)",
+                       title="RL with summaries on")
+        axes[0][1].legend(fontsize=6)
+        axes[0][2].set(xlabel="policy version of the rollout", ylabel="summaries per episode (o)",
                        title="summaries in RL rollouts", ylim=(0, 2.5))
+        assert twin is not None
         twin.set_ylim(0, 64)
-        twin.set_ylabel("tokens per summary")
-        axes[0][2].legend(loc="upper left", fontsize=7)
-        twin.legend(loc="upper right", fontsize=7)
+        twin.set_ylabel("tokens per summary (s, dashed)")
+        axes[0][2].legend(loc="lower left", fontsize=6)
     for row in axes:
         for a in row:
             a.grid(alpha=0.3)
@@ -156,13 +183,22 @@ def plot(results: list[dict[str, Any]], rl_run: Path | None, out: Path) -> Path:
     return out
 
 
+def _result(path: Path) -> dict[str, Any]:
+    """A result file's result: its last line (the library's events may come before it on stdout)."""
+    return json.loads(path.read_text().strip().splitlines()[-1])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.merge:
+        if not args.label:
+            sys.exit("--merge needs --label")
+        print(json.dumps(merge([_result(p) for p in args.merge], args.label)))
+        return
     if args.plot:
         if args.out is None:
             sys.exit("--plot needs --out")
-        # the result is the last line (the library's events may come before it on stdout)
-        print(plot([json.loads(p.read_text().strip().splitlines()[-1]) for p in args.plot], args.rl_run, args.out))
+        print(plot([_result(p) for p in args.plot], args.rl_run, args.out))
         return
     if args.checkpoint is None:
         sys.exit("give --checkpoint DIR (or --plot)")
