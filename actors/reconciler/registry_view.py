@@ -90,24 +90,27 @@ class RegistryView:
     def _credit_missed_renewals(self, witness: _Member, now: float, lease_s: float) -> None:
         """The witness renews every third of its lease: a longer gap is time the registry could not be
         written or read, which no lease is charged for."""
-        missed_s = (now - witness.renewed_at) - lease_s / 3
-        if now - witness.renewed_at <= _overdue_after(lease_s):
+        gap_s = now - witness.renewed_at
+        if gap_s <= _overdue_after(lease_s):
             return
         for m in self._members.values():
             if m is not witness:
-                m.renewed_at = min(now, m.renewed_at + missed_s)
+                m.renewed_at = min(now, m.renewed_at + gap_s - lease_s / 3)
         self._witness_gap_ended_at = now
+
+    def _witness_member(self) -> _Member | None:
+        return self._members.get(self._witness) if self._witness is not None else None
 
     def _stale(self, now: float) -> bool:
         """The witness's own renewal is overdue: the registry (or this reader's watch of it) is behind."""
-        witness = self._members.get(self._witness) if self._witness is not None else None
+        witness = self._witness_member()
         return (witness is not None and witness.lease_s is not None
                 and now - witness.renewed_at > _overdue_after(witness.lease_s))
 
     def expire(self, now: float) -> list[LostActor]:
         """Actors whose lease ran out since the last call (each reported once): before the witness's latest
         renewal seen, when there is a witness (see the module docstring)."""
-        witness = self._members.get(self._witness) if self._witness is not None else None
+        witness = self._witness_member()
         seen_live_at = now if witness is None else witness.renewed_at
         lost = []
         for actor_id, m in self._members.items():
