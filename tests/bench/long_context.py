@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from actors.training.evaluation import evaluate, sampled
@@ -184,12 +185,13 @@ def plot(results: list[dict[str, Any]], rl_runs: list[Path], out: Path) -> Path:
 
 
 def _result(path: Path) -> dict[str, Any]:
-    """A result file's result: its last line (the library's events may come before it on stdout)."""
-    return json.loads(path.read_text().strip().splitlines()[-1])
+    return json.loads(path.read_text())
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    # the events of the evaluation go to stderr: stdout is the one result line, a file of its own when kept
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     if args.merge:
         if not args.label:
             sys.exit("--merge needs --label")
