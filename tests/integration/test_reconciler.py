@@ -151,39 +151,46 @@ async def _kill_reconciler(run: LiveRun, ledger: TrainerLedger) -> tuple[str, fl
 
 
 async def _chaos(run: LiveRun, rng: random.Random, stop: asyncio.Event, killed: list[str]) -> None:
-    """SIGKILL a working stage actor process every few seconds until stopped, the kinds in turns (each
-    round of four in a shuffled order), so that every kind is killed as often as the others.
+    """SIGKILL a working reward, grouping or trainer actor process every few seconds until stopped, the
+    kinds in turns (each round in a shuffled order), so that every kind is killed as often as the others.
+    Rollout actors are killed at moments of the run's progress instead (`_kill_rollout_actor`): the
+    checkpoint test needs kills that interrupt rollouts, however fast the machine runs the scenario.
 
     Only processes up for a while are killed: a process killed while it still imports does nothing
-    a test could learn from, and restarts cost real CPU on this machine. A rollout actor is killed
-    only once it holds rollouts half done (at least `MIN_TURNS_AT_RISK` turns generated of rollouts
-    it has not finished): one killed while waiting for slots costs nothing, and the checkpoint test
-    needs kills that interrupt rollouts. None there within 5 s: the turn passes to the next kind.
+    a test could learn from, and restarts cost real CPU on this machine.
     """
+    kinds = [k for k in STAGE_KINDS if k != "rollout"]
     turns: list[str] = []
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), rng.uniform(3.0, 7.0))
         if stop.is_set():
             return
-        turns = turns or rng.sample(STAGE_KINDS, len(STAGE_KINDS))
+        turns = turns or rng.sample(kinds, len(kinds))
         kind = turns.pop()
-        victim = None
-        deadline = time.monotonic() + 5.0
-        while victim is None and time.monotonic() < deadline and not stop.is_set():
-            victims = [a for a in await _live(run, kind) if a["uptime_s"] >= 5.0]
-            if kind == "rollout":
-                victims = [a for a in victims if _turns_at_risk(run, a["id"]) >= MIN_TURNS_AT_RISK]
-            if victims:
-                victim = rng.choice(victims)
-            elif kind == "rollout":
-                await asyncio.sleep(0.1)
-            else:
-                break
-        if victim is not None:
+        victims = [a for a in await _live(run, kind) if a["uptime_s"] >= 5.0]
+        if victims:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(victim["pid"], signal.SIGKILL)
-                killed.append(victim["kind"])
+                os.kill(rng.choice(victims)["pid"], signal.SIGKILL)
+                killed.append(kind)
+
+
+async def _kill_rollout_actor(run: LiveRun, rng: random.Random, killed: list[str]) -> None:
+    """SIGKILL a rollout actor once one holds rollouts half done (at least `MIN_TURNS_AT_RISK` turns
+    generated of rollouts it has not finished): one killed while waiting for slots costs nothing."""
+    victims: list[dict[str, Any]] = []
+
+    async def at_risk() -> bool:
+        nonlocal victims
+        victims = [a for a in await _live(run, "rollout")
+                   if a["uptime_s"] >= 5.0 and _turns_at_risk(run, a["id"]) >= MIN_TURNS_AT_RISK]
+        return bool(victims)
+
+    await _until(at_risk, 60, f"a rollout actor holding {MIN_TURNS_AT_RISK} turns of unfinished rollouts",
+                 every_s=0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(rng.choice(victims)["pid"], signal.SIGKILL)
+        killed.append("rollout")
 
 
 def _turns_at_risk(run: LiveRun, actor_id: str) -> int:
@@ -218,11 +225,15 @@ async def _durable_table(bus: Bus) -> tuple[CursorRecord, list[Slot], dict[str, 
 
 ROLLOUT_TURNS, TOKENS_PER_TURN = 8, 64
 MIN_TURNS_AT_RISK = 24  # what a rollout actor must hold of unfinished rollouts to be killed (1,536 tokens)
+# (fraction of the prompts trained, what is killed then); the other stages die at random (`_chaos`)
+KILLS_AT_PROGRESS = [(0.10, "rollout"), (0.25, "reconciler"), (0.40, "rollout"), (0.55, "reconciler"),
+                     (0.70, "rollout")]
 
 
 async def _run_with_kills(tmp_path: Path, *, checkpoints: bool, rollout_failures: bool) -> dict[str, Any]:
     """The kill -9 scenario: 500 prompts × 4 samples, rollouts of 8 turns, stage actors SIGKILLed at random
-    every 3 to 7 s and the reconciler at 25% and 55% of the prompts trained; every prompt accounted.
+    every 3 to 7 s, rollout actors at 10%, 40% and 70% of the prompts trained and the reconciler at 25% and
+    55%; every prompt accounted.
 
     ``checkpoints`` on: rollout checkpoints after each turn and a resumed reconciler adopting the work in
     flight (the product's default); off: every re-issued rollout starts over and a resumed reconciler
@@ -257,13 +268,16 @@ async def _run_with_kills(tmp_path: Path, *, checkpoints: bool, rollout_failures
         stop = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(_chaos(run, rng, stop, killed_stages))
-            for fraction in (0.25, 0.55):
+            for fraction, victim in KILLS_AT_PROGRESS:
 
                 async def progressed(fraction: float = fraction) -> bool:
                     return await _num_trained_groups(ledger) >= fraction * num_prompts
 
                 await _until(progressed, 150, f"{fraction:.0%} of the prompts trained")
-                killed_reconcilers.append(await _kill_reconciler(run, ledger))
+                if victim == "reconciler":
+                    killed_reconcilers.append(await _kill_reconciler(run, ledger))
+                else:
+                    await _kill_rollout_actor(run, rng, killed_stages)
 
             async def finished() -> bool:
                 try:
