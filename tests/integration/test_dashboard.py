@@ -114,10 +114,23 @@ def _rollout_screenshot(driver: webdriver.Chrome, tmp_path: Path, name: str) -> 
         shutil.copy(tmp_path / f"{name}.png", Path(keep) / f"{name}.png")
 
 
-def _trained_samples(families: dict[str, Any]) -> float:
-    (sample,) = [s for s in families["asyncrl_reconciler_lifecycle_counters"].samples
-                 if s.labels["key"] == "trained_samples"]
-    return sample.value
+def _text(d: webdriver.Chrome, css: str) -> str:
+    """The shown text of the first element ``css`` selects ('' if none), read in the page in one go: the page
+    redraws its tables and panels as updates arrive, so a handle found first and read after can go stale."""
+    return d.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : ''", css)
+
+
+def _texts(d: webdriver.Chrome, css: str) -> list[str]:
+    """The shown text of every element ``css`` selects, read in one go (see `_text`)."""
+    return d.execute_script("return [...document.querySelectorAll(arguments[0])].map(e => e.innerText)", css)
+
+
+def _trained_samples(families: dict[str, Any]) -> float | None:
+    """The reconciler's trained-samples counter; None where this scrape has no answer of the reconciler's (each
+    actor is given a bounded time to answer, which a loaded machine can pass)."""
+    family = families.get("asyncrl_reconciler_lifecycle_counters")
+    samples = [s for s in family.samples if s.labels["key"] == "trained_samples"] if family else []
+    return samples[0].value if len(samples) == 1 else None
 
 
 async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path, browser: webdriver.Chrome) -> None:  # noqa: F811
@@ -128,7 +141,7 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
     try:
         url = await _dashboard_url(run)
         browser.get(url)
-        WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "connection").text == "live")
+        WebDriverWait(browser, 60).until(lambda d: _text(d, "#connection") == "live")
         for section in SECTIONS:
             assert browser.find_element(By.ID, section).is_displayed(), section
         await until(lambda: browser.find_elements(By.CSS_SELECTOR, "#actor-table tbody tr"), 60, "actors listed")
@@ -158,17 +171,17 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         row = browser.find_element(By.CSS_SELECTOR, 'tr[data-key="reward.length_coef"]')
         row.find_element(By.TAG_NAME, "input").send_keys("0.01")
         row.find_element(By.TAG_NAME, "button").click()
-        WebDriverWait(browser, 30).until(lambda d: "sent to the actors" in d.find_element(By.ID, "config-result").text)
+        WebDriverWait(browser, 30).until(lambda d: "sent to the actors" in _text(d, "#config-result"))
         await until(lambda: any(e.get("key") == "reward.length_coef" and e.get("new") == 0.01
                                  for e in run_events(run.run_dir, "config_changed") if e.get("kind") == "reward"),
                      60, "the reward actor applied the edit")
-        WebDriverWait(browser, 30).until(lambda d: d.find_element(
-            By.CSS_SELECTOR, 'tr[data-key="reward.length_coef"] td:nth-child(2)').text == "0.01")
+        shown_value = 'tr[data-key="reward.length_coef"] td:nth-child(2)'
+        WebDriverWait(browser, 30).until(lambda d: _text(d, shown_value) == "0.01")
         # a value the schema refuses is refused on the page, with the reason
         row = browser.find_element(By.CSS_SELECTOR, 'tr[data-key="reward.length_coef"]')
         row.find_element(By.TAG_NAME, "input").send_keys("lots")
         row.find_element(By.TAG_NAME, "button").click()
-        WebDriverWait(browser, 30).until(lambda d: "refused" in d.find_element(By.ID, "config-result").text)
+        WebDriverWait(browser, 30).until(lambda d: "refused" in _text(d, "#config-result"))
 
         # the rollout viewer: a kept sample, whole, its tokens coloured by the policy version that sampled them
         def sample_rows(d: webdriver.Chrome) -> list[Any]:
@@ -199,9 +212,8 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
             lambda d: sample_rows(d) and d.find_elements(By.CSS_SELECTOR, f'tr[data-sample="{trained_id}"]'))
         browser.execute_script(f"document.querySelector('#sample-table tr[data-sample=\"{trained_id}\"]').click()")
         WebDriverWait(browser, 30).until(
-            lambda d: trained_id in d.find_element(By.CSS_SELECTOR, "#sample-detail p").text
-            and d.find_elements(By.ID, "trainer-summary"))
-        summary = browser.find_element(By.ID, "trainer-summary").text
+            lambda d: trained_id in _text(d, "#sample-detail p") and _text(d, "#trainer-summary"))
+        summary = _text(browser, "#trainer-summary")
         assert summary.startswith(f"trainer log-probs (policy version {whole['trainer_version']}"), summary
         assert "mean |Δ|" in summary and "ratio exp(trainer − behaviour)" in summary, summary
         scored = browser.execute_script(
@@ -219,21 +231,26 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         _rollout_screenshot(browser, tmp_path, "dashboard-trainer-logprobs")
 
         # one Prometheus scrape target for the run: every documented family, every actor labelled, values move
-        first_scrape = await _scrape(url)
-        kinds = {s.labels["kind"] for s in first_scrape["asyncrl_scrape_up"].samples if s.value == 1}
-        assert kinds >= {"reconciler", "rollout", "reward", "grouping", "trainer", "evaluator", "dashboard"}, kinds
+        every_kind = {"reconciler", "rollout", "reward", "grouping", "trainer", "evaluator", "dashboard"}
+
+        async def scrape_of_every_kind() -> dict[str, Any] | None:  # an actor may miss one scrape's deadline
+            scrape = await _scrape(url)
+            answered = {s.labels["kind"] for s in scrape["asyncrl_scrape_up"].samples if s.value == 1}
+            return scrape if answered >= every_kind and _trained_samples(scrape) is not None else None
+
+        first_scrape = await until(scrape_of_every_kind, 60, f"a scrape answered by every kind of {every_kind}")
         assert set(DOCUMENTED) <= set(first_scrape), set(DOCUMENTED) - set(first_scrape)
         assert all({"run", "kind", "actor"} <= set(s.labels) for f in first_scrape.values() for s in f.samples)
         trained = _trained_samples(first_scrape)
         deadline = time.monotonic() + 300
-        while _trained_samples(await _scrape(url)) <= trained:  # each scrape is a fresh reading of the run
+        while (now := _trained_samples(await _scrape(url))) is None or now <= trained:  # a fresh reading each
             assert time.monotonic() < deadline, "the reconciler's trained-samples counter did not move"
             await asyncio.sleep(1.0)
 
 
         # the event stream filters by level: at "error" only errors (and worse) stay listed
         Select(browser.find_element(By.ID, "event-level")).select_by_visible_text("error")
-        levels = {td.text for td in browser.find_elements(By.CSS_SELECTOR, "#event-table tbody td:nth-child(2)")}
+        levels = set(_texts(browser, "#event-table tbody td:nth-child(2)"))
         assert levels <= {"error", "critical"}, levels
         Select(browser.find_element(By.ID, "event-level")).select_by_visible_text("info")
         assert browser.find_elements(By.CSS_SELECTOR, "#event-table tbody tr"), "info events listed again"
