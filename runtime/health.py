@@ -51,6 +51,7 @@ class Verdict:
 
     check: str  # "liveness", "readiness", "progress", "errors" or "start"
     reason: str
+    limit_s: float | None = None  # the time limit the actor passed, where the check has one
 
     @property
     def needs_kill(self) -> bool:
@@ -109,13 +110,14 @@ def _passive(reply: dict[str, Any], cfg: HealthSection,
     """The checks read from a ping's reply (what the actor counts and times of its own work)."""
     idle = float(reply.get("busy_without_progress_s", 0.0))
     if cfg.stuck_s and idle > cfg.stuck_s:
-        return Verdict("progress", f"held work for {idle:.0f}s without finishing any (limit {cfg.stuck_s}s)")
+        return Verdict("progress", f"held work for {idle:.0f}s without finishing any (limit {cfg.stuck_s}s)",
+                       cfg.stuck_s)
     oldest, p99 = float(reply.get("oldest_in_hand_s", 0.0)), float(reply.get("recent_handling_p99_s", 0.0))
     limit = max(cfg.outlier_factor * p99, cfg.outlier_min_s)
     if (cfg.outlier_factor and int(reply.get("num_recent_handlings", 0)) >= cfg.outlier_min_samples
             and oldest > limit):
         return Verdict("progress", f"a handling has run {oldest:.1f}s, over {limit:.1f}s ({cfg.outlier_factor:g}x "
-                                   f"the p99 of its last {reply['num_recent_handlings']}: {p99:.3f}s)")
+                                   f"the p99 of its last {reply['num_recent_handlings']}: {p99:.3f}s)", limit)
     if not cfg.error_window:
         return None
     outcomes.append((int(reply.get("num_handled", 0)), int(reply.get("num_failed", 0))))

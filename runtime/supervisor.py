@@ -238,7 +238,7 @@ class Supervisor:
             return
         num_recent = self._count_restart(ap)
         log.error("actor_unhealthy", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, check=verdict.check,
-                  reason=verdict.reason, num_recent_restarts=num_recent)
+                  reason=verdict.reason, limit_s=verdict.limit_s, num_recent_restarts=num_recent)
         if self._stop.is_set():
             return
         new = (None if ap.standby else await self._promote(ap.kind, ap.actor_id)) or await self._spawn(
