@@ -15,7 +15,7 @@ from runtime.blob import open_store
 from runtime.build_once import BuildFailed, BuildSettings, build_once, claim_key
 from runtime.bus import Bus
 from runtime.run_state import RUN_BUCKET
-from tests.integration.harness import nats_bus
+from tests.integration.harness import nats_bus, until
 
 
 class Builder:
@@ -38,9 +38,9 @@ class Builder:
 
 
 async def test_many_machines_asking_at_once_build_once_and_all_get_it(tmp_path: Path) -> None:
-    builder = Builder(seconds=2.0)
+    builder = Builder(seconds=3.0)
     async with nats_bus(tmp_path) as bus, open_store((tmp_path / "blobs").as_uri()) as store:
-        settings = BuildSettings(lease_s=0.9, timeout_s=60.0)  # the build outlasts the lease: renewals keep it
+        settings = BuildSettings(lease_s=1.5, timeout_s=60.0)  # the build outlasts the lease: renewals keep it
         paths = await asyncio.gather(*(
             build_once(bus, store, "policy-abc", builder, tmp_path / f"machine-{i}", owner=f"a-{i}", settings=settings)
             for i in range(4)))
@@ -71,7 +71,7 @@ async def test_a_failed_build_is_reported_and_another_process_builds(tmp_path: P
     async with nats_bus(tmp_path) as bus, open_store((tmp_path / "blobs").as_uri()) as store:
         settings = BuildSettings(lease_s=5.0, timeout_s=60.0)
         first = asyncio.create_task(build_once(bus, store, "p", builder, tmp_path / "a", owner="a", settings=settings))
-        await asyncio.sleep(0.2)  # a claims first
+        await until(lambda: bus.kv_get(RUN_BUCKET, claim_key("p")), 10, "a's claim")  # a claims first
         second = build_once(bus, store, "p", builder, tmp_path / "b", owner="b", settings=settings)
         results = await asyncio.gather(first, second, return_exceptions=True)
         assert isinstance(results[0], BuildFailed) and "disk full" in str(results[0])

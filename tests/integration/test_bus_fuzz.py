@@ -290,6 +290,10 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
                 await connect_anonymously(info.nats_url)
         roles = ["reconciler", "rollout", "reward", "grouping", "trainer", OPERATOR]
         async with contextlib_all(info, roles) as clients:
+            # random keys hit work in flight only by chance (a faster pipeline holds each key less long):
+            # forge completions of the work in flight now, its key and attempt right, its token not; first,
+            # while the run surely has work in flight (the fuzzing that follows may outlast the run)
+            assert await forge_live_work(run, clients, Fuzzer(seed=12, run_name="")) > 0, "work was in flight"
             sent = await fuzz(clients, Fuzzer(seed=11, run_name=run.info.run), actors)
             assert sum(sent.values()) >= NUM_MESSAGES
             assert {"work", "done", "heartbeat", "weights", "data_exhausted", "ctl", "$KV.config",
@@ -297,9 +301,6 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
             denied = sum("permissions violation" in e.lower() for c in clients.values() for e in c.errors)
             assert denied >= 1, "another role's subjects are refused by the server"
             assert await clients["rollout"].refused("$kv.actors.reg.trainer."), "nobody writes a trainer's lease"
-            # random keys hit work in flight only by chance (a faster pipeline holds each key less long):
-            # forge completions of the work in flight now, its key and attempt right, its token not
-            assert await forge_live_work(run, clients, Fuzzer(seed=12, run_name="")) > 0, "work was in flight"
 
         state = await run_to_end(run, reconciler)
         assert trained_set(state) == trained_set(baseline), "the trained set of the undisturbed run"

@@ -3,7 +3,6 @@ rollout (real engine, real sandbox) -> reward (hidden tests in a fresh fork) -> 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from runtime.bus import DONE_QUEUE
 from runtime.bus_auth import control_subject
 from runtime.codec import Codec
 from runtime.metrics_log import read_run_metrics
-from tests.integration.harness import LiveRun, write_config
+from tests.integration.harness import LiveRun, run_events, until, write_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,9 +111,10 @@ async def test_one_batch_through_every_stage(tmp_path: Path) -> None:
         metrics = await read_run_metrics(run.run_dir)
         assert [(r["kind"], r["version"]) for r in metrics] == [("train", 1)]
         assert any((run.run_dir / "checkpoints").glob("step-0000001"))
-        await asyncio.sleep(1.0)
-        swapped = [line for f in (run.run_dir / "logs").glob("rollout-*.jsonl")
-                   for line in f.read_text().splitlines() if '"weights_swapped"' in line]
-        assert swapped and '"version": 1' in swapped[-1], "the rollout actor took version 1 in flight"
+        def rollout_took_version_1() -> bool:  # fetched and applied in the background, after TrainDone
+            return any(e["kind"] == "rollout" and 1 in (e.get("version"), e.get("new_version"))
+                       for e in run_events(run.run_dir, "weights_swapped"))
+
+        await until(rollout_took_version_1, 60, "the rollout actor to take version 1 in flight")
     finally:
         assert await run.stop() == 0

@@ -29,8 +29,10 @@ class FakePublisher:
         self.sent: list[tuple[str, dict]] = []
         self.gate = asyncio.Event()
         self.gate.set()
+        self.entered = asyncio.Event()  # a publish has begun (and waits at the gate if it is cleared)
 
     async def publish(self, subject: str, payload: bytes = b"") -> None:
+        self.entered.set()
         await self.gate.wait()
         self.sent.append((subject, json.loads(payload)))
 
@@ -126,7 +128,7 @@ async def test_log_storm_never_blocks_and_drops_are_counted_and_reported(make_lo
     pub.gate.clear()  # the bus is stuck: nothing leaves the queue
     task = await start_forwarding(log, pub)
     structlog.get_logger("x").info("first")
-    await asyncio.sleep(0.01)  # the forwarder now waits inside publish
+    await asyncio.wait_for(pub.entered.wait(), 10)  # the forwarder now waits inside publish
     started = time.perf_counter()
     for i in range(5000):
         structlog.get_logger("x").info("storm", i=i)

@@ -207,7 +207,7 @@ async def test_daemons_die_with_their_command(store: LayerStore, tight: SandboxL
             "nohup sleep 300 >/dev/null 2>&1 & disown; setsid sleep 301 & python3 d.py; echo started"
         )
         assert "started" in result.stdout and result.duration_s < 3
-        await asyncio.sleep(0.2)
+        await env.wait_idle(30.0)  # the daemons are killed with their command, and reaped behind it
         assert sandbox_pids() == []
         again = await env.run("ps -e -o comm= | grep -c sleep || true")
         assert again.stdout.strip() == "0"

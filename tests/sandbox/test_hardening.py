@@ -19,7 +19,7 @@ from sandbox import Environment, LayerStore, SandboxLimits, SandboxStateError
 from sandbox._seccomp import DENIED_SYSCALLS, syscall_number
 
 from ._bare import run_bare
-from .conftest import SANDBOX_UID, TEST_ROOT, sandbox_pids
+from .conftest import SANDBOX_UID, TEST_ROOT, eventually, sandbox_pids
 
 pytestmark = pytest.mark.usefixtures("host_unchanged")
 
@@ -215,8 +215,7 @@ async def test_kills_go_through_pidfds_never_numeric_pids(
     result = await asyncio.wait_for(running, 10)  # closed while running: killed
     assert timed_out.timed_out and finished.exit_code == 0 and result.exit_code != 0
     assert numeric == []
-    await asyncio.sleep(0.2)
-    assert sandbox_pids() == []
+    await eventually(lambda: not sandbox_pids(), 30, "the closed environment's processes gone")
 
 
 def test_the_filter_covers_docker_s_denied_families() -> None:
@@ -352,10 +351,15 @@ async def test_a_closed_environment_s_cgroup_serves_the_next_one_under_its_limit
     limit = 200 * 1024 * 1024
     with Environment.create(store, {}, tight.replace(total_memory_bytes=limit)) as second:
         assert second._cgroup is not None and second._cgroup.path == path
-        running = asyncio.create_task(second.run("sleep 1"))
-        await asyncio.sleep(0.5)
-        with open(os.path.join(path, "tasks")) as f:
-            inside = {int(tid) for tid in f.read().split()}
+        running = asyncio.create_task(second.run("sleep 3"))
+        inside: set[int] = set()
+
+        def started_inside() -> bool:  # spawner thread, bwrap, init, sleep
+            with open(os.path.join(path, "tasks")) as f:
+                inside.update(int(tid) for tid in f.read().split())
+            return len(inside) >= 3 or running.done()
+
+        await eventually(started_inside, 30, "the command started in the recycled cgroup")
         await running
 
         def read(name: str) -> int:
