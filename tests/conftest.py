@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 pytest_plugins = ["tests.s3_fixtures"]
 
@@ -19,6 +19,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # No property here is about time, and a loaded 2-core CI machine can take any one example past Hypothesis's
-# default 200 ms deadline, which it reports as a flaky failure.
-settings.register_profile("suite", deadline=None)
+# default 200 ms deadline (reported as a flaky failure), or generate data slowly enough to fail its health check.
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("suite")

@@ -208,9 +208,17 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         num_scored = sum(int(numpy.isfinite(numpy.frombuffer(base64.b64decode(seg), dtype="<f4")).sum())
                          for seg in whole["trainer_logprobs"])
         assert num_scored > 0
-        WebDriverWait(browser, 60, poll_frequency=2).until(
-            lambda d: sample_rows(d) and d.find_elements(By.CSS_SELECTOR, f'tr[data-sample="{trained_id}"]'))
-        browser.execute_script(f"document.querySelector('#sample-table tr[data-sample=\"{trained_id}\"]').click()")
+        # as an operator finds it: the list filtered by its prompt (the page lists the latest 200 samples)
+        browser.find_element(By.ID, "sample-prompt").send_keys(whole["prompt_id"])
+
+        def trained_sample_picked(d: webdriver.Chrome) -> bool:  # found and clicked in one go: a refresh redraws
+            d.find_element(By.ID, "sample-refresh").click()  # the list, and the detail shown is another sample's
+            return d.execute_script(
+                "const row = document.querySelector(`#sample-table tr[data-sample=\"${arguments[0]}\"]`);"
+                "if (row) { document.getElementById('sample-detail').replaceChildren(); row.click(); }"
+                "return row !== null", trained_id)
+
+        WebDriverWait(browser, 60, poll_frequency=2).until(trained_sample_picked)
         WebDriverWait(browser, 30).until(
             lambda d: trained_id in _text(d, "#sample-detail p") and _text(d, "#trainer-summary"))
         summary = _text(browser, "#trainer-summary")

@@ -12,7 +12,7 @@ import pytest
 
 from sandbox import Environment, LayerStore, SandboxLimits, ToolBox
 
-from .conftest import sandbox_pids
+from .conftest import eventually, sandbox_pids
 
 pytestmark = pytest.mark.usefixtures("host_unchanged")
 
@@ -207,8 +207,7 @@ async def test_daemons_die_with_their_command(store: LayerStore, tight: SandboxL
             "nohup sleep 300 >/dev/null 2>&1 & disown; setsid sleep 301 & python3 d.py; echo started"
         )
         assert "started" in result.stdout and result.duration_s < 3
-        await env.wait_idle(30.0)  # the daemons are killed with their command, and reaped behind it
-        assert sandbox_pids() == []
+        await eventually(lambda: not sandbox_pids(), 30, "the daemons killed with their command")
         again = await env.run("ps -e -o comm= | grep -c sleep || true")
         assert again.stdout.strip() == "0"
     # a command still running when the environment closes is killed with it
