@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from runtime.bus_auth import SUPERVISOR
 from runtime.events import parse_event
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.rundir import RunInfo
+from tests.waiting import until  # noqa: F401 - the integration tests' wait, imported from here too
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,20 +43,6 @@ def run_events(run_dir: Path, name: str) -> list[dict[str, Any]]:
     for f in (run_dir / "logs").glob("*.jsonl"):  # a live run's last line may be half written: not yet an event
         rows += [r for line in f.read_text().splitlines() if (r := parse_event(line)) and r.get("event") == name]
     return rows
-
-
-async def until(predicate: Any, timeout_s: float, what: str) -> Any:
-    """Polls ``predicate`` (a function, or one returning an awaitable) every 0.1 s until it gives a truthy
-    value, which is returned; an AssertionError naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def write_config(path: Path, text: str) -> Path:

@@ -9,7 +9,6 @@ if the reconciler re-issues that actor's work when its lease runs out (10 s).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -24,21 +23,12 @@ from actors.reconciler.slot import Slot, SlotState
 from actors.reconciler.store import CURSOR_KEY, SLOT_PREFIX
 from actors.reconciler.task_cursor import CursorRecord
 from runtime.bus_auth import control_subject
-from tests.integration.harness import LiveRun, run_events, write_config
+from tests.integration.harness import LiveRun, run_events, until, write_config
 from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
 
 pytestmark = pytest.mark.timeout(300)
 
 NUM_PROMPTS = 6
-
-
-async def _until(predicate: Any, timeout_s: float, what: str) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if await predicate():
-            return time.monotonic() - started
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 async def _start(tmp_path: Path, rollout_s: float, *settings: str) -> LiveRun:
@@ -71,7 +61,7 @@ async def _rollout_actor_holding_work(run: LiveRun) -> dict[str, Any]:
                     return True
         return False
 
-    await _until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight")
+    await until(a_rollout_actor_holds_work, 60, "a rollout actor with rollouts in flight", every_s=0.25)
     return found
 
 
@@ -96,7 +86,9 @@ async def test_a_frozen_rollout_actors_work_is_reissued_when_its_lease_runs_out(
         assert run.bus is not None
         victim.update(await _rollout_actor_holding_work(run))
         os.kill(victim["pid"], signal.SIGSTOP)
-        elapsed = await _until(_finished(run), 60, "every prompt trained (the frozen actor's work re-issued)")
+        frozen_at = time.monotonic()
+        await until(_finished(run), 60, "every prompt trained (the frozen actor's work re-issued)", every_s=0.25)
+        elapsed = time.monotonic() - frozen_at
         print(f"finished {elapsed:.1f}s after the rollout actor froze")
         assert victim["id"] not in await (await run.bus.kv("actors")).keys(), "its lapsed entry is removed"
     finally:
@@ -118,7 +110,7 @@ async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_n
     try:
         victim.update(await _rollout_actor_holding_work(run))
         os.kill(victim["pid"], signal.SIGKILL)
-        await _until(_finished(run), 90, "every prompt trained")
+        await until(_finished(run), 90, "every prompt trained", every_s=0.25)
 
         def retried_and_skipped() -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
             retried = {(e["sample_id"], e["attempt"] - 1) for e in run_events(run_dir, "work_retried")
@@ -130,7 +122,7 @@ async def test_a_killed_rollout_actors_work_is_reissued_and_its_old_orders_are_n
             return bool(retried) and retried <= skipped
 
         with contextlib.suppress(AssertionError):  # asserted below, with what was seen
-            await _until(old_orders_skipped, 30, "the killed actor's orders redelivered and skipped")
+            await until(old_orders_skipped, 30, "the killed actor's orders redelivered and skipped", every_s=0.25)
     finally:
         assert await run.stop() == 0
     (lost,) = [e for e in run_events(run_dir, "actor_lost") if e["actor_id"] == victim["id"]]
@@ -160,7 +152,7 @@ async def test_old_orders_redelivered_while_the_reconciler_is_away_wait_for_it_a
         async def reissued() -> bool:
             return any(e["reason"] == f"actor {victim['id']} lost" for e in run_events(run_dir, "work_retried"))
 
-        await _until(reissued, 30, "the killed actor's rollouts re-issued")
+        await until(reissued, 30, "the killed actor's rollouts re-issued", every_s=0.25)
         (reconciler,) = [a for a in await run.actors() if a["kind"] == "reconciler"]
         os.kill(reconciler["pid"], signal.SIGSTOP if outage == "stopped" else signal.SIGKILL)
 
@@ -168,11 +160,11 @@ async def test_old_orders_redelivered_while_the_reconciler_is_away_wait_for_it_a
             return bool(run_events(run_dir, "still_wanted_unanswered"))
 
         try:  # the killed actor's orders, redelivered after the ack wait (6 s), find no one to answer
-            await _until(asked_in_vain, 30, "a redelivered order's question left unanswered")
+            await until(asked_in_vain, 30, "a redelivered order's question left unanswered", every_s=0.25)
         finally:
             if outage == "stopped":
                 os.kill(reconciler["pid"], signal.SIGCONT)
-        await _until(_finished(run), 90, "every prompt trained")
+        await until(_finished(run), 90, "every prompt trained", every_s=0.25)
     finally:
         assert await run.stop() == 0
     unanswered = run_events(run_dir, "still_wanted_unanswered")

@@ -24,7 +24,8 @@ from runtime.events import parse_event
 from runtime.natsserver import NatsServer, NatsServerConfig
 from tests.integration.harness import LiveRun, descendants, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
-from tests.integration.test_reconciler import _durable_table, _num_trained_groups, _trained, _until
+from tests.integration.test_reconciler import _durable_table, _num_trained_groups, _trained
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -107,7 +108,7 @@ async def test_the_bus_server_killed_mid_run_is_restarted_and_the_run_carries_on
             async def progressed(fraction: float = fraction) -> bool:
                 return await _num_trained_groups(ledger) >= fraction * num_prompts
 
-            await _until(_despite_outages(progressed), 120, f"{fraction:.0%} of the prompts trained")
+            await until(_despite_outages(progressed), 120, f"{fraction:.0%} of the prompts trained", every_s=0.5)
             pid = _server_pid(run)
             os.kill(pid, signal.SIGKILL)  # mid-run: work in every stream, watches and pulls open
             killed.append((pid, time.monotonic()))
@@ -116,7 +117,7 @@ async def test_the_bus_server_killed_mid_run_is_restarted_and_the_run_carries_on
             cursor, slots, _ = await _durable_table(run.bus)
             return cursor.position == num_prompts and all(s.state is SlotState.EMPTY for s in slots)
 
-        await _until(_despite_outages(finished), 180, "every prompt trained after two server kills", every_s=1.0)
+        await until(_despite_outages(finished), 180, "every prompt trained after two server kills", every_s=1.0)
         batches = list((await _trained(ledger))["trained"].values())
         groups = [g for b in batches for g in b["group_ids"]]
         assert len(groups) == len(set(groups)), "a group was trained twice"
@@ -234,7 +235,7 @@ async def test_an_actor_dying_during_an_outage_is_restarted_when_the_bus_is_back
             registered = {a["id"] for a in await run.wait_actors("counter", 2)}
             return len(live) == 2 and victim["id"] not in live | registered and live == registered
 
-        await _until(_despite_outages(replaced), 60, "the victim replaced and its registry entry dropped")
+        await until(_despite_outages(replaced), 60, "the victim replaced and its registry entry dropped", every_s=0.5)
         assert run.proc is not None and run.proc.poll() is None, run.output()
     finally:
         rc = await run.stop()

@@ -30,7 +30,8 @@ from runtime.natsserver import SERVER_LOG
 from tests.integration.harness import LiveRun, descendants, run_events, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 from tests.integration.test_bus_outage import _despite_outages
-from tests.integration.test_reconciler import _account, _durable_table, _num_trained_groups, _trained, _until
+from tests.integration.test_reconciler import _account, _durable_table, _num_trained_groups, _trained
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -107,7 +108,7 @@ async def test_a_short_run_on_a_three_server_cluster_trains_every_prompt_once(tm
         assert len(run.info.nats_url.split(",")) == 3, run.info.nats_url
         ledger = TrainerLedger(await run.bus.kv(LEDGER_BUCKET))
 
-        await _until(_finished(run.bus), 240, "every prompt trained on the cluster", every_s=1.0)
+        await until(_finished(run.bus), 240, "every prompt trained on the cluster", every_s=1.0)
         for stream in STREAMS:
             info = await run.bus.js.stream_info(stream)
             assert info.config.num_replicas == 3 and info.cluster and len(info.cluster.replicas or []) == 2, stream
@@ -129,12 +130,12 @@ async def test_a_cluster_server_killed_mid_run_stalls_training_no_longer_than_th
             async def progressed(fraction: float = fraction) -> bool:
                 return await _num_trained_groups(ledger) >= fraction * NUM_PROMPTS
 
-            await _until(_despite_outages(progressed), 180, f"{fraction:.0%} of the prompts trained")
+            await until(_despite_outages(progressed), 180, f"{fraction:.0%} of the prompts trained", every_s=0.5)
             leader = await _leader(run.bus, stream)
             os.kill(_server_pids(run)[leader], signal.SIGKILL)  # the leader of the stream: an election
             kills.append((leader, time.time()))
 
-        await _until(_despite_outages(_finished(run.bus)), 240, "every prompt trained after two server kills",
+        await until(_despite_outages(_finished(run.bus)), 240, "every prompt trained after two server kills",
                      every_s=1.0)
         await _account(run.bus, ledger, NUM_PROMPTS, GROUP_SIZE, ETA)
         batches = (await _trained(ledger))["trained"].values()

@@ -14,7 +14,8 @@ from actors.reconciler.slot import SlotState, Stage
 from tests.integration.harness import LiveRun, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 from tests.integration.test_bus_outage import _assert_clean_exit, _events
-from tests.integration.test_reconciler import _durable_table, _num_trained_groups, _trained, _until
+from tests.integration.test_reconciler import _durable_table, _num_trained_groups, _trained
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,7 +47,7 @@ async def test_poison_on_every_work_and_done_subject_is_dead_lettered_and_the_ru
         async def started() -> bool:
             return await _num_trained_groups(ledger) >= 8
 
-        await _until(started, 120, "the first batches trained")
+        await until(started, 120, "the first batches trained", every_s=0.5)
         expected: Counter[tuple[str, str]] = Counter()
         for stage in Stage:
             for subject, type_name in ((f"work.{stage.value}", ORDER_TYPES[stage][0]),
@@ -59,7 +60,7 @@ async def test_poison_on_every_work_and_done_subject_is_dead_lettered_and_the_ru
             cursor, slots, _ = await _durable_table(run.bus)
             return cursor.position == num_prompts and all(s.state is SlotState.EMPTY for s in slots)
 
-        await _until(finished, 180, "every prompt trained or dropped with poison in every queue", every_s=1.0)
+        await until(finished, 180, "every prompt trained or dropped with poison in every queue", every_s=1.0)
         dlq = await run.bus.js.subscribe("dlq.>", ordered_consumer=True, deliver_policy=None)
         letters: Counter[tuple[str, str]] = Counter()
         for _ in range(sum(expected.values())):

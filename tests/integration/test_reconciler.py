@@ -34,7 +34,7 @@ from actors.task_catalog import TaskCatalog
 from runtime.bus import Bus
 from runtime.errors import BusTimeout
 from runtime.events import parse_event
-from tests.integration.harness import LiveRun, nats_bus, run_events, write_config
+from tests.integration.harness import LiveRun, nats_bus, run_events, until, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
 pytestmark = pytest.mark.timeout(420)
@@ -128,15 +128,6 @@ async def _live(run: LiveRun, kind: str) -> list[dict[str, Any]]:
     return [a for a in await run.actors() if a["kind"] == kind and not a["retiring"]]
 
 
-async def _until(predicate: Any, timeout_s: float, what: str, every_s: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 async def _kill_reconciler(run: LiveRun, ledger: TrainerLedger) -> tuple[str, float]:
     """Kills the reconciler; (its id, when: epoch seconds) once the supervisor has started its replacement."""
     (old,) = await _live(run, "reconciler")
@@ -146,7 +137,7 @@ async def _kill_reconciler(run: LiveRun, ledger: TrainerLedger) -> tuple[str, fl
     async def replaced() -> bool:
         return any(a["id"] != old["id"] for a in await _live(run, "reconciler"))
 
-    await _until(replaced, 30, "the supervisor to restart the reconciler")
+    await until(replaced, 30, "the supervisor to restart the reconciler", every_s=0.5)
     return old["id"], killed_at
 
 
@@ -186,7 +177,7 @@ async def _kill_rollout_actor(run: LiveRun, rng: random.Random, killed: list[str
                    if a["uptime_s"] >= 5.0 and _turns_at_risk(run, a["id"]) >= MIN_TURNS_AT_RISK]
         return bool(victims)
 
-    await _until(at_risk, 60, f"a rollout actor holding {MIN_TURNS_AT_RISK} turns of unfinished rollouts",
+    await until(at_risk, 60, f"a rollout actor holding {MIN_TURNS_AT_RISK} turns of unfinished rollouts",
                  every_s=0.1)
     with contextlib.suppress(ProcessLookupError):
         os.kill(rng.choice(victims)["pid"], signal.SIGKILL)
@@ -273,7 +264,7 @@ async def _run_with_kills(tmp_path: Path, *, checkpoints: bool, rollout_failures
                 async def progressed(fraction: float = fraction) -> bool:
                     return await _num_trained_groups(ledger) >= fraction * num_prompts
 
-                await _until(progressed, 150, f"{fraction:.0%} of the prompts trained")
+                await until(progressed, 150, f"{fraction:.0%} of the prompts trained", every_s=0.5)
                 if victim == "reconciler":
                     killed_reconcilers.append(await _kill_reconciler(run, ledger))
                 else:
@@ -287,7 +278,7 @@ async def _run_with_kills(tmp_path: Path, *, checkpoints: bool, rollout_failures
                     return False
                 return cursor.position == num_prompts and all(s.state is SlotState.EMPTY for s in slots)
 
-            await _until(finished, 200, "every prompt to be trained or dropped", every_s=1.0)
+            await until(finished, 200, "every prompt to be trained or dropped", every_s=1.0)
             stop.set()
         elapsed = time.monotonic() - started
         await _account(run.bus, ledger, num_prompts, group_size, eta)

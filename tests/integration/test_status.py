@@ -3,19 +3,17 @@ the reconciler is killed with SIGKILL (its registry entry then lingers, and stat
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.harness import REPO, LiveRun, write_config
+from tests.integration.harness import REPO, LiveRun, until, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 
 pytestmark = pytest.mark.timeout(240)
@@ -34,15 +32,6 @@ def status(run: LiveRun, *args: str) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
-
-
-async def _until(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def check_lifecycle(rec: dict[str, Any]) -> None:
@@ -73,7 +62,7 @@ async def test_status_of_a_live_run(tmp_path: Path) -> None:
         async def trained(num: int) -> bool:
             return await ledger.version() >= num
 
-        await _until(lambda: trained(3), 90, "three trained batches")
+        await until(lambda: trained(3), 90, "three trained batches", every_s=0.5)
         raw = json.loads(status(run, "--json"))
         check_lifecycle(raw["reconciler"])
         assert raw["trainer"]["version"] >= 3
@@ -86,7 +75,7 @@ async def test_status_of_a_live_run(tmp_path: Path) -> None:
         (old,) = [a for a in raw["actors"] if a["kind"] == "reconciler"]
         os.kill(old["pid"], signal.SIGKILL)
         version = await ledger.version()
-        await _until(lambda: trained(version + 2), 90, "two batches trained by the restarted reconciler")
+        await until(lambda: trained(version + 2), 90, "two batches trained by the restarted reconciler", every_s=0.5)
         raw = json.loads(status(run, "--json"))
         # The supervisor unregisters a process that died without stopping; status shows its successor.
         assert old["id"] not in {a["id"] for a in raw["actors"]}, "the killed reconciler is no longer listed"

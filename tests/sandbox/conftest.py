@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import secrets
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -42,15 +40,6 @@ def sandbox_pids() -> list[int]:
         except OSError:
             continue
     return pids
-
-
-async def eventually(condition: Callable[[], object], timeout_s: float, what: str) -> None:
-    """Until ``condition()`` is truthy (checked every 50 ms: host pids and cgroup files send no events), or an
-    AssertionError naming ``what`` after ``timeout_s``; a kill and its reap take their time on a loaded host."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def _owned_by_sandbox(directory: str) -> list[str]:

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from sandbox import Environment, LayerStore, SandboxLimits, ToolBox
+from tests.waiting import until
 
-from .conftest import eventually, sandbox_pids
+from .conftest import sandbox_pids
 
 pytestmark = pytest.mark.usefixtures("host_unchanged")
 
@@ -207,7 +208,7 @@ async def test_daemons_die_with_their_command(store: LayerStore, tight: SandboxL
             "nohup sleep 300 >/dev/null 2>&1 & disown; setsid sleep 301 & python3 d.py; echo started"
         )
         assert "started" in result.stdout and result.duration_s < 3
-        await eventually(lambda: not sandbox_pids(), 30, "the daemons killed with their command")
+        await until(lambda: not sandbox_pids(), 30, "the daemons killed with their command", every_s=0.05)
         again = await env.run("ps -e -o comm= | grep -c sleep || true")
         assert again.stdout.strip() == "0"
     # a command still running when the environment closes is killed with it

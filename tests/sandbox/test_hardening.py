@@ -17,9 +17,10 @@ import pytest
 
 from sandbox import Environment, LayerStore, SandboxLimits, SandboxStateError
 from sandbox._seccomp import DENIED_SYSCALLS, syscall_number
+from tests.waiting import until
 
 from ._bare import run_bare
-from .conftest import SANDBOX_UID, TEST_ROOT, eventually, sandbox_pids
+from .conftest import SANDBOX_UID, TEST_ROOT, sandbox_pids
 
 pytestmark = pytest.mark.usefixtures("host_unchanged")
 
@@ -215,7 +216,7 @@ async def test_kills_go_through_pidfds_never_numeric_pids(
     result = await asyncio.wait_for(running, 10)  # closed while running: killed
     assert timed_out.timed_out and finished.exit_code == 0 and result.exit_code != 0
     assert numeric == []
-    await eventually(lambda: not sandbox_pids(), 30, "the closed environment's processes gone")
+    await until(lambda: not sandbox_pids(), 30, "the closed environment's processes gone", every_s=0.05)
 
 
 def test_the_filter_covers_docker_s_denied_families() -> None:
@@ -359,7 +360,7 @@ async def test_a_closed_environment_s_cgroup_serves_the_next_one_under_its_limit
                 inside.update(int(tid) for tid in f.read().split())
             return len(inside) >= 3 or running.done()
 
-        await eventually(started_inside, 30, "the command started in the recycled cgroup")
+        await until(started_inside, 30, "the command started in the recycled cgroup", every_s=0.05)
         await running
 
         def read(name: str) -> int:
