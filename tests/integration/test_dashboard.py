@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -250,10 +249,12 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         assert set(DOCUMENTED) <= set(first_scrape), set(DOCUMENTED) - set(first_scrape)
         assert all({"run", "kind", "actor"} <= set(s.labels) for f in first_scrape.values() for s in f.samples)
         trained = _trained_samples(first_scrape)
-        deadline = time.monotonic() + 300
-        while (now := _trained_samples(await _scrape(url))) is None or now <= trained:  # a fresh reading each
-            assert time.monotonic() < deadline, "the reconciler's trained-samples counter did not move"
-            await asyncio.sleep(1.0)
+
+        async def counter_moved() -> bool:  # each scrape is a fresh reading of the run
+            now = _trained_samples(await _scrape(url))
+            return now is not None and now > trained
+
+        await until(counter_moved, 300, "the reconciler's trained-samples counter to move", every_s=1.0)
 
 
         # the event stream filters by level: at "error" only errors (and worse) stay listed
