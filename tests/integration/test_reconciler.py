@@ -169,16 +169,12 @@ async def _chaos(run: LiveRun, rng: random.Random, stop: asyncio.Event, killed: 
 async def _kill_rollout_actor(run: LiveRun, rng: random.Random, killed: list[str]) -> None:
     """SIGKILL a rollout actor once one holds rollouts half done (at least `MIN_TURNS_AT_RISK` turns
     generated of rollouts it has not finished): one killed while waiting for slots costs nothing."""
-    victims: list[dict[str, Any]] = []
 
-    async def at_risk() -> bool:
-        nonlocal victims
-        victims = [a for a in await _live(run, "rollout")
-                   if a["uptime_s"] >= 5.0 and _turns_at_risk(run, a["id"]) >= MIN_TURNS_AT_RISK]
-        return bool(victims)
+    async def at_risk() -> list[dict[str, Any]]:  # empty until one holds that much
+        return [a for a in await _live(run, "rollout")
+                if a["uptime_s"] >= 5.0 and _turns_at_risk(run, a["id"]) >= MIN_TURNS_AT_RISK]
 
-    await until(at_risk, 60, f"a rollout actor holding {MIN_TURNS_AT_RISK} turns of unfinished rollouts",
-                 every_s=0.1)
+    victims = await until(at_risk, 60, f"a rollout actor holding {MIN_TURNS_AT_RISK} turns of unfinished rollouts")
     with contextlib.suppress(ProcessLookupError):
         os.kill(rng.choice(victims)["pid"], signal.SIGKILL)
         killed.append("rollout")
