@@ -429,6 +429,9 @@ class ChainedKVWriter:
     server stores it only if every write before it was stored, so its acknowledgement confirms them
     all, and its refusal (its own conflict, or the broken chain of an earlier one) reports theirs.
     After any failed write the writer is broken: every later call raises the first error's kind.
+    A failed `flush` raises only once the writes sent before the failed one are answered (a
+    replicated stream refuses a write at once, yet stores the writes before it a raft round later):
+    the bucket's prefix is then final, and the error is that of the first write that failed.
     """
 
     def __init__(self, nc: NatsClient, bucket: str, last_sequence: int, ack_timeout_s: float,
@@ -451,6 +454,9 @@ class ChainedKVWriter:
         self._writes: dict[int, tuple[str, int | None]] = {}  # acknowledgement asked: sequence -> (key, expected)
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (sequence, id, future)
         self.broken: Exception | None = None
+        self._refused_at: int | None = None  # sequence of the first write refused (the chain's end)
+        self._dropped_before: int | None = None  # ... when refused as if writes before it were dropped
+        self._answered = asyncio.Event()  # set by each acknowledgement or refusal
         self._inbox = f"{nc.new_inbox()}."
         self._sub: Any = None
 
@@ -534,48 +540,74 @@ class ChainedKVWriter:
             return
         waiter = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (target, id(waiter), waiter))
+        if self.broken is not None:  # refused while this call was sending
+            self._fail(self.broken)
         try:
             await asyncio.wait_for(asyncio.shield(waiter), self._ack_timeout_s)
         except TimeoutError:
             self._fail(KVWriteFailed(f"writes to {self.bucket!r} up to sequence {target} not acknowledged "
                                      f"within {self._ack_timeout_s}s"))
             self._check()
+        except (KVWriteFailed, ChainedWriteConflict):
+            await self._settle()
+            raise self.broken from None
+
+    async def _settle(self) -> None:
+        """Wait, within the acknowledgement timeout, for the answers to the writes sent before the
+        refused one; then name the failure by what they show."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._ack_timeout_s
+        while self._refused_at is not None and any(s < self._refused_at for s in self._writes):
+            self._answered.clear()
+            try:
+                await asyncio.wait_for(self._answered.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                break  # never answered: dropped with a lost leader, as the verdict below says
+        if self._dropped_before is not None and self._durable < self._dropped_before - 1:
+            # an earlier write of the chain was not stored and the bucket ends before it: dropped (a
+            # replicated stream losing its leader with it in flight), not overtaken by another writer
+            self.broken = KVWriteFailed(f"the writes to {self.bucket!r} before sequence {self._dropped_before} "
+                                        "were not stored: the stream ends before them")
 
     async def _on_ack(self, msg: Msg) -> None:
         sequence = int(msg.subject[len(self._inbox) :])
         key, expected = self._writes.pop(sequence, ("?", None))
-        if self.broken is not None:
-            return
+        self._answered.set()
         if msg.headers and msg.headers.get("Status") == "503":
-            self._fail(KVWriteFailed(f"no JetStream stream answered the write of {key!r}"))
+            self._refuse(sequence, KVWriteFailed(f"no JetStream stream answered the write of {key!r}"))
             return
         try:
             reply = json.loads(msg.data)
         except ValueError as e:
-            self._fail(KVWriteFailed(f"unreadable acknowledgement of the write of {key!r}: {e}"))
+            self._refuse(sequence, KVWriteFailed(f"unreadable acknowledgement of the write of {key!r}: {e}"))
             return
         error = reply.get("error")
         if error and error.get("err_code") in (10071, 10164):  # wrong last (subject) sequence
             found = re.search(r"wrong last sequence: (\d+)", error.get("description") or "")
-            if self._ack_every_write and self._durable < sequence - 1 and found and int(found.group(1)) < sequence - 1:
-                # an earlier write of the chain was never acknowledged (each one asks, and they come in
-                # order) and the bucket ends before it: dropped (a replicated stream losing its leader
-                # with it in flight), not overtaken by another writer
-                self._fail(KVWriteFailed(f"the writes to {self.bucket!r} before {key!r} (sequence {sequence}) were "
-                                         f"not stored: the stream ends at {found.group(1)}"))
-            else:
-                self._fail(ChainedWriteConflict(self.bucket, key, expected))
+            if self._refuse(sequence, ChainedWriteConflict(self.bucket, key, expected)) and self._ack_every_write \
+                    and found and int(found.group(1)) < sequence - 1:
+                self._dropped_before = sequence  # if the writes before it turn out not stored (`_settle`)
         elif error:
-            self._fail(KVWriteFailed(f"write of {key!r} failed: {error}"))
+            self._refuse(sequence, KVWriteFailed(f"write of {key!r} failed: {error}"))
         elif reply.get("seq") != sequence:
-            self._fail(KVWriteFailed(f"write of {key!r} landed at sequence {reply.get('seq')}, not {sequence}: "
-                                     "another writer is using this bucket"))
+            self._refuse(sequence, KVWriteFailed(f"write of {key!r} landed at sequence {reply.get('seq')}, "
+                                                 f"not {sequence}: another writer is using this bucket"))
         else:  # the chain: every write up to this one is stored
             self._durable = max(self._durable, sequence)
             while self._waiters and self._waiters[0][0] <= self._durable:
                 done = heapq.heappop(self._waiters)[2]
                 if not done.done():
                     done.set_result(None)
+
+    def _refuse(self, sequence: int, error: Exception) -> bool:
+        """Record a refused write; the first one in the chain's order names the failure. True if it is."""
+        if self._refused_at is not None and self._refused_at < sequence:
+            return False  # refused because an earlier write was (the chain)
+        if self.broken is None or self._refused_at is not None:  # not broken, or by a later write's refusal
+            self.broken = error
+        self._refused_at, self._dropped_before = sequence, None
+        self._fail(error)
+        return True
 
     def _fail(self, error: Exception) -> None:
         self.broken = self.broken or error

@@ -252,13 +252,20 @@ async def test_chained_writes_of_one_key_in_flight_together_are_stored_and_a_sta
             entry = await bus.kv_get("slots", "slot.1")
             assert entry is not None and (entry.value, entry.revision) == (b"d", revision)
 
-            stale = await ChainedKVWriter.open(bus, "slots")
-            first = stale.write("slot.1", b"e", revision)
-            stale.write("slot.1", b"f", first - 1)  # not what the key holds when it is applied
-            with pytest.raises(ChainedWriteConflict):
-                await stale.flush()
-            entry = await bus.kv_get("slots", "slot.1")
-            assert entry is not None and entry.value == b"e", "the chain's prefix is stored, nothing after"
+            # A replicated stream refuses the stale write at once and stores the one before it a raft
+            # round later: the failed flush returns only when that prefix is stored. Repeated, as the
+            # refusal outrunning the acknowledgement is a race.
+            for round_ in range(20):
+                stale = await ChainedKVWriter.open(bus, "slots")
+                first = stale.write("slot.1", b"e%d" % round_, revision)
+                stale.write("slot.1", b"f", first - 1)  # not what the key holds when it is applied
+                with pytest.raises(ChainedWriteConflict):
+                    await stale.flush()
+                await stale.close()
+                entry = await bus.kv_get("slots", "slot.1")
+                assert entry is not None and (entry.value, entry.revision) == (b"e%d" % round_, first), \
+                    f"round {round_}: the chain's prefix is stored, nothing after"
+                revision = first
         finally:
             await bus.close()
 
