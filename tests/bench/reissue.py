@@ -31,8 +31,9 @@ from typing import Any
 
 from ops.tail import event_time
 from runtime.bus_auth import control_subject
-from tests.integration.harness import LiveRun, run_events, until, write_config
+from tests.integration.harness import LiveRun, run_events, write_config
 from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
+from tests.waiting import until
 
 ROLLOUT_TIMEOUT_S = 120.0
 

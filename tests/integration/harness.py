@@ -20,7 +20,6 @@ from runtime.bus_auth import SUPERVISOR
 from runtime.events import parse_event
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.rundir import RunInfo
-from tests.waiting import until  # noqa: F401 - the integration tests' wait, imported from here too
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,8 +23,9 @@ from actors.reconciler.slot import Slot, SlotState
 from actors.reconciler.store import CURSOR_KEY, SLOT_PREFIX
 from actors.reconciler.task_cursor import CursorRecord
 from runtime.bus_auth import control_subject
-from tests.integration.harness import LiveRun, run_events, until, write_config
+from tests.integration.harness import LiveRun, run_events, write_config
 from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
 

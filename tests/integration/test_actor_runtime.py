@@ -17,8 +17,9 @@ from nats.js.errors import NoKeysError
 
 from runtime.bus_auth import control_subject
 from runtime.codec import Codec
-from tests.integration.harness import REPO, LiveRun, alive, descendants, until, write_config
+from tests.integration.harness import REPO, LiveRun, alive, descendants, write_config
 from tests.integration.workers import CountRequest
+from tests.waiting import until
 
 COUNTER_RUN = """
 [supervisor]

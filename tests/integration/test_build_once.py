@@ -15,7 +15,8 @@ from runtime.blob import open_store
 from runtime.build_once import BuildFailed, BuildSettings, build_once, claim_key
 from runtime.bus import Bus
 from runtime.run_state import RUN_BUCKET
-from tests.integration.harness import nats_bus, until
+from tests.integration.harness import nats_bus
+from tests.waiting import until
 
 
 class Builder:

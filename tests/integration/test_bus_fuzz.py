@@ -48,9 +48,10 @@ from runtime.bus_auth import OPERATOR, control_subject
 from runtime.codec import SCHEMA_VERSION, Codec
 from runtime.registry import handover_key, registration_key
 from tests.integration.bus_clients import RoleClient, connect_anonymously, connect_as
-from tests.integration.harness import LiveRun, until, write_config
+from tests.integration.harness import LiveRun, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
 from tests.integration.test_bus_trust import events
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(420)
 

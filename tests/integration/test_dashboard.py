@@ -28,8 +28,9 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from ops.dashboard.prometheus import DOCUMENTED
 from runtime.metrics_log import read_run_metrics
-from tests.integration.harness import REPO, LiveRun, run_events, until
+from tests.integration.harness import REPO, LiveRun, run_events
 from tests.integration.test_e2e import _short_run, starting_policy  # noqa: F401 - the fixture
+from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 

@@ -21,7 +21,8 @@ from actors.records import RolloutRecord, decode_record
 from actors.rollout_checkpoint import RolloutCheckpoint
 from actors.training.starting_policy import ensure_starting_policy
 from runtime.metrics_log import read_run_metrics
-from tests.integration.harness import REPO, LiveRun, run_events, until, write_config
+from tests.integration.harness import REPO, LiveRun, run_events, write_config
+from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from ops.tail import event_time
-from tests.integration.harness import LiveRun, run_events, until, write_config
+from tests.integration.harness import LiveRun, run_events, write_config
 from tests.integration.test_actor_runtime import _collect, _effects, _publish
 from tests.integration.test_e2e import _short_run, assert_every_prompt_accounted, starting_policy  # noqa: F401
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -18,6 +18,7 @@ from runtime.bus import Bus, BusLimits, work_queue
 from runtime.bus_auth import BusCredentials, BusUser, Permissions, read_credentials
 from runtime.errors import BusError
 from runtime.natsserver import NatsCluster, NatsServer, NatsServerConfig
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,10 +91,7 @@ async def test_a_cluster_replicates_every_stream_and_carries_on_when_a_server_is
             info = await bus.js.stream_info("KV_slots")
             return all(p.current for p in info.cluster.replicas or []) and len(info.cluster.replicas or []) == 2
 
-        deadline = time.monotonic() + 30
-        while not await rejoined():
-            assert time.monotonic() < deadline, "the restarted server did not catch up"
-            await asyncio.sleep(0.2)
+        await until(rejoined, 30, "the restarted server to catch up", every_s=0.2)
     finally:
         await bus.close()
         supervised.cancel()

@@ -3,8 +3,6 @@ error, and the trainer its supervisor starts in its place publishes and announce
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from model.checkpoint import save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
 from tests.integration.harness import LiveRun, run_events, write_config
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,11 +33,8 @@ async def test_a_publish_that_keeps_failing_fails_the_trainer_and_its_replacemen
     save_checkpoint(MoETransformer(tiny()).init_weights(0), ckpt)
     run = await LiveRun(tmp_path / "run", write_config(tmp_path / "run.toml", RUN.format(checkpoint=ckpt))).start()
     try:
-        deadline = time.monotonic() + 180
-        while not run_events(run.run_dir, "weights_announced"):
-            assert time.monotonic() < deadline, "version 0 was never announced"
-            await asyncio.sleep(0.5)
-        (announced,) = run_events(run.run_dir, "weights_announced")
+        (announced,) = await until(lambda: run_events(run.run_dir, "weights_announced"), 180,
+                                   "version 0 announced", every_s=0.5)
         (failing,) = run_events(run.run_dir, "actor_failing")
         assert "publishing weights version 0 failed" in failing["reason"] and "no space left" in failing["reason"]
         (crashed,) = [e for e in run_events(run.run_dir, "actor_crashed") if e.get("actor_kind") == "trainer"]

@@ -26,9 +26,10 @@ import pytest
 from runtime.codec import Codec
 from runtime.events import parse_event
 from runtime.ray_host import RAY_WORKER_ENV
-from tests.integration.harness import REPO, LiveRun, alive, run_events, until, write_config
+from tests.integration.harness import REPO, LiveRun, alive, run_events, write_config
 from tests.integration.test_actor_runtime import _environment
 from tests.integration.workers import CountRequest
+from tests.waiting import until
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 

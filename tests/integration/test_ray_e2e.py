@@ -28,10 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import LiveRun, run_events, until, write_config
+from tests.integration.harness import LiveRun, run_events, write_config
 from tests.integration.test_e2e import _rows, _short_run, _wait_finished, assert_every_prompt_accounted
 from tests.integration.test_e2e import starting_policy as starting_policy  # the fixture, shared
 from tests.integration.test_ray_backend import HEALTH_CHECKS, _nodes_by_kind, _ray_args, _start_order, ray_cluster_of
+from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 

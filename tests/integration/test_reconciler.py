@@ -34,8 +34,9 @@ from actors.task_catalog import TaskCatalog
 from runtime.bus import Bus
 from runtime.errors import BusTimeout
 from runtime.events import parse_event
-from tests.integration.harness import LiveRun, nats_bus, run_events, until, write_config
+from tests.integration.harness import LiveRun, nats_bus, run_events, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(420)
 

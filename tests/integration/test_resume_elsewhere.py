@@ -34,7 +34,8 @@ from runtime.metrics_log import read_metrics
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_config import load_run_config
 from runtime.up import bus_roles
-from tests.integration.harness import REPO, LiveRun, alive, descendants, run_events, until, write_config
+from tests.integration.harness import REPO, LiveRun, alive, descendants, run_events, write_config
+from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 

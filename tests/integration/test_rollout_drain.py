@@ -3,7 +3,6 @@ stopping the run gives its order back at once, and the actor exits cleanly, its 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from runtime.bus_auth import control_subject
 from runtime.codec import Codec
 from sandbox._mount import mounts_under
 from tests.integration.harness import LiveRun, write_config
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,10 +50,11 @@ async def test_a_drain_gives_back_an_order_waiting_for_weights_that_never_come(t
         prompt = TaskCatalog.build(TasksSection(num_train=8, num_heldout=4, difficulties=(1,))).prompt_id(0)
         order = RolloutOrder("s0", 1, prompt, "g0", 0, 5)  # admitted under version 5: no trainer will make it
         await run.bus.publish_durable("work.rollout", await Codec(all_order_types()).encode(order))
-        deadline = time.monotonic() + 60
-        while (await run.request(control_subject(actor["kind"], actor["id"], "status")))["num_inflight"] < 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.2)
+
+        async def holds_the_order() -> bool:
+            return (await run.request(control_subject(actor["kind"], actor["id"], "status")))["num_inflight"] >= 1
+
+        await until(holds_the_order, 60, "the rollout actor to take the order", every_s=0.2)
         started = time.monotonic()
     finally:
         assert await run.stop() == 0

@@ -27,7 +27,8 @@ from runtime.bus import DONE_QUEUE
 from runtime.bus_auth import control_subject
 from runtime.codec import Codec
 from runtime.metrics_log import read_run_metrics
-from tests.integration.harness import LiveRun, run_events, until, write_config
+from tests.integration.harness import LiveRun, run_events, write_config
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
 

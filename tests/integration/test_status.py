@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import REPO, LiveRun, until, write_config
+from tests.integration.harness import REPO, LiveRun, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(240)
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

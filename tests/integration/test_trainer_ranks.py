@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from runtime.metrics_log import read_run_metrics
-from tests.integration.harness import LiveRun, run_events, until
+from tests.integration.harness import LiveRun, run_events
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(900)
 
