@@ -429,9 +429,12 @@ class ChainedKVWriter:
     server stores it only if every write before it was stored, so its acknowledgement confirms them
     all, and its refusal (its own conflict, or the broken chain of an earlier one) reports theirs.
     After any failed write the writer is broken: every later call raises the first error's kind.
-    A failed `flush` raises only once the writes sent before the failed one are answered (a
-    replicated stream refuses a write at once, yet stores the writes before it a raft round later):
-    the bucket's prefix is then final, and the error is that of the first write that failed.
+
+    A replicated stream refuses a write at once, yet stores the writes before it a raft round
+    later. So once a write is refused, a failing `flush` and `close` return only when the writes
+    sent before it are answered (or `ack_timeout_s` after the refusal, when they are taken for
+    dropped): the bucket's prefix is then final for whoever reads it next (a resume), and the error
+    is that of the first write that failed, the same for every caller.
     """
 
     def __init__(self, nc: NatsClient, bucket: str, last_sequence: int, ack_timeout_s: float,
@@ -455,8 +458,10 @@ class ChainedKVWriter:
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (sequence, id, future)
         self.broken: Exception | None = None
         self._refused_at: int | None = None  # sequence of the first write refused (the chain's end)
+        self._refused_when = 0.0  # loop time of the first refusal: `_settle`'s deadline counts from it
         self._dropped_before: int | None = None  # ... when refused as if writes before it were dropped
         self._answered = asyncio.Event()  # set by each acknowledgement or refusal
+        self._settled = False  # the failure is final: no later answer changes `broken`
         self._inbox = f"{nc.new_inbox()}."
         self._sub: Any = None
 
@@ -470,7 +475,9 @@ class ChainedKVWriter:
         return writer
 
     async def close(self) -> None:
-        """Stop listening for acknowledgements; writes not yet flushed stay unconfirmed (or unsent)."""
+        """Stop listening for acknowledgements; writes not yet flushed stay unconfirmed (or unsent).
+        A writer with a refused write first waits for the answers to the writes before it (`_settle`)."""
+        await self._settle()
         self._fail(KVWriteFailed(f"the writer of bucket {self.bucket!r} was closed"))
         if self._sub is not None:
             with contextlib.suppress(Exception):
@@ -491,28 +498,38 @@ class ChainedKVWriter:
     async def _send(self) -> None:
         async with self._order:
             buffer, self._buffer = self._buffer, []
-            if not buffer:
-                return
-            self._check()
-            last = len(buffer) - 1
-            for i, (key, value, expected) in enumerate(buffer):
-                sequence = self._sent + 1
-                headers = {Header.EXPECTED_LAST_SEQUENCE: str(self._sent)}
-                previous = self._sent_unacknowledged(key)
-                # A replicated stream refuses a write whose subject has another write in flight
-                # ("wrong last sequence": its leader checks against what it has applied, not
-                # proposed). Expecting exactly this writer's own write in flight is implied by the
-                # chain (every write before this one stored, none between them), so that check is
-                # left to the chain; any other expectation is the server's to refuse.
-                if previous is None or expected != previous:
-                    headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected or 0)
-                self._sent_of[key] = sequence
-                reply = ""
-                if i == last or self._ack_every_write:
-                    self._writes[sequence] = (key, expected)
-                    reply = f"{self._inbox}{sequence}"
-                await self._nc.publish(self._subject_prefix + key, value, reply=reply, headers=headers)
-                self._sent = sequence
+            if not buffer or self.broken is not None:
+                return  # broken: never sent (the caller's flush reports the failure)
+            try:
+                await self._send_buffer(buffer)
+            except Exception as e:  # the connection refused one (too large, its buffer full): the chain ends
+                self._refuse(self._sent + 1, KVWriteFailed(f"sending the write to {self.bucket!r} at sequence "
+                                                           f"{self._sent + 1} failed: {e!r}"))
+            except BaseException:  # cancelled partway: the revisions handed out after it will never be
+                self._refuse(self._sent + 1, KVWriteFailed(f"sending the writes to {self.bucket!r} was cancelled "
+                                                           f"at sequence {self._sent + 1}"))
+                raise
+
+    async def _send_buffer(self, buffer: list[tuple[str, bytes, int | None]]) -> None:
+        last = len(buffer) - 1
+        for i, (key, value, expected) in enumerate(buffer):
+            sequence = self._sent + 1
+            headers = {Header.EXPECTED_LAST_SEQUENCE: str(self._sent)}
+            previous = self._sent_unacknowledged(key)
+            # A replicated stream refuses a write whose subject has another write in flight
+            # ("wrong last sequence": its leader checks against what it has applied, not
+            # proposed). Expecting exactly this writer's own write in flight is implied by the
+            # chain (every write before this one stored, none between them), so that check is
+            # left to the chain; any other expectation is the server's to refuse.
+            if previous is None or expected != previous:
+                headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(expected or 0)
+            self._sent_of[key] = sequence
+            reply = ""
+            if i == last or self._ack_every_write:
+                self._writes[sequence] = (key, expected)
+                reply = f"{self._inbox}{sequence}"
+            await self._nc.publish(self._subject_prefix + key, value, reply=reply, headers=headers)
+            self._sent = sequence
 
     def _sent_unacknowledged(self, key: str) -> int | None:
         """The sequence of this writer's newest write of ``key`` already sent, if not acknowledged yet."""
@@ -530,7 +547,9 @@ class ChainedKVWriter:
             KVWriteFailed: an earlier write failed, the connection failed, or no acknowledgement came
                 within the timeout.
         """
-        self._check()
+        if self.broken is not None:
+            await self._settle()
+            self._check()
         target = self._last
         if target <= self._durable:
             return
@@ -553,16 +572,22 @@ class ChainedKVWriter:
             raise self.broken from None
 
     async def _settle(self) -> None:
-        """Wait, within the acknowledgement timeout, for the answers to the writes sent before the
-        refused one; then name the failure by what they show."""
+        """After a refusal: wait, until `ack_timeout_s` after it, for the answers to the writes sent
+        before the refused one; then name the failure by what they show, once for every caller."""
+        if self._refused_at is None or self._settled:
+            return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._ack_timeout_s
-        while self._refused_at is not None and any(s < self._refused_at for s in self._writes):
+        deadline = self._refused_when + self._ack_timeout_s
+        while not self._settled and any(s < self._refused_at for s in self._writes):
             self._answered.clear()
             try:
                 await asyncio.wait_for(self._answered.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 break  # never answered: dropped with a lost leader, as the verdict below says
+        if self._settled:
+            return
+        self._settled = True
+        self._answered.set()  # other callers settling see the verdict
         if self._dropped_before is not None and self._durable < self._dropped_before - 1:
             # an earlier write of the chain was not stored and the bucket ends before it: dropped (a
             # replicated stream losing its leader with it in flight), not overtaken by another writer
@@ -601,10 +626,12 @@ class ChainedKVWriter:
 
     def _refuse(self, sequence: int, error: Exception) -> bool:
         """Record a refused write; the first one in the chain's order names the failure. True if it is."""
-        if self._refused_at is not None and self._refused_at < sequence:
-            return False  # refused because an earlier write was (the chain)
+        if self._settled or (self._refused_at is not None and self._refused_at < sequence):
+            return False  # refused because an earlier write was (the chain), or the verdict is given
         if self.broken is None or self._refused_at is not None:  # not broken, or by a later write's refusal
             self.broken = error
+        if self._refused_at is None:
+            self._refused_when = asyncio.get_running_loop().time()
         self._refused_at, self._dropped_before = sequence, None
         self._fail(error)
         return True

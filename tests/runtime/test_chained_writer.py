@@ -27,11 +27,14 @@ class Sent:
 class RecordingConnection:
     sent: list[Sent] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    refuse_from: int | None = None  # publishing the write with this index (and after) raises, as nats-py can
 
     def new_inbox(self) -> str:
         return "_INBOX.test"
 
     async def publish(self, subject: str, payload: bytes, reply: str = "", headers: Any = None) -> None:
+        if self.refuse_from is not None and len(self.sent) >= self.refuse_from:
+            raise OSError("the connection's pending buffer is full")
         self.sent.append(Sent(subject, reply, dict(headers or {})))
         self.changed.set()
 
@@ -123,3 +126,77 @@ async def test_another_writer_in_the_chain_is_a_conflict_once_the_writes_before_
     await writer._on_ack(wrong_last_sequence(g, 12))  # type: ignore[arg-type]  # someone wrote 12
     with pytest.raises(ChainedWriteConflict):
         await flush
+
+
+async def test_closing_after_a_refusal_waits_for_the_writes_before_it_so_a_resume_reads_them() -> None:
+    """The reconciler's next call fails at once on a broken writer and resumes: it closes the writer,
+    then reads the bucket. The close is what must wait, not only the flush that saw the refusal."""
+    writer, nc = replicated_writer()
+    writer.write("slot.1", b"e", 5)
+    writer.write("slot.1", b"f", 9)
+    flush = asyncio.create_task(writer.flush())
+    e, f = await sent_writes(nc, 2)
+    await writer._on_ack(wrong_last_sequence(f, 5))  # type: ignore[arg-type]
+    with pytest.raises(KVWriteFailed, match="open a new writer"):
+        writer.write("slot.2", b"x", None)  # another caller: refused at once, its resume closes the writer
+    close = asyncio.create_task(writer.close())
+    later_flush = asyncio.create_task(writer.flush())
+    await asyncio.sleep(0.05)
+    assert not close.done() and not later_flush.done(), "both wait for the write before the refused one"
+    await writer._on_ack(stored(e, 11))  # type: ignore[arg-type]
+    await close
+    assert writer._durable == 11
+    with pytest.raises(ChainedWriteConflict):  # not "dropped": the close did not cut the answer off
+        await flush
+    with pytest.raises(KVWriteFailed, match="ChainedWriteConflict"):
+        await later_flush
+
+
+async def test_writes_never_answered_after_a_refusal_are_waited_for_until_the_timeout_after_it() -> None:
+    writer, nc = replicated_writer(ack_timeout_s=0.3)
+    writer.write("slot.1", b"e", 5)
+    writer.write("slot.2", b"g", None)
+    flush = asyncio.create_task(writer.flush())
+    _, g = await sent_writes(nc, 2)
+    await writer._on_ack(wrong_last_sequence(g, 10))  # type: ignore[arg-type]
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(writer.close(), 5)
+    assert asyncio.get_running_loop().time() - started < 1.0, "bounded by the timeout after the refusal"
+    with pytest.raises(KVWriteFailed, match="were not stored"):
+        await flush
+
+
+async def test_a_connection_refusing_a_write_partway_breaks_the_writer_with_its_own_error() -> None:
+    writer, nc = replicated_writer()
+    nc.refuse_from = 1
+    first = writer.write("slot.1", b"e", 5)
+    writer.write("slot.2", b"g", None)
+    flush = asyncio.create_task(writer.flush())
+    (e,) = await sent_writes(nc, 1)
+    await writer._on_ack(stored(e, first))  # type: ignore[arg-type]
+    with pytest.raises(KVWriteFailed, match="sending the write to 'slots' at sequence 12 failed"):
+        await flush
+    assert writer._durable == 11
+    with pytest.raises(KVWriteFailed, match="open a new writer"):
+        writer.write("slot.3", b"h", None)
+
+
+async def test_a_send_cancelled_partway_breaks_the_writer() -> None:
+    """The revisions handed out after the cancelled send would never be stored: no later write may
+    chain on them."""
+    writer, nc = replicated_writer()
+    blocked = asyncio.Event()
+
+    async def stalls(subject: str, payload: bytes, reply: str = "", headers: Any = None) -> None:
+        blocked.set()
+        await asyncio.Event().wait()  # a publish waiting on the connection's flow control
+
+    nc.publish = stalls  # type: ignore[method-assign]
+    writer.write("slot.1", b"e", 5)
+    flush = asyncio.create_task(writer.flush())
+    await asyncio.wait_for(blocked.wait(), 5)
+    flush.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await flush
+    with pytest.raises(KVWriteFailed, match="was cancelled at sequence 11"):
+        writer.write("slot.2", b"g", None)
