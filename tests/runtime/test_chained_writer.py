@@ -67,6 +67,15 @@ async def sent_writes(nc: RecordingConnection, count: int) -> list[Sent]:
     return nc.sent
 
 
+async def flushing(writer: ChainedKVWriter, nc: RecordingConnection,
+                   *writes: tuple[str, bytes, int | None]) -> tuple[asyncio.Task[None], list[Sent]]:
+    """The writes made and a flush of them started; returned once they are all sent."""
+    for key, value, expected in writes:
+        writer.write(key, value, expected)
+    flush = asyncio.create_task(writer.flush())
+    return flush, await sent_writes(nc, len(writes))
+
+
 def replicated_writer(ack_timeout_s: float = 5.0) -> tuple[ChainedKVWriter, RecordingConnection]:
     nc = RecordingConnection()
     writer = ChainedKVWriter(nc, "slots", last_sequence=10, ack_timeout_s=ack_timeout_s,  # type: ignore[arg-type]
@@ -76,10 +85,7 @@ def replicated_writer(ack_timeout_s: float = 5.0) -> tuple[ChainedKVWriter, Reco
 
 async def test_a_refusal_outrunning_the_acknowledgement_before_it_waits_for_it_and_is_a_conflict() -> None:
     writer, nc = replicated_writer()
-    writer.write("slot.1", b"e", 5)
-    writer.write("slot.1", b"f", 9)  # stale
-    flush = asyncio.create_task(writer.flush())
-    e, f = await sent_writes(nc, 2)
+    flush, (e, f) = await flushing(writer, nc, ("slot.1", b"e", 5), ("slot.1", b"f", 9))  # stale
     await writer._on_ack(wrong_last_sequence(f, 5))  # type: ignore[arg-type]  # refused at proposal
     await asyncio.sleep(0.05)
     assert not flush.done(), "the flush waits for the write before the refused one"
@@ -93,10 +99,7 @@ async def test_a_refusal_outrunning_the_acknowledgement_before_it_waits_for_it_a
 
 async def test_the_first_write_refused_names_the_failure_whatever_order_the_answers_come_in() -> None:
     writer, nc = replicated_writer()
-    writer.write("slot.1", b"e", 5)
-    writer.write("slot.1", b"f", 11)
-    flush = asyncio.create_task(writer.flush())
-    e, f = await sent_writes(nc, 2)
+    flush, (e, f) = await flushing(writer, nc, ("slot.1", b"e", 5), ("slot.1", b"f", 11))
     await writer._on_ack(wrong_last_sequence(f, 10))  # type: ignore[arg-type]
     await writer._on_ack(no_stream(e))  # type: ignore[arg-type]  # the earlier write was the one lost
     with pytest.raises(KVWriteFailed, match=r"no JetStream stream answered the write of 'slot\.1'"):
@@ -106,10 +109,7 @@ async def test_the_first_write_refused_names_the_failure_whatever_order_the_answ
 
 async def test_writes_before_the_refused_one_never_answered_are_dropped_not_another_writer() -> None:
     writer, nc = replicated_writer(ack_timeout_s=0.3)
-    writer.write("slot.1", b"e", 5)
-    writer.write("slot.2", b"g", None)
-    flush = asyncio.create_task(writer.flush())
-    _, g = await sent_writes(nc, 2)
+    flush, (_, g) = await flushing(writer, nc, ("slot.1", b"e", 5), ("slot.2", b"g", None))
     await writer._on_ack(wrong_last_sequence(g, 10))  # type: ignore[arg-type]  # the stream ends before e
     with pytest.raises(KVWriteFailed, match="were not stored") as failed:
         await flush
@@ -118,10 +118,7 @@ async def test_writes_before_the_refused_one_never_answered_are_dropped_not_anot
 
 async def test_another_writer_in_the_chain_is_a_conflict_once_the_writes_before_are_stored() -> None:
     writer, nc = replicated_writer()
-    writer.write("slot.1", b"e", 5)
-    writer.write("slot.2", b"g", None)
-    flush = asyncio.create_task(writer.flush())
-    e, g = await sent_writes(nc, 2)
+    flush, (e, g) = await flushing(writer, nc, ("slot.1", b"e", 5), ("slot.2", b"g", None))
     await writer._on_ack(stored(e, 11))  # type: ignore[arg-type]
     await writer._on_ack(wrong_last_sequence(g, 12))  # type: ignore[arg-type]  # someone wrote 12
     with pytest.raises(ChainedWriteConflict):
@@ -132,10 +129,7 @@ async def test_closing_after_a_refusal_waits_for_the_writes_before_it_so_a_resum
     """The reconciler's next call fails at once on a broken writer and resumes: it closes the writer,
     then reads the bucket. The close is what must wait, not only the flush that saw the refusal."""
     writer, nc = replicated_writer()
-    writer.write("slot.1", b"e", 5)
-    writer.write("slot.1", b"f", 9)
-    flush = asyncio.create_task(writer.flush())
-    e, f = await sent_writes(nc, 2)
+    flush, (e, f) = await flushing(writer, nc, ("slot.1", b"e", 5), ("slot.1", b"f", 9))
     await writer._on_ack(wrong_last_sequence(f, 5))  # type: ignore[arg-type]
     with pytest.raises(KVWriteFailed, match="open a new writer"):
         writer.write("slot.2", b"x", None)  # another caller: refused at once, its resume closes the writer
@@ -154,10 +148,7 @@ async def test_closing_after_a_refusal_waits_for_the_writes_before_it_so_a_resum
 
 async def test_writes_never_answered_after_a_refusal_are_waited_for_until_the_timeout_after_it() -> None:
     writer, nc = replicated_writer(ack_timeout_s=0.3)
-    writer.write("slot.1", b"e", 5)
-    writer.write("slot.2", b"g", None)
-    flush = asyncio.create_task(writer.flush())
-    _, g = await sent_writes(nc, 2)
+    flush, (_, g) = await flushing(writer, nc, ("slot.1", b"e", 5), ("slot.2", b"g", None))
     await writer._on_ack(wrong_last_sequence(g, 10))  # type: ignore[arg-type]
     started = asyncio.get_running_loop().time()
     await asyncio.wait_for(writer.close(), 5)
