@@ -56,6 +56,7 @@ from nats.js.kv import KeyValue
 
 from runtime.bus_auth import BusCredentials
 from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
+from runtime.gather import gather_or_cancel
 
 log = structlog.get_logger(__name__)
 
@@ -349,7 +350,7 @@ class Bucket(KeyValue):
     async def keys(self, filters: list[str] | None = None, **kwargs: Any) -> list[str]:
         """The live keys (containing one of `filters`, if given); raises ``NoKeysError`` if none, as nats-py does."""
         keys = [k for k in await self._stored_keys() if not filters or any(f in k for f in filters)]
-        live = await asyncio.gather(*(self._is_live(k) for k in keys))
+        live = await gather_or_cancel(*(self._is_live(k) for k in keys))
         keys = [k for k, alive in zip(keys, live, strict=True) if alive]
         if not keys:
             raise NoKeysError

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.blob import BlobNotFound, BlobStore, open_store
+from runtime.gather import gather_or_cancel
 from runtime.rundir import RunInfo
 
 __all__ = ["METRICS_PREFIX", "metrics_key", "numbered", "read_metrics", "read_run_metrics", "write_metrics"]
@@ -62,7 +63,7 @@ async def read_metrics(store: BlobStore, *, kind: str | None = None) -> list[dic
                 return None
         return row if isinstance(row, dict) else None
 
-    rows = await asyncio.gather(*(one(k) for k in keys if k.endswith(".json")))
+    rows = await gather_or_cancel(*(one(k) for k in keys if k.endswith(".json")))
     return [r for r in rows if r is not None]
 
 

@@ -24,6 +24,7 @@ import structlog
 
 from runtime.bus_auth import BusUser, authorization_conf
 from runtime.errors import BusError
+from runtime.gather import gather_or_cancel
 from runtime.procutil import die_with_parent
 
 log = structlog.get_logger(__name__)
@@ -316,7 +317,7 @@ class NatsCluster:
                 server.config = dataclasses.replace(server.config, cluster_port=port,
                                                     routes=tuple(r for r in routes if not r.endswith(f":{port}")))
             try:
-                await asyncio.gather(*(server.start() for server in self.servers))
+                await gather_or_cancel(*(server.start() for server in self.servers))
                 await self._wait_for_meta_leader()
                 break
             except BaseException as e:

@@ -76,6 +76,7 @@ from runtime.actor_launch import RANK_ENV, WORLD_SIZE_ENV
 from runtime.blob import BlobError, BlobNotFound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.gather import gather_or_cancel
 from runtime.metrics_log import metrics_key, numbered, write_metrics
 
 log = structlog.get_logger(__name__)
@@ -330,7 +331,7 @@ class TrainerActor(StageActor):
             return
         keys = {r.sample_id: trainer_logprobs_key(r.sample_id) for r in records}
         try:
-            await asyncio.gather(*(self.put_record(keys[r.sample_id], r) for r in records))
+            await gather_or_cancel(*(self.put_record(keys[r.sample_id], r) for r in records))
         except (BlobError, OSError) as e:
             log.warning("trainer_logprobs_not_stored", version=records[0].version, error=repr(e))
             return

@@ -28,7 +28,7 @@ from model.weight_sync._priority import lower_thread_priority
 from model.weight_sync.codec import CodecConfig
 from model.weight_sync.errors import PublishFailed, WeightSyncError
 from model.weight_sync.manifest import parse_key, rank_prefix, run_prefix, validate_run
-from model.weight_sync.store import BlobStoreLike, Retry
+from model.weight_sync.store import BlobStoreLike, Retry, all_shards
 from model.weight_sync.version import EncodedVersion, WeightState, encode_version
 
 __all__ = ["PublishedVersion", "PublisherConfig", "WeightPublisher"]
@@ -301,7 +301,7 @@ class WeightPublisher:
                 await self._retry.run("put", key, lambda: self.store.put(key, data))
 
         shards = zip(encoded.manifest.shards, encoded.shards, strict=True)
-        await asyncio.gather(*(put(entry.key, blob) for entry, blob in shards))
+        await all_shards(*(put(entry.key, blob) for entry, blob in shards))
         await put(encoded.manifest_key, encoded.manifest.to_json())  # last: this part now exists
 
     def _my_versions(self, keys: list[str]) -> list[int]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
-__all__ = ["BlobStoreLike", "Retry"]
+__all__ = ["BlobStoreLike", "Retry", "all_shards"]
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -61,3 +61,17 @@ class Retry:
                 log.warning("weights_storage_retry", op=op, key=key, attempt=attempt, delay_s=delay_s, error=str(exc))
                 await asyncio.sleep(delay_s)
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def all_shards(*transfers: Coroutine[Any, Any, T]) -> list[T]:
+    """A version's shard transfers, side by side; the first to fail cancels the others, which are
+    awaited before its error (itself) is raised, so no upload or download outlives its version's
+    failure. (``runtime.gather.gather_or_cancel`` does the same above this layer, which may not
+    import ``runtime``.)"""
+    tasks: list[asyncio.Task[T]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(t) for t in transfers]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]

@@ -31,7 +31,7 @@ from model.weight_sync.manifest import (
     version_prefix,
 )
 from model.weight_sync.sharding import assemble
-from model.weight_sync.store import BlobStoreLike, Retry
+from model.weight_sync.store import BlobStoreLike, Retry, all_shards
 from model.weight_sync.version import WeightState, check_base, decode_version
 
 __all__ = ["SubscriberConfig", "WeightSubscriber"]
@@ -206,7 +206,7 @@ class WeightSubscriber:
             except KeyError:
                 raise VersionUnavailable(f"shard {key} of version {manifest.version} is missing") from None
 
-        shards = await asyncio.gather(*(get(entry.key) for entry in manifest.shards))
+        shards = await all_shards(*(get(entry.key) for entry in manifest.shards))
         state = await asyncio.to_thread(decode_version, manifest, shards, base, executor=self._pool)
         self._log.info(
             "weights_version_applied", version=manifest.version, rank=manifest.rank,

@@ -412,6 +412,44 @@ async def test_publisher_retries_transient_errors_and_reanchors_after_failure(tm
                 await reader.fetch(2)
 
 
+async def test_a_failed_shard_upload_cancels_the_others_before_the_version_fails(tmp_path: Path) -> None:
+    """No upload of a failed version runs on past its failure (outside the upload limit, beside the
+    next version's): the shards still in flight are cancelled and awaited first."""
+
+    class OneShardRefused:
+        def __init__(self, inner: BlobStore) -> None:
+            self.inner, self.in_flight, self.num_cancelled = inner, 0, 0
+            self.others_started = asyncio.Event()
+
+        async def put(self, key: str, data: bytes) -> None:
+            if "/shard-" not in key:
+                return await self.inner.put(key, data)
+            self.in_flight += 1
+            try:
+                if key.endswith("shard-00000.bin"):
+                    await self.others_started.wait()
+                    raise PermissionError("injected: this shard's key is not writable")
+                self.others_started.set()
+                await asyncio.Event().wait()  # a slow upload, still running when the first one fails
+            except asyncio.CancelledError:
+                self.num_cancelled += 1
+                raise
+            finally:
+                self.in_flight -= 1
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(5)}
+    async with open_store(f"file://{tmp_path}") as inner:
+        store = OneShardRefused(inner)
+        config = PublisherConfig(run="run1", codec=CodecConfig(shard_bytes=8192), max_attempts=1)
+        async with WeightPublisher(store, config) as publisher:
+            with pytest.raises(PublishFailed, match="not writable"):
+                await asyncio.wait_for(publisher.submit(0, state), 30)
+            assert store.in_flight == 0 and store.num_cancelled >= 1
+
+
 async def test_publisher_retries_through_s3_faults(moto: MotoServer, proxy: FaultProxy) -> None:
     bucket = f"faults-{uuid.uuid4().hex[:10]}"
     boto3.client("s3", endpoint_url=moto.endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)

@@ -1,0 +1,51 @@
+"""runtime.gather.gather_or_cancel: results in order; the first failure stops the rest and is raised as itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime.gather import gather_or_cancel
+
+
+async def blocks(name: str, started: asyncio.Event, cancelled: list[str]) -> None:
+    """Runs until cancelled, noting it."""
+    started.set()
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.append(name)
+        raise
+
+
+async def test_results_come_in_the_order_of_the_awaitables() -> None:
+    async def after(delay_s: float, value: int) -> int:
+        await asyncio.sleep(delay_s)
+        return value
+
+    assert await gather_or_cancel(after(0.03, 1), after(0.0, 2), after(0.01, 3)) == [1, 2, 3]
+    assert await gather_or_cancel() == []
+
+
+async def test_the_first_failure_cancels_the_others_before_it_is_raised_as_itself() -> None:
+    started, cancelled = asyncio.Event(), []
+
+    async def fails() -> None:
+        await started.wait()
+        raise PermissionError("refused")
+
+    with pytest.raises(PermissionError, match="refused"):  # not an ExceptionGroup: callers catch their own errors
+        await asyncio.wait_for(gather_or_cancel(blocks("a", started, cancelled), fails(),
+                                                blocks("b", started, cancelled)), 5)
+    assert sorted(cancelled) == ["a", "b"], "both were cancelled and had ended when the error came"
+
+
+async def test_cancelling_the_caller_cancels_every_awaitable() -> None:
+    running, cancelled = asyncio.Event(), []
+    caller = asyncio.create_task(gather_or_cancel(blocks("a", running, cancelled), blocks("b", running, cancelled)))
+    await asyncio.wait_for(running.wait(), 5)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert sorted(cancelled) == ["a", "b"]
