@@ -65,13 +65,15 @@ class Retry:
 
 async def all_shards(*transfers: Coroutine[Any, Any, T]) -> list[T]:
     """A version's shard transfers, side by side; the first to fail cancels the others, which are
-    awaited before its error (itself) is raised, so no upload or download outlives its version's
-    failure. (``runtime.gather.gather_or_cancel`` does the same above this layer, which may not
-    import ``runtime``.)"""
-    tasks: list[asyncio.Task[T]] = []
+    awaited before its error is raised, so no upload or download outlives its version's failure.
+    (``runtime.gather.gather_or_cancel`` does the same above this layer, which may not import
+    ``runtime``; it says why this is not a TaskGroup.)"""
+    tasks = [asyncio.ensure_future(t) for t in transfers]
     try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(t) for t in transfers]
-    except BaseExceptionGroup as failed:
-        raise failed.exceptions[0] from None
-    return [task.result() for task in tasks]
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        raise

@@ -49,3 +49,45 @@ async def test_cancelling_the_caller_cancels_every_awaitable() -> None:
     with pytest.raises(asyncio.CancelledError):
         await caller
     assert sorted(cancelled) == ["a", "b"]
+
+
+async def test_a_caught_failure_leaves_the_caller_uncancelled_and_its_timeout_a_timeout() -> None:
+    """On Python 3.11 a TaskGroup whose child fails leaves the caller marked cancelling: a timeout
+    around the call, expiring after it, then raised CancelledError instead of TimeoutError."""
+
+    async def fails_soon() -> None:
+        await asyncio.sleep(0.01)
+        raise OSError("refused")
+
+    started, cancelled = asyncio.Event(), []
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.3):
+            with pytest.raises(OSError):
+                await gather_or_cancel(fails_soon(), blocks("slow", started, cancelled))
+            task = asyncio.current_task()
+            assert task is not None and task.cancelling() == 0
+            await asyncio.Event().wait()  # until the timeout
+    assert cancelled == ["slow"]
+
+
+async def test_a_caller_cancelled_while_the_others_unwind_gets_its_cancellation() -> None:
+    unwinding, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            unwinding.set()
+            await release.wait()  # a transfer that takes a moment to end
+            raise
+
+    async def fails() -> None:
+        await asyncio.sleep(0.01)
+        raise OSError("refused")
+
+    caller = asyncio.create_task(gather_or_cancel(slow_to_stop(), fails()))
+    await asyncio.wait_for(unwinding.wait(), 5)
+    caller.cancel()  # the caller's own cancellation, after the failure: not lost in the child's error
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
