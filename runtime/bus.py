@@ -929,7 +929,7 @@ class Bus:
         return cls(nc, limits, health)
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Drains and closes the connection; bounded, and quiet on a bus that is already gone."""
+        """Drains and closes the connection, each within ``timeout_s``; quiet on a bus that is already gone."""
         if self.nc.is_closed:
             return
         self.health.closing = True
@@ -941,7 +941,10 @@ class Bus:
         if self.nc.is_closed:
             return
         try:
-            await self.nc.close()
+            async with asyncio.timeout(timeout_s):  # it writes what is buffered into the socket and waits
+                await self.nc.close()
+        except TimeoutError:  # an OSError: before the one below
+            log.warning("bus_close_timed_out", client=self.health.client, timeout_s=timeout_s)
         except (nats.errors.Error, OSError, RuntimeError) as e:
             # nats-py writes what it buffered during an outage into the dead transport (uvloop raises
             # RuntimeError) after it has cancelled its tasks and marked itself closed: nothing is left

@@ -29,7 +29,8 @@ heartbeat_s = 1.0
 """
 
 pytestmark = pytest.mark.timeout(180)
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}  # SIGABRT: the stacks on stderr
+EXIT_BOUND_S = 20.0  # Ctrl-C: the follow's unsubscribe (5 s), then Bus.close's drain and close (5 s each)
 
 
 @pytest.fixture
@@ -120,7 +121,13 @@ class LiveTail:
 
     async def interrupt(self) -> tuple[int, str]:
         self.proc.send_signal(signal.SIGINT)
-        _, err = await asyncio.wait_for(self.proc.communicate(), 10)
+        try:
+            _, err = await asyncio.wait_for(self.proc.communicate(), EXIT_BOUND_S)
+        except TimeoutError:  # say where it is stuck: faulthandler prints every thread's stack on SIGABRT
+            self.proc.send_signal(signal.SIGABRT)
+            _, err = await asyncio.wait_for(self.proc.communicate(), 10)
+            raise AssertionError(f"ops.tail did not exit within {EXIT_BOUND_S}s of SIGINT; its stderr:\n"
+                                 f"{err.decode()[-6000:]}") from None
         return self.proc.returncode or 0, err.decode()
 
 
