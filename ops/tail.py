@@ -18,8 +18,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -36,6 +37,7 @@ IDENTITY_KEYS = ("time", "level", "event", "kind", "actor")
 CONNECT_TIMEOUT_S = 3.0  # a run that does not answer within this is read from its files
 SKEW_MARGIN_S = 5.0  # the stream's clock may lag an actor's: ask the server from a little earlier
 CATCH_UP_IDLE_S = 1.0  # --no-follow on the bus: stop when nothing more arrives within this
+STOP_GRACE_S = 15.0  # Ctrl-C: the tail's own cleanup (the follow's unsubscribe, Bus.close) gets this long
 
 _RELATIVE = re.compile(r"^(?:(\d+(?:\.\d+)?)([smhd]))+$")
 _RELATIVE_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
@@ -264,6 +266,27 @@ async def tail(
         await bus.close()
 
 
+async def until_interrupted(work: Awaitable[None]) -> None:
+    """``work``, cancelled by Ctrl-C (SIGINT) or SIGTERM; if it has not ended ``STOP_GRACE_S`` later, the
+    process exits anyway (130). A cancellation can be lost inside the NATS client (nats-py's flush
+    swallows CancelledError), which left a tail following after Ctrl-C."""
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+
+    def give_up() -> None:
+        print(f"ops.tail: not stopped within {STOP_GRACE_S}s of the interrupt; exiting", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    def interrupt() -> None:
+        main_task.cancel()
+        loop.call_later(STOP_GRACE_S, give_up)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, interrupt)
+    await work
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # This process's own library events go to stderr, errors only: stdout carries the run's events.
@@ -280,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{run_dir} is not a directory; pass a run directory made by python -m runtime.up")
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     try:
-        asyncio.run(tail(args, run_dir, make_printer(filt, args.json, color), filt.since))
-    except KeyboardInterrupt:
+        asyncio.run(until_interrupted(tail(args, run_dir, make_printer(filt, args.json, color), filt.since)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
     except BrokenPipeError:  # piped into head: the reader is gone, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
