@@ -19,6 +19,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from ops.tail import STOP_GRACE_S
 from tests.integration.harness import REPO, LiveRun, write_config
 
 COUNTER_RUN = """
@@ -30,7 +31,7 @@ heartbeat_s = 1.0
 
 pytestmark = pytest.mark.timeout(180)
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}  # SIGABRT: the stacks on stderr
-EXIT_BOUND_S = 20.0  # Ctrl-C: the follow's unsubscribe (5 s), then Bus.close's drain and close (5 s each)
+EXIT_BOUND_S = STOP_GRACE_S + 5.0  # Ctrl-C: the tail stops itself within its grace; 5 s for the process to end
 
 
 @pytest.fixture
