@@ -65,12 +65,13 @@ class PolicyLossConfig:
     loss_normalizer: float = 4096.0
 
     def __post_init__(self) -> None:
-        if self.ratio_cap < 1.0:
-            raise ConfigError(f"PolicyLossConfig.ratio_cap must be >= 1, got {self.ratio_cap}")
-        if self.kl_coef < 0:
-            raise ConfigError(f"PolicyLossConfig.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.loss_normalizer <= 0:
-            raise ConfigError(f"PolicyLossConfig.loss_normalizer must be > 0, got {self.loss_normalizer}")
+        # written so that NaN fails each test (every comparison with NaN is False)
+        if not 1.0 <= self.ratio_cap < math.inf:
+            raise ConfigError(f"PolicyLossConfig.ratio_cap must be >= 1 and finite, got {self.ratio_cap}")
+        if not 0.0 <= self.kl_coef < math.inf:
+            raise ConfigError(f"PolicyLossConfig.kl_coef must be >= 0 and finite, got {self.kl_coef}")
+        if not 0.0 < self.loss_normalizer < math.inf:
+            raise ConfigError(f"PolicyLossConfig.loss_normalizer must be > 0 and finite, got {self.loss_normalizer}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +121,15 @@ def advantages_dr_grpo(rewards_G: torch.Tensor) -> torch.Tensor:
 
     A group whose rewards are all equal gets exactly 0 (not a rounding residue of the mean), so callers
     can recognise samples without a learning signal by ``advantage == 0``.
+
+    Raises:
+        ValueError: a reward is NaN or infinite, naming its index (no advantage means anything then, and
+            ``[-inf, -inf]`` must not pass for a group without signal).
     """
     rewards = rewards_G if rewards_G.dtype == torch.float64 else rewards_G.float()
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"non-finite rewards at group indices {bad}: {[float(rewards[i]) for i in bad]}")
     if rewards.numel() and bool((rewards == rewards[0]).all()):
         return torch.zeros_like(rewards)
     return rewards - rewards.mean()

@@ -10,7 +10,9 @@ components and advantage, tagged with the group's min/max policy version.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 
 import structlog
 import torch
@@ -24,7 +26,21 @@ from runtime.actor import Delivery
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["GroupingActor"]
+__all__ = ["GroupingActor", "group_advantages"]
+
+
+def group_advantages(group_id: str, rewards: Sequence[RewardRecord]) -> list[float]:
+    """The Dr. GRPO advantage of each of a group's samples.
+
+    Raises:
+        WorkRefused: a reward is NaN or infinite, naming its samples: no advantage of the group means anything
+            then (``[-inf, -inf]`` would pass for a group without signal), so the group is not trained.
+    """
+    bad = {r.sample_id: r.reward for r in rewards if not math.isfinite(r.reward)}
+    if bad:
+        raise WorkRefused(f"group {group_id}: non-finite rewards {bad}; the group is not trained. The reward "
+                          "actor's components say which term made them (check the reward section's coefficients)")
+    return advantages_dr_grpo(torch.tensor([r.reward for r in rewards], dtype=torch.float64)).tolist()
 
 
 class GroupingActor(StageActor):
@@ -40,9 +56,9 @@ class GroupingActor(StageActor):
             if reward.sample_id != sample_id:
                 raise WorkRefused(f"reward record {reward.sample_id} does not belong to sample {sample_id}")
             rollouts.append(await self.get_record(f"{reward.rollout_key}/trajectory", RolloutRecord))
-        advantages = advantages_dr_grpo(torch.tensor([r.reward for r in rewards], dtype=torch.float64))
+        advantages = group_advantages(order.group_id, rewards)
         samples = tuple(GroupSample(r.sample_id, r.reward, r.components, adv, rollout.trajectory, r.tests)
-                        for r, rollout, adv in zip(rewards, rollouts, advantages.tolist(), strict=True))
+                        for r, rollout, adv in zip(rewards, rollouts, advantages, strict=True))
         versions = [v for s in samples for seg in s.trajectory.segments
                     for v, m in zip(seg.versions, seg.loss_mask, strict=True) if m]
         key = f"groups/{order.group_id}/a{order.attempt}"

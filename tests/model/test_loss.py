@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -237,3 +238,20 @@ def test_engine_generations_are_on_policy_for_the_trainer(temperature: float, to
     _, m = policy_loss(logp, torch.tensor(behaviour), torch.ones(len(mask)), torch.tensor(mask), PolicyLossConfig())
     assert all(g.logprob_temperature == temperature for g in gens)
     assert 1 - 1e-4 < m.ratio_min <= m.ratio_max < 1 + 1e-4, m
+
+
+@pytest.mark.parametrize("rewards", [[-math.inf, -math.inf], [math.inf, math.inf], [1.0, math.nan, 0.0],
+                                     [0.5, -math.inf]])
+def test_non_finite_rewards_have_no_advantage(rewards: list[float]) -> None:
+    # [-inf, -inf] took the all-equal shortcut and came out as advantage 0: a group "without signal"
+    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    with pytest.raises(ValueError, match=re.escape(f"non-finite rewards at group indices {bad}")):
+        advantages_dr_grpo(torch.tensor(rewards, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("field", ["ratio_cap", "kl_coef", "loss_normalizer"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_loss_weight_is_refused(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        PolicyLossConfig(**{field: value})
+
