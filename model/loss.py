@@ -93,26 +93,42 @@ class PolicyLossMetrics:
         return dataclasses.asdict(self)
 
 
-def _temperatures(logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None) -> torch.Tensor:
+def _temperatures(
+    logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None, scored_T: torch.Tensor | None
+) -> torch.Tensor:
+    """Each row's temperature, 1 where not given and at every row outside ``scored_T``.
+
+    A row the caller does not score (a prompt or tool-output token) may record any temperature, 0 or NaN
+    included: it is replaced *before* the division, because afterwards no mask can undo it. Its log-probs
+    would be NaN, and log_softmax's backward writes grad - softmax * sum(grad) into the row: 0 - NaN * 0,
+    NaN on every weight, although the row's own gradient is exactly 0.
+    """
     if temperatures_T is None:
         return torch.ones(logits_TV.shape[0], dtype=torch.float32, device=logits_TV.device)
-    return temperatures_T
+    if scored_T is None:
+        return temperatures_T
+    return torch.where(scored_T.bool(), temperatures_T, torch.ones_like(temperatures_T))
 
 
 def token_logprobs(
-    logits_TV: torch.Tensor, targets_T: torch.Tensor, temperatures_T: torch.Tensor | None = None
+    logits_TV: torch.Tensor, targets_T: torch.Tensor, temperatures_T: torch.Tensor | None = None,
+    scored_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log softmax(logits / T)[target] per token, in fp32 (fp64 stays fp64); T = 1 where not given.
+    """log softmax(logits / T)[target] per token, in fp32 (fp64 stays fp64); T = 1 where not given, and at
+    the rows outside ``scored_T`` (default: every row is scored), which the caller then ignores.
 
     The same function of the logits as the behaviour log-probs the sampler records (model.sampling).
     """
-    logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T))
+    logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T, scored_T))
     return logp.gather(1, targets_T[:, None].long())[:, 0]
 
 
-def token_entropy(logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None = None) -> torch.Tensor:
-    """Entropy of each token's (tempered) next-token distribution, in fp32 (fp64 stays fp64)."""
-    logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T))
+def token_entropy(
+    logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None = None, scored_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Entropy of each token's (tempered) next-token distribution, in fp32 (fp64 stays fp64); rows outside
+    ``scored_T`` are taken at T = 1, as in `token_logprobs`."""
+    logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T, scored_T))
     return -(logp.exp() * logp).sum(dim=-1)
 
 
@@ -141,13 +157,17 @@ def packed_logprobs(
     replay_topk_ids_TLK: torch.Tensor | None = None,
     replay: RouterReplayConfig | None = None,
     temperatures_T: torch.Tensor | None = None,
+    scored_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ModelOutput]:
-    """Log-prob of each packed token's next token (0 where `target_mask_T` is False) and the output.
+    """Log-prob of each packed token's next token at the positions ``scored_T`` (default: every position with
+    a next token, `target_mask_T`), 0 elsewhere, and the output.
 
-    ``temperatures_T[p]`` is the temperature the next token of position p was sampled at (default 1).
+    ``temperatures_T[p]`` is the temperature the next token of position p was sampled at (default 1); it is
+    read only where p is scored, so what an unscored position records cannot reach the gradient.
     """
+    scored = batch.target_mask_T if scored_T is None else scored_T.bool() & batch.target_mask_T
     out = model(batch.input_ids_T, seq_lens=batch.seq_lens, replay_topk_ids_TLK=replay_topk_ids_TLK, replay=replay)
-    logp = token_logprobs(out.logits, batch.targets_T, temperatures_T).masked_fill(~batch.target_mask_T, 0.0)
+    logp = token_logprobs(out.logits, batch.targets_T, temperatures_T, scored).masked_fill(~scored, 0.0)
     return logp, out
 
 

@@ -20,7 +20,9 @@ segment packs and trains exactly as a trajectory did before chains.
 
 Each token is scored at the temperature its behaviour log-prob was recorded at (the trajectory's
 ``logprob_temperatures``; model.sampling states the rule, top-p included), so on-policy the importance
-ratio is exactly 1; every step reports the ratio's mean, median, min and max. A step whose inputs, loss,
+ratio is exactly 1; every step reports the ratio's mean, median, min and max. Only trained tokens are scored:
+what an untrained one records (a tool output's temperature) is never divided by, so it cannot reach the
+gradient even past the input check. A step whose inputs, loss,
 gradient or update holds a NaN or inf is not applied (actors.training.step_guard): the version still advances,
 as for a batch without signal, the weights stay those of the last good step, and the step's metrics and
 a ``step_skipped_non_finite`` event name the offending samples.
@@ -177,8 +179,12 @@ class Learner:
         # nothing to the gradient: leaving it out of the forward gives the same update for less compute.
         computed = samples if self.config.kl_coef > 0 else [s for s in samples if s.advantage != 0.0]
         lr = self._apply_lr()
-        refused: NonFiniteStep | None = None
-        if computed:
+        # every sample, computed or not: a reward of -inf has an advantage of 0 in a record written before the
+        # grouping refused it (every rank sees every sample: the same verdict everywhere)
+        refused = non_finite_inputs(samples)
+        if refused is not None:
+            loss, m, grad_norm, replaced, num_tokens = torch.tensor(float("nan")), _NO_TOKENS, float("nan"), 0.0, 0
+        elif computed:
             loss, m, grad_norm, replaced, num_tokens, refused = self._optimize(computed)
         else:
             loss, m, grad_norm, replaced, num_tokens = torch.zeros(()), _NO_TOKENS, 0.0, 0.0, 0
@@ -227,13 +233,15 @@ class Learner:
         if masked:
             mask = torch.zeros_like(mask)
         loss_cfg = PolicyLossConfig(self.config.ratio_cap, self.config.kl_coef, self.config.loss_normalizer)
+        # only the trained positions are scored: what the others record (a tool output's temperature) is never
+        # divided by, so it cannot reach the gradient (model.loss._temperatures says why a mask after is too late)
         logp, out = packed_logprobs(self.model, batch, replay if self.router_replay else None, self.router_replay,
-                                    temperatures)
+                                    temperatures, mask)
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref, _ = packed_logprobs(self.reference, batch, replay, self.router_replay, temperatures)
-        entropy = token_entropy(out.logits.detach(), temperatures)
+                ref, _ = packed_logprobs(self.reference, batch, replay, self.router_replay, temperatures, mask)
+        entropy = token_entropy(out.logits.detach(), temperatures, mask)
         loss, m = policy_loss(logp, behaviour, advantages, mask, loss_cfg, ref, entropy)
         ratios = torch.exp((logp.detach() - behaviour)[mask])
         stats = RoutingStats() if masked else out.routing_stats
@@ -246,9 +254,6 @@ class Learner:
         fraction, the number of tokens packed, and why the step was refused (None when applied)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        refused = non_finite_inputs(samples)  # every rank sees every sample: the same verdict everywhere
-        if refused is not None:
-            return torch.tensor(float("nan")), _NO_TOKENS, float("nan"), 0.0, 0, refused
         ranks = self.ranks
         # a chain goes whole to one rank, balanced by its tokens over every segment (its cost as one sequence
         # of that length: an over-estimate for a chain of several, whose attention is per segment)
@@ -279,6 +284,7 @@ class Learner:
         rollback = Rollback(self.model, self.optimizer)
         self.optimizer.step()
         bad = non_finite_parameters(self.model, self.optimizer)
+        refused = None
         if ranks.any(bool(bad)):
             rollback.restore()
             refused = NonFiniteStep(NonFiniteStage.UPDATE, sample_ids(samples),

@@ -3,11 +3,16 @@ and update, and the rollback that makes a refused update leave no trace.
 
 A step is checked at four points, each before the next one can do harm:
 
-1. inputs: every trained token's behaviour log-prob and temperature, every sample's advantage;
+1. inputs: every sample's reward and advantage, every token's behaviour log-prob and temperature (trained
+   or not), as the float32 the step computes with, over every sample of the batch (with a signal or not);
 2. loss: the loss of the forward (a non-finite per-token log-prob names its sample);
 3. gradient: the total gradient norm (each sample's own backward then says which samples overflow);
 4. update: every parameter and Adam moment after the optimizer step; a non-finite one restores the
    pre-step copy (`Rollback`), so the weights and moments are those of the last good step.
+
+With several ranks each verdict is the group's, whatever a rank's share of the batch (none, or tokens none
+of which is trained): the inputs are the same batch on every rank, and the loss, gradient and update
+verdicts are all-reduced (actors.training.ranks), so every rank refuses or applies the same step.
 
 A failed check makes the step a `NonFiniteStep`: the learner applies nothing, names the offending samples
 in a `step_skipped_non_finite` event and in the step's metrics, and the checkpoint it saves next holds
@@ -19,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -56,8 +61,8 @@ def sample_ids(samples: Sequence[GroupSample]) -> tuple[str, ...]:
 
 
 def check_trajectories(samples: Sequence[GroupSample]) -> None:
-    """Every per-token field, and the router choices, as long as ``token_ids`` (a field missing altogether
-    is refused when the group record is read: actors.records).
+    """Every segment holds tokens, and every per-token field, and the router choices, is as long as
+    ``token_ids`` (a field missing altogether is refused when the group record is read: actors.records).
 
     Raises:
         ValueError: naming the sample and the fields.
@@ -66,6 +71,8 @@ def check_trajectories(samples: Sequence[GroupSample]) -> None:
         if not s.trajectory.segments:
             raise ValueError(f"sample {s.sample_id}: a trajectory without segments")
         for i, t in enumerate(s.trajectory.segments):
+            if not t.token_ids:  # it would fail the packing of one rank's share only, the others left waiting
+                raise ValueError(f"sample {s.sample_id} segment {i}: a segment without tokens")
             lengths = {k: len(getattr(t, k)) for k in PER_TOKEN_FIELDS}
             if set(lengths.values()) != {len(t.token_ids)}:
                 raise ValueError(f"sample {s.sample_id} segment {i}: {len(t.token_ids)} tokens but per-token fields "
@@ -77,26 +84,50 @@ def check_trajectories(samples: Sequence[GroupSample]) -> None:
 
 
 def non_finite_inputs(samples: Sequence[GroupSample]) -> NonFiniteStep | None:
-    """The samples whose advantage, or a trained token's behaviour log-prob or temperature, is unusable."""
+    """The samples whose reward, advantage, or any token's behaviour log-prob or temperature is unusable.
+
+    Every sample of the batch is checked, with or without a signal, and every token, trained or not: a
+    value is unusable as the step computes with it (float32: a temperature of 1e-50 is 0 there, a log-prob
+    of -1e39 is -inf), and a token outside the loss mask records 0.0 and 1.0 (actors.agent.episode), so
+    anything else there is a corrupt record, not a value to train around.
+    """
     bad: list[str] = []
     reasons: list[str] = []
     for s in samples:
-        segments = s.trajectory.segments
-        behaviour = [t.behaviour_logprobs[j] for t in segments for j, keep in enumerate(t.loss_mask) if keep]
-        temps = [t.logprob_temperatures[j] for t in segments for j, keep in enumerate(t.loss_mask) if keep]
         why = []
-        if not math.isfinite(s.advantage):
+        if not math.isfinite(s.reward):
+            why.append(f"reward={s.reward}")
+        if not bool(torch.isfinite(torch.tensor(s.advantage, dtype=torch.float32))):
             why.append(f"advantage={s.advantage}")
-        if not all(math.isfinite(lp) and lp <= 0.0 for lp in behaviour):
-            why.append("behaviour log-prob not finite or > 0")
-        if not all(math.isfinite(x) and x > 0.0 for x in temps):
-            why.append("temperature not finite or <= 0")
+        for i, t in enumerate(s.trajectory.segments):
+            for name, values, usable in (("behaviour log-prob", t.behaviour_logprobs, _a_logprob),
+                                         ("temperature", t.logprob_temperatures, _a_temperature)):
+                found = _first_unusable(values, usable)
+                if found is not None:
+                    j, count = found
+                    trained = "trained" if t.loss_mask[j] else "not trained"
+                    why.append(f"{name} {values[j]!r} at segment {i} token {j} ({trained}; {count} such in the "
+                               f"segment)")
         if why:
             bad.append(s.sample_id)
-            reasons.append(f"{bad[-1]}: {', '.join(why)}")
+            reasons.append(f"{s.sample_id}: {', '.join(why)}")
     if not bad:
         return None
     return NonFiniteStep(NonFiniteStage.INPUT, tuple(bad), "; ".join(reasons))
+
+
+def _a_logprob(values: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(values) & (values <= 0.0)
+
+
+def _a_temperature(values: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(values) & (values > 0.0)
+
+
+def _first_unusable(values: Sequence[float], usable: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, int] | None:
+    """The index of the first of ``values`` that is not ``usable`` as float32, and how many are not."""
+    unusable = (~usable(torch.tensor(values, dtype=torch.float32))).nonzero().flatten()
+    return (int(unusable[0]), int(unusable.numel())) if unusable.numel() else None
 
 
 def samples_at_positions(positions_T: torch.Tensor, seq_lens: Sequence[int],

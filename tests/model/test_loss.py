@@ -255,3 +255,27 @@ def test_a_non_finite_loss_weight_is_refused(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=field):
         PolicyLossConfig(**{field: value})
 
+
+@pytest.mark.parametrize("bad_temperature", [0.0, math.nan, -1.0, math.inf])
+def test_an_unscored_position_cannot_poison_the_gradient(bad_temperature: float) -> None:
+    """Whatever temperature an unscored position records, log-probs, loss and every gradient are those of
+    T = 1 there: it is replaced before the division (a mask after it is too late: log_softmax's backward
+    is 0 - NaN * 0 at that row)."""
+    model = seeded_model(small_config(), seed=3).train()
+    batch = pack_sequences(random_prompts(3, 96, 8, 16, seed=5))
+    gen = torch.Generator().manual_seed(5)
+    scored = batch.target_mask_T & (torch.rand(batch.num_tokens, generator=gen) > 0.5)
+    temps = torch.full((batch.num_tokens,), 0.8)
+    adv = torch.randn(batch.num_tokens, generator=gen)
+    grads = []
+    for unscored_temperature in (1.0, bad_temperature):
+        model.zero_grad(set_to_none=True)
+        t = torch.where(scored, temps, torch.full_like(temps, unscored_temperature))
+        logp, out = packed_logprobs(model, batch, temperatures_T=t, scored_T=scored)
+        assert bool(torch.isfinite(logp).all()) and bool((logp[~scored] == 0).all())
+        assert bool(torch.isfinite(token_entropy(out.logits.detach(), t, scored)).all())
+        loss, _ = policy_loss(logp, logp.detach() - 0.1, adv, scored, PolicyLossConfig())
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert grads[1] and all(bool(torch.isfinite(g).all()) for g in grads[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -5,6 +5,7 @@ is not applied and names its samples."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -246,14 +247,126 @@ def test_a_step_with_one_non_finite_behaviour_logprob_is_not_applied_and_names_t
     assert not _unchanged(model, learner.model)
 
 
-def test_a_nan_reward_is_named_and_never_reaches_the_weights() -> None:
-    # A NaN reward (once set through a live key) makes its group's advantages NaN.
+def _with_rewards(group: GroupRecord, rewards: list[float], advantages: list[float]) -> GroupRecord:
+    """``group`` as a grouping that did not check its rewards wrote it (the record is all the trainer sees)."""
+    samples = tuple(dataclasses.replace(s, reward=r, advantage=a)
+                    for s, r, a in zip(group.samples, rewards, advantages, strict=True))
+    return dataclasses.replace(group, samples=samples)
+
+
+@pytest.mark.parametrize(("rewards", "advantages", "named"), [
+    # all equal: advantage 0, a group without signal, left out of the forward (issue 31: it was applied)
+    ([-math.inf, -math.inf], [0.0, 0.0], {"s3-0", "s3-1"}),
+    ([math.inf, math.inf, math.inf], [0.0, 0.0, 0.0], {"s3-0", "s3-1", "s3-2"}),
+    ([1.0, math.nan, 0.0], [math.nan] * 3, {"s3-0", "s3-1", "s3-2"}),  # NaN spreads to every advantage
+    ([1.0, -math.inf], [1.0, 0.0], {"s3-1"}),  # a record whose advantages look fine
+], ids=["minus-inf-pair", "plus-inf-triple", "nan", "one-inf"])
+def test_a_non_finite_reward_is_refused_naming_its_samples(rewards: list[float], advantages: list[float],
+                                                           named: set[str]) -> None:
     model = seeded_model(small_config(), seed=1)
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
-    good, poisoned = _group(model, [1.0, 0.0], seed=2), _group(model, [1.0, float("nan"), 0.0], seed=3)
+    good = _group(model, [1.0, 0.0], seed=2)
+    poisoned = _with_rewards(_group(model, [0.0] * len(rewards), seed=3), rewards, advantages)
     m = learner.step([good, poisoned], "b0")
-    assert m.skipped == "input" and set(m.non_finite_sample_ids) == {"s3-0", "s3-1", "s3-2"}
-    assert _unchanged(model, learner.model)
+    assert m.skipped == "input" and set(m.non_finite_sample_ids) == named and m.version == 1
+    assert _unchanged(model, learner.model) and not learner.optimizer.state
+
+
+def _untrained_index(group: GroupRecord, sample: int) -> int:
+    """A prompt token after the first of its segment (whose values no position reads) of ``sample``."""
+    mask = group.samples[sample].trajectory.segments[0].loss_mask
+    return mask.index(1) - 1
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("logprob_temperatures", 0.0), ("logprob_temperatures", math.nan), ("logprob_temperatures", -0.5),
+    ("logprob_temperatures", math.inf), ("logprob_temperatures", 1e-50),  # 0 in the float32 the step divides by
+    ("behaviour_logprobs", math.inf), ("behaviour_logprobs", math.nan), ("behaviour_logprobs", 3.0),
+])
+def test_an_unusable_value_on_an_untrained_token_is_refused_naming_the_sample(field: str, value: float) -> None:
+    # A tool output's (or prompt's) temperature of 0 made log_softmax(z / 0) NaN at a position the loss never
+    # used, and NaN * 0 took the whole gradient (issue 31): a value no producer writes there is a bad record.
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]
+    t = groups[0].samples[1].trajectory.segments[0]
+    j = _untrained_index(groups[0], 1)
+    getattr(t, field)[j] = value
+    m = learner.step(groups, "b0")
+    assert (m.skipped, m.non_finite_sample_ids) == ("input", ("s2-1",)) and _unchanged(model, learner.model)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("logprob_temperatures", 1e-50), ("logprob_temperatures", 1e39),  # float32: 0 and inf
+    ("behaviour_logprobs", -1e39),  # float32: -inf
+    ("advantage", 1e39),
+])
+def test_a_value_out_of_float32_range_is_refused_at_input(field: str, value: float) -> None:
+    # finite and in range as a Python float, not as the float32 the step computes with
+    model = seeded_model(small_config(), seed=1)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    group = _group(model, [1.0, 0.0, 0.5, 0.0], seed=2)
+    if field == "advantage":
+        group = _with_rewards(group, [s.reward for s in group.samples],
+                              [s.advantage if i != 1 else value for i, s in enumerate(group.samples)])
+    else:
+        getattr(group.samples[1].trajectory.segments[0], field)[-1] = value
+    m = learner.step([group], "b0")
+    assert (m.skipped, m.non_finite_sample_ids) == ("input", ("s2-1",)) and _unchanged(model, learner.model)
+
+
+def test_an_untrained_position_cannot_poison_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past the input check (here: switched off), a temperature of 0 or NaN on untrained tokens changes
+    # nothing: the step is the one with T = 1 there, to the bit.
+    model = seeded_model(small_config(), seed=1)
+    clean = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    clean_metrics = clean.step([_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)], "b0")
+    monkeypatch.setattr("actors.training.learner.non_finite_inputs", lambda samples: None)
+    poisoned = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    group = _group(model, [1.0, 0.0, 0.5, 0.0], seed=2)
+    for s, value in zip(group.samples, (0.0, math.nan, -1.0, 0.0), strict=True):
+        t = s.trajectory.segments[0]
+        t.logprob_temperatures = [value if not keep else x for x, keep in zip(t.logprob_temperatures, t.loss_mask,
+                                                                               strict=True)]
+    m = poisoned.step([group], "b0")
+    assert m.skipped == "" and math.isfinite(m.grad_norm) and m.grad_norm == clean_metrics.grad_norm
+    assert m.entropy == clean_metrics.entropy
+    assert _unchanged(clean.model, poisoned.model)
+
+
+def test_samples_of_one_token_and_samples_without_trained_tokens_train() -> None:
+    # a sample of a single token (nothing to predict) and one whose loss mask is all 0 (nothing sampled),
+    # both with an advantage: they join the forward and add nothing; the step is that of the others
+    model = seeded_model(small_config(), seed=1)
+    group = _group(model, [1.0, 0.0, 0.5, 0.0], seed=2)
+    one = group.samples[0].trajectory.segments[0]
+    for name in ("token_ids", "loss_mask", "behaviour_logprobs", "logprob_temperatures", "versions"):
+        setattr(one, name, getattr(one, name)[:1])
+    one.topk_ids_TLK = one.topk_ids_TLK[:1]
+    none = group.samples[1].trajectory.segments[0]
+    none.loss_mask = [0] * len(none.loss_mask)
+    m = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([group], "b0")
+    assert m.skipped == "" and m.num_computed == 4 and math.isfinite(m.loss) and math.isfinite(m.grad_norm)
+    trained = sum(sum(s.trajectory.segments[0].loss_mask[1:]) for s in group.samples)
+    assert m.num_trained_tokens == trained
+    # a batch whose computed samples train no token at all: a finite step of a zero gradient
+    for s in group.samples:
+        t = s.trajectory.segments[0]
+        t.loss_mask = [0] * len(t.loss_mask)
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
+    m = learner.step([group], "b1")
+    assert (m.skipped, m.num_trained_tokens, m.loss, m.grad_norm) == ("", 0, 0.0, 0.0)
+
+
+def test_a_segment_without_tokens_is_refused_by_name() -> None:
+    # it failed in the packing of the one rank whose share held it, leaving the others in a collective
+    model = seeded_model(small_config(), seed=1)
+    group = _group(model, [1.0, 0.0], seed=2)
+    t = group.samples[1].trajectory.segments[0]
+    for name in ("token_ids", "loss_mask", "behaviour_logprobs", "logprob_temperatures", "versions"):
+        setattr(t, name, [])
+    with pytest.raises(ValueError, match=r"s2-1 segment 0: a segment without tokens"):
+        Learner(copy.deepcopy(model), TrainerSection(lr=1e-3)).step([group], "b0")
 
 
 def test_a_non_finite_loss_from_the_forward_names_the_sample() -> None:
