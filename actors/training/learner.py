@@ -266,15 +266,18 @@ class Learner:
         m = ranks.combine_loss_metrics(m, ratios)
         replaced = ranks.combine_routing(stats).replaced_fraction
         total_loss = torch.tensor(ranks.sum(float(loss.detach())))
+        # From here every branch is taken by every rank together: each is decided by an all-reduce (or on a
+        # value all-reduced), and each rank then meets the same collectives, whatever its share.
         if ranks.any(not bool(torch.isfinite(loss))):
+            # a rank without a share computed a masked copy of another rank's sample: it names nothing
             culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens,
-                                            [s for s in share for _ in s.trajectory.segments])
-            named = tuple(n for part in ranks.gather(culprits if share else ()) for n in part)  # type: ignore[attr-defined]
+                                            [s for s in share for _ in s.trajectory.segments]) if share else ()
+            named = tuple(n for part in ranks.gather(culprits) for n in part)  # type: ignore[attr-defined]
             refused = NonFiniteStep(NonFiniteStage.LOSS, named or sample_ids(samples), f"loss={float(total_loss)}")
             return total_loss, m, float("nan"), replaced, num_tokens, refused
         loss.backward()
         ranks.reduce_gradients(self.model)
-        grad_norm = ranks.clip_gradients(self.model, self.config.grad_clip)
+        grad_norm = ranks.clip_gradients(self.model, self.config.grad_clip)  # the group's norm, on every rank
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             # naming the samples takes a backward per sample: collectives could not pair up across ranks

@@ -17,9 +17,11 @@ parameters. Each step:
   the HF checkpoint and the weight publisher all want whole dense tensors on every rank, and gloo's
   reduce-scatter/all-gather per layer would double the number of collectives for no memory we need.
 - clipping: the norm over all parameters = dense norm (equal everywhere after the reduction) and the
-  expert norms summed over the expert group; every rank then scales by the same factor.
+  expert norms summed over the expert group; the ranks then agree on one norm (its maximum over the
+  ranks, non-finite if any rank's is), so every rank scales by the same factor and judges it alike.
 - decisions (a non-finite loss, gradient or update) are all-reduced, so every rank refuses or applies
-  the same step.
+  the same step, and meets the same collectives after it, whatever its share: none, or only untrained
+  tokens (a rank that computed nothing of its own names no sample but still joins the gather).
 - devices: on CUDA the group has NCCL for CUDA tensors and gloo for CPU ones (actors.trainer_group), so
   each collective's tensor says which carries it: gradients, their norms and the experts' all-to-all stay
   on the model's device (NCCL); flags, sums and objects (plans, records, metrics) are on the CPU (gloo).
@@ -215,11 +217,24 @@ class RankGroup:
                 dense_sq += sq
         if self.layout.expert_parallel > 1:
             dist.all_reduce(expert_sq, group=self.expert_group)
-        total = float(torch.sqrt(dense_sq + expert_sq))
+        total = self._agreed_norm(torch.sqrt(dense_sq + expert_sq))
         coef = max_norm / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
         if coef < 1.0 and math.isfinite(total):
             torch._foreach_mul_([p.grad for p in params], coef)
         return total
+
+    def _agreed_norm(self, norm: torch.Tensor) -> float:
+        """The gradient norm every rank clips by and judges finite: the ranks' norms are equal up to the order
+        of float sums (expert groups all-reduce their own), so the group takes their maximum, and NaN or inf
+        if any rank's is (a MAX all-reduce may drop a NaN: gloo's is std::max, so it is sent as a flag)."""
+        local = float(norm)
+        finite = math.isfinite(local)
+        agreed = torch.tensor([0.0 if finite else 1.0, local if finite else 0.0], dtype=torch.float64,
+                              device=norm.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if agreed[0] > 0:
+            return local if not finite else math.nan
+        return float(agreed[1])
 
     def combine_loss_metrics(self, local: PolicyLossMetrics, ratios: torch.Tensor) -> PolicyLossMetrics:
         """The batch's metrics from every rank's (``ratios``: this rank's importance ratios, trained tokens)."""

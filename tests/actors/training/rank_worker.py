@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -136,5 +137,45 @@ def plan_main(rank: int, world_size: int, rendezvous: str, out_dir: str) -> None
         stop = ranks.broadcast_plan(None)
         Path(out_dir, f"rank{rank}.json").write_text(
             json.dumps({"plan": plan, "reads": reads, "records": records, "stop": stop}))
+    finally:
+        dist.destroy_process_group()
+
+
+def edge_batch(model: MoETransformer, scenario: str) -> list[GroupRecord]:
+    """One group of two samples with a signal, for more ranks than samples (issue 31). ``nan-forward-<i>``:
+    sample i's last trained token is scored at a temperature that is positive but divides its logits into
+    inf (its forward is NaN); ``untrained-share``: sample 1 trains no token (the rank given it has none)."""
+    group = _group(model, [1.0, 0.0], seed=2)
+    if scenario.startswith("nan-forward-"):
+        t = group.samples[int(scenario.rsplit("-", 1)[1])].trajectory.segments[0]
+        t.logprob_temperatures[-1] = 1e-40
+    elif scenario == "untrained-share":
+        t = group.samples[1].trajectory.segments[0]
+        t.loss_mask = [0] * len(t.loss_mask)
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+    return [group]
+
+
+def edge_step(layout: RankLayout, scenario: str) -> dict:
+    """One step of ``edge_batch`` as rank ``layout``: its metrics, its weights, whether they moved and
+    whether Adam has moments."""
+    torch.manual_seed(0)
+    model = starting_model()
+    learner = Learner(copy.deepcopy(model), TrainerSection(lr=LR), ranks=RankGroup(layout))
+    metrics = learner.step(edge_batch(model, scenario), "b0")
+    moved = not all(torch.equal(p, q) for p, q in zip(model.parameters(), learner.model.parameters(), strict=True))
+    return {"metrics": dataclasses.asdict(metrics), "moved": moved, "has_moments": bool(learner.optimizer.state),
+            "state": {n: p.detach().clone() for n, p in learner.model.named_parameters()}}
+
+
+def edge_main(rank: int, world_size: int, scenario: str, rendezvous: str, out_dir: str) -> None:
+    """``edge_step`` on every rank of a gloo group; each rank writes what it got to ``rank<r>.pt``. A rank
+    that raises ends its process (the test sees it), and a collective left unpaired fails within a minute."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.save(edge_step(RankLayout(rank, world_size), scenario), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
