@@ -128,7 +128,10 @@ class Actor:
     """Base class. Subclasses set ``kind``, ``queues``, ``messages`` and override ``handle``."""
 
     kind: ClassVar[str] = ""
-    queues: ClassVar[tuple[Queue, ...]] = ()
+    queues: ClassVar[tuple[Queue, ...]] = ()  # what it consumes
+    # work queues it publishes into: like its own queues, made by the supervisor before any actor starts
+    # (`runtime.up`), as no actor role may create or change a stream (runtime.bus_auth)
+    produces: ClassVar[tuple[Queue, ...]] = ()
     messages: ClassVar[tuple[type[Message], ...] | dict[str, type]] = ()  # what it accepts
     Config: ClassVar[type | None] = None  # frozen dataclass of this kind's config section
     bus_access: ClassVar[BusAccess] = BusAccess()  # what it says beyond every actor (runtime.bus_auth)
@@ -138,6 +141,11 @@ class Actor:
     max_count_reason: ClassVar[str] = ""
     # Whether ``actors.<kind>.ranks`` > 1 is meaningful: its processes form one group (e.g. torch.distributed)
     supports_ranks: ClassVar[bool] = False
+
+    @classmethod
+    def provisioned_queues(cls) -> tuple[Queue, ...]:
+        """The work queues (streams and durable consumers) the supervisor makes for this kind."""
+        return tuple(dict.fromkeys(cls.queues + cls.produces))
 
     @classmethod
     def required_access(cls) -> BusAccess:
@@ -200,8 +208,8 @@ class Actor:
     async def start(self) -> None:
         self._expect(ActorState.CREATED)
         self.state = ActorState.STARTING
-        for q in self.queues:
-            await self.bus.ensure_queue(q)
+        for q in self.provisioned_queues():  # made by the supervisor: a missing one is said here, with the fix
+            await self.bus.check_queue(q)
         await self.setup()
         await self._register()
 

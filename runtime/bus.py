@@ -54,7 +54,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from runtime.bus_auth import BusCredentials
+from runtime.bus_auth import BusCredentials, inbox_prefix
 from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 from runtime.gather import gather_or_cancel
 
@@ -398,6 +398,10 @@ class Bucket(KeyValue):
         except (KeyNotFoundError, KeyDeletedError):
             return False
         return True
+
+
+class BusAuthRefused(BusError):
+    """The bus refused to sign the client in: no credentials, or not the bus's."""
 
 
 class KVWriteFailed(BusError):
@@ -803,6 +807,25 @@ class ConfirmingPublisher:
             self.num_republished += 1
 
 
+_REPLY_INBOX_RE = re.compile(r"^_INBOX_([A-Za-z0-9_-]+)\.[^.*>\s]+(\.[^.*>\s]+)*$")
+
+
+def is_reply_inbox(reply: str, requester: str | None = None) -> bool:
+    """Whether ``reply`` is a role's inbox (``_INBOX_<role>.<token>...``, no wildcard), ``requester``'s if given."""
+    m = _REPLY_INBOX_RE.match(reply)
+    return m is not None and (requester is None or m.group(1) == requester)
+
+
+def stream_delivery(msg: Msg) -> str | None:
+    """The stream a core message came from, if a stream delivered it (a push consumer's delivery carries
+    its ``$JS.ACK.`` reply subject, a republished one its ``Nats-Stream`` header); None for a publisher's."""
+    if (msg.reply or "").startswith("$JS.ACK."):
+        return msg.reply.split(".")[2] if msg.reply.count(".") >= 2 else msg.reply
+    if msg.headers and (stream := msg.headers.get("Nats-Stream")):
+        return stream
+    return None
+
+
 def acknowledgement_refusal(msg: Msg) -> str | None:
     """Why JetStream refused a publish, from its acknowledgement; None if it stored it."""
     status = (msg.headers or {}).get("Status")
@@ -891,7 +914,12 @@ class Bus:
         if tls is not None:
             auth["tls"] = tls
 
+        refused = asyncio.Event()  # the server refused to sign this client in
+
         async def on_error(e: Exception) -> None:
+            if "authorization violation" in str(e).lower() or "authentication" in str(e).lower():
+                refused.set()
+                return
             if "permissions violation" in str(e).lower():  # the server refused a subject to this role
                 log.error("bus_permission_denied", error=str(e), client=name,
                           role=credentials.user if credentials else None,
@@ -915,16 +943,36 @@ class Bus:
         async def on_lame_duck() -> None:  # its server is shutting down: it moves to another one
             log.warning("bus_server_lame_duck", client=name, server=_netloc(nc.connected_url))
 
+        connecting = asyncio.ensure_future(
+            nc.connect(servers, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
+                       max_reconnect_attempts=-1, reconnect_time_wait=limits.reconnect_wait_s,
+                       allow_reconnect=True, ping_interval=limits.ping_interval_s,
+                       max_outstanding_pings=limits.max_outstanding_pings,
+                       disconnected_cb=health.on_disconnected, reconnected_cb=on_reconnected,
+                       discovered_server_cb=on_discovered, lame_duck_mode_cb=on_lame_duck, **auth))
+        signed_out = asyncio.ensure_future(refused.wait())
         try:
-            await asyncio.wait_for(
-                nc.connect(servers, name=name, error_cb=on_error, connect_timeout=connect_timeout_s,
-                           max_reconnect_attempts=-1, reconnect_time_wait=limits.reconnect_wait_s,
-                           allow_reconnect=True, ping_interval=limits.ping_interval_s,
-                           max_outstanding_pings=limits.max_outstanding_pings,
-                           disconnected_cb=health.on_disconnected, reconnected_cb=on_reconnected,
-                           discovered_server_cb=on_discovered, lame_duck_mode_cb=on_lame_duck, **auth),
-                connect_timeout_s)
-        except Exception as e:
+            await asyncio.wait({connecting, signed_out}, timeout=connect_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            signed_out.cancel()
+        if refused.is_set():  # one error that says which credentials, not nats-py's reconnect loop of warnings
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await nc.close()
+            who = (f"the credentials of role {credentials.user!r}" if credentials else
+                   "a client without credentials (none were given)")
+            raise BusAuthRefused(f"the bus at {','.join(servers)} refused {who}: pass the run's credentials "
+                                 "directory, --set bus.credentials_dir=DIR (a run started by runtime.up keeps it "
+                                 "in <run dir>/credentials; it holds <role>.json for supervisor, operator and "
+                                 "each actor kind)")
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await nc.close()
+            raise BusError(f"cannot connect to NATS at {','.join(servers)}: no answer within {connect_timeout_s}s; "
+                           "is the run up?")
+        if (e := connecting.exception()) is not None:
             raise BusError(f"cannot connect to NATS at {','.join(servers)}: {e!r}; is the run up?") from e
         return cls(nc, limits, health)
 
@@ -968,6 +1016,21 @@ class Bus:
             except BadRequestError as e:  # exists with another config: update it
                 log.info("consumer_update", stream=q.stream, durable=q.durable, reason=str(e))
                 await self._through_election(f"consumer {q.durable}", add)
+
+    async def check_queue(self, q: Queue) -> None:
+        """That the queue's stream and durable consumer exist (an actor's start: the supervisor makes them).
+
+        Raises:
+            BusError: they do not (with the fix), or the bus cannot tell.
+        """
+        with _translated(f"check the queue {q.stream}/{q.durable}"):
+            try:
+                await self._through_election(f"consumer {q.durable}",
+                                             lambda: self.js_reads.consumer_info(q.stream, q.durable))
+            except NotFoundError:
+                raise BusError(f"the work queue {q.stream} has no consumer {q.durable!r}: the supervisor makes "
+                               "every queue of the run's actor kinds before it starts them (runtime.up; "
+                               "runtime.up.provision_streams in a test)") from None
 
     async def pull_consumer(self, q: Queue) -> PullConsumer:
         """Binds to the queue's durable consumer (made by `ensure_queue`)."""
@@ -1232,16 +1295,32 @@ class Bus:
     async def subscribe(self, subject: str, handler: Callable[[Inbound], Awaitable[None]]) -> Subscription:
         """Calls ``handler`` with each message on ``subject`` (one at a time, in order of arrival)."""
         async def deliver(msg: Msg) -> None:
+            if (origin := stream_delivery(msg)) is not None:
+                log.error("bus_message_refused", subject=msg.subject, origin=origin, client=self.health.client,
+                          reason="a stream delivered it (a consumer's deliver subject or a republish), not a "
+                                 "publisher: the role that configured that consumer may not publish here")
+                return
             await handler(Inbound(msg.subject, msg.data, msg.reply or ""))
 
         with _translated(f"subscribe to {subject}"):
             return Subscription(await self.nc.subscribe(subject, cb=deliver))
 
-    async def respond(self, msg: Inbound, data: bytes) -> None:
-        """Answers a request (nothing to answer without a reply subject)."""
-        if msg.reply:
-            with _translated(f"reply to {msg.subject}"):
-                await self.nc.publish(msg.reply, data)
+    async def respond(self, msg: Inbound, data: bytes, requester: str | None = None) -> bool:
+        """Answers a request (nothing to answer without a reply subject) into the requester's inbox only:
+        a reply subject outside every role's ``_INBOX_<role>.`` (or outside ``requester``'s, when the
+        request says who sent it) would have this role publish, under its ``allow_responses``, wherever
+        the requester wished (a control subject, a bucket's key, another role's inbox). Such a request
+        is refused and said (``reply_refused``). Returns whether the answer was sent."""
+        if not msg.reply:
+            return False
+        if not is_reply_inbox(msg.reply, requester):
+            log.error("reply_refused", subject=msg.subject, reply=msg.reply[:200], requester=requester,
+                      client=self.health.client,
+                      reason=f"a reply goes to {inbox_prefix(requester) if requester else '_INBOX_<role>'}.<...> only")
+            return False
+        with _translated(f"reply to {msg.subject}"):
+            await self.nc.publish(msg.reply, data)
+        return True
 
     async def flush(self, timeout_s: float) -> None:
         """Waits until the server has everything published so far.

@@ -5,7 +5,9 @@ Roles:
     operator    ops commands: control requests (ctl.>), live configuration (writes to ``config``),
                 reading the registry, the event log and progress; nothing else.
     <kind>      each actor kind of the run (reconciler, rollout, trainer, ...): what every actor does
-                (its own work queues and their JetStream API, its own kind's registry entries and
+                (fetching from and acknowledging on its own work queues' consumers, which the
+                supervisor makes: no role but the supervisor creates, changes or deletes a stream or
+                a consumer other than a watch's ephemeral one; its own kind's registry entries and
                 handover record, the ``config`` watch, events, dead letters, its own kind's control
                 subjects and their replies) plus what its class declares in ``Actor.bus_access``
                 (subjects it publishes and subscribes to, buckets it reads and writes, keys of other
@@ -46,6 +48,7 @@ __all__ = [
     "BusCredentials",
     "BusUser",
     "Permissions",
+    "RunCredentials",
     "actor_permissions",
     "authorization_conf",
     "control_subject",
@@ -71,8 +74,8 @@ class BusAccess:
         subscribe: subjects it subscribes to.
         kv_read: buckets it reads or watches.
         kv_write: buckets it writes (reading them included).
-        streams: work-queue streams (and their durable consumers, ``(stream, durable)``) it creates
-            or consumes, beyond the queues it declares.
+        streams: work-queue streams and their durable consumers, ``(stream, durable)``, it consumes
+            beyond the queues it declares (bound, fetched, acknowledged: the supervisor makes them).
         kv_keys: keys it writes or deletes in a bucket it may only read, ``(bucket, key pattern)``
             (NATS wildcards over the key's dot-separated tokens), e.g. ``("actors", "reg.>")``.
     """
@@ -143,42 +146,44 @@ def control_subject(kind: str, actor_id: str, verb: str = "*") -> str:
 
 
 def _stream_api(stream: str, durable: str) -> list[str]:
-    """A work queue's stream and durable consumer: create/update them, fetch, acknowledge."""
+    """A work queue's durable pull consumer, made by the supervisor (`runtime.up`): read its state, fetch,
+    acknowledge. Nothing that creates or changes a stream or a consumer: a role that could would redirect
+    the stream's subjects (capture other roles' messages), have the server republish into subjects it may
+    not publish to, or deliver into any subject through a push consumer."""
     return [
-        f"{_API}.STREAM.INFO.{stream}", f"{_API}.STREAM.CREATE.{stream}", f"{_API}.STREAM.UPDATE.{stream}",
-        f"{_API}.CONSUMER.DURABLE.CREATE.{stream}.{durable}", f"{_API}.CONSUMER.CREATE.{stream}.{durable}",
-        f"{_API}.CONSUMER.CREATE.{stream}.{durable}.>", f"{_API}.CONSUMER.INFO.{stream}.{durable}",
-        f"{_API}.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>",
+        f"{_API}.CONSUMER.INFO.{stream}.{durable}", f"{_API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
         f"$JS.ACK.*.*.{stream}.{durable}.>",  # the ack subject with a domain and an account hash
     ]
 
 
 def _kv_read(bucket: str) -> list[str]:
-    """Get, list and watch a bucket (a watch is an ephemeral ordered consumer of its stream)."""
+    """Get, list and watch a bucket (a watch is an ephemeral ordered consumer of its stream, which the
+    server deletes once idle: no one but the supervisor deletes a consumer)."""
     stream = f"KV_{bucket}"
     return [
         f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
         f"{_API}.STREAM.MSG.GET.{stream}", f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
-        f"{_API}.CONSUMER.DELETE.{stream}.>", f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>",
+        f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>",
     ]
 
 
 def _kv_write(bucket: str) -> list[str]:
-    """Read and write a bucket; create it if it does not exist yet (its first writer makes it)."""
+    """Read and write a bucket's keys."""
     return _kv_keys(bucket, (">",))
 
 
 def _kv_keys(bucket: str, keys: Iterable[str]) -> list[str]:
     """Read a bucket and write (put, delete, purge: each a publish to ``$KV.<bucket>.<key>``) the
-    keys matching ``keys``; create the bucket if it does not exist yet."""
-    return [*_kv_read(bucket), *(f"$KV.{bucket}.{key}" for key in keys), f"{_API}.STREAM.CREATE.KV_{bucket}"]
+    keys matching ``keys``; the bucket itself is the supervisor's (`runtime.bus.Bus.ensure_base`)."""
+    return [*_kv_read(bucket), *(f"$KV.{bucket}.{key}" for key in keys)]
 
 
 def stream_reader(stream: str) -> tuple[str, ...]:
-    """Read a stream through ordered consumers (``Bus.follow``): find it by subject, make, renew and drop them."""
+    """Read a stream through ordered consumers (``Bus.follow``): find it by subject, make and renew them
+    (the server deletes an idle one)."""
     return (f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.{stream}", f"{_API}.CONSUMER.CREATE.{stream}",
-            f"{_API}.CONSUMER.CREATE.{stream}.>", f"{_API}.CONSUMER.DELETE.{stream}.>",
-            f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>")
+            f"{_API}.CONSUMER.CREATE.{stream}.>", f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>")
 
 
 def actor_permissions(role: str, access: BusAccess) -> Permissions:
@@ -225,12 +230,61 @@ def generate_credentials(directory: Path, roles: Mapping[str, Permissions]) -> l
     for role in everyone:
         if not _ROLE_RE.match(role):
             raise ConfigError(f"actor kind {role!r} cannot be a bus role: use letters, digits, '_' and '-' only")
-    users = []
-    for role, permissions in everyone.items():
-        credentials = BusCredentials(role, secrets.token_urlsafe(24))
-        _write_private(directory / f"{role}.json", json.dumps({"user": role, "password": credentials.password}))
-        users.append(BusUser(credentials, permissions))
+    users = [BusUser(BusCredentials(role, secrets.token_urlsafe(24)), permissions)
+             for role, permissions in everyone.items()]
+    RunCredentials(directory, {u.credentials.user: u.credentials for u in users}, owned=True).restore()
     return users
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCredentials:
+    """The run's credentials as its supervisor holds them: in memory from the start, so that a directory
+    deleted or emptied mid-run neither keeps an actor from signing in nor loses the run's passwords.
+
+    ``owned``: the supervisor made them (an embedded bus: `generate_credentials`), and writes the
+    directory again whenever a file is missing or changed (`restore`); a directory given for a remote bus
+    (``bus.credentials_dir``) is its owner's, read once and never written.
+    """
+
+    directory: Path
+    roles: Mapping[str, BusCredentials]
+    owned: bool = False
+
+    @classmethod
+    def read(cls, directory: Path | str, roles: Iterable[str]) -> RunCredentials:
+        """Every role's credentials from a directory given for the bus (`read_credentials`)."""
+        return cls(Path(directory), {role: read_credentials(directory, role) for role in roles})
+
+    def for_role(self, role: str) -> BusCredentials:
+        try:
+            return self.roles[role]
+        except KeyError:
+            raise ConfigError(f"the run has no bus credentials for role {role!r}; it has {sorted(self.roles)}") \
+                from None
+
+    def restore(self) -> list[str]:
+        """Writes again the files of the directory that are missing or differ (the directory too, 0700);
+        the roles whose file was written. Nothing for a directory the run does not own.
+
+        Raises:
+            OSError: the directory cannot be written.
+        """
+        if not self.owned:
+            return []
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.chmod(0o700)
+        written = []
+        for role, credentials in self.roles.items():
+            path = self.directory / f"{role}.json"
+            text = json.dumps({"user": credentials.user, "password": credentials.password})
+            try:
+                if path.read_text() == text:
+                    continue
+            except (FileNotFoundError, UnicodeDecodeError):
+                pass
+            _write_private(path, text)
+            written.append(role)
+        return written
 
 
 _CREDENTIAL_FILES = (".json", ".nk", ".creds")  # a role's file, in this order of preference
@@ -244,8 +298,12 @@ def read_credentials(directory: Path | str, role: str) -> BusCredentials:
     try:
         path = next(p for p in paths if p.exists())
     except StopIteration:
-        raise ConfigError(f"no bus credentials for role {role!r}: none of {', '.join(map(str, paths))} "
-                          "exists") from None
+        state = "does not exist" if not Path(directory).is_dir() else "has none of them"
+        raise ConfigError(f"no bus credentials for role {role!r}: the credentials directory {directory} {state} "
+                          f"({', '.join(p.name for p in paths)}). A run started by runtime.up keeps them in "
+                          "<run dir>/credentials, and its supervisor writes them again when it next starts an "
+                          "actor; for a bus given by URL, pass --set bus.credentials_dir=DIR, the directory "
+                          f"holding {role}.json (or .nk, .creds)") from None
     try:
         text = path.read_text()
         if path.suffix == ".nk":

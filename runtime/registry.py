@@ -18,6 +18,7 @@ import msgpack
 
 __all__ = [
     "REGISTRATION_FIELDS",
+    "actor_kind",
     "decode_registration",
     "handover_key",
     "is_registration_key",
@@ -47,6 +48,12 @@ _HANDOVER_PREFIX = "handover."
 def registration_key(kind: str, actor_id: str) -> str:
     """Where actor ``actor_id`` of ``kind`` keeps its registry entry (its lease)."""
     return f"{_REGISTRATION_PREFIX}{kind}.{actor_id}"
+
+
+def actor_kind(actor_id: str) -> str:
+    """The kind an actor id names (``<kind>-<n>-<hex>``, the supervisor's ids; a kind may hold '-')."""
+    parts = actor_id.rsplit("-", 2)
+    return parts[0] if len(parts) == 3 else ""
 
 
 def handover_key(kind: str) -> str:

@@ -43,8 +43,10 @@ from runtime.bus import Bus, Inbound, server_urls
 from runtime.bus_auth import (
     SUPERVISOR,
     Permissions,
+    RunCredentials,
     actor_permissions,
     generate_credentials,
+    tls_context,
 )
 from runtime.errors import BusError, ConfigError, RevisionMismatch
 from runtime.events import EventLog
@@ -149,11 +151,14 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
     server: NatsServer | NatsCluster | None = None
     async with contextlib.AsyncExitStack() as stack:
         credentials_dir = rt.bus.credentials_dir
+        credentials = RunCredentials.read(credentials_dir, [SUPERVISOR, *rt.actors]) if credentials_dir else None
         if rt.bus.url:
             url = ",".join(server_urls(rt.bus.url))
         else:
             users = generate_credentials(run_dir / "credentials", bus_roles(rt)) if rt.bus.auth else []
             credentials_dir = str(run_dir / "credentials") if users else ""
+            credentials = RunCredentials(Path(credentials_dir), {u.credentials.user: u.credentials for u in users},
+                                         owned=True) if users else None
             server_config = NatsServerConfig(store_dir=run_dir / "nats", max_payload_bytes=rt.bus.max_payload_bytes,
                                              max_restarts=rt.bus.server_max_restarts,
                                              restart_window_s=rt.bus.server_restart_window_s, users=tuple(users))
@@ -165,9 +170,11 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         info = RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time(),
                        credentials_dir, rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file, run_id)
         bus = await Bus.connect(url, name="supervisor", limits=rt.bus.limits(),
-                                **info.bus_options(SUPERVISOR))
+                                credentials=credentials.for_role(SUPERVISOR) if credentials else None,
+                                tls=tls_context(rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file))
         stack.push_async_callback(bus.close)
         await bus.ensure_base()
+        await provision_streams(bus, rt)
         lease = await _hold_run(bus, run_id, run_dir, rt.supervisor.lease_s)
         stack.push_async_callback(lease.release)
         store = open_store(storage_url, s3_endpoint=rt.storage.s3_endpoint or None)
@@ -179,7 +186,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         stack.push_async_callback(backend.close)
         backend.check(rt)  # before the run is announced: a cluster that cannot hold it starts nothing
         info.write()
-        supervisor = Supervisor(rt, run_dir, bus, info.address(), backend)
+        supervisor = Supervisor(rt, run_dir, bus, info.address(), backend, credentials)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.request_stop)
@@ -263,6 +270,19 @@ async def _quietly(step: Any) -> None:
     with contextlib.suppress(OSError):  # BusError included
         async with asyncio.timeout(5.0):
             await step()
+
+
+async def provision_streams(bus: Bus, rt: RuntimeConfig) -> None:
+    """Every work queue (stream and durable pull consumer) the run's actor kinds consume or publish into,
+    and every bucket they declare, made by the supervisor before it starts them: actor roles may bind to a
+    queue's consumer and use a bucket, not create or change either (runtime.bus_auth)."""
+    for spec in rt.actors.values():
+        cls = import_entry(spec.entry)
+        for queue in cls.provisioned_queues():
+            await bus.ensure_queue(queue)
+        access = cls.required_access()
+        for bucket in dict.fromkeys((*access.kv_read, *access.kv_write, *(b for b, _ in access.kv_keys))):
+            await bus.kv(bucket)
 
 
 def bus_roles(rt: RuntimeConfig) -> dict[str, Permissions]:

@@ -47,7 +47,13 @@ from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
-from runtime.registry import decode_registration, is_registration_key, parse_registration_key, registration_key
+from runtime.registry import (
+    actor_kind,
+    decode_registration,
+    is_registration_key,
+    parse_registration_key,
+    registration_key,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -57,18 +63,16 @@ __all__ = ["ReconcilerActor"]
 class ReconcilerActor(Actor):
     kind = RECONCILER_KIND
     queues = (DONE_QUEUE,)
+    produces = tuple(work_queue_of(s) for s in Stage)
     messages = COMPLETION_TYPES
     Config = RLConfig
     pipelined_writes: ClassVar[bool] = True  # group commit (see _call); False: one round trip per write
     # the only one to issue work, write the slot table and say the data ran out
     # and it follows weights announcements (the trainer's version)
     bus_access = BusAccess(publish=("work.*", "data_exhausted.*"), subscribe=("heartbeat.>", "weights.*"),
-                           kv_write=("slots",), kv_keys=(("actors", "reg.>"),),  # deletes lost actors' leases
-                           streams=tuple((work_queue_of(s).stream, work_queue_of(s).durable) for s in Stage))
+                           kv_write=("slots",), kv_keys=(("actors", "reg.>"),))  # deletes lost actors' leases
 
     async def setup(self) -> None:
-        for stage in Stage:
-            await self.bus.ensure_queue(work_queue_of(stage))
         self.source = TaskCatalog.build(self.config.tasks)
         self.order_codec = Codec(all_order_types())
         self.heartbeat_codec = Codec([WorkHeartbeat, WorkHeartbeats])
@@ -228,8 +232,11 @@ class ReconcilerActor(Actor):
             self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, now, beat.token)
         if raw.reply:  # a stage actor asks before it starts: is this attempt (each of these items) still wanted?
             items = [self.core.is_current(b.stage, b.key, b.attempt) for b in beats]
+            # answered into the inbox of the kind the beat names, and only if they all name one
+            requesters = {actor_kind(b.actor_id) for b in beats}
             await self.bus.respond(raw, msgpack.packb({"current": any(items), "current_items": items},
-                                                      use_bin_type=True))
+                                                      use_bin_type=True),
+                                   requester=requesters.pop() if len(requesters) == 1 else "")
 
     async def _on_weights(self, raw: Any) -> None:
         try:

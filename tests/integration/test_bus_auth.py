@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
+import re
 import stat
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import nats
 import pytest
+from nats.js.api import RePublish
 
 from actors.reconciler import ReconcilerActor
 from actors.stages.evaluator import EvaluatorActor
-from runtime.bus import Bus
+from runtime.bus import Bus, Inbound
 from runtime.bus_auth import (
     OPERATOR,
     SUPERVISOR,
@@ -30,12 +35,13 @@ from runtime.codec import Codec
 from runtime.errors import BusError
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.registry import handover_key, registration_key
-from runtime.run_config import load_run_config
+from runtime.run_config import import_entry, load_run_config
 from runtime.rundir import RunInfo
-from runtime.up import bus_roles
+from runtime.up import bus_roles, provision_streams
 from tests.integration.bus_clients import connect_anonymously, connect_as
 from tests.integration.harness import LiveRun, write_config
 from tests.integration.workers import CountRequest
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -203,3 +209,195 @@ async def test_a_remote_bus_over_tls(tmp_path: Path) -> None:
             assert (await (await run.bus.kv("effects")).get("k1")).value, "the actor worked over TLS"
         finally:
             assert await run.stop() == 0
+
+
+# --- issue 31: a role's JetStream rights are its subject permissions' ----------------------------------
+
+DEFAULT_RUN = Path(__file__).resolve().parents[2] / "actors" / "run.toml"
+_VIOLATION = re.compile(r'Permissions Violation for Publish to "([^"]+)"', re.IGNORECASE)
+
+
+def _stream_api(stream: str, consumer: str, filter_subject: str) -> list[str]:
+    """Every JetStream API subject that names a stream (and a consumer of it)."""
+    api = "$JS.API"
+    return [f"{api}.STREAM.{op}.{stream}" for op in (
+        "CREATE", "UPDATE", "DELETE", "PURGE", "INFO", "MSG.GET", "MSG.DELETE", "SNAPSHOT", "RESTORE",
+        "LEADER.STEPDOWN", "PEER.REMOVE")] + [
+        f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.{filter_subject}",
+        f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.{consumer}",
+        f"{api}.CONSUMER.CREATE.{stream}.{consumer}.{filter_subject}",
+        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.{consumer}", f"{api}.CONSUMER.NAMES.{stream}",
+        f"{api}.CONSUMER.LIST.{stream}"] + [f"{api}.CONSUMER.{op}.{stream}.{consumer}" for op in (
+            "DELETE", "INFO", "MSG.NEXT", "PAUSE", "UNPIN", "LEADER.STEPDOWN")]
+
+
+_ACCOUNT_API = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "$JS.API.META.LEADER.STEPDOWN",
+                "$JS.API.SERVER.REMOVE", "$JS.API.ACCOUNT.PURGE.x", "$JS.API.ACCOUNT.STREAM.MOVE.x.y",
+                "$JS.API.STREAM.TEMPLATE.CREATE.x"]
+# What a reader of a bucket needs, and a watch: an ephemeral ordered consumer, which the role makes itself
+# (nats-py's KV watch); the server cannot tell it from a push consumer with another deliver subject, which
+# the receiving side refuses (`test_a_consumer_delivering_into_a_subscribed_subject_is_refused_by_the_receiver`)
+_BUCKET_READS = ("STREAM.INFO.{s}", "DIRECT.GET.{s}", "DIRECT.GET.{s}.{f}", "STREAM.MSG.GET.{s}",
+                 "CONSUMER.CREATE.{s}", "CONSUMER.CREATE.{s}.{c}", "CONSUMER.CREATE.{s}.{c}.{f}",
+                 "CONSUMER.INFO.{s}.{c}")
+_OWN_QUEUE = ("CONSUMER.INFO.{s}.{c}", "CONSUMER.MSG.NEXT.{s}.{c}")  # bind, fetch (acks are $JS.ACK)
+
+
+def _allowed(role: str, cls: type, subject: str, streams: dict[str, str]) -> bool:
+    """What `role` may ask of JetStream: fetch from its own queues' consumers, read its buckets (and the
+    event log, for a kind that declares it)."""
+    access = cls.required_access()
+    read_buckets = {"actors", "config", "run", *access.kv_read, *access.kv_write, *(b for b, _ in access.kv_keys)}
+    for stream, consumer in streams.items():
+        as_api = {f"$JS.API.{op.format(s=stream, c=consumer, f='x')}" for op in _BUCKET_READS}
+        if stream.startswith("KV_") and stream[3:] in read_buckets and subject in as_api:
+            return True
+        if stream == "LOG" and any("STREAM.INFO.LOG" in p for p in access.publish) and (
+                subject in as_api or subject == "$JS.API.STREAM.NAMES") and "DIRECT" not in subject \
+                and "MSG.GET" not in subject:
+            return True
+        own = {f"$JS.API.{op.format(s=stream, c=consumer)}" for op in _OWN_QUEUE}
+        if (stream, consumer) in access.streams and subject in own:
+            return True
+    return False
+
+
+async def test_actor_roles_get_no_jetstream_rights_but_their_own_pull_consumers_and_reads(tmp_path: Path) -> None:
+    """Every JetStream API subject, with every actor role of the default run: the server refuses all but
+    binding to and fetching from its own queues' consumers (made by the supervisor) and reading its buckets.
+    On main, every role could create and update its queues' streams and consumers (STREAM.UPDATE: capture
+    other roles' subjects, republish into any) and create buckets."""
+    rt = load_run_config([DEFAULT_RUN]).runtime
+    users = generate_credentials(tmp_path / "credentials", bus_roles(rt))
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", users=tuple(users))) as server:
+        admin = await Bus.connect(server.url, "admin", credentials=read_credentials(tmp_path / "credentials",
+                                                                                       SUPERVISOR))
+        try:
+            await admin.ensure_base()
+            await provision_streams(admin, rt)
+            streams = {s.name: "x" for s in await admin.stream_states()}
+        finally:
+            await admin.close()
+        classes = {kind: import_entry(spec.entry) for kind, spec in rt.actors.items()}
+        for cls in classes.values():
+            for q in cls.provisioned_queues():
+                streams[q.stream] = q.durable  # its durable consumer: the one name a role may bind to
+        assert {"Q_DONE", "Q_WORK_ROLLOUT", "KV_actors", "LOG", "DLQ"} <= set(streams)
+        info = _info(server.url, tmp_path / "credentials")
+        subjects = list(_ACCOUNT_API)
+        for stream, consumer in streams.items():
+            subjects += _stream_api(stream, consumer, "x")
+        for role, cls in classes.items():
+            async with connect_as(info, role) as client:
+                for subject in subjects:
+                    await client.nc.publish(subject, b"{}")
+                await client.nc.flush()
+                # (nats-py lowercases the server's error: subjects are compared lowercased)
+                expected = {s.lower() for s in subjects if not _allowed(role, cls, s, streams)}
+
+                def refused(client: Any = client) -> set[str]:
+                    return {m.group(1) for e in client.errors if (m := _VIOLATION.search(e))}
+
+                with contextlib.suppress(AssertionError):  # the comparison below says what is missing
+                    await until(lambda expected=expected: expected <= refused(), 10.0, f"{role}: every refusal")
+                assert refused() == expected, (role, sorted(refused() ^ expected))
+                granted = {s.lower() for s in subjects} - refused()
+                assert granted and not any(op in s for s in granted for op in (
+                    "stream.create", "stream.update", "stream.delete", "stream.purge", "msg.delete", "durable",
+                    "consumer.delete")), (role, sorted(granted))
+
+
+@contextlib.asynccontextmanager
+async def _default_run_bus(tmp_path: Path) -> Any:
+    """A server with the default run's roles, its streams, buckets and queues made by the supervisor role."""
+    rt = load_run_config([DEFAULT_RUN]).runtime
+    users = generate_credentials(tmp_path / "credentials", bus_roles(rt))
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", users=tuple(users))) as server:
+        admin = await Bus.connect(server.url, "admin", credentials=read_credentials(tmp_path / "credentials",
+                                                                                       SUPERVISOR))
+        try:
+            await admin.ensure_base()
+            await provision_streams(admin, rt)
+            yield admin, _info(server.url, tmp_path / "credentials")
+        finally:
+            await admin.close()
+
+
+async def test_a_role_cannot_reconfigure_its_own_queue_stream(tmp_path: Path) -> None:
+    """The tester's STREAM.UPDATE of the rollout role's own work queue: capturing ``heartbeat.>`` and
+    ``ctl.>``, and a republish into ``$KV.slots`` and ``ctl.supervisor.stop``. Refused; the stream unchanged.
+    On main the server applied each update."""
+    async with _default_run_bus(tmp_path) as (admin, info):
+        before = await admin.js.stream_info("Q_WORK_ROLLOUT")
+        async with connect_as(info, "rollout") as rollout:
+            js = rollout.nc.jetstream(timeout=1.0)
+            config = before.config
+            for change in ({"subjects": [*config.subjects, "heartbeat.>", "ctl.>"]},
+                           {"republish": RePublish(src=">", dest="$KV.slots.meta")},
+                           {"republish": RePublish(src=">", dest="ctl.supervisor.stop")}):
+                with pytest.raises((nats.errors.Error, TimeoutError)):
+                    await js.update_stream(dataclasses.replace(config, **change))
+            assert await rollout.refused("$js.api.stream.update.q_work_rollout")
+        after = await admin.js.stream_info("Q_WORK_ROLLOUT")
+        assert after.config.subjects == before.config.subjects and after.config.republish is None
+
+
+async def test_a_consumer_delivering_into_a_subscribed_subject_is_refused_by_the_receiver(tmp_path: Path) -> None:
+    """A push consumer the rollout role makes on a bucket it reads (the ``run`` bucket, whose ``build.>``
+    keys it writes), delivering into ``weights.<run>``: the server delivers (a watch's consumer cannot be
+    told from it), the subscriber of ``weights.*`` refuses what a stream delivered and says so. On main the
+    reconciler's weights handler got the attacker's bytes."""
+    async with _default_run_bus(tmp_path) as (_, info):
+        reconciler = await Bus.connect(info.nats_url, "reconciler", **info.bus_options("reconciler"))
+        received: list[bytes] = []
+        try:
+            async def handler(msg: Inbound) -> None:
+                received.append(msg.data)
+
+            await reconciler.subscribe("weights.r1", handler)
+            async with connect_as(info, "rollout") as rollout:
+                await rollout.js_publish("$KV.run.build.x", b"attacker bytes")
+                request = {"stream_name": "KV_run", "config": {"deliver_subject": "weights.r1", "ack_policy": "none",
+                                                               "deliver_policy": "all"}}
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await rollout.nc.request("$JS.API.CONSUMER.CREATE.KV_run", json.dumps(request).encode(), 2.0)
+                await rollout.publish("weights.r1", b"")  # the rollout may not announce weights itself either
+                assert await rollout.refused("weights.r1")
+                await rollout.js_publish("$KV.run.build.y", b"attacker bytes again")
+            # the refusal is an event; wait for a message that came the legitimate way after them
+            async with connect_as(info, "trainer") as trainer:
+                await trainer.publish("weights.r1", b"the trainer's")
+            await until(lambda: received, 10.0, "the trainer's announcement")
+            assert received == [b"the trainer's"]
+        finally:
+            await reconciler.close()
+
+
+async def test_a_reply_goes_only_to_the_requesters_inbox(tmp_path: Path) -> None:
+    """A heartbeat whose reply-to names the supervisor's inbox, or a control subject: the answering side
+    refuses to answer (``reply_refused``). On main the reconciler answered into the supervisor's inbox and
+    would have answered into ``ctl.supervisor.stop``."""
+    async with _default_run_bus(tmp_path) as (admin, info):
+        reconciler = await Bus.connect(info.nats_url, "reconciler", **info.bus_options("reconciler"))
+        answered: list[bool] = []
+        try:
+            async def answer(msg: Inbound) -> None:
+                answered.append(bool(await reconciler.respond(msg, b"answer", requester="rollout")))
+
+            await reconciler.subscribe("heartbeat.>", answer)
+            stolen: list[str] = []
+
+            async def note(msg: Any) -> None:
+                stolen.append(msg.subject)
+
+            await admin.nc.subscribe("_INBOX_supervisor.>", cb=note)
+            await admin.nc.subscribe("ctl.supervisor.stop", cb=note)
+            async with connect_as(info, "rollout") as rollout:
+                for reply in ("_INBOX_supervisor.abc.1", "ctl.supervisor.stop"):
+                    await rollout.nc.publish("heartbeat.rollout", b"beat", reply=reply)
+                reply = await rollout.nc.request("heartbeat.rollout", b"beat", timeout=5.0)  # its own inbox
+                assert reply.data == b"answer"
+            await admin.nc.flush()
+            assert answered == [False, False, True] and not stolen, (answered, stolen)
+        finally:
+            await reconciler.close()
