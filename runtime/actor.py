@@ -208,7 +208,7 @@ class Actor:
     async def start(self) -> None:
         self._expect(ActorState.CREATED)
         self.state = ActorState.STARTING
-        for q in self.provisioned_queues():  # made by the supervisor: a missing one is said here, with the fix
+        for q in self.queues:  # made by the supervisor: a missing one is said here, with the fix
             await self.bus.check_queue(q)
         await self.setup()
         await self._register()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from runtime.actor_launch import RANK_ENV, WORLD_SIZE_ENV, RunAddress, actor_argv, actor_env
+from runtime.bus_auth import RunCredentials
 from runtime.run_config import ActorSpec, RuntimeConfig
 
 __all__ = ["ActorLaunch", "PlacedProcess", "PlacementBackend", "PlacementError", "UnplacedProcess", "actor_launch"]
@@ -42,10 +43,11 @@ class ActorLaunch:
 
 
 def actor_launch(address: RunAddress, run_dir: Path, kind: str, actor_id: str, spec: ActorSpec, *, rank: int = 0,
-                 standby: bool = False) -> ActorLaunch:
+                 standby: bool = False, credentials: RunCredentials | None = None) -> ActorLaunch:
     """The one place an actor process's command line and environment are built (every backend starts this):
-    the run's address (``runtime.actor_launch``: bus, run id, credentials and TLS), its threads, its rank."""
-    env = actor_env(address, kind, {})  # added to the node's own environment by the backend
+    the run's address (``runtime.actor_launch``: bus, run id, credentials and TLS), its threads, its rank.
+    ``credentials``: the supervisor's copy of the run's credentials (else read from their directory)."""
+    env = actor_env(address, kind, {}, credentials)  # added to the node's own environment by the backend
     if spec.threads:
         env.update(OMP_NUM_THREADS=str(spec.threads), MKL_NUM_THREADS=str(spec.threads))
     if spec.ranks > 1:  # one of a process group: its rank and the group's size (the kind finds its peers)

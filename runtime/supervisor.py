@@ -38,8 +38,8 @@ import structlog
 from runtime import health
 from runtime.actor_launch import RunAddress
 from runtime.bus import Bus, Inbound
-from runtime.bus_auth import control_subject
-from runtime.errors import BusError
+from runtime.bus_auth import RunCredentials, control_subject
+from runtime.errors import BusError, ConfigError
 from runtime.local_backend import LocalBackend
 from runtime.placement import PlacedProcess, PlacementBackend, PlacementError, UnplacedProcess, actor_launch
 from runtime.registry import registration_key
@@ -77,8 +77,11 @@ class ActorProcess:
 
 class Supervisor:
     def __init__(self, config: RuntimeConfig, run_dir: Path, bus: Bus, address: RunAddress,
-                 backend: PlacementBackend | None = None) -> None:
+                 backend: PlacementBackend | None = None, credentials: RunCredentials | None = None) -> None:
         self.config = config
+        # the run's bus credentials, held from the start: every actor starts with them, whatever became
+        # of their directory, which is written again when it lost or changed a file (`_keep_credentials`)
+        self.credentials = credentials
         self.run_dir = run_dir
         self.address = address  # what an actor process needs to find the run (runtime.actor_launch)
         self.bus = bus
@@ -141,12 +144,16 @@ class Supervisor:
         actor_id = f"{kind}-{self._counter[kind]}-{os.urandom(2).hex()}"
         log.info("actor_starting", actor_kind=kind, actor_id=actor_id, standby=standby)  # its start-up from here
         proc: PlacedProcess
+        self._keep_credentials()
         try:
-            launch = actor_launch(self.address, self.run_dir, kind, actor_id, spec, rank=rank, standby=standby)
+            launch = actor_launch(self.address, self.run_dir, kind, actor_id, spec, rank=rank, standby=standby,
+                                  credentials=self.credentials)
             proc = await self.backend.start(launch, spec)
-        except PlacementError as e:  # a failed start is a crash: restarted with backoff, within the intensity
-            log.error("actor_not_placed", actor_kind=kind, actor_id=actor_id, error=str(e))
-            proc = UnplacedProcess(e)
+        except (PlacementError, ConfigError, OSError) as e:  # a failed start is a crash: restarted with
+            # backoff, within the intensity, and its reason is the run's failure if it comes to that
+            error = PlacementError(f"{type(e).__name__}: {e}" if str(e) else repr(e))
+            log.error("actor_not_placed", actor_kind=kind, actor_id=actor_id, error=str(error))
+            proc = UnplacedProcess(error)
         ap = ActorProcess(kind, actor_id, proc, standby=standby, rank=rank)
         self.procs[actor_id] = ap
         log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid, node=proc.node, standby=standby)
@@ -154,6 +161,22 @@ class Supervisor:
         if self.config.health.interval_s > 0:
             ap.health = self._tg.create_task(self._check_health(ap))
         return ap
+
+    def _keep_credentials(self) -> None:
+        """Writes the run's credentials directory again if a file of it is missing or changed (deleted
+        mid-run: ops commands and processes started by hand read it); said either way."""
+        if self.credentials is None:
+            return
+        try:
+            restored = self.credentials.restore()
+        except OSError as e:  # the actors still start: they take the credentials from the supervisor
+            log.error("credentials_not_restored", directory=str(self.credentials.directory), error=repr(e),
+                      fix=f"make {self.credentials.directory} writable by the run's user; the supervisor "
+                          "writes it again when it next starts an actor")
+            return
+        if restored:
+            log.warning("credentials_restored", directory=str(self.credentials.directory), roles=restored,
+                        reason="their files were missing or changed")
 
     async def _watch(self, ap: ActorProcess) -> None:
         rc = await ap.proc.wait()

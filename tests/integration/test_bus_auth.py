@@ -9,8 +9,12 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import re
+import shutil
+import signal
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +40,12 @@ from runtime.errors import BusError
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.registry import handover_key, registration_key
 from runtime.run_config import import_entry, load_run_config
+from runtime.run_state import new_run_id
 from runtime.rundir import RunInfo
 from runtime.up import bus_roles, provision_streams
 from tests.integration.bus_clients import connect_anonymously, connect_as
-from tests.integration.harness import LiveRun, write_config
+from tests.integration.harness import REPO, LiveRun, run_events, write_config
+from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
 from tests.integration.workers import CountRequest
 from tests.waiting import until
 
@@ -401,3 +407,70 @@ async def test_a_reply_goes_only_to_the_requesters_inbox(tmp_path: Path) -> None
             assert answered == [False, False, True] and not stolen, (answered, stolen)
         finally:
             await reconciler.close()
+
+
+# --- issue 32: the run's credentials --------------------------------------------------------------------
+
+
+async def test_the_credentials_directory_deleted_mid_run_is_written_again_and_the_run_finishes(
+        tmp_path: Path) -> None:
+    """An operator deletes ``<run dir>/credentials`` mid-run and an actor is killed: the supervisor starts its
+    replacement with the credentials it holds, writes the directory again (``credentials_restored``),
+    ``ops.status`` works, and the run trains every prompt. On main the replacement could not sign in
+    (``actor_crashed`` with an empty reason), the run failed, and ops.status exited 2."""
+    run_dir = tmp_path / "run"
+    SimConfig(rollout=StageSim(median_s=0.1, sigma=0.3, max_s=0.5), train=StageSim(median_s=0.5, sigma=0.1),
+              seed=3).write(run_dir)
+    num_prompts, batch_groups = 16, 2
+    cfg = write_config(tmp_path / "run.toml", sim_run_toml(
+        num_prompts=num_prompts, num_slots=8, group_size=2, batch_groups=batch_groups, eta=1, stage_timeout_s=20.0))
+    run = await LiveRun(run_dir, cfg).start()
+    try:
+        victim, _ = await run.wait_actors("rollout", 2)
+        (reconciler,) = await run.wait_actors("reconciler", 1)
+        before = {p.name: p.read_text() for p in (run_dir / "credentials").iterdir()}
+        shutil.rmtree(run_dir / "credentials")
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        async def replaced() -> bool:
+            ids = {a["id"] for a in await run.wait_actors("rollout", 2)}
+            return victim["id"] not in ids
+
+        await until(replaced, 60.0, "the killed rollout actor replaced")
+        (restored,) = await until(lambda: run_events(run_dir, "credentials_restored"), 30.0, "credentials_restored")
+        assert restored["directory"] == str(run_dir / "credentials") and "operator" in restored["roles"]
+        assert {p.name: p.read_text() for p in (run_dir / "credentials").iterdir()} == before
+        assert _mode(run_dir / "credentials") == 0o700 and _mode(run_dir / "credentials" / "operator.json") == 0o600
+        status = await asyncio.create_subprocess_exec(sys.executable, "-m", "ops.status", str(run_dir), "--json",
+                                                      cwd=REPO, stdout=asyncio.subprocess.PIPE,
+                                                      stderr=asyncio.subprocess.PIPE)
+        _, stderr = await asyncio.wait_for(status.communicate(), 120.0)
+        assert status.returncode == 0, stderr.decode()
+
+        async def finished() -> bool:
+            reply = await run.request(control_subject("reconciler", reconciler["id"], "status"))
+            return bool(reply.get("finished"))
+
+        await until(finished, 180.0, "the run to train every prompt")
+        assert not [e for e in run_events(run_dir, "actor_crashed") if not e.get("error", "x")]
+    finally:
+        assert await run.stop() == 0
+
+
+async def test_resuming_by_id_without_the_credentials_says_which_are_missing(tmp_path: Path) -> None:
+    """``--resume RUN --set bus.url=... --set storage.url=...`` against a bus that takes credentials, with
+    none given: one configuration error naming the missing credentials and where they are expected, exit 2,
+    at once. On main: nats-py's raw ``Authorization Violation`` warnings, again and again."""
+    config = write_config(tmp_path / "run.toml", COUNTER_RUN)
+    users = generate_credentials(tmp_path / "credentials", bus_roles(load_run_config([config]).runtime))
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", users=tuple(users))) as server:
+        up = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "runtime.up", "--resume", new_run_id("gone"), "--set", f'bus.url="{server.url}"',
+            "--set", f'storage.url="{(tmp_path / "blobs").as_uri()}"', "--quiet", cwd=REPO,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        output = (await asyncio.wait_for(up.communicate(), 60.0))[0].decode()
+    assert up.returncode == 2, output
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, output
+    assert "credentials" in errors[0] and "bus.credentials_dir" in errors[0] and "<run dir>/credentials" in errors[0]
+    assert output.lower().count("authorization violation") <= 1, output
