@@ -199,9 +199,9 @@ class Supervisor:
         if ap.proc.lost is not None:
             await self._replace_lost(ap)
             return
-        num_recent = self._count_restart(ap)
+        num_recent = self._count_restart(ap, exit_reason(rc, ap.proc))
         log.error("actor_crashed", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, returncode=rc,
-                  num_recent_restarts=num_recent, log_file=ap.proc.output_tail())
+                  reason=exit_reason(rc, ap.proc), num_recent_restarts=num_recent, log_file=ap.proc.output_tail())
         if self._stop.is_set():
             return
         if not ap.standby and await self._promote(ap.kind, ap.actor_id):
@@ -234,7 +234,7 @@ class Supervisor:
             return ap
         return None
 
-    def _count_restart(self, ap: ActorProcess) -> int:
+    def _count_restart(self, ap: ActorProcess, reason: str = "found unhealthy (see actor_unhealthy)") -> int:
         """One more restart of ``ap``'s kind within the window; past the intensity limit the run fails
         (it stops: the caller sees ``_stop`` set). Returns the number of recent restarts."""
         now = time.monotonic()
@@ -245,7 +245,7 @@ class Supervisor:
             recent.popleft()
         if len(recent) > sup.max_restarts:
             reason = (f"{ap.kind} crashed {len(recent)} times within {sup.restart_window_s}s "  # unhealthy counts too
-                      f"(limit {sup.max_restarts}); see {ap.proc.output_tail()}")
+                      f"(limit {sup.max_restarts}), the last: {reason}; see {ap.proc.output_tail()}")
             log.error("restart_intensity_exceeded", actor_kind=ap.kind, num_restarts=len(recent),
                       window_s=sup.restart_window_s, max_restarts=sup.max_restarts)
             self.request_stop(Outcome.FAILED, reason)
@@ -432,6 +432,23 @@ def open_backend(config: RuntimeConfig, run_dir: Path) -> PlacementBackend:
 
         return RayBackend.connect(config.runtime, run_dir)
     return LocalBackend()
+
+
+def exit_reason(rc: int, proc: PlacedProcess) -> str:
+    """Why a process ended, never empty: its signal or exit status, and the last line it wrote (a local
+    process's output file; a remote one's tail comes with `output_tail`)."""
+    if isinstance(proc, UnplacedProcess):
+        return f"not started: {proc.error}"
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-rc).name}"
+        return f"killed by signal {-rc}"
+    last = ""
+    with contextlib.suppress(OSError, ValueError), open(proc.output_tail(), "rb") as out:
+        out.seek(max(0, out.seek(0, os.SEEK_END) - 4096))
+        lines = [line.strip() for line in out.read().decode(errors="replace").splitlines() if line.strip()]
+        last = lines[-1][:500] if lines else ""
+    return f"exited {rc}" + (f": {last}" if last else " without a word (see its output file)")
 
 
 async def _wait_exit(proc: PlacedProcess, timeout: float) -> bool:
