@@ -65,6 +65,7 @@ KV_BUCKETS = ("slots", "config", "actors", "run")  # run: the run's record (runt
 # removes a key whose TTL ran out, leaving a delete marker that watchers see (nats-server >= 2.11).
 LEASE_BUCKETS = frozenset({"actors"})
 _LEASE_MARKER_TTL_S = 60.0  # how long the server keeps the marker of an expired lease (watchers see it live)
+_NEVER = "never"  # a record's TTL that exempts it from its stream's max age (nats-server >= 2.11)
 _TTL_UNSUPPORTED = (10166,)  # JSMessageTTLDisabledErr: the bucket's stream takes no per-message TTL
 # a replicated bus's reads give up on one server after this and ask again (until `BusLimits.election_wait_s`):
 # one asked while its stream elects a leader is never answered, and 5 s would add 5 s to every election
@@ -1037,8 +1038,14 @@ class Bus:
         with _translated(f"bind to {q.stream}/{q.durable}"):
             return PullConsumer(await self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream), q.durable)
 
-    async def ensure_base(self) -> None:
-        """Streams and buckets every run has: LOG, DLQ, and the KV buckets."""
+    async def ensure_base(self, lease_max_s: float = 0.0) -> None:
+        """Streams and buckets every run has: LOG, DLQ, and the KV buckets.
+
+        ``lease_max_s`` (> 0): the longest lease of the run's actors, the age past which the server
+        removes any record of a lease bucket (`LEASE_BUCKETS`) but one written to last (``Nats-TTL:
+        never``: `kv_put` without a TTL, `kv_cas`): an entry written by hand without its lease's TTL,
+        or with a longer one, is gone within that bound like an actor's own that stopped being renewed.
+        """
         with _translated("create the base streams and buckets"):
             lim = self.limits
             await self._ensure_stream(StreamConfig(
@@ -1051,7 +1058,7 @@ class Bus:
                 num_replicas=lim.replicas))
             for bucket in KV_BUCKETS:
                 await self.kv(bucket)
-                await self._update_bucket(bucket)
+                await self._update_bucket(bucket, lease_max_s if bucket in LEASE_BUCKETS else 0.0)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -1096,12 +1103,17 @@ class Bus:
                 self._kv[bucket] = Bucket(self.nc, self.js, bucket, direct=direct, election_wait_s=self.election_wait_s)
             return self._kv[bucket]
 
-    async def _update_bucket(self, bucket: str) -> None:
-        """A bucket made before (a resumed run, another version): its replicas, and TTLs for a lease bucket."""
+    async def _update_bucket(self, bucket: str, max_age_s: float = 0.0) -> None:
+        """A bucket made before (a resumed run, another version): its replicas, TTLs for a lease bucket, and
+        its records' longest life (``max_age_s``, 0: unbounded)."""
         info = await self.js.stream_info(f"KV_{bucket}")
         wanted = dataclasses.replace(info.config, num_replicas=self.limits.replicas)
         if bucket in LEASE_BUCKETS and not info.config.subject_delete_marker_ttl:
             wanted = dataclasses.replace(wanted, allow_msg_ttl=True, subject_delete_marker_ttl=_LEASE_MARKER_TTL_S)
+        if bucket in LEASE_BUCKETS and max_age_s > 0 and bucket not in self._no_ttl:
+            max_age = float(math.ceil(max_age_s))  # the server takes no dedup window longer than it
+            wanted = dataclasses.replace(wanted, max_age=max_age,
+                                         duplicate_window=min(wanted.duplicate_window or max_age, max_age))
         if wanted != info.config:
             await self._through_election(f"KV_{bucket}", lambda: self.js.update_stream(wanted))
             log.info("bucket_updated", bucket=bucket, replicas=wanted.num_replicas,
@@ -1127,10 +1139,11 @@ class Bus:
         """
         with _translated(f"put {bucket}/{key}"):
             kv = await self.kv(bucket)
-            if ttl_s is None or bucket in self._no_ttl:
+            if bucket in self._no_ttl or (ttl_s is None and bucket not in LEASE_BUCKETS):
                 return await kv.put(key, value)
             try:
-                ttl = {Header.MSG_TTL: str(math.ceil(ttl_s))}
+                # in a lease bucket, a record that is no lease (a handover) lasts past the bucket's max age
+                ttl = {Header.MSG_TTL: _NEVER if ttl_s is None else str(math.ceil(ttl_s))}
                 ack = await self.js.publish(f"$KV.{bucket}.{key}", value, headers=ttl)
             except APIError as e:
                 if e.err_code not in _TTL_UNSUPPORTED:
@@ -1159,7 +1172,15 @@ class Bus:
         """
         with _translated(f"update {bucket}/{key}"):
             kv = await self.kv(bucket)
-            return await kv.update(key, value, last=revision)
+            if bucket not in LEASE_BUCKETS or bucket in self._no_ttl:
+                return await kv.update(key, value, last=revision)
+            headers = {Header.MSG_TTL: _NEVER, Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)}
+            try:
+                return (await self.js.publish(f"$KV.{bucket}.{key}", value, headers=headers)).seq
+            except APIError as e:
+                if e.err_code in (10071, 10164):  # wrong last (subject) sequence
+                    raise RevisionMismatch(f"update {bucket}/{key}: revision {revision} is not the key's") from e
+                raise
 
     async def kv_delete(self, bucket: str, key: str) -> None:
         with _translated(f"delete {bucket}/{key}"):

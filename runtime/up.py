@@ -173,7 +173,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                                 credentials=credentials.for_role(SUPERVISOR) if credentials else None,
                                 tls=tls_context(rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file))
         stack.push_async_callback(bus.close)
-        await bus.ensure_base()
+        await bus.ensure_base(lease_max_s=max((spec.lease_s for spec in rt.actors.values()), default=0.0))
         await provision_streams(bus, rt)
         lease = await _hold_run(bus, run_id, run_dir, rt.supervisor.lease_s)
         stack.push_async_callback(lease.release)

@@ -477,3 +477,37 @@ async def test_resuming_by_id_without_the_credentials_says_which_are_missing(tmp
     assert len(errors) == 1, output
     assert "credentials" in errors[0] and "bus.credentials_dir" in errors[0] and "<run dir>/credentials" in errors[0]
     assert output.lower().count("authorization violation") <= 1, output
+
+
+async def test_a_registry_entry_written_by_hand_is_removed_by_the_server_within_the_lease(tmp_path: Path) -> None:
+    """A complete registry entry of the role's own kind written by hand (no TTL, or a TTL far longer than
+    any lease): the server removes it once the run's longest lease has passed, as it removes the entry of
+    an actor that stopped renewing; a handover record written by the runtime outlives that bound. On main
+    the forged entry was still there 23 s later (and counted as a live actor)."""
+    config = write_config(tmp_path / "run.toml", COUNTER_RUN)  # one kind, the default lease: 10 s
+    run = await LiveRun(tmp_path / "run", config).start()
+    try:
+        assert run.bus is not None and run.info is not None
+        await run.wait_actors("counter", 1)
+        forged = {"kind": "counter", "id": "counter-9-beef", "pid": 4242, "host": "h", "code_hash": "c",
+                  "state": "running", "num_inflight": 0, "num_handled": 0, "num_failed": 0,
+                  "num_dead_lettered": 0, "uptime_s": 1.0, "lease_s": 10.0}
+        keys = {registration_key("counter", "counter-9-beef"): None,
+                registration_key("counter", "counter-8-beef"): {"Nats-TTL": "3600"}}
+        async with connect_as(run.info, "counter") as counter:
+            js = counter.nc.jetstream()
+            for key, headers in keys.items():
+                await js.publish(f"$KV.actors.{key}", msgpack.packb(forged | {"id": key.split(".")[-1]}),
+                                 headers=headers)
+        await run.bus.kv_put("actors", handover_key("counter"), b"state for the next one")  # as the runtime does
+        written = asyncio.get_running_loop().time()
+
+        async def gone() -> bool:
+            assert run.bus is not None
+            return all([await run.bus.kv_get("actors", key) is None for key in keys])
+
+        await until(gone, 30.0, "the forged entries removed by the server")
+        assert asyncio.get_running_loop().time() - written < 10.0 + 5.0, "within the lease (+ the server's sweep)"
+        assert (await run.bus.kv_get("actors", handover_key("counter"))) is not None, "a handover record lasts"
+    finally:
+        assert await run.stop() == 0
