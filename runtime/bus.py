@@ -963,7 +963,8 @@ class Bus:
                 await nc.close()
             who = (f"the credentials of role {credentials.user!r}" if credentials else
                    "a client without credentials (none were given)")
-            raise BusAuthRefused(f"the bus at {','.join(servers)} refused {who}: pass the run's credentials "
+            raise BusAuthRefused(f"cannot connect to NATS at {','.join(servers)}: it refused {who}; pass the "
+                                 "run's credentials "
                                  "directory, --set bus.credentials_dir=DIR (a run started by runtime.up keeps it "
                                  "in <run dir>/credentials; it holds <role>.json for supervisor, operator and "
                                  "each actor kind)")
