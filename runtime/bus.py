@@ -808,13 +808,15 @@ class ConfirmingPublisher:
             self.num_republished += 1
 
 
-_REPLY_INBOX_RE = re.compile(r"^_INBOX_([A-Za-z0-9_-]+)\.[^.*>\s]+(\.[^.*>\s]+)*$")
+_REPLY_INBOX_RE = re.compile(r"^_INBOX(?:_([A-Za-z0-9_-]+))?\.[^.*>\s]+(\.[^.*>\s]+)*$")
 
 
 def is_reply_inbox(reply: str, requester: str | None = None) -> bool:
-    """Whether ``reply`` is a role's inbox (``_INBOX_<role>.<token>...``, no wildcard), ``requester``'s if given."""
+    """Whether ``reply`` is a role's inbox (``_INBOX_<role>.<token>...``, no wildcard), ``requester``'s if
+    given; or an inbox of no role (``_INBOX.``: a bus without authentication, where no role can be told,
+    and with it one that only the supervisor's catch-all could read, and none of its requests uses)."""
     m = _REPLY_INBOX_RE.match(reply)
-    return m is not None and (requester is None or m.group(1) == requester)
+    return m is not None and (requester is None or m.group(1) in (None, requester))
 
 
 def stream_delivery(msg: Msg) -> str | None:
