@@ -61,8 +61,9 @@ class BlobUnavailable(BlobError, ConnectionError):
 
 TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT,
                               errno.ECONNRESET, errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
-"""Errors of a file system (a network one, mostly) that a retry may get past; anything else (a full
-disk or quota, a permission, a missing or read-only path, an I/O error of the disk) is raised at once."""
+"""Errors of a file system (a network one, mostly) that a retry may get past. A full disk or quota is an
+outage waited out apart (runtime.blob._space); anything else (a permission, a missing or read-only
+path, an I/O error of the disk) is raised at once."""
 
 
 def is_transient_os_error(exc: BaseException) -> bool:
@@ -94,6 +95,8 @@ class BlobStoreConfig:
         stream_chunk_bytes: chunk size ``get_stream`` yields by default.
         max_pool_connections: concurrent HTTP connections of the S3 client.
         fsync: the file backend fsyncs data and directories before an object becomes visible.
+        max_full_s: the file backend waits this long for space when its file system is full (a write
+            is retried, runtime.blob._space), then raises StorageFull.
     """
 
     url: str
@@ -110,6 +113,7 @@ class BlobStoreConfig:
     stream_chunk_bytes: int = 4 * MiB
     max_pool_connections: int = 16
     fsync: bool = True
+    max_full_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("file://", "s3://")):
@@ -133,6 +137,8 @@ class BlobStoreConfig:
         for name in ("stream_chunk_bytes", "max_pool_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_full_s < 0:
+            raise ValueError(f"max_full_s={self.max_full_s} must be >= 0 (0: a full disk fails the write at once)")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ValueError(
                 f"connect_timeout_s={self.connect_timeout_s}, read_timeout_s={self.read_timeout_s}: "

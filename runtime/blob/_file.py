@@ -7,8 +7,10 @@ A reader that opened the old file keeps reading the old bytes.
 
 Retries: a whole-object call that fails with an error a retry may get past (a stale NFS handle, a
 timeout, EAGAIN: ``is_transient_os_error``) is tried up to ``max_attempts`` times, then raises
-:class:`BlobUnavailable`; any other error (a full disk, a permission, a missing or read-only path) is
-raised at once, as it is: retrying it only delays the failure.
+:class:`BlobUnavailable`. A full disk or quota is an outage: the write waits for space
+(``runtime.blob._space``: said once, bounded by ``max_full_s``), a stream's chunk going on from where the
+disk refused it. Any other error (a permission, a missing or read-only path) is raised at once, as it
+is: retrying it only delays the failure.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from runtime.blob._base import (
     iter_source,
     validate_key,
 )
+from runtime.blob._space import SpaceOutage, is_space_error
 
 __all__ = ["FileBlobStore"]
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+_WRITES = frozenset({"put"})  # a whole object stored ends a full-disk outage (a stream's at its end)
 
 
 def root_from_url(url: str) -> Path:
@@ -61,6 +65,7 @@ class FileBlobStore(BlobStore):
         self._tmp_dir = self.root / RESERVED_PREFIX
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
         self._rng = random.Random()
+        self.space = SpaceOutage(config, self.root)
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*validate_key(key).split("/"))
@@ -90,21 +95,32 @@ class FileBlobStore(BlobStore):
         await self._io("delete", key, self._delete_sync, path)
 
     async def _io(self, op: str, key: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run one blocking file operation in a thread; transient errors retried (module docstring)."""
-        attempts = self.config.max_attempts
-        for attempt in range(1, attempts + 1):
+        """Run one blocking file operation in a thread; transient errors retried, a full disk waited out
+        (module docstring)."""
+        num_transient = num_full = 0
+        while True:
             try:
-                return await asyncio.to_thread(fn, *args)
+                result = await asyncio.to_thread(fn, *args)
             except OSError as exc:
+                if is_space_error(exc):  # an outage: its tries are bounded by time, not by max_attempts
+                    num_full += 1
+                    await self.space.wait(op, key, exc, num_full)
+                    continue
                 if not is_transient_os_error(exc):
                     raise
-                if attempt == attempts:
+                num_transient += 1
+                attempts = self.config.max_attempts
+                if num_transient == attempts:
                     raise BlobUnavailable(f"file {op} of {key!r} in {self.url} failed {attempts} times with "
                                           f"transient errors, last: {exc}; check the file system") from exc
-                delay_s = backoff_s(self.config, attempt, self._rng)
-                log.warning("blob_retry", op=op, key=key, attempt=attempt, delay_s=round(delay_s, 3), error=str(exc))
+                delay_s = backoff_s(self.config, num_transient, self._rng)
+                log.warning("blob_retry", op=op, key=key, attempt=num_transient, delay_s=round(delay_s, 3),
+                            error=str(exc))
                 await asyncio.sleep(delay_s)
-        raise AssertionError("unreachable")  # pragma: no cover
+                continue
+            if op in _WRITES:
+                self.space.wrote()
+            return result
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -112,13 +128,17 @@ class FileBlobStore(BlobStore):
         path = self._path(key)
         tmp = self._new_tmp_path()
         num_bytes = 0
-        handle = await asyncio.to_thread(open, tmp, "wb")
+        # unbuffered: a write the full disk cut short says how far it got, and goes on from there
+        handle = await self._io("put_stream", key, open, tmp, "wb", 0)
         try:
             async for chunk in iter_source(source, self.config.stream_chunk_bytes):
-                await asyncio.to_thread(handle.write, chunk)
+                rest = memoryview(chunk)
+                while rest:
+                    rest = rest[await self._io("put_stream", key, handle.write, rest):]
                 num_bytes += len(chunk)
             await asyncio.to_thread(self._finish_tmp, handle)
-            await asyncio.to_thread(self._publish_tmp, key, tmp, path)
+            await self._io("put_stream", key, self._publish_tmp, key, tmp, path)
+            self.space.wrote()
         except BaseException:
             handle.close()
             with contextlib.suppress(FileNotFoundError):

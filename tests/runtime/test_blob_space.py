@@ -1,0 +1,90 @@
+"""A full disk under the file store is an outage the writes wait out: said once (``storage_full`` with the
+path and free space), the write done by itself once space returns (``storage_recovered``), bounded by
+``max_full_s`` (then StorageFull, naming the store, the bound and what to do). On a real tmpfs filled to
+the last byte, and, for the bound and the errno classes, with ENOSPC/EDQUOT injected below the store."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from runtime.blob import BlobStoreConfig, FileBlobStore, get_tree, put_tree
+from runtime.blob._space import StorageFull
+from tests.small_disk import fill, small_tmpfs
+from tests.waiting import until
+
+MiB = 1024 * 1024
+
+
+class FullDisk(FileBlobStore):
+    """The real store, its whole-object writes failing with ``errnos`` first."""
+
+    def __init__(self, root: Path, errnos: list[int], max_full_s: float = 5.0) -> None:
+        super().__init__(BlobStoreConfig(url=root.as_uri(), backoff_base_s=0.001, backoff_max_s=0.01,
+                                         max_full_s=max_full_s))
+        self.errnos, self.num_calls = errnos, 0
+
+    def _put_sync(self, *args: Any) -> None:
+        self.num_calls += 1
+        if self.errnos:
+            code = self.errnos.pop(0)
+            raise OSError(code, errno.errorcode[code])
+        super()._put_sync(*args)
+
+
+def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+async def test_a_full_disk_or_quota_is_waited_out_and_said_once(tmp_path: Path, code: int) -> None:
+    store = FullDisk(tmp_path, [code] * 4)
+    with capture_logs() as logs:
+        await asyncio.gather(store.put("a", b"1"), store.put("b", b"2"))  # two writers meet one outage
+    assert await store.get("a") == b"1" and await store.get("b") == b"2"
+    (full,) = _events(logs, "storage_full")
+    assert full["path"] == str(tmp_path) and full["free_bytes"] > 0 and full["max_full_s"] == 5.0
+    assert len(_events(logs, "storage_recovered")) == 1
+    assert store.space.full_since is None and store.space.num_outages == 1
+
+
+async def test_a_disk_full_for_longer_than_max_full_s_fails_the_write_saying_what_to_do(tmp_path: Path) -> None:
+    store = FullDisk(tmp_path, [errno.ENOSPC] * 10_000, max_full_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(StorageFull, match=r"full for 0s \(blob max_full_s=0.3.*Free space there or grow it"):
+        await store.put("a", b"1")
+    assert 0.3 <= time.monotonic() - started < 2.0
+    assert isinstance(StorageFull("x"), OSError), "callers that handle an unavailable store handle it too"
+
+
+async def test_a_write_waits_on_a_real_full_tmpfs_and_is_done_once_space_returns(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "small", 4 * MiB) as root:
+        store = FileBlobStore(BlobStoreConfig(url=root.as_uri(), backoff_max_s=0.5, max_full_s=60.0))
+        await store.put("before", b"x" * 1000)
+        filler = fill(root)
+        payload = bytes(range(256)) * 4096  # 1 MiB
+        source = tmp_path / "tree"
+        source.mkdir()
+        (source / "weights.bin").write_bytes(payload * 2)  # streamed in chunks (put_tree)
+        with capture_logs() as logs:
+            put = asyncio.ensure_future(store.put("whole", payload))
+            tree = asyncio.ensure_future(put_tree(store, source, "trees/t"))
+            await until(lambda: len(_events(logs, "storage_full")) == 1 and store.space.full_since, 10,
+                        "the store to say its disk is full")
+            await asyncio.sleep(0.5)  # they keep waiting while it stays full: none fails
+            assert not put.done() and not tree.done()
+            freed = time.monotonic()
+            filler.unlink()
+            await asyncio.wait_for(asyncio.gather(put, tree), 10)
+            recovered_s = time.monotonic() - freed
+        assert await store.get("whole") == payload
+        assert (await get_tree(store, "trees/t", tmp_path / "back") / "weights.bin").read_bytes() == payload * 2
+        assert len(_events(logs, "storage_full")) == 1 and len(_events(logs, "storage_recovered")) == 1
+        assert recovered_s < 2.0, f"the writes took {recovered_s:.1f}s after the space returned"
+        assert not list((root / ".tmp").iterdir()), "no half-written object left behind"

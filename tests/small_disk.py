@@ -1,0 +1,48 @@
+"""A real small file system for the tests of a full disk: a tmpfs of a few MiB mounted at a test's folder
+(the tests run as root), filled to the last byte and freed again."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+__all__ = ["fill", "small_tmpfs"]
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
+    """``path`` as the mount point of a tmpfs of ``size_bytes``; skips the test where mounting is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root and CAP_SYS_ADMIN needed): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(folder: Path) -> Path:
+    """A file in ``folder`` that takes every free byte of its file system; delete it to free the space."""
+    filler = folder / "filler.bin"
+    block = b"\0" * (64 * 1024)
+    with open(filler, "wb", buffering=0) as handle:
+        while True:
+            try:
+                handle.write(block)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                break
+        with contextlib.suppress(OSError):  # the last partial block
+            while handle.write(b"\0" * 512):
+                pass
+    os.sync()
+    return filler
