@@ -8,7 +8,8 @@ Every backend gives atomic visibility (no reader sees a half-written object), so
 idempotent ``delete``, streaming of large objects (``put_stream`` / ``get_stream``; S3 multipart),
 :class:`BlobNotFound` (a ``KeyError``) for missing keys and ``ValueError`` for unsafe keys. The
 S3 backend retries transient errors with exponential backoff and raises :class:`BlobUnavailable`
-(a ``ConnectionError``) once its attempts are spent. ``runtime.blob.testing`` starts a real moto
+(a ``ConnectionError``) once its attempts are spent; the file backend waits out a full disk, up to
+``max_full_s``, then raises :class:`StorageFull` (a BlobUnavailable). ``runtime.blob.testing`` starts a real moto
 S3 server and a fault-injecting proxy for tests. ``put_tree`` / ``get_tree`` store a directory as a
 whole (its manifest written last).
 """
@@ -28,6 +29,7 @@ from runtime.blob._base import (
 )
 from runtime.blob._file import FileBlobStore
 from runtime.blob._s3 import S3BlobStore
+from runtime.blob._space import StorageFull
 from runtime.blob._tree import MANIFEST, CorruptTree, delete_tree, get_tree, put_tree, tree_exists
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "CorruptTree",
     "FileBlobStore",
     "S3BlobStore",
+    "StorageFull",
     "StreamSource",
     "delete_tree",
     "get_tree",

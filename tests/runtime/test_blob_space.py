@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from runtime.blob import BlobStoreConfig, FileBlobStore, get_tree, put_tree
-from runtime.blob._space import StorageFull
+from runtime.blob import BlobStoreConfig, FileBlobStore, StorageFull, get_tree, put_tree
 from tests.small_disk import fill, small_tmpfs
 from tests.waiting import until
 
