@@ -238,20 +238,37 @@ class StageActor(Actor):
 
     async def get_record(self, key: str, record_type: type[R], ready: bool = False) -> R:
         """The record of ``record_type`` at ``key``; WorkRefused when it is missing, corrupt, of another
-        schema or not that type (the stage that wrote it must run again). ``ready``: by reference from the
-        Ray object store when it holds it (runtime.ready_samples), else from the blob store."""
+        schema or not that type (no retry of this work reads it better: the reconciler retries or drops it).
+        ``ready``: by reference from the Ray object store when it holds it (runtime.ready_samples), else from
+        the blob store."""
         return await _read_record(self.ctx.blob, key, record_type, await self.ctx.ready_samples.get(key)
                                   if ready and self.ctx.ready_samples is not None else None)
 
     async def get_records(self, keys: list[str], record_type: type[R], ready: bool = False) -> list[R]:
         """`get_record` of each of ``keys``; ``ready``: those the Ray object store holds read in one go
         (``ready_samples_read``: how many reads of this process the store answered, how many the blob store)."""
+        records = await self.get_records_each(keys, record_type, ready)
+        for record in records:
+            if isinstance(record, WorkRefused):
+                raise record
+        return records  # type: ignore[return-value]
+
+    async def get_records_each(self, keys: list[str], record_type: type[R],
+                               ready: bool = False) -> list[R | WorkRefused]:
+        """As `get_records`, each key's record or why it cannot be used (missing, corrupt, another schema):
+        one bad record refuses the work that needs it, not its neighbours'."""
         found: list[bytes | None] = [None] * len(keys)
         if ready and self.ctx.ready_samples is not None:
             found = await self.ctx.ready_samples.get_many(keys)
             log.info("ready_samples_read", num_hits=self.ctx.ready_samples.num_hits,
                      num_misses=self.ctx.ready_samples.num_misses)
-        return [await _read_record(self.ctx.blob, k, record_type, raw) for k, raw in zip(keys, found, strict=True)]
+        records: list[R | WorkRefused] = []
+        for key, raw in zip(keys, found, strict=True):
+            try:
+                records.append(await _read_record(self.ctx.blob, key, record_type, raw))
+            except WorkRefused as e:
+                records.append(e)
+        return records
 
 
 async def _read_record(blob: Any, key: str, record_type: type[R], raw: bytes | None) -> R:
@@ -259,14 +276,14 @@ async def _read_record(blob: Any, key: str, record_type: type[R], raw: bytes | N
     try:
         raw = raw if raw is not None else await blob.get(key)
     except KeyError:
-        raise WorkRefused(f"blob {key!r} is missing; the stage that wrote it must run again") from None
+        raise WorkRefused(f"blob {key!r} is missing") from None
     except ValueError as e:  # a key no stage writes (outside the store): no retry makes it readable
         raise WorkRefused(f"blob key {key[:200]!r} is invalid: {e}") from None
     try:
         data = zstandard.ZstdDecompressor().decompress(raw)
     except zstandard.ZstdError as e:
-        raise WorkRefused(f"blob {key!r} is corrupt ({e}); the stage that wrote it must run again") from None
+        raise WorkRefused(f"blob {key!r} is corrupt ({e})") from None
     try:
         return decode_record(data, record_type, key)
     except RecordError as e:
-        raise WorkRefused(f"{e}; the stage that wrote it must run again") from None
+        raise WorkRefused(str(e)) from None

@@ -162,9 +162,13 @@ class LifecycleFlow:
         if batch is None or batch.batch_id != event.batch_id:
             self.metrics.counters["ignored_completions"] += 1
             return
-        groups = [table.groups[g] for g in batch.group_ids]
-        members = table.batch_members(batch)
-        self._finish(Stage.TRAIN, batch.batch_id, max(s.entered_at[SlotState.TRAIN] for s in members))
+        entered = max(s.entered_at[SlotState.TRAIN] for s in table.batch_members(batch))
+        self._finish(Stage.TRAIN, batch.batch_id, entered)
+        for group_id, reason in event.dropped:  # could not be trained: these go, the rest of the batch trained
+            if group_id in batch.group_ids and group_id in table.groups:
+                await self.drop_group(table.groups[group_id], f"train stage: {reason}")
+        groups = [table.groups[g] for g in batch.group_ids if g in table.groups]
+        members = [s for g in groups for s in table.members(g)]
         await table.save_meta(max(table.version, event.trainer_version), None)
         table.release(members)  # the admissions this call makes next take these slots: one write each, not two
         for group in groups:

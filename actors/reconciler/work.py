@@ -123,7 +123,8 @@ class TrainOrder:
     trained with a `TrainDone` and refuses one that names some trained and some untrained groups;
     it rejects a batch with `StageFailed` (for good: every later attempt gets the same answer) if
     its version exceeds `deadline_version` (training would break the staleness bound) or it cannot
-    train it. The core drops a rejected batch's groups with the reason; a batch whose trainer
+    train it. A group whose record cannot be read is left out and named in `TrainDone.dropped`: the
+    rest trains. The core drops a rejected batch's groups with the reason; a batch whose trainer
     timed out or was lost is re-issued without bound, never dropped, since it may have trained.
     It checks its ledger before the deadline.
     """
@@ -234,13 +235,16 @@ class GroupDone:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TrainDone:
-    """The batch was trained; `trainer_version` is the trainer's version after the step."""
+    """The batch was trained; `trainer_version` is the trainer's version after the step. `dropped`: the
+    groups of the batch that could not be trained (their record missing or corrupt), each with why; the
+    rest of the batch trained without them, and the core drops only these."""
 
     STAGE: ClassVar[Stage] = Stage.TRAIN
     batch_id: str
     attempt: int
     trainer_version: int
     token: str = ""
+    dropped: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,21 +143,13 @@ class TrainerActor(StageActor):
         # rank 0 fetches the store's newest checkpoint into the cache the ranks share; they all load it
         latest = await self._latest_checkpoint() if self.layout.rank == 0 else None
         latest = await self._collective(self.ranks.broadcast_plan, latest)
-        num_steps = self.ctx.run_steps  # the length of a cosine lr schedule
-        if latest is not None:
-            self.learner = await self._compute(Learner.load, latest, cfg.trainer, num_steps, device, self.ranks)
-            use_training_precision(self.learner.model, cfg.policy)
-        else:
-            policy = dataclasses.replace(cfg.policy, device=str(device))
-            model = await load_run_policy(self.ctx, policy, training=True)
-            self.learner = await self._compute(Learner, model, cfg.trainer, 0, num_steps, self.ranks)
+        self.learner = await self._learner_from(latest)
         if self.layout.rank == 0:  # the only one that writes rows
             await self._recover_pending_row()
         self.run_name = weights_run_name(self.ctx)
         self.publisher_config = PublisherConfig(run=self.run_name, rank=self.layout.rank,
                                                 world_size=self.layout.world_size)
-        self.publisher = WeightPublisher(self.ctx.blob, self.publisher_config)
-        await self.exit_stack.enter_async_context(self.publisher)
+        await self._start_publisher()
         if self.ranks.distributed:
             self.exit_stack.push_async_callback(self._stop_group)  # before the publisher closes
         self.signal_codec = Codec([WeightsPublished])
@@ -165,6 +158,22 @@ class TrainerActor(StageActor):
         self.num_samples = 0
         self.last_submitted = -1
         await self._announce_current()
+
+    async def _learner_from(self, checkpoint: Path | None) -> Learner:
+        """The learner saved at ``checkpoint``, or (None) the run's starting policy at version 0."""
+        cfg = self.config
+        num_steps = self.ctx.run_steps  # the length of a cosine lr schedule
+        if checkpoint is not None:
+            learner = await self._compute(Learner.load, checkpoint, cfg.trainer, num_steps, self.device, self.ranks)
+            use_training_precision(learner.model, cfg.policy)
+            return learner
+        policy = dataclasses.replace(cfg.policy, device=str(self.device))
+        model = await load_run_policy(self.ctx, policy, training=True)
+        return await self._compute(Learner, model, cfg.trainer, 0, num_steps, self.ranks)
+
+    async def _start_publisher(self) -> None:
+        self.publisher = WeightPublisher(self.ctx.blob, self.publisher_config)
+        await self.exit_stack.enter_async_context(self.publisher)
 
     async def _announce_current(self) -> None:
         """The learner's version is in the store (verified, or published now) and announced, before any order.
@@ -256,6 +265,11 @@ class TrainerActor(StageActor):
             log.info("batch_already_trained", batch_id=order.batch_id, version=max(trained.values()))
             return TrainDone(order.batch_id, order.attempt, max(trained.values()))
         if trained:
+            dropped = await self._unreadable(order, [g for g in order.group_ids if g not in trained])
+            if dropped:  # the rest trained when these were left out: the same answer again
+                log.info("batch_already_trained", batch_id=order.batch_id, version=max(trained.values()),
+                         dropped_group_ids=sorted(dropped))
+                return TrainDone(order.batch_id, order.attempt, max(trained.values()), dropped=tuple(dropped.items()))
             raise WorkRefused(f"batch {order.batch_id} names groups already trained {sorted(trained)}: "
                               "a group trains at most once")
         steps = self.ctx.run_steps
@@ -266,22 +280,42 @@ class TrainerActor(StageActor):
                               f"{order.deadline_version}: training it would exceed the staleness bound")
         plan = TrainPlan(order.batch_id, tuple(order.group_keys), tuple(order.group_ids))
         await self._collective(self.ranks.broadcast_plan, plan)  # the other ranks, if any, take the step too
-        await self._train_plan(plan, order, delivery)
-        return TrainDone(order.batch_id, order.attempt, learner.version)
+        dropped = await self._train_plan(plan, order, delivery)
+        return TrainDone(order.batch_id, order.attempt, learner.version, dropped=tuple(dropped.items()))
+
+    async def _unreadable(self, order: TrainOrder, group_ids: list[str]) -> dict[str, str]:
+        """Why each of ``group_ids`` (of ``order``) cannot be read, if none of them can; else {}."""
+        keys = [order.group_keys[order.group_ids.index(g)] for g in group_ids]
+        records = await self.get_records_each(keys, GroupRecord, ready=True)
+        if not all(isinstance(r, WorkRefused) for r in records):
+            return {}
+        return {g: _dropped_reason(str(r)) for g, r in zip(group_ids, records, strict=True)}
 
     async def _train_plan(self, plan: TrainPlan, order: TrainOrder | None = None,
-                          delivery: Delivery | None = None) -> StepMetrics:
+                          delivery: Delivery | None = None) -> dict[str, str]:
         """One step on ``plan``, the same sequence on every rank; rank 0, which took the ``order`` (its
-        ``delivery`` holds a lone rank's background upload), also writes the row, reports and releases."""
-        groups = await self._read_share(plan)
+        ``delivery`` holds a lone rank's background upload), also writes the row, reports and releases.
+        Returns the groups left out of the step (their record unreadable), each with why."""
+        groups, dropped = await self._read_share(plan)
         learner = self.learner
         started = time.monotonic()
         metrics = await self._compute(learner.step, groups, plan.batch_id)
+        try:
+            await self._keep_step(metrics, [g.group_id for g in groups], started, order, delivery)
+        except Exception as e:
+            await self._back_to_stored(e)
+            raise
+        return dropped
+
+    async def _keep_step(self, metrics: StepMetrics, group_ids: list[str], started: float,
+                         order: TrainOrder | None, delivery: Delivery | None) -> None:
+        """What follows the step in memory: its records, checkpoint and weights in the store, its row."""
+        learner = self.learner
         await self._store_trainer_logprobs(learner.trained_logprobs)
         row = None
         if order is not None:
             self.num_samples += metrics.num_samples
-            row = self._row(metrics, order, busy_s=self.busy_s + time.monotonic() - started)
+            row = self._row(metrics, order, group_ids, busy_s=self.busy_s + time.monotonic() - started)
             # The step's row is written before its checkpoint: a trainer killed between the checkpoint and
             # the metrics get it when it restarts (`_recover_pending_row`), once, and never twice.
             await self.ctx.blob.put(PENDING_ROW, json.dumps(row).encode())
@@ -299,29 +333,61 @@ class TrainerActor(StageActor):
             await self.ctx.blob.delete(PENDING_ROW)
         if order is not None and self.ctx.ready_samples is not None:  # trained: the object store's copies go
             await self.ctx.ready_samples.release(list(order.group_keys))
-        return metrics
 
-    async def _read_share(self, plan: TrainPlan) -> list[GroupRecord]:
-        """The plan's groups: this rank reads its share (all of them on one rank) and the group exchanges
-        them. A read that fails on one rank fails the plan on every rank (WorkRefused), never a collective
-        left unpaired."""
-        share = list(self.ranks.share_of(len(plan.group_keys)))
-        mine: dict[int, GroupRecord | str]
+    async def _back_to_stored(self, error: Exception) -> None:
+        """A write after the step failed (the store full past its bound, unavailable, the local cache full): the
+        step in memory is not the trainer's state, the store's newest checkpoint is. A lone rank reloads it
+        (weights, optimizer moments, version and ledger; no restart), so that a redelivered order is trained
+        again, never answered "already trained" from a step nobody can load, and makes sure its version is
+        stored and announced; with ranks, the group fails and restarts together from that checkpoint."""
+        stepped = self.learner.version
+        if self.ranks.distributed:
+            self.fail(f"version {stepped}: a write after the step failed on rank {self.layout.rank}: {error!r}; "
+                      "the group restarts from its stored checkpoint")
+            return
+        log.error("trainer_step_rolled_back", version=stepped, error=repr(error),
+                  consequence="reloading the newest stored checkpoint; the order is redelivered and trained again")
         try:
-            records = await self.get_records([plan.group_keys[i] for i in share], GroupRecord, ready=True)
-            mine = dict(zip(share, records, strict=True))
-        except WorkRefused as e:  # said to the others in place of the records
-            mine = dict.fromkeys(share, str(e))
+            await self.publisher.close()  # what it was given is published or failed; its delta base goes with it
+            names = await stored_checkpoints(self.ctx.blob)
+            restored = await download_checkpoint(self.ctx.blob, names[-1], self.checkpoints) if names else None
+            for cached in self.checkpoints.glob("step-*"):  # newer than the stored: never resumed from
+                if restored is None or cached.name > restored.name:
+                    shutil.rmtree(cached, ignore_errors=True)
+            self.learner = await self._learner_from(restored)
+            await self._start_publisher()
+            await self._recover_pending_row()
+            await self._announce_current()
+        except Exception as e:  # the memory is not to be trusted and the store cannot say better: start again
+            self.fail(f"version {stepped} could not be stored ({error!r}) nor the stored checkpoint reloaded "
+                      f"({e!r}); the restarted trainer resumes from it")
+            raise
+        log.info("trainer_restored", version=self.learner.version, rolled_back_from=stepped,
+                 checkpoint=restored.name if restored is not None else "starting policy")
+
+    async def _read_share(self, plan: TrainPlan) -> tuple[list[GroupRecord], dict[str, str]]:
+        """The plan's groups that can be read, and why each other one cannot (missing, corrupt, another
+        schema): only those are left out, the rest trains. This rank reads its share (all of them on one rank)
+        and the group exchanges them, every rank the same answer, never a collective left unpaired. Refused
+        (WorkRefused) when none can be read, or the records are not the groups the plan names."""
+        share = list(self.ranks.share_of(len(plan.group_keys)))
+        records = await self.get_records_each([plan.group_keys[i] for i in share], GroupRecord, ready=True)
+        mine: dict[int, GroupRecord | str] = {i: r if isinstance(r, GroupRecord) else str(r)
+                                              for i, r in zip(share, records, strict=True)}
         every = await self._collective(self.ranks.exchange, mine, len(plan.group_keys))
-        errors = [r for r in every if isinstance(r, str)]
-        if errors:
-            raise WorkRefused(errors[0])
+        dropped = {plan.group_ids[i]: _dropped_reason(r) for i, r in enumerate(every) if isinstance(r, str)}
         groups = [r for r in every if isinstance(r, GroupRecord)]
         named = [g.group_id for g in groups]
-        if len(set(plan.group_ids)) != len(plan.group_ids) or named != list(plan.group_ids):
+        if len(set(plan.group_ids)) != len(plan.group_ids) or named != [g for g in plan.group_ids if g not in dropped]:
             raise WorkRefused(f"batch {plan.batch_id} names groups {list(plan.group_ids)} but its records "
                               f"hold {named}")
-        return groups
+        if not groups:
+            raise WorkRefused(f"batch {plan.batch_id}: no group can be trained: "
+                              + "; ".join(f"{g}: {why}" for g, why in dropped.items()))
+        if dropped:
+            log.warning("groups_left_out_of_batch", batch_id=plan.batch_id, dropped=dropped,
+                        trained_group_ids=named)
+        return groups, dropped
 
     async def _store_trainer_logprobs(self, records: list[TrainerLogprobs]) -> None:
         """The step's log-probs of its trained tokens, each sample's beside its other blobs (collected with its
@@ -414,9 +480,9 @@ class TrainerActor(StageActor):
         await self.bus.publish(weights_subject(self.run_name), await self.signal_codec.encode(msg))
         await self.bus.flush(timeout_s=5.0)  # sent now, not with the next batch of writes: rollouts may be waiting
 
-    def _row(self, m: StepMetrics, order: TrainOrder, *, busy_s: float) -> dict[str, Any]:
+    def _row(self, m: StepMetrics, order: TrainOrder, group_ids: list[str], *, busy_s: float) -> dict[str, Any]:
         wall = time.monotonic() - self.started_at
-        return {"kind": "train", "time": time.time(), "batch_id": order.batch_id, "group_ids": list(order.group_ids),
+        return {"kind": "train", "time": time.time(), "batch_id": order.batch_id, "group_ids": group_ids,
                 **m.to_dict(),
                 "samples_per_s": self.num_samples / wall if wall > 0 else 0.0,
                 "trainer_utilisation": busy_s / wall if wall > 0 else 0.0}
@@ -430,3 +496,7 @@ class TrainerActor(StageActor):
                     "util": round(row["trainer_utilisation"], 2)}
         await self.bus.publish("progress.train", msgpack.packb(progress, use_bin_type=True))
 
+
+def _dropped_reason(refusal: str) -> str:
+    """What the reconciler records for a group left out of its batch."""
+    return f"{refusal}; this group is dropped, the rest of its batch trains"

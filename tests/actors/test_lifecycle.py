@@ -22,6 +22,7 @@ from actors import (
     SchedulingConfig,
     SlotState,
     StageFailed,
+    TrainDone,
     TrainOrder,
 )
 from actors.reconciler.slot import Stage
@@ -268,6 +269,23 @@ async def test_trainer_rejection_drops_the_batch() -> None:
     await core.on_completion(StageFailed(batch.STAGE, batch.key, 1, "nan loss", reissued.token), 2.0)
     assert core.is_finished and core.snapshot(2.0).counters["dropped_groups"] == 2
     assert "nan loss" in GroupOutcome.decode((await store.get(outcome_key("e0-p0"))).value).reason
+
+
+async def test_a_group_the_trainer_could_not_read_is_dropped_alone_and_the_rest_of_its_batch_trains() -> None:
+    store, resumed, world = await start(num_prompts=2)
+    core = resumed.lifecycle
+    while not any(isinstance(o, TrainOrder) for o in world.pending):
+        await deliver(core, world, world.pending[0])
+    batch = next(o for o in world.pending if isinstance(o, TrainOrder))
+    corrupt, healthy = batch.group_ids
+    why = f"blob 'groups/{corrupt}/a0' is corrupt; this group is dropped, the rest of its batch trains"
+    await core.on_completion(TrainDone(batch.batch_id, batch.attempt, 1, batch.token, dropped=((corrupt, why),)), 2.0)
+    counters = core.snapshot(2.0).counters
+    assert core.is_finished and counters["dropped_groups"] == 1 and counters["trained_groups"] == 1
+    outcome = GroupOutcome.decode((await store.get(outcome_key(corrupt))).value)
+    assert outcome.dropped and outcome.reason == f"train stage: {why}"
+    assert await store.get(outcome_key(healthy)) is None, "the healthy group trained: no drop recorded"
+    assert core.snapshot(2.0).trainer_version == 1
 
 
 def test_config_validation() -> None:

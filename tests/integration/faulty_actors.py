@@ -16,6 +16,7 @@ from actors.stages.evaluator import EvaluatorActor
 from actors.stages.rollout import RolloutActor
 from actors.stages.trainer import TrainerActor
 from runtime.actor import Delivery
+from runtime.blob import BlobUnavailable, StorageFull
 
 
 def _first_time(run_dir: Any, fault: str) -> bool:
@@ -126,4 +127,46 @@ class PublishFailingTrainerActor(TrainerActor):
     async def setup(self) -> None:
         if _first_time(self.ctx.run_dir, "publish"):
             self.ctx.blob = _WeightsPutsFail(self.ctx.blob)
+        await super().setup()
+
+
+# A write after the step that fails, by the version the step made: the store full past its bound (what the
+# file store raises then), or unavailable (what the S3 store raises once its retries are spent), at each
+# point of step -> row -> checkpoint -> weights -> metrics.
+FAILED_WRITES = {1: ("checkpoints/", StorageFull), 2: ("trainer/pending-train-row", BlobUnavailable),
+                 3: ("metrics/train/", BlobUnavailable)}
+
+
+class _WritesFailAfterStep:
+    """The trainer's store, one write failing once at each point of `FAILED_WRITES`."""
+
+    def __init__(self, trainer: TrainerActor) -> None:
+        self._trainer, self._store = trainer, trainer.ctx.blob
+
+    def _fail(self, key: str) -> None:
+        learner = getattr(self._trainer, "learner", None)  # None while it starts
+        version = learner.version if learner is not None else -1
+        prefix, error = FAILED_WRITES.get(version, ("", None))
+        if error is not None and key.startswith(prefix) and _first_time(self._trainer.ctx.run_dir, f"write-v{version}"):
+            raise error(f"injected fault: writing {key!r} after the step to version {version} failed")
+
+    async def put(self, key: str, data: Any) -> None:
+        self._fail(key)
+        await self._store.put(key, data)
+
+    async def put_stream(self, key: str, source: Any) -> int:
+        self._fail(key)
+        return await self._store.put_stream(key, source)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+class WriteFailingTrainerActor(TrainerActor):
+    """The real trainer whose store fails one write after the step at each point of `FAILED_WRITES`."""
+
+    still_wanted_patience_s = 1.0  # the test plays the reconciler and answers no still-wanted question
+
+    async def setup(self) -> None:
+        self.ctx.blob = _WritesFailAfterStep(self)  # type: ignore[assignment]
         await super().setup()

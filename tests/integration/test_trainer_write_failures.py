@@ -1,0 +1,135 @@
+"""The real trainer, a write after its step failing (its checkpoint, its row, its metrics), and a batch with one
+corrupt group record: the trainer answers "already trained" only from what its store holds, and one bad record
+costs its own group only. This test plays the reconciler.
+
+After a failed write the step in memory is rolled back to the newest stored checkpoint (weights, optimizer
+moments, ledger) in the same process, no restart: the redelivered order is trained again, every version is
+stored, published and announced, each batch trains once and each step reports one row. A truncated group
+record beside a healthy one: the healthy one trains, the corrupt one is named in ``TrainDone.dropped`` with
+why, and a redelivery of that batch gets the same answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zstandard
+
+from actors.messages import COMPLETION_TYPES, all_order_types
+from actors.reconciler.work import TrainDone, TrainOrder
+from actors.records import encode_record
+from actors.training.checkpoint_store import download_checkpoint, stored_checkpoints
+from model.checkpoint import save_checkpoint
+from model.config import tiny
+from model.transformer import MoETransformer
+from model.weight_sync import SubscriberConfig, WeightSubscriber
+from runtime.blob import BlobStore, open_store
+from runtime.bus import DONE_QUEUE
+from runtime.codec import Codec
+from runtime.metrics_log import read_run_metrics
+from runtime.rundir import RunInfo
+from tests.actors.training.test_learner import _group
+from tests.integration.faulty_actors import FAILED_WRITES
+from tests.integration.harness import LiveRun, run_events, write_config
+from tests.waiting import until
+
+pytestmark = pytest.mark.timeout(400)
+
+RUN = """
+[actors.trainer]
+entry = "{entry}"
+max_concurrency = 1
+heartbeat_s = 1.0
+[policy]
+checkpoint = "{checkpoint}"
+[tasks]
+num_train = 8
+num_heldout = 2
+difficulties = [1]
+"""
+
+Train = Callable[[str, int, tuple[str, ...]], Awaitable[Any]]
+
+
+@contextlib.asynccontextmanager
+async def _trainer_run(tmp_path: Path, entry: str, num_groups: int,
+                       truncated: tuple[int, ...] = ()) -> AsyncIterator[tuple[LiveRun, BlobStore, Train]]:
+    """A run of the trainer alone, group records g1..g<num_groups> in its store (``truncated`` ones cut in half)
+    and a way to send it an order and get its completion."""
+    ckpt = tmp_path / "policy"
+    model = MoETransformer(tiny()).init_weights(0)
+    save_checkpoint(model, ckpt)
+    cfg = write_config(tmp_path / "run.toml", RUN.format(entry=entry, checkpoint=ckpt))
+    run = await LiveRun(tmp_path / "run", cfg).start()
+    try:
+        assert run.bus is not None
+        await run.wait_actors("trainer", 1, timeout_s=180)
+        await until(lambda: run_events(run.run_dir, "weights_announced") or run_events(run.run_dir, "weights_verified"),
+                    120, "version 0 announced", every_s=0.5)
+        await run.bus.ensure_queue(DONE_QUEUE)
+        orders, done = Codec(all_order_types()), Codec(COMPLETION_TYPES)
+        sub = await run.bus.js.pull_subscribe_bind(durable=DONE_QUEUE.durable, stream=DONE_QUEUE.stream)
+
+        async def train(batch: str, attempt: int, groups: tuple[str, ...]) -> Any:
+            await run.bus.publish_durable("work.train", await orders.encode(TrainOrder(
+                batch, attempt, groups, tuple(f"groups/{g}/a0" for g in groups), (), 0, 100)))
+            (raw,) = await sub.fetch(1, timeout=180)
+            await raw.ack()
+            return await done.decode(raw.data)
+
+        async with open_store((run.run_dir / "blobs").as_uri()) as store:
+            for seed in range(1, num_groups + 1):
+                record = zstandard.ZstdCompressor().compress(encode_record(_group(model, [1.0, 0.0, 0.0, 1.0], seed)))
+                await store.put(f"groups/g{seed}/a0", record[:len(record) // 2] if seed in truncated else record)
+            yield run, store, train
+    finally:
+        assert await run.stop() == 0
+
+
+async def _stored_state(store: BlobStore, cache: Path) -> tuple[str, dict[str, Any]]:
+    newest = (await stored_checkpoints(store))[-1]
+    return newest, json.loads((await download_checkpoint(store, newest, cache) / "trainer_state.json").read_text())
+
+
+async def test_after_a_failed_write_the_trainer_answers_already_trained_only_from_its_stored_checkpoint(
+        tmp_path: Path) -> None:
+    async with _trainer_run(tmp_path, "tests.integration.faulty_actors:WriteFailingTrainerActor", 3) as (
+            run, store, train):
+        for version in FAILED_WRITES:  # each step has one write fail after it, and is trained again
+            trained = await train(f"b{version}", 0, (f"g{version}",))
+            assert isinstance(trained, TrainDone) and trained.trainer_version == version, trained
+        newest, state = await _stored_state(store, tmp_path / "ckpt")
+        await until(lambda: 3 in {e["version"] for e in run_events(run.run_dir, "weights_announced")}, 60,
+                    "version 3 announced", every_s=0.5)
+        reader = WeightSubscriber(store, SubscriberConfig(run=RunInfo.read(run.run_dir).run))
+        published = await reader.versions()
+        reader.close()
+    run_dir = run.run_dir
+    assert published == [0, 1, 2, 3], "every version trained is stored whole (old: the step kept in memory only)"
+    assert newest == "step-0000003" and state["trained_batches"] == ["b1", "b2", "b3"], (newest, state)
+    assert {e["version"] for e in run_events(run_dir, "weights_announced")} >= {1, 2, 3}
+    rolled = run_events(run_dir, "trainer_step_rolled_back")
+    assert sorted(e["version"] for e in rolled) == sorted(FAILED_WRITES), rolled
+    assert len(run_events(run_dir, "trainer_restored")) == len(FAILED_WRITES)
+    assert not run_events(run_dir, "actor_crashed"), "no restart: the trainer went back to its stored checkpoint"
+    rows = sorted(r["version"] for r in await read_run_metrics(run_dir, kind="train"))
+    assert rows == [1, 2, 3], f"each step reported once: {rows}"
+
+
+async def test_a_truncated_group_record_drops_its_group_alone_and_the_healthy_one_trains(tmp_path: Path) -> None:
+    async with _trainer_run(tmp_path, "actors.stages.trainer:TrainerActor", 2, truncated=(2,)) as (run, store, train):
+        mixed = await train("b1", 0, ("g1", "g2"))
+        assert isinstance(mixed, TrainDone) and mixed.trainer_version == 1, mixed
+        ((dropped, why),) = mixed.dropped
+        assert dropped == "g2" and "groups/g2/a0" in why and "corrupt" in why and "must run again" not in why
+        again = await train("b1", 1, ("g1", "g2"))  # redelivered or re-issued: the same answer
+        assert isinstance(again, TrainDone) and (again.trainer_version, again.dropped) == (1, mixed.dropped)
+        _, state = await _stored_state(store, tmp_path / "ckpt")
+    assert list(state["trained_groups"]) == ["g1"], "the corrupt group is not in the ledger"
+    (row,) = await read_run_metrics(run.run_dir, kind="train")
+    assert row["group_ids"] == ["g1"] and row["num_samples"] == 4
