@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +28,9 @@ def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def fill(folder: Path) -> Path:
-    """A file in ``folder`` that takes every free byte of its file system; delete it to free the space."""
+def fill(folder: Path, leave_bytes: int = 0) -> Path:
+    """A file in ``folder`` that takes every free byte of its file system but ``leave_bytes`` (room for small
+    writes, none for large ones); delete it to free the space."""
     filler = folder / "filler.bin"
     block = b"\0" * (64 * 1024)
     with open(filler, "wb", buffering=0) as handle:
@@ -44,5 +44,6 @@ def fill(folder: Path) -> Path:
         with contextlib.suppress(OSError):  # the last partial block
             while handle.write(b"\0" * 512):
                 pass
-    os.sync()
+        if leave_bytes:
+            handle.truncate(max(0, handle.tell() - leave_bytes))
     return filler
