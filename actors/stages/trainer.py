@@ -18,7 +18,10 @@ taking an order, verifies that this version is in the store (publishing it again
 announces it: nobody waits for a version that the dead trainer never announced. A publish of the
 newest version that fails after the publisher's retries fails the trainer (it exits non-zero and is
 restarted, which publishes it again); an older version's failure is only logged, a newer one
-supersedes it.
+supersedes it. Any other write after the step that fails (the store full past its ``max_full_s``,
+unavailable past its retries) rolls the learner back to the store's newest checkpoint in place
+(``_back_to_stored``): a step is "already trained" only once a stored checkpoint says so. A group whose
+record cannot be read is left out of its batch, named in ``TrainDone.dropped``; the rest trains.
 
 With ``actors.trainer.ranks = N`` the trainer is N processes forming one torch.distributed group
 (actors.trainer_group: rendezvous through the bus). Rank 0 alone takes the reconciler's orders; for each
@@ -398,8 +401,9 @@ class TrainerActor(StageActor):
         keys = {r.sample_id: trainer_logprobs_key(r.sample_id) for r in records}
         try:
             await gather_or_cancel(*(self.put_record(keys[r.sample_id], r) for r in records))
-        except (BlobError, OSError) as e:
-            log.warning("trainer_logprobs_not_stored", version=records[0].version, error=repr(e))
+        except (BlobError, OSError) as e:  # a full disk was waited out below: this is past the store's bounds
+            log.warning("trainer_logprobs_not_stored", version=records[0].version, error=repr(e),
+                        sample_ids=sorted(keys), consequence="the rollout viewer shows no trainer log-probs for them")
             return
         log.info("trainer_logprobs_stored", version=records[0].version, keys=keys)
 

@@ -33,7 +33,8 @@ TIMEOUT_ARG = {"request": 2, "fetch": None, "next_msg": 0, "flush": 0}  # verb -
 REQUIRES_CONTEXT = {"drain"}  # nats-py's drain has no bound of its own: only asyncio.timeout around it
 JS_API = "JetStream API request: the context's timeout (5 s)"
 NO_WAIT = "core protocol write into the client's bounded pending buffer: no round trip"
-BLOB = "blob store call: the store's connect/read timeouts x max_attempts (runtime.blob)"
+BLOB = ("blob store call: the store's connect/read timeouts x max_attempts, and a full file system's wait "
+        "max_full_s (runtime.blob)")
 KIND_BOUNDS = {
     # JetStream API and KV requests (nats-py sends a request and waits the context's timeout)
     **dict.fromkeys(("stream_info", "streams_info", "add_stream", "update_stream", "add_consumer",
