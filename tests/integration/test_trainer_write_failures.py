@@ -21,7 +21,7 @@ import pytest
 import zstandard
 
 from actors.messages import COMPLETION_TYPES, all_order_types
-from actors.reconciler.work import TrainDone, TrainOrder
+from actors.reconciler.work import StageFailed, TrainDone, TrainOrder
 from actors.records import encode_record
 from actors.training.checkpoint_store import download_checkpoint, stored_checkpoints
 from model.checkpoint import save_checkpoint
@@ -122,14 +122,19 @@ async def test_after_a_failed_write_the_trainer_answers_already_trained_only_fro
 
 
 async def test_a_truncated_group_record_drops_its_group_alone_and_the_healthy_one_trains(tmp_path: Path) -> None:
-    async with _trainer_run(tmp_path, "actors.stages.trainer:TrainerActor", 2, truncated=(2,)) as (run, store, train):
+    async with _trainer_run(tmp_path, "actors.stages.trainer:TrainerActor", 3, truncated=(2,)) as (run, store, train):
         mixed = await train("b1", 0, ("g1", "g2"))
         assert isinstance(mixed, TrainDone) and mixed.trainer_version == 1, mixed
         ((dropped, why),) = mixed.dropped
         assert dropped == "g2" and "groups/g2/a0" in why and "corrupt" in why and "must run again" not in why
         again = await train("b1", 1, ("g1", "g2"))  # redelivered or re-issued: the same answer
         assert isinstance(again, TrainDone) and (again.trainer_version, again.dropped) == (1, mixed.dropped)
+        alone = await train("b2", 0, ("g2",))  # nothing left to train: the batch is refused, naming why
+        assert isinstance(alone, StageFailed) and "no group can be trained" in alone.reason and "g2" in alone.reason
+        missing = await train("b3", 0, ("g4", "g3"))  # a record never written, beside a healthy one
+        assert isinstance(missing, TrainDone) and missing.trainer_version == 2, missing
+        assert [(g, "missing" in w) for g, w in missing.dropped] == [("g4", True)]
         _, state = await _stored_state(store, tmp_path / "ckpt")
-    assert list(state["trained_groups"]) == ["g1"], "the corrupt group is not in the ledger"
-    (row,) = await read_run_metrics(run.run_dir, kind="train")
-    assert row["group_ids"] == ["g1"] and row["num_samples"] == 4
+    assert sorted(state["trained_groups"]) == ["g1", "g3"], "no unreadable group is in the ledger"
+    rows = sorted(await read_run_metrics(run.run_dir, kind="train"), key=lambda r: r["version"])
+    assert [(r["group_ids"], r["num_samples"]) for r in rows] == [(["g1"], 4), (["g3"], 4)]
