@@ -98,29 +98,38 @@ class FileBlobStore(BlobStore):
         """Run one blocking file operation in a thread; transient errors retried, a full disk waited out
         (module docstring)."""
         num_transient = num_full = 0
-        while True:
-            try:
-                result = await asyncio.to_thread(fn, *args)
-            except OSError as exc:
-                if is_space_error(exc):  # an outage: its tries are bounded by time, not by max_attempts
-                    num_full += 1
-                    await self.space.wait(op, key, exc, num_full)
+        try:
+            while True:
+                try:
+                    result = await asyncio.to_thread(fn, *args)
+                except OSError as exc:
+                    if is_space_error(exc):  # an outage: its tries are bounded by time, not by max_attempts
+                        num_full += 1
+                        self.space.num_waiting += num_full == 1
+                        await self.space.wait(op, key, exc, num_full)
+                        continue
+                    if not is_transient_os_error(exc):
+                        raise
+                    num_transient += 1
+                    attempts = self.config.max_attempts
+                    if num_transient == attempts:
+                        raise BlobUnavailable(f"file {op} of {key!r} in {self.url} failed {attempts} times with "
+                                              f"transient errors, last: {exc}; check the file system") from exc
+                    delay_s = backoff_s(self.config, num_transient, self._rng)
+                    log.warning("blob_retry", op=op, key=key, attempt=num_transient, delay_s=round(delay_s, 3),
+                                error=str(exc))
+                    await asyncio.sleep(delay_s)
                     continue
-                if not is_transient_os_error(exc):
-                    raise
-                num_transient += 1
-                attempts = self.config.max_attempts
-                if num_transient == attempts:
-                    raise BlobUnavailable(f"file {op} of {key!r} in {self.url} failed {attempts} times with "
-                                          f"transient errors, last: {exc}; check the file system") from exc
-                delay_s = backoff_s(self.config, num_transient, self._rng)
-                log.warning("blob_retry", op=op, key=key, attempt=num_transient, delay_s=round(delay_s, 3),
-                            error=str(exc))
-                await asyncio.sleep(delay_s)
-                continue
-            if op in _WRITES:
-                self.space.wrote()
-            return result
+                if num_full:
+                    self.space.num_waiting -= 1
+                    num_full = 0
+                    self.space.wrote(waited=True)
+                elif op in _WRITES:
+                    self.space.wrote(waited=False)
+                return result
+        finally:
+            if num_full:  # gave up (StorageFull) or cancelled
+                self.space.num_waiting -= 1
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -138,7 +147,7 @@ class FileBlobStore(BlobStore):
                 num_bytes += len(chunk)
             await asyncio.to_thread(self._finish_tmp, handle)
             await self._io("put_stream", key, self._publish_tmp, key, tmp, path)
-            self.space.wrote()
+            self.space.wrote(waited=False)
         except BaseException:
             handle.close()
             with contextlib.suppress(FileNotFoundError):

@@ -3,11 +3,12 @@
 A write that fails for lack of space (ENOSPC, EDQUOT) is tried again after a capped, jittered backoff
 until it succeeds, for at most ``BlobStoreConfig.max_full_s``. The store says so once per outage
 (``storage_full``, with its path and free space, from the first writer that met it) and once when a
-write succeeds again (``storage_recovered``, with how long it lasted); the writers waiting meanwhile say
-nothing more. Past ``max_full_s`` the write raises :class:`StorageFull`: the outage is then the
-operator's to fix, and every caller's own failure path applies (the trainer rolls back to its stored
-checkpoint, an order is redelivered). Retrying costs nothing the write has not already spent: a
-whole-object write is tried again from its bytes, a stream's chunk from where the disk refused it.
+write that waited succeeds (``storage_recovered``, with how long it lasted); the writers waiting meanwhile
+say nothing more, and a small write that fits while a large one waits ends nothing. Past ``max_full_s``
+the write raises :class:`StorageFull`: the outage is then the operator's to fix, and every caller's own
+failure path applies (the trainer rolls back to its stored checkpoint, an order is redelivered).
+Retrying costs nothing the write has not already spent: a whole-object write is tried again from its
+bytes, a stream's chunk from where the disk refused it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class SpaceOutage:
         self.path = path
         self.full_since: float | None = None
         self.num_outages = 0
+        self.num_waiting = 0  # writes waiting for space now
         self._rng = random.Random()
 
     async def wait(self, op: str, key: str, error: OSError, attempt: int) -> None:
@@ -77,9 +79,10 @@ class SpaceOutage:
         delay_s = min(backoff_s(self.config, attempt, self._rng), self.config.max_full_s - full_s)
         await asyncio.sleep(delay_s)
 
-    def wrote(self) -> None:
-        """A write succeeded: an outage in progress is over."""
-        if self.full_since is None:
+    def wrote(self, waited: bool) -> None:
+        """A write succeeded: an outage in progress is over if it is one that waited for space, or none is
+        waiting (a small write that fits beside a large one still waiting ends nothing: said once)."""
+        if self.full_since is None or not (waited or self.num_waiting == 0):
             return
         full_s = time.monotonic() - self.full_since
         self.full_since = None

@@ -53,11 +53,32 @@ async def test_a_full_disk_or_quota_is_waited_out_and_said_once(tmp_path: Path, 
     assert store.space.full_since is None and store.space.num_outages == 1
 
 
+async def test_a_small_write_that_fits_while_a_large_one_waits_ends_no_outage(tmp_path: Path) -> None:
+    class LargeWritesFail(FullDisk):
+        def _put_sync(self, key: str, path: Path, chunks: list[memoryview]) -> None:
+            if key == "large" and self.errnos:
+                self.errnos.pop(0)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            FileBlobStore._put_sync(self, key, path, chunks)
+
+    store = LargeWritesFail(tmp_path, [errno.ENOSPC] * 30)
+    with capture_logs() as logs:
+        large = asyncio.ensure_future(store.put("large", b"L" * 1000))
+        await until(lambda: store.space.num_waiting == 1, 5, "the large write to wait")
+        for i in range(5):
+            await store.put(f"small-{i}", b"s")
+        assert not _events(logs, "storage_recovered") and store.space.full_since is not None
+        await large
+    assert len(_events(logs, "storage_full")) == 1 and len(_events(logs, "storage_recovered")) == 1
+    assert store.space.num_waiting == 0 and store.space.full_since is None
+
+
 async def test_a_disk_full_for_longer_than_max_full_s_fails_the_write_saying_what_to_do(tmp_path: Path) -> None:
     store = FullDisk(tmp_path, [errno.ENOSPC] * 10_000, max_full_s=0.3)
     started = time.monotonic()
     with pytest.raises(StorageFull, match=r"full for 0s \(blob max_full_s=0.3.*Free space there or grow it"):
         await store.put("a", b"1")
+    assert store.space.num_waiting == 0, "a write that gave up waits no more"
     assert 0.3 <= time.monotonic() - started < 2.0
     assert isinstance(StorageFull("x"), OSError), "callers that handle an unavailable store handle it too"
 
