@@ -6,7 +6,10 @@ mounts (``unshare``, ``setns``, ``clone`` with a ``CLONE_NEW*`` flag, the mount 
 other processes' memory, BPF, perf events, userfaultfd, io_uring, module loading, kexec, clocks,
 swap, quotas, reboot, and the legacy calls nothing uses any more. ``clone3`` passes its flags in
 memory a filter cannot read, so it fails with ENOSYS and libc falls back to ``clone``, whose
-flags are checked. System calls of a foreign ABI (32-bit ``int 0x80``, x32) kill the process:
+flags are checked. ``personality`` takes only what Docker's profile lets through
+(`PERSONALITY_ALLOWED`: the Linux default, the 32-bit ``uname``, the 2.6 ``uname``, their union
+and the query): ADDR_NO_RANDOMIZE would turn ASLR off and READ_IMPLIES_EXEC make every readable
+mapping executable. System calls of a foreign ABI (32-bit ``int 0x80``, x32) kill the process:
 libseccomp's default for an architecture the filter was not built for.
 
 bubblewrap loads the program (``--seccomp FD``) as the last step before it executes the
@@ -23,7 +26,14 @@ import types
 
 from sandbox.errors import SandboxUnavailable
 
-__all__ = ["DENIED_SYSCALLS", "NAMESPACE_CLONE_FLAGS", "filter_fd", "filter_program", "syscall_number"]
+__all__ = [
+    "DENIED_SYSCALLS",
+    "NAMESPACE_CLONE_FLAGS",
+    "PERSONALITY_ALLOWED",
+    "filter_fd",
+    "filter_program",
+    "syscall_number",
+]
 
 DENIED_SYSCALLS = (
     # keyrings are kernel-wide: a key reachable from the sandbox is the host's key
@@ -56,6 +66,38 @@ NAMESPACE_CLONE_FLAGS = {
 }
 
 
+_PER_LINUX32, _UNAME26, _PERSONALITY_QUERY = 0x0008, 0x0020000, 0xFFFFFFFF
+# what Docker's default profile allows: PER_LINUX, PER_LINUX32, UNAME26, their union, the query
+PERSONALITY_ALLOWED = (0, _PER_LINUX32, _UNAME26, _PER_LINUX32 | _UNAME26, _PERSONALITY_QUERY)
+
+
+_U64 = (1 << 64) - 1
+
+
+def _gaps(allowed: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The inclusive ranges of 64-bit values that are not in ``allowed``."""
+    gaps, low = [], 0
+    for value in sorted(allowed):
+        if value > low:
+            gaps.append((low, value - 1))
+        low = value + 1
+    if low <= _U64:
+        gaps.append((low, _U64))
+    return gaps
+
+
+def _aligned_blocks(low: int, high: int) -> list[tuple[int, int]]:
+    """(mask, value) pairs, ``arg & mask == value`` each, whose union is exactly [low, high]."""
+    blocks = []
+    while low <= high:
+        size = low & -low if low else 1 << 64
+        while low + size - 1 > high:
+            size >>= 1
+        blocks.append((_U64 & ~(size - 1), low))
+        low += size
+    return blocks
+
+
 def _pyseccomp() -> types.ModuleType:  # imported late: importing it loads libseccomp
     try:
         import pyseccomp
@@ -84,6 +126,11 @@ def filter_program() -> bytes:
     for flag in NAMESPACE_CLONE_FLAGS.values():
         flt.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    # personality: libseccomp compares an argument once per rule, so the values refused are
+    # written as aligned blocks (a mask and a value each) covering everything between the allowed ones
+    for low, high in _gaps(PERSONALITY_ALLOWED):
+        for mask, value in _aligned_blocks(low, high):
+            flt.add_rule(sc.ERRNO(errno.EPERM), "personality", sc.Arg(0, sc.MASKED_EQ, mask, value))
     with tempfile.TemporaryFile() as f:
         flt.export_bpf(f)
         f.seek(0)

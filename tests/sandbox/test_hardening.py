@@ -239,6 +239,47 @@ def test_the_filter_covers_docker_s_denied_families() -> None:
         assert name in DENIED_SYSCALLS, name
 
 
+# personality(2) with each value, reset to the default after each; "ok" or the errno's name
+_PERSONALITY_PROBE = r"""
+import ctypes, errno, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+nr, out = int(sys.argv[1]), {}
+for value in json.loads(sys.argv[2]):
+    r = libc.syscall(nr, ctypes.c_ulong(value))
+    out[hex(value)] = "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+    libc.syscall(nr, ctypes.c_ulong(0))
+print(json.dumps(out))
+"""
+_ADDR_NO_RANDOMIZE, _READ_IMPLIES_EXEC = 0x0040000, 0x0400000
+# Docker's default profile: PER_LINUX, PER_LINUX32, UNAME26, PER_LINUX32 | UNAME26, the query
+PERSONALITY_ALLOWED = (0, 0x0008, 0x0020000, 0x0020008, 0xFFFFFFFF)
+_PERSONALITY_REFUSED = (
+    _ADDR_NO_RANDOMIZE,  # ASLR off
+    _READ_IMPLIES_EXEC,  # every readable mapping executable
+    _ADDR_NO_RANDOMIZE | 0x0008,  # a refused bit beside an allowed one
+    0x0020009,
+    0x0001,
+    0xFFFFFFFE,  # every bit but one: not the query
+    (1 << 32) | 0x0040000,  # upper bits the kernel ignores do not hide a refused one
+)
+
+
+async def test_personality_takes_only_docker_s_allowed_values(store: LayerStore, tight: SandboxLimits) -> None:
+    values = json.dumps([*PERSONALITY_ALLOWED, *_PERSONALITY_REFUSED])
+    probe = f"python3 -c {_quote(_PERSONALITY_PROBE)} {syscall_number('personality')} {_quote(values)}"
+    rc, control, err = await run_bare(store, probe)
+    assert rc == 0, err
+    assert json.loads(control)[hex(_ADDR_NO_RANDOMIZE)] == "ok"  # ASLR can be turned off bare ...
+    with Environment.create(store, {}, tight) as env:
+        result = await env.run(probe)
+    assert result.exit_code == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert {hex(v): seen[hex(v)] for v in PERSONALITY_ALLOWED} == {hex(v): "ok" for v in PERSONALITY_ALLOWED}
+    refused = {hex(v): seen[hex(v)] for v in _PERSONALITY_REFUSED}
+    assert refused == {hex(v): "EPERM" for v in _PERSONALITY_REFUSED}  # ... not in the sandbox
+
+
 def _freezer(name: str) -> str | None:
     root = "/sys/fs/cgroup/freezer"
     if not os.path.isfile(os.path.join(root, "cgroup.procs")):
