@@ -4,8 +4,10 @@ The archive holds the snapshot's merged view (whiteouts resolved): regular files
 symlinks, with owners zeroed and setuid/setgid bits stripped. Import treats the archive as hostile:
 member names must be relative without ``..``, only files, directories and symlinks are accepted,
 nothing is ever written through a symlink, and what it may create on the host is budgeted before it
-is written (bytes of files, inodes, including the directories a member's path implies, and
-directory depth). Members are streamed to disk in chunks, never held whole in memory. Both walks
+is written (bytes the host's disk allocates: file data rounded up to whole blocks, and a block for
+every directory and every symlink too long to live in its inode; inodes, including the directories
+a member's path implies; and directory depth), and the finished layer is measured as ``du`` would
+before it is kept. Members are streamed to disk in chunks, never held whole in memory. Both walks
 are iterative and fd-based (`sandbox._tree`).
 """
 
@@ -24,7 +26,16 @@ import zstandard
 
 from sandbox import _mount
 from sandbox._safepath import open_dir, split_relpath, write_atomic
-from sandbox._tree import TreeBudget, TreeUsage, discard_tree, open_regular_at, walk
+from sandbox._tree import (
+    TreeBudget,
+    TreeUsage,
+    block_size,
+    discard_tree,
+    measure_tree,
+    open_regular_at,
+    symlink_estimate,
+    walk,
+)
 from sandbox.config import SandboxLimits
 from sandbox.errors import SandboxViolation, SnapshotFormatError
 from sandbox.layers import LayerStore, Snapshot
@@ -41,8 +52,8 @@ _FORMAT_ERRORS = (NotADirectoryError, IsADirectoryError, FileExistsError)
 _FORMAT_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTEMPTY}
 
 
-def _tar_tree(tar: tarfile.TarFile, root: str, max_bytes: int, max_inodes: int, max_depth: int) -> None:
-    num_bytes = num_members = 0
+def _tar_tree(tar: tarfile.TarFile, root: str, max_bytes: int, max_inodes: int, max_depth: int, block: int) -> None:
+    num_bytes = num_members = 0  # bytes as an import charges them (`_Importer`), so it never refuses what this wrote
     for entry in walk(root, max_depth):
         if entry.leaving:
             continue
@@ -58,23 +69,32 @@ def _tar_tree(tar: tarfile.TarFile, root: str, max_bytes: int, max_inodes: int, 
         info.mtime = int(entry.st.st_mtime)
         if stat.S_ISDIR(mode):
             info.type = tarfile.DIRTYPE
+            _check_export_bytes(num_bytes := num_bytes + block, max_bytes)
             tar.addfile(info)
         elif stat.S_ISLNK(mode):
             info.type = tarfile.SYMTYPE
             info.linkname = os.readlink(entry.name, dir_fd=entry.parent_fd)
+            _check_export_bytes(num_bytes := num_bytes + symlink_estimate(info.linkname, block), max_bytes)
             tar.addfile(info)
         elif stat.S_ISREG(mode):
             fd = open_regular_at(entry)
             with os.fdopen(fd, "rb") as f:
                 info.size = os.fstat(fd).st_size
-                num_bytes += info.size
-                if num_bytes > max_bytes:
-                    raise SandboxViolation(
-                        f"the snapshot holds more than max_bytes={max_bytes} bytes of files (holes count: "
-                        "an archive stores them); delete large files from the workspace"
-                    )
+                _check_export_bytes(num_bytes := num_bytes + _blocks(info.size, block), max_bytes)
                 tar.addfile(info, f)
         # whiteouts (at the bottom layer), FIFOs, sockets, devices: not part of a workspace
+
+
+def _blocks(num_bytes: int, block: int) -> int:
+    return -(-num_bytes // block) * block
+
+
+def _check_export_bytes(num_bytes: int, max_bytes: int) -> None:
+    if num_bytes > max_bytes:
+        raise SandboxViolation(
+            f"the snapshot takes more than max_bytes={max_bytes} bytes of disk once imported (holes count: an "
+            "archive stores them; so do directories and long symlinks, a block each); delete files from the workspace"
+        )
 
 
 def export_snapshot(
@@ -95,17 +115,18 @@ def export_snapshot(
     """
     store = snapshot.store
     max_depth = max(max_depth, *(layer.usage.depth for layer in snapshot.layers))
+    block = _layers_block(store)
     with zstandard.ZstdCompressor(level=level).stream_writer(stream, closefd=False) as zw:  # noqa: SIM117
         with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
             if snapshot.depth == 1:
-                _tar_tree(tar, snapshot.layers[0].path, max_bytes, max_inodes, max_depth)
+                _tar_tree(tar, snapshot.layers[0].path, max_bytes, max_inodes, max_depth, block)
                 return
             point = os.path.join(store.envs_dir, "x-" + secrets.token_hex(6))
             os.mkdir(point, 0o700)
             lower = ":".join(layer.view for layer in snapshot.layers)
             _mount.mount("asyncrl-export", point, "overlay", _mount.MS_RDONLY, f"lowerdir={lower}")
             try:
-                _tar_tree(tar, point, max_bytes, max_inodes, max_depth)
+                _tar_tree(tar, point, max_bytes, max_inodes, max_depth, block)
             finally:
                 _mount.umount(point)
                 os.rmdir(point)
@@ -120,6 +141,14 @@ def export_snapshot_bytes(
     return buf.getvalue()
 
 
+def _layers_block(store: LayerStore) -> int:
+    fd = os.open(store.layers_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return block_size(fd)
+    finally:
+        os.close(fd)
+
+
 def _chunks(src: BinaryIO) -> Iterator[bytes]:
     while chunk := src.read(_CHUNK):
         yield chunk
@@ -130,7 +159,8 @@ class _Importer:
 
     def __init__(self, store: LayerStore, layer: str, budget: TreeBudget) -> None:
         self.store, self.layer, self.budget = store, layer, budget
-        self.usage = TreeUsage()
+        self._block = _layers_block(store)
+        self.usage = TreeUsage(num_bytes=self._block)  # the layer's own directory
         self._dirs: set[tuple[str, ...]] = set()
 
     def _charge(self, member: tarfile.TarInfo, parts: tuple[str, ...]) -> None:
@@ -142,14 +172,17 @@ class _Importer:
             )
         new_dirs = {dir_parts[:i] for i in range(1, len(dir_parts) + 1)} - self._dirs
         num_inodes = len(new_dirs) + (0 if member.isdir() else 1)
+        num_bytes = len(new_dirs) * self._block
+        if member.isreg():
+            num_bytes += _blocks(member.size, self._block)
+        elif member.issym():
+            num_bytes += symlink_estimate(member.linkname, self._block)
         try:
-            self.usage.charge(
-                self.budget, num_bytes=member.size if member.isreg() else 0, num_inodes=num_inodes, what="import"
-            )
+            self.usage.charge(self.budget, num_bytes=num_bytes, num_inodes=num_inodes, what="import")
         except SandboxViolation as e:
             limit = (
-                f"max_bytes={self.budget.max_bytes} bytes of files"
-                if self.usage.num_bytes + member.size > self.budget.max_bytes
+                f"max_bytes={self.budget.max_bytes} bytes of disk (file data, directories and long symlinks)"
+                if self.usage.num_bytes + num_bytes > self.budget.max_bytes
                 else f"max_inodes={self.budget.max_inodes} files and directories"
             )
             raise SnapshotFormatError(f"archive holds more than {limit} (at member {member.name!r})") from e
@@ -227,7 +260,17 @@ def import_snapshot(
         discard_tree(path)
         raise
     os.chmod(path, 0o755)
-    return Snapshot(store, (store.adopt(layer_id, path, importer.usage),))
+    try:
+        # what the disk really allocated (directories grown by their entries, extent blocks)
+        usage = measure_tree(path, max_depth)
+        if usage.num_bytes > max_bytes:
+            raise SnapshotFormatError(
+                f"archive takes {usage.num_bytes} bytes of disk once unpacked, more than max_bytes={max_bytes}"
+            )
+    except BaseException:
+        discard_tree(path)
+        raise
+    return Snapshot(store, (store.adopt(layer_id, path, usage),))
 
 
 def import_snapshot_bytes(

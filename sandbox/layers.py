@@ -29,7 +29,7 @@ from sandbox import _cgroup, _mount
 from sandbox._host import check_host, prepare_static_dir
 from sandbox._idmap import IdmappedViews
 from sandbox._safepath import split_relpath, write_atomic
-from sandbox._tree import TreeUsage, discard_tree
+from sandbox._tree import TreeUsage, discard_tree, measure_tree
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxStateError, SandboxUnavailable
 
@@ -180,17 +180,14 @@ class LayerStore:
         layer_id, path = self.new_layer_dir()
         uid, gid = self.layer_owner
         os.chown(path, uid, gid)
-        usage, dirs = TreeUsage(), set()
+        max_depth = 0
         try:
             for rel, content in files.items():
                 data = content.encode() if isinstance(content, str) else bytes(content)
                 parts = split_relpath(rel, self.config.workspace_dir)
                 write_atomic(path, parts, data, uid=uid, gid=gid, mode=0o644)
-                new_dirs = {parts[:i] for i in range(1, len(parts))} - dirs
-                dirs |= new_dirs
-                usage.num_bytes += len(data)
-                usage.num_inodes += 1 + len(new_dirs)
-                usage.depth = max(usage.depth, len(parts) - 1)
+                max_depth = max(max_depth, len(parts) - 1)
+            usage = measure_tree(path, max_depth)  # what the disk allocated, as a later squash's budget
         except BaseException:
             discard_tree(path)
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import subprocess
 import tarfile
 import tracemalloc
 
@@ -42,6 +43,12 @@ def _allocated(path: str) -> int:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total
+
+
+def _du(path: str) -> int:
+    """Bytes the disk allocated under ``path``, as ``du`` counts them (the operator's measure)."""
+    out = subprocess.run(["du", "-s", "-B1", path], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
 
 
 @pytest.fixture
@@ -145,7 +152,8 @@ def test_copy_budget_counts_data_not_holes_and_stops_past_it(store: LayerStore) 
         f.truncate(1 << 40)  # a terabyte of holes
     dst = store.new_layer_dir()[1]
     usage = copy_tree(src, dst, keep_whiteouts=True, budget=TreeBudget(4 * _MIB, 10, 4))
-    assert usage.num_bytes == 3 * _MIB and usage.num_inodes == 2
+    assert usage.num_bytes == _du(dst) and usage.num_inodes == 2
+    assert 3 * _MIB <= usage.num_bytes < 3 * _MIB + 64 * 1024  # the data and the directory's block
     assert os.stat(os.path.join(dst, "sparse")).st_size == 1 << 40
     with pytest.raises(SandboxViolation, match="bytes allowed"):
         copy_tree(src, store.new_layer_dir()[1], keep_whiteouts=True, budget=TreeBudget(2 * _MIB, 10, 4))
@@ -254,3 +262,62 @@ def test_walks_never_follow_entries_swapped_under_them(store: LayerStore) -> Non
                 os.close(open_regular_at(entry))
     assert stat.S_ISLNK(seen["d"].st.st_mode)  # reported as the symlink it now is ...
     assert not [rel for rel in seen if rel.startswith("d/")]  # ... and never entered
+
+
+# metadata costs whole blocks on the host's disk: 30,000 of each is ~117 MiB there, 0 bytes of data
+_METADATA_ATTACKS = {
+    "directories": "import os\nfor i in range(30000): os.mkdir(f'd{i}')",
+    "long symlinks": "import os\nfor i in range(30000): os.symlink('t' * 100 + str(i), f's{i}')",
+    "one-byte files": "import os\nfor i in range(30000): open(f'f{i}', 'w').write('x')",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(_METADATA_ATTACKS))
+async def test_snapshot_charges_metadata_its_blocks_on_the_host(store: LayerStore, attack: str) -> None:
+    limits = SandboxLimits(disk_bytes=16 * _MIB, num_inodes=40_000, wall_time_s=60.0)
+    with Environment.create(store, {}, limits) as env:
+        made = await env.run(f"python3 -c {_quote(_METADATA_ATTACKS[attack])} && ls | wc -l", timeout_s=60)
+        assert made.stdout.split() == ["30000"], made.stderr  # the tmpfs holds them (its metadata is memory)
+        with pytest.raises(SandboxViolation, match="bytes allowed on the host disk"):
+            env.snapshot()
+    assert os.listdir(store.layers_dir) == []
+
+
+async def test_snapshot_charges_what_du_measures(store: LayerStore) -> None:
+    limits = SandboxLimits(disk_bytes=16 * _MIB, num_inodes=40_000, wall_time_s=60.0)
+    mixed = (
+        "import os\nfor i in range(600): os.mkdir(f'd{i}'); os.symlink('t' * 100, f's{i}')\n"
+        "os.mkdir('big')\nfor i in range(3000): open(f'big/{\"n\" * 100}{i}', 'w').close()"  # a grown directory
+    )
+    with Environment.create(store, {"a.py": "x = 1\n" * 1000}, limits) as env:
+        made = await env.run(f"python3 -c {_quote(mixed)}", timeout_s=60)
+        assert made.exit_code == 0, made.stderr
+        with env.snapshot() as snap:
+            top = snap.layers[0]
+            assert top.usage.num_bytes == _du(top.path) <= limits.disk_bytes
+            assert top.usage.num_bytes > 1200 * 4096  # every directory and long symlink is charged
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+@pytest.mark.parametrize("kind", ["directories", "long symlinks"])
+def test_import_charges_metadata_its_blocks_on_the_host(store: LayerStore, kind: str) -> None:
+    if kind == "directories":
+        members = [(_info(f"d{i}", tarfile.DIRTYPE), None) for i in range(30_000)]
+    else:
+        members = [(_info(f"s{i}", tarfile.SYMTYPE), None) for i in range(30_000)]
+        for info, _ in members:
+            info.linkname = "t" * 200
+    archive = _zstd_tar(members)
+    assert len(archive) < 1 * _MIB  # a small archive ...
+    with pytest.raises(SnapshotFormatError, match="max_bytes=16777216 bytes of disk"):
+        import_snapshot_bytes(store, archive, max_bytes=16 * _MIB, max_inodes=100_000)  # ... ~117 MiB unpacked
+    with pytest.raises(SnapshotFormatError, match="max_bytes=4096 bytes of disk"):
+        import_snapshot_bytes(store, archive, max_bytes=4096, max_inodes=100_000)
+    assert os.listdir(store.layers_dir) == []
+    few = _zstd_tar(members[:1000])
+    with import_snapshot_bytes(store, few, max_bytes=16 * _MIB) as snap:
+        layer = snap.layers[0]
+        assert layer.usage.num_bytes == _du(layer.path) <= 16 * _MIB
