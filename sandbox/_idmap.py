@@ -26,7 +26,6 @@ __all__ = ["IdmappedViews"]
 
 log = structlog.get_logger(__name__)
 
-_CLONE_NEWUSER = 0x10000000
 _OPEN_TREE_CLONE = 1
 _AT_FDCWD = -100
 _AT_EMPTY_PATH = 0x1000
@@ -58,25 +57,32 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def _unshare_user() -> None:  # preexec_fn of the placeholder process
-    _check(_libc().unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
-
-
 def _mapping_userns(uid: int, gid: int) -> int:
     """An fd of a user namespace mapping 0 to ``uid``/``gid`` (held by a placeholder process
-    only while its maps are written and its namespace file opened)."""
+    only while its maps are written and its namespace file opened).
+
+    The placeholder is ``unshare --user``, started without a ``preexec_fn`` so that subprocess
+    may vfork (forking this whole process costs several times more); it says it is in its new
+    namespace by writing a line, and leaves when its stdin closes.
+    """
     holder = subprocess.Popen(
-        ["/bin/sh", "-c", "read _"], stdin=subprocess.PIPE, preexec_fn=_unshare_user, env={"PATH": "/usr/bin:/bin"}
+        ["unshare", "--user", "/bin/sh", "-c", "echo; read _"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={"PATH": "/usr/bin:/bin"},
     )
+    assert holder.stdin is not None and holder.stdout is not None
     try:
+        if holder.stdout.readline() != b"\n":
+            raise OSError(f"unshare --user exited ({holder.wait(timeout=10)}) before its namespace existed")
         with open(f"/proc/{holder.pid}/uid_map", "w", encoding="ascii") as f:
             f.write(f"0 {uid} 1")
         with open(f"/proc/{holder.pid}/gid_map", "w", encoding="ascii") as f:
             f.write(f"0 {gid} 1")
         return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
-        assert holder.stdin is not None
         holder.stdin.close()
+        holder.stdout.close()
         holder.wait(timeout=10)
 
 
@@ -85,6 +91,15 @@ class IdmappedViews:
 
     def __init__(self, userns_fd: int) -> None:
         self._userns_fd = userns_fd
+
+    @classmethod
+    def for_ids(cls, uid: int, gid: int) -> IdmappedViews:
+        """Views for ``uid``/``gid`` on a host `create` already found able to make them.
+
+        Raises:
+            OSError, subprocess.SubprocessError: the mapping user namespace could not be made.
+        """
+        return cls(_mapping_userns(uid, gid))
 
     @classmethod
     def create(cls, uid: int, gid: int, probe_dir: str) -> IdmappedViews | None:

@@ -96,8 +96,18 @@ class SandboxConfig:
     Attributes:
         root_dir: directory holding layers and environment mounts; created with mode 0711.
             Must not contain ``:``, ``,`` or ``\\`` (they are separators in overlayfs options).
-        sandbox_uid / sandbox_gid: the unprivileged host ids commands run as (bwrap is started
-            as this user and creates its own user namespace). Default: nobody/nogroup.
+        sandbox_uid / sandbox_gid: the ids commands see themselves as inside the sandbox (and the
+            host ids they run as where environments cannot have their own: ``env_uid_count=0``,
+            or a kernel without idmapped mounts). Default: nobody/nogroup.
+        env_uid_base / env_uid_count: the host uids (and gids, the same numbers) environments run
+            as, one per live environment (`sandbox._ids`): the kernel counts inotify instances,
+            fds in flight, message queues, pipe buffers, processes and keys per host uid, so no
+            environment can exhaust another's. The default, 1879048192 (0x70000000) + 65536, lies
+            above systemd's container range and below its foreign range, where no user is made; a
+            store refuses a range holding a user, group or /etc/subuid|subgid range of the host.
+            ``env_uid_count=0`` runs every environment as ``sandbox_uid`` (shared quotas).
+        env_uid_quarantine_s: how long a closed environment's ids rest before another one gets
+            them (the kernel frees some per-uid charges in deferred work after the processes).
         bwrap_path: the bubblewrap binary; ``None`` looks it up on PATH.
         shell: the shell (inside the sandbox) that runs command strings.
         workspace_dir: where the workspace appears inside the sandbox.
@@ -109,6 +119,9 @@ class SandboxConfig:
     root_dir: str = "/var/tmp/asyncrl-sandbox"
     sandbox_uid: int = 65534
     sandbox_gid: int = 65534
+    env_uid_base: int = 0x70000000
+    env_uid_count: int = 65536
+    env_uid_quarantine_s: float = 2.0
     bwrap_path: str | None = None
     shell: str = "/bin/bash"
     workspace_dir: str = "/workspace"
@@ -128,6 +141,17 @@ class SandboxConfig:
             raise ValueError(
                 f"SandboxConfig.sandbox_uid/gid=({self.sandbox_uid}, {self.sandbox_gid}) must be "
                 "unprivileged (> 0); use e.g. 65534 (nobody)"
+            )
+        if self.env_uid_count < 0 or self.env_uid_quarantine_s < 0:
+            raise ValueError(
+                f"SandboxConfig.env_uid_count={self.env_uid_count} and env_uid_quarantine_s="
+                f"{self.env_uid_quarantine_s} must be >= 0"
+            )
+        if self.env_uid_count and not (self.env_uid_base >= 65536 and self.env_uid_base + self.env_uid_count < 1 << 31):
+            raise ValueError(
+                f"SandboxConfig.env_uid_base={self.env_uid_base} with env_uid_count={self.env_uid_count} must lie "
+                "in [65536, 2**31): above the ids of real users and groups, below those tools read as negative; "
+                "the default 0x70000000 is free on a systemd host"
             )
         if not self.workspace_dir.startswith("/") or self.workspace_dir in ("/", "/tmp", "/usr", "/etc"):
             raise ValueError(

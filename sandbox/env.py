@@ -3,19 +3,21 @@
 Host layout of one environment (``<store>/E/<id>``, all under a root-only store directory)::
 
     rw/       tmpfs (size = limits.disk_bytes): upper/ work/ tmp/ shm/
-    merged/   overlayfs: lower = the snapshot's read-only layers, upper = rw/upper
+    v/        read-only idmapped views of the snapshot's layers, showing them as the environment's uid
+    merged/   overlayfs: lower = those views, upper = rw/upper
 
 Each command is a fresh ``bwrap``, forked by the environment's spawner thread so that it is born
-in the environment's memory cgroup (`sandbox._spawner`); the child drops to an unprivileged host
-user and a fresh session keyring (`sandbox._child`) before it executes bwrap, which unshares
-every namespace (no network, own pid/mount/ipc/uts/cgroup/user namespaces), forbids further user
-namespaces (``--disable-userns``), binds ``merged`` at the workspace, the host's /usr read-only, a
-synthetic /etc, a read-only /proc/sys, and /tmp and /dev/shm from the size-capped tmpfs, and
-loads the seccomp filter (`sandbox._seccomp`) before executing the sandbox's init: tini, from a
-copy nobody inside may read, so pid 1 is not dumpable. Limits are set inside with ``ulimit``
-after the user namespace exists, so the process count is per environment. The wall clock kills
-the init through a pidfd; its pid namespace takes every remaining process (daemons included)
-down with it.
+in the environment's memory cgroup (`sandbox._spawner`); the child drops to the environment's own
+unprivileged host uid (`sandbox._ids`: the kernel's per-uid quotas are then the environment's own;
+bwrap shows it inside as ``sandbox_uid``) and a fresh session keyring (`sandbox._child`) before it
+executes bwrap, which unshares every namespace (no network, own pid/mount/ipc/uts/cgroup/user
+namespaces), forbids further user namespaces (``--disable-userns``), binds ``merged`` at the
+workspace, the host's /usr read-only, a synthetic /etc, a read-only /proc/sys, and /tmp and
+/dev/shm from the size-capped tmpfs, and loads the seccomp filter (`sandbox._seccomp`) before
+executing the sandbox's init: tini, from a copy nobody inside may read, so pid 1 is not dumpable.
+Limits are set inside with ``ulimit`` after the user namespace exists (and each environment has
+its own host uid), so the process count is per environment. The wall clock kills the init through
+a pidfd; its pid namespace takes every remaining process (daemons included) down with it.
 
 What the sandbox leaves on the host is budgeted there, not only inside: a snapshot copies holes
 as holes and hard links as links and stops with `SandboxViolation` past ``limits.disk_bytes``,
@@ -40,6 +42,7 @@ from sandbox import _mount, _seccomp
 from sandbox._cgroup import EnvCgroup
 from sandbox._child import child_setup
 from sandbox._host import GRADER_NAME, INIT_NAME, system_binds
+from sandbox._ids import EnvIds
 from sandbox._process import CommandPipes, RunningCommand, ulimit_prelude
 from sandbox._spawner import SpawnedProcess, Spawner
 from sandbox._tree import TreeBudget, copy_tree, discard_tree, remove_entry
@@ -99,6 +102,9 @@ class Environment:
         self._closed = False
         self._cgroup: EnvCgroup | None = None
         self._spawner: Spawner | None = None
+        self._ids: EnvIds | None = None
+        self._views_dir = os.path.join(self.dir, "v")
+        self._mounted_views: dict[str, str] = {}  # layer id -> this environment's view of it
         store.retain(layers)
         try:
             self._setup()
@@ -122,9 +128,22 @@ class Environment:
             raise SandboxStateError(f"{snapshot!r} was released; expected a live snapshot to fork")
         return cls(snapshot.store, snapshot.layers, limits or SandboxLimits())
 
+    @property
+    def uid(self) -> int:
+        """The host uid this environment's commands run as (and own their files as, on the host)."""
+        assert self._ids is not None
+        return self._ids.uid
+
+    @property
+    def gid(self) -> int:
+        assert self._ids is not None
+        return self._ids.gid
+
     def _setup(self) -> None:
+        self._ids = self.store.acquire_ids()
         os.mkdir(self.dir, 0o711)
         os.mkdir(self._rw, 0o711)
+        os.mkdir(self._views_dir, 0o700)
         os.mkdir(self.workspace_path, 0o755)
         lim = self.limits
         _mount.mount(
@@ -134,7 +153,7 @@ class Environment:
             _mount.MS_NOSUID | _mount.MS_NODEV,
             f"size={lim.disk_bytes},nr_inodes={lim.num_inodes},mode=0711",
         )
-        uid, gid = self.store.config.sandbox_uid, self.store.config.sandbox_gid
+        uid, gid = self.uid, self.gid
         for name, mode, owner in (("upper", 0o755, uid), ("work", 0o700, 0), ("tmp", 0o700, uid), ("shm", 0o700, uid)):
             path = os.path.join(self._rw, name)
             os.mkdir(path, mode)
@@ -147,8 +166,34 @@ class Environment:
         else:
             self._spawner = Spawner(None)
 
+    def _view(self, layer: Layer) -> str:
+        """This environment's view of ``layer`` (mounted on first use), or the store's without ids of its own."""
+        assert self._ids is not None
+        if self._ids.views is None:
+            return layer.view
+        view = self._mounted_views.get(layer.id)
+        if view is None:
+            view = os.path.join(self._views_dir, layer.id)
+            os.mkdir(view, 0o700)
+            try:
+                self._ids.views.mount(layer.path, view)
+            except BaseException:
+                os.rmdir(view)
+                raise
+            self._mounted_views[layer.id] = view
+        return view
+
+    def _drop_views(self, layers: tuple[Layer, ...]) -> None:
+        """Unmount the views of layers this environment no longer stacks (its overlay is unmounted)."""
+        keep = {layer.id for layer in self._layers}
+        for layer in layers:
+            view = self._mounted_views.pop(layer.id, None) if layer.id not in keep else None
+            if view is not None:
+                _mount.umount(view)
+                os.rmdir(view)
+
     def _mount_overlay(self) -> None:
-        lower = ":".join(layer.view for layer in self._layers)
+        lower = ":".join(self._view(layer) for layer in self._layers)
         _mount.mount(
             "asyncrl-ws",
             self.workspace_path,
@@ -161,6 +206,8 @@ class Environment:
     def _argv(self, cmd: str, extra_binds: tuple[tuple[str, str], ...], info_fd: int, seccomp_fd: int) -> list[str]:
         cfg = self.store.config
         argv = [self.store.bwrap_path, "--unshare-all", "--unshare-user", "--disable-userns"]
+        # every environment sees itself as the same user, whatever its host uid
+        argv += ["--uid", str(cfg.sandbox_uid), "--gid", str(cfg.sandbox_gid)]
         argv += ["--die-with-parent", "--new-session", "--clearenv", "--as-pid-1"]
         argv += ["--info-fd", str(info_fd), "--seccomp", str(seccomp_fd)]
         for key, value in _INNER_ENV.items():
@@ -283,7 +330,6 @@ class Environment:
     async def _spawn(
         self, cmd: str, extra_ro_binds: tuple[tuple[str, str], ...], stdin: bytes | None
     ) -> RunningCommand:
-        cfg = self.store.config
         assert self._spawner is not None
         cgroup_procs = None  # born in the cgroup when forked by the spawner thread placed in it
         if self._cgroup is not None and not await self._spawner.in_cgroup():
@@ -293,7 +339,7 @@ class Environment:
             seccomp_fd = _seccomp.filter_fd()
             try:
                 argv = self._argv(cmd, extra_ro_binds, info_fd=pipes.info.child_fd, seccomp_fd=seccomp_fd)
-                preexec_fn = child_setup(cfg.sandbox_uid, cfg.sandbox_gid, cgroup_procs)
+                preexec_fn = child_setup(self.uid, self.gid, cgroup_procs)
             except BaseException:
                 os.close(seccomp_fd)
                 raise
@@ -367,7 +413,10 @@ class Environment:
     def _replace_layers(self, layers: tuple[Layer, ...]) -> None:
         self.store.retain(layers)
         old, self._layers = self._layers, layers
-        self.store.release(old)
+        try:
+            self._drop_views(old)
+        finally:
+            self.store.release(old)
 
     def _build_layer(self, src: str, budget: TreeBudget, *, keep_whiteouts: bool, what: str) -> Layer:
         layer_id, path = self.store.new_layer_dir()
@@ -385,15 +434,14 @@ class Environment:
         return self.store.adopt(layer_id, path, usage)
 
     def _reset_upper(self) -> None:
-        cfg = self.store.config
-        for path, mode, uid in ((self._upper, 0o755, cfg.sandbox_uid), (self._work, 0o700, 0)):
+        for path, mode, uid in ((self._upper, 0o755, self.uid), (self._work, 0o700, 0)):
             parent_fd = os.open(self._rw, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 remove_entry(parent_fd, os.path.basename(path))
             finally:
                 os.close(parent_fd)
             os.mkdir(path, mode)
-            os.chown(path, uid, cfg.sandbox_gid if uid else 0)
+            os.chown(path, uid, self.gid if uid else 0)
 
     def _squash(self) -> Layer:
         point = os.path.join(self.dir, "squash")
@@ -435,6 +483,8 @@ class Environment:
         for running in list(self._procs | self._lingering):
             running.kill()
         lingering, self._lingering = list(self._lingering), set()
+        # its uid is reused once all its processes are gone; with one that outlived its kill, never
+        ids_settled = None if lingering else self._all_processes_gone
         try:
             with contextlib.ExitStack() as releases:  # each released, a failure raised after the others
                 for running in lingering:
@@ -446,7 +496,13 @@ class Environment:
                 self.store.cgroups.release(self._cgroup, self._spawner)
             elif self._spawner is not None:
                 self._spawner.close()
+            if self._ids is not None and self.store.ids is not None:
+                self.store.ids.release(self._ids, ids_settled)
             self.store.release(self._layers)
+
+    def _all_processes_gone(self) -> bool:
+        """After `close`: no command starting, and every one's pid namespace known empty."""
+        return self._num_busy() == 0
 
     def __enter__(self) -> Environment:
         return self

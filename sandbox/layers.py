@@ -28,6 +28,7 @@ import structlog
 from sandbox import _cgroup, _mount
 from sandbox._host import check_host, prepare_static_dir
 from sandbox._idmap import IdmappedViews
+from sandbox._ids import EnvIds, IdPool, check_range_is_free
 from sandbox._safepath import split_relpath, write_atomic
 from sandbox._tree import TreeUsage, discard_tree, measure_tree
 from sandbox.config import SandboxConfig
@@ -101,6 +102,8 @@ class LayerStore:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self.bwrap_path = check_host(self.config)
+        if self.config.env_uid_count:
+            check_range_is_free(self.config)
         os.makedirs(self.config.root_dir, mode=0o711, exist_ok=True)
         os.chmod(self.config.root_dir, 0o711)
         _reap_stale(self.config.root_dir)
@@ -117,6 +120,17 @@ class LayerStore:
         self._views = IdmappedViews.create(self.config.sandbox_uid, self.config.sandbox_gid, probe)
         os.rmdir(probe)
         self.layer_owner = (0, 0) if self._views is not None else (self.config.sandbox_uid, self.config.sandbox_gid)
+        # each environment its own host uid (`sandbox._ids`); layers owned by one uid on disk
+        # (no idmapped views) can be edited by that uid only, so then all share it
+        self.ids: IdPool | None = None
+        if self._views is not None and self.config.env_uid_count:
+            self.ids = IdPool(self.config)
+        elif self.config.env_uid_count:
+            log.warning(
+                "sandbox_env_uids_shared",
+                uid=self.config.sandbox_uid,
+                reason="no idmapped mounts here: every environment runs as sandbox_uid and shares its per-uid quotas",
+            )
         self.name = os.path.basename(self.dir)
         self.cgroup: tuple[str, int] | None = None
         self.cgroups: _cgroup.CgroupPool | None = None
@@ -135,7 +149,15 @@ class LayerStore:
             dir=self.dir,
             memory_cgroup=self.cgroup is not None,
             idmapped_layers=self._views is not None,
+            env_uids=f"{self.config.env_uid_base}+{self.config.env_uid_count}" if self.ids is not None else "shared",
         )
+
+    def acquire_ids(self) -> EnvIds:
+        """Host ids for a new environment: its own (released with `release_ids`), or the shared ones."""
+        self._check_open()
+        if self.ids is None:
+            return EnvIds(self.config.sandbox_uid, self.config.sandbox_gid, None)
+        return self.ids.acquire()
 
     # -- layers --------------------------------------------------------------------------
     def new_layer_dir(self) -> tuple[str, str]:
@@ -245,6 +267,8 @@ class LayerStore:
         discard_tree(self.dir)
         if self.cgroups is not None:
             self.cgroups.close()
+        if self.ids is not None:
+            self.ids.close()
         if self._views is not None:
             self._views.close()
         log.info("sandbox_store_closed", dir=self.dir)
@@ -278,7 +302,8 @@ def _probe_mounts(store_dir: str) -> None:
 
 
 _STORE_DIR_RE = re.compile(r"^(.*/(\d+)-[0-9a-f]{8})/[EL]/")
-_VIEW_RE = re.compile(r"^(.*/(\d+)-[0-9a-f]{8})/V/[0-9a-f]{12}$")
+# layers' idmapped views: the store's (V/<layer>) and each environment's own (E/<env>/v/<layer>)
+_VIEW_RE = re.compile(r"^(.*/(\d+)-[0-9a-f]{8})/(?:V|E/[0-9a-f]{12}/v)/[0-9a-f]{12}$")
 
 
 def _reap_stale(root: str) -> None:

@@ -69,7 +69,7 @@ def _install_hidden_tests(env: Environment, task: Task) -> None:
     cfg = env.store.config
     for path, text in task.hidden_tests.items():
         parts = split_relpath(path, cfg.workspace_dir)
-        write_atomic(env.workspace_path, parts, text.encode(), uid=cfg.sandbox_uid, gid=cfg.sandbox_gid, force=True)
+        write_atomic(env.workspace_path, parts, text.encode(), uid=env.uid, gid=env.gid, force=True)
 
 
 async def _grade_builtin(env: Environment, task: Task, names: list[str]) -> dict[str, TestCaseResult]:

@@ -120,8 +120,7 @@ class ToolBox:
         data = text.encode("utf-8")
         if len(data) > MAX_WRITE_BYTES:
             raise ValueError(f"content has {len(data)} bytes; the limit is {MAX_WRITE_BYTES}")
-        cfg = self.env.store.config
-        _safepath.write_atomic(self.env.workspace_path, parts, data, uid=cfg.sandbox_uid, gid=cfg.sandbox_gid)
+        _safepath.write_atomic(self.env.workspace_path, parts, data, uid=self.env.uid, gid=self.env.gid)
 
     # -- tools ---------------------------------------------------------------------------
     async def _read_file(self, args: dict[str, Any]) -> ToolResult:

@@ -16,13 +16,28 @@ from tests.sandbox_store import open_layer_store_or_skip
 
 # A uid of our own (not nobody) and a root of our own, so sandboxes that other processes on the
 # machine run at the same time cannot be mistaken for leaks of these tests, nor these for theirs.
+# Environments run as host uids of a range of our own too (one per environment), disjoint from the
+# default range (0x70000000 + 65536) and from other test sessions' (one of 1000 slots).
 SANDBOX_UID = 200_000 + secrets.randbelow(100_000)
+ENV_UID_COUNT = 4096
+ENV_UID_BASE = 1_900_000_000 + secrets.randbelow(1000) * ENV_UID_COUNT
 TEST_ROOT = "/var/tmp/asyncrl-sandbox-tests"
-TEST_CONFIG = SandboxConfig(root_dir=TEST_ROOT, sandbox_uid=SANDBOX_UID, sandbox_gid=SANDBOX_UID)
+TEST_CONFIG = SandboxConfig(
+    root_dir=TEST_ROOT,
+    sandbox_uid=SANDBOX_UID,
+    sandbox_gid=SANDBOX_UID,
+    env_uid_base=ENV_UID_BASE,
+    env_uid_count=ENV_UID_COUNT,
+)
+
+
+def is_sandbox_uid(uid: int) -> bool:
+    """Whether ``uid`` is one a sandbox of these tests runs as (the shared one or an environment's)."""
+    return uid == SANDBOX_UID or ENV_UID_BASE <= uid < ENV_UID_BASE + ENV_UID_COUNT
 
 
 def sandbox_pids() -> list[int]:
-    """Live host pids running as the sandbox uid (zombies excluded: they run nothing and wait
+    """Live host pids running as a sandbox uid (zombies excluded: they run nothing and wait
     only for the host's pid 1 to reap them)."""
     pids = []
     for name in os.listdir("/proc"):
@@ -34,7 +49,7 @@ def sandbox_pids() -> list[int]:
                     if line.startswith("State:") and line.split()[1] == "Z":
                         break
                     if line.startswith("Uid:"):
-                        if int(line.split()[1]) == SANDBOX_UID:
+                        if is_sandbox_uid(int(line.split()[1])):
                             pids.append(int(name))
                         break
         except OSError:
@@ -46,7 +61,7 @@ def _owned_by_sandbox(directory: str) -> list[str]:
     names = []
     for name in os.listdir(directory):
         try:
-            if os.lstat(os.path.join(directory, name)).st_uid == SANDBOX_UID:
+            if is_sandbox_uid(os.lstat(os.path.join(directory, name)).st_uid):
                 names.append(name)
         except FileNotFoundError:
             continue

@@ -94,7 +94,8 @@ def test_a_crashed_process_leaves_nothing_behind_after_the_next_store(store: Lay
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, check=True)
     leaked_dir = out.stdout.split()[-1]
-    assert len(_mount.mounts_under(os.path.join(leaked_dir, "E"))) == 6  # tmpfs + overlay per environment
+    # tmpfs + overlay + its idmapped view of the layer, per environment
+    assert len(_mount.mounts_under(os.path.join(leaked_dir, "E"))) == 9
     assert len(_mount.mounts_under(os.path.join(leaked_dir, "V"))) <= 1  # the shared layer's idmapped view
     LayerStore(TEST_CONFIG).close()
     assert _mount.mounts_under(leaked_dir) == []
@@ -102,6 +103,7 @@ def test_a_crashed_process_leaves_nothing_behind_after_the_next_store(store: Lay
     if store.cgroup is not None:
         name = f"asyncrl-{os.path.basename(leaked_dir)}"
         assert [n for n in os.listdir(store.cgroup[0]) if n.startswith(name)] == []
+    os.remove(os.path.join(crash_root, "env-uids.lock"))  # the stores' uid claims (held by none now)
     os.rmdir(crash_root)
 
 

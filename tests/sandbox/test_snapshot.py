@@ -19,6 +19,7 @@ from sandbox import (
     SandboxStateError,
     SandboxUnavailable,
     SnapshotFormatError,
+    _mount,
     export_snapshot_bytes,
     import_snapshot_bytes,
 )
@@ -27,11 +28,12 @@ from .conftest import TEST_CONFIG
 
 
 def _disk_bytes(path: str) -> int:
-    """Allocated bytes of files under ``path`` on its filesystem, not crossing mounts."""
-    dev = os.lstat(path).st_dev
+    """Allocated bytes of files under ``path`` on its filesystem, not crossing mounts (nor an
+    environment's idmapped views of layers: binds of the same filesystem, copying nothing)."""
+    mounts = set(_mount.mounts_under(path))
     total = 0
     for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = [d for d in dirnames if os.lstat(os.path.join(dirpath, d)).st_dev == dev]
+        dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in mounts]
         for name in filenames:
             total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
     return total
