@@ -99,7 +99,6 @@ async def main(rounds: int) -> dict[str, object]:
         base = Environment.create(store, TREE)
         snap = base.snapshot()
         layer = snap.layers[0].path
-        cfg = store.config
         for _ in range(3):  # warm-up
             await base.run("true")
             await _bare_bwrap(store)
@@ -113,7 +112,7 @@ async def main(rounds: int) -> dict[str, object]:
             dt, fork = _timed(lambda: Environment.fork(snap))
             samples["fork"].append(dt)
             write_atomic(
-                fork.workspace_path, ("pkg", "mod000.py"), b"x = 2\n", uid=cfg.sandbox_uid, gid=cfg.sandbox_gid
+                fork.workspace_path, ("pkg", "mod000.py"), b"x = 2\n", uid=fork.uid, gid=fork.gid
             )
             dt, child = _timed(fork.snapshot)
             samples["snapshot"].append(dt)
