@@ -54,6 +54,9 @@ def test_limits_validation(kwargs: dict, needle: str) -> None:
         ({"sandbox_uid": 0}, "unprivileged"),
         ({"workspace_dir": "/usr"}, "workspace_dir"),
         ({"max_layer_depth": 1}, "max_layer_depth"),
+        ({"env_uid_base": 1000}, "env_uid_base"),  # real users' ids
+        ({"env_uid_base": (1 << 31) - 10}, "env_uid_base"),  # read as negative by some tools
+        ({"env_uid_count": -1}, "env_uid_count"),
     ],
 )
 def test_config_validation(kwargs: dict, needle: str) -> None:
