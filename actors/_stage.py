@@ -31,6 +31,7 @@ from actors.messages import (
     WorkHeartbeat,
     WorkHeartbeats,
     done_subject,
+    heartbeat_subject,
     order_types,
     work_queue_of,
 )
@@ -45,7 +46,6 @@ from runtime.registry import registration_key
 
 log = structlog.get_logger(__name__)
 
-HEARTBEAT_SUBJECT = "heartbeat"
 R = TypeVar("R")
 
 
@@ -74,7 +74,7 @@ class StageActor(Actor):
             cls.messages = order_types(cls.stage)
             # its completions and heartbeats, and nothing of another stage's
             cls.bus_access = cls.bus_access | BusAccess(publish=(done_subject(cls.stage),
-                                                                 f"{HEARTBEAT_SUBJECT}.{cls.stage.value}"))
+                                                                 heartbeat_subject(cls.stage)))
 
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)
@@ -169,7 +169,7 @@ class StageActor(Actor):
         anyway: nothing is lost either way, a superseded completion is ignored. An actor asked to drain
         meanwhile gives the order back (`OrderGoesBack`: nak'ed, redelivered) rather than start it."""
         beat = await self._work_heartbeat(order)
-        subject = f"{HEARTBEAT_SUBJECT}.{self.stage.value}"
+        subject = heartbeat_subject(self.stage)
         started, num_asked = time.monotonic(), 0
         try:
             async with asyncio.timeout(self.still_wanted_patience_s):
@@ -224,7 +224,7 @@ class StageActor(Actor):
         beat = await self._work_heartbeat(order)
         while True:  # the first beat at once: the reconciler learns who holds the order (re-issued if it is lost)
             with contextlib.suppress(Exception):
-                await self.bus.publish(f"{HEARTBEAT_SUBJECT}.{self.stage.value}", beat)
+                await self.bus.publish(heartbeat_subject(self.stage), beat)
             await asyncio.sleep(self.heartbeat_every_s)
 
     # --- blobs: typed msgpack records (actors.records), zstd-compressed --------------------------

@@ -7,6 +7,8 @@ rollout actor that receives a train order dead-letters it instead of guessing.
 
 from __future__ import annotations
 
+from typing import Any
+
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import (
     GroupDone,
@@ -69,6 +71,26 @@ def done_subject(stage: Stage) -> str:
     return f"done.{stage.value}"
 
 
+def stages_spoken_for(completion: Any) -> set[Stage]:
+    """The stages whose work a completion (or a group's answer) reports on: a `StageFailed` names its
+    own, a group's answer those of its items' failures beside its own, every other completion its type's."""
+    if isinstance(completion, StageFailed):
+        return {completion.stage}
+    return {completion.STAGE, *(failed.stage for failed in getattr(completion, "failed", ()))}
+
+
+def why_not_from_subject(completion: Any, subject: str) -> str | None:
+    """Why `completion` is not believed from ``subject`` (None: it is): only a stage's role may publish on
+    its ``done.<stage>`` (the server's permissions), so a completion is believed only on its own stage's
+    subject; on another's it is a role reporting work it was never given (a stolen token, say)."""
+    stages = stages_spoken_for(completion)
+    wrong = sorted(s.value for s in stages if done_subject(s) != subject)
+    if not wrong:
+        return None
+    return (f"{type(completion).__name__} reports on stage {'/'.join(wrong)} but arrived on {subject!r}: only "
+            f"{'/'.join(done_subject(Stage(w)) for w in wrong)} may carry it (its stage's role alone publishes there)")
+
+
 @message("weights.published")
 class WeightsPublished:
     """The trainer published policy ``version``; its state is at ``key`` in blob storage."""
@@ -112,6 +134,19 @@ class WorkHeartbeats:
     beats: tuple[WorkHeartbeat, ...]
 
 
+def heartbeat_subject(stage: Stage) -> str:
+    return f"heartbeat.{stage.value}"
+
+
+def why_beat_not_from_subject(beat: WorkHeartbeat, subject: str) -> str | None:
+    """Why a heartbeat is not believed from ``subject`` (None: it is): like a completion, a stage's
+    heartbeat keeps only that stage's work alive, and only its role publishes on ``heartbeat.<stage>``."""
+    if heartbeat_subject(beat.stage) == subject:
+        return None
+    return (f"a heartbeat for stage {beat.stage.value} arrived on {subject!r}: only "
+            f"{heartbeat_subject(beat.stage)!r} may carry it")
+
+
 __all__ = [
     "COMPLETION_TYPES",
     "DONE_QUEUE",
@@ -125,6 +160,10 @@ __all__ = [
     "all_order_types",
     "data_exhausted_subject",
     "done_subject",
+    "heartbeat_subject",
     "order_types",
+    "stages_spoken_for",
+    "why_beat_not_from_subject",
+    "why_not_from_subject",
     "work_queue_of",
 ]

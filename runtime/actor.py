@@ -168,6 +168,7 @@ class Actor:
         self.num_handled = 0
         self.num_failed = 0
         self.num_dead_lettered = 0
+        self.num_refused_senders = 0  # messages refused as not their subject's role's to send (why_refused)
         self.failure: str | None = None  # set by fail(): the run() that drains then raises ActorFailed
         self.num_rejected_config = 0  # live config values refused (see _apply_config)
         self._started_at = time.time()
@@ -195,6 +196,21 @@ class Actor:
     async def probe(self) -> None:
         """Can this actor do its job now? Raise with the reason if not (runtime.health asks it every so
         often: the rollout actor decodes a token, the reward actor runs a sandboxed command)."""
+
+    def why_refused(self, msg: Any, subject: str) -> str | None:
+        """Why ``msg`` is not believed as it arrived on ``subject`` (None: it is). The server's permissions
+        bind each subject to the one role that may publish on it, so a message is believed only where its
+        content speaks for that subject's role (a stage's completion on that stage's subject): a kind whose
+        messages name whom they speak for checks it here; the base refuses, counts and dead-letters it."""
+        return None
+
+    @classmethod
+    async def why_not_finished(cls, bus: Bus, blob: Any, run: Any, request: dict[str, Any]) -> str | None:
+        """Why a ``ctl.supervisor.finish`` from this kind is not believed (None: it is). Finishing ends the run for
+        good, so a kind whose role may ask it (it declares the subject in `bus_access`) confirms the request
+        against the durable state it speaks of (``blob``: the run's store, ``run``: its run section); the
+        supervisor asks this of every such kind. The base confirms nothing."""
+        return f"actors of kind {cls.kind!r} do not say when the run has ended"
 
     def status(self) -> dict[str, Any]:
         return {}
@@ -383,6 +399,12 @@ class Actor:
             except Exception as e:  # the blob store is down: not the message's fault, retry it
                 await self._failed(q, raw, "(undecoded)", e, outages_before)
                 return
+            if (why := self.why_refused(msg, raw.subject)) is not None:
+                self.num_refused_senders += 1
+                self._log.warning("message_refused", queue=q.name, subject=raw.subject, msg_type=type(msg).__name__,
+                                  reason=why, num_refused=self.num_refused_senders)
+                await self._dead_letter(q, raw, "wrong_subject", why)  # kept for the operator, never handled
+                return
             try:
                 with self.work_timing.handling():
                     async with asyncio.TaskGroup() as tg:
@@ -520,7 +542,7 @@ class Actor:
                 "state": self.state.value, "failure": self.failure,
                 "num_inflight": self._inflight, "num_handled": self.num_handled,
                 "num_failed": self.num_failed, "num_dead_lettered": self.num_dead_lettered,
-                "num_rejected_config": self.num_rejected_config,
+                "num_refused_senders": self.num_refused_senders, "num_rejected_config": self.num_rejected_config,
                 "uptime_s": round(time.time() - self._started_at, 3), "lease_s": self.settings.lease_s,
                 **self.status()}
 

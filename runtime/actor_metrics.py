@@ -35,6 +35,7 @@ class Observable(Protocol):
     num_handled: int
     num_failed: int
     num_dead_lettered: int
+    num_refused_senders: int
     num_rejected_config: int
 
     @property
@@ -70,6 +71,7 @@ class ActorCollector(Collector):
             ("messages_handled", "Messages handled successfully (acknowledged).", a.num_handled),
             ("messages_failed", "Handler failures (the message was redelivered or dead-lettered).", a.num_failed),
             ("messages_dead_lettered", "Messages set aside in the dead-letter stream.", a.num_dead_lettered),
+            ("messages_refused", "Messages refused as not their subject's role's to send.", a.num_refused_senders),
             ("config_changes_refused", "Live configuration values this actor refused.", a.num_rejected_config),
         ):
             yield CounterMetricFamily(metric_name("actor", name), doc, value=value)

@@ -35,6 +35,8 @@ from actors.messages import (
     WorkHeartbeats,
     all_order_types,
     data_exhausted_subject,
+    why_beat_not_from_subject,
+    why_not_from_subject,
     work_queue_of,
 )
 from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
@@ -83,6 +85,7 @@ class ReconcilerActor(Actor):
         self.core_lock = asyncio.Lock()  # the core is called from one task at a time
         self.num_rejected_registrations = 0
         self.num_rejected_announcements = 0
+        self.num_refused_heartbeats = 0  # heartbeats of one stage on another stage's subject
         self.registry = RegistryView(witness=self.identity.actor_id)  # its own lease: is the registry live?
         self.num_rollout_actors = await self._count_rollout_actors()
         r = self.config.reconciler
@@ -212,6 +215,9 @@ class ReconcilerActor(Actor):
             await self.orders_out.publish(f"work.{order.STAGE.value}", data, msg_id=order.msg_id)
 
     # --- inputs -------------------------------------------------------------------------------
+    def why_refused(self, msg: Any, subject: str) -> str | None:
+        return why_not_from_subject(msg, subject)  # a stage's completion, only on that stage's done subject
+
     async def handle(self, msg: Any, delivery: Delivery) -> None:
         # Acked by the base only after the core recorded it; a broken core did not: nak, redeliver.
         call = ("on_completions", msg.events) if isinstance(msg, RolloutGroupDone | RewardGroupDone) else (
@@ -227,6 +233,10 @@ class ReconcilerActor(Actor):
             log.warning("heartbeat_rejected", error=str(e))
             return
         beats = msg.beats if isinstance(msg, WorkHeartbeats) else (msg,)  # a group order's items beat together
+        if (why := next(filter(None, (why_beat_not_from_subject(b, raw.subject) for b in beats)), None)) is not None:
+            self.num_refused_heartbeats += 1  # a role keeping another stage's work alive: believed for none of it
+            log.warning("heartbeat_refused", subject=raw.subject, reason=why, num_refused=self.num_refused_heartbeats)
+            return  # unanswered: the asker is no stage actor of that stage
         now = time.time()
         for beat in beats:
             self.core.on_heartbeat(beat.stage, beat.key, beat.attempt, beat.actor_id, now, beat.token)
@@ -369,6 +379,7 @@ class ReconcilerActor(Actor):
             "scheduling": config_mod.to_dict(self.core.scheduling),
             "num_rejected_registrations": self.num_rejected_registrations,
             "num_rejected_announcements": self.num_rejected_announcements,
+            "num_refused_heartbeats": self.num_refused_heartbeats,
             "num_orders_published": self.orders_out.num_published,
             "num_orders_published_again": self.orders_out.num_republished,  # not stored in time: sent again
             "orders_unconfirmed": self.orders_out.num_unconfirmed,

@@ -32,10 +32,11 @@ import pytest
 
 from actors.messages import COMPLETION_TYPES, DataExhausted, WeightsPublished, WorkHeartbeat, all_order_types
 from actors.reconciler.slot import Slot, SlotState, Stage
-from actors.reconciler.store import SLOT_PREFIX
+from actors.reconciler.store import META_KEY, SLOT_PREFIX
 from actors.reconciler.work import (
     GroupDone,
     GroupOrder,
+    MetaRecord,
     RewardDone,
     RewardOrder,
     RolloutDone,
@@ -174,7 +175,8 @@ async def fuzz(clients: dict[str, RoleClient], f: Fuzzer, actors: list[tuple[str
 
     async def done() -> tuple[str, str, bytes]:
         stage = r.choice(stages)
-        data = await f.typed(f.completions, f.completion(stage)) if r.random() < 0.7 else f.garbage()
+        spoken_for = stage if r.random() < 0.7 else r.choice(stages)  # sometimes another stage's, on this subject
+        data = await f.typed(f.completions, f.completion(spoken_for)) if r.random() < 0.7 else f.garbage()
         return STAGE_ROLE[stage], f"done.{stage.value}", data
 
     async def heartbeat() -> tuple[str, str, bytes]:
@@ -295,6 +297,8 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
             # forge completions of the work in flight now, its key and attempt right, its token not; first,
             # while the run surely has work in flight (the fuzzing that follows may outlast the run)
             assert await forge_live_work(run, clients, Fuzzer(seed=12, run_name="")) > 0, "work was in flight"
+            # issue 31: other stages' completions, with the real (stolen) tokens, on done.rollout
+            cross_stage = await forge_across_stages(run, clients)
             sent = await fuzz(clients, Fuzzer(seed=11, run_name=run.info.run), actors)
             assert sum(sent.values()) >= NUM_MESSAGES
             assert {"work", "done", "heartbeat", "weights", "data_exhausted", "ctl", "$KV.config",
@@ -311,6 +315,10 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
         counters = status["lifecycle"]["counters"]
         assert counters.get("rejected_reports", 0) > 0 and counters.get("ignored_completions", 0) > 0, counters
         assert status["num_rejected_config"] > 0 and status["num_rejected_registrations"] > 0
+        assert status["num_refused_senders"] >= cross_stage, "each completion on another stage's subject refused"
+        refused = events(run.run_dir, "message_refused")
+        assert {e["msg_type"] for e in refused} >= {"RewardDone", "StageFailed", "TrainDone"}, refused[:3]
+        assert all(e.get("reason") for e in refused), "each refusal says why"
         dead = await run.bus.js.stream_info("DLQ")
         assert dead.state.messages > 100, "undecodable messages are dead letters"
         assert not events(run.run_dir, "actor_crashed"), "no actor crashed"
@@ -346,6 +354,39 @@ async def forge_live_work(run: LiveRun, clients: dict[str, RoleClient], f: Fuzze
                 if forged >= wanted:
                     break
     return forged
+
+
+async def forge_across_stages(run: LiveRun, clients: dict[str, RoleClient]) -> int:
+    """Issue 31's forgeries, sent as the rollout role (which may publish only on ``done.rollout``) with the
+    tokens the table really issued (read from the ``slots`` bucket: a stolen token): a `RewardDone` of a sample
+    in reward, and a `StageFailed(train)` and a `TrainDone` naming the version two ahead, of the batch in
+    training. Each must be refused for its subject, whatever its token. Returns how many were sent."""
+    assert run.bus is not None
+    completions = Codec(COMPLETION_TYPES)
+    sent: set[str] = set()
+
+    async def send(msg: Any) -> None:
+        assert await clients["rollout"].js_publish("done.rollout", await completions.encode(msg))
+        sent.add(type(msg).__name__)
+
+    async def forged_all() -> bool:
+        slots = [Slot.decode(e.value) for k in await run.bus.kv_keys("slots") if k.startswith(SLOT_PREFIX)
+                 and (e := await run.bus.kv_get("slots", k)) is not None]
+        meta_entry = await run.bus.kv_get("slots", META_KEY)
+        meta = MetaRecord.decode(meta_entry.value) if meta_entry is not None else MetaRecord()
+        if "RewardDone" not in sent and (rewarding := [s for s in slots if s.state is SlotState.REWARD]):
+            s = rewarding[0]
+            await send(RewardDone(s.sample_id, s.attempt, "forged", s.token))
+        members = [s for g in meta.batch_group_ids for s in sorted(
+            (s for s in slots if s.state is SlotState.TRAIN and s.group_id == g), key=lambda s: s.index_in_group)]
+        if "TrainDone" not in sent and members and meta.batch_id:  # the batch's order: its first member's token
+            attempt, token = max(s.attempt for s in members), members[0].token
+            await send(StageFailed(Stage.TRAIN, meta.batch_id, attempt, "spoof", token))
+            await send(TrainDone(meta.batch_id, attempt, meta.trainer_version + 2, token))
+        return len(sent) == 3
+
+    await until(forged_all, 60, "a sample in reward and a batch in training to forge completions of")
+    return 3
 
 
 def contextlib_all(info: Any, roles: list[str]) -> Any:

@@ -10,7 +10,7 @@ from runtime.actor_metrics import exposition
 
 
 class _Actor:
-    num_handled, num_failed, num_dead_lettered, num_rejected_config = 7, 1, 0, 2
+    num_handled, num_failed, num_dead_lettered, num_refused_senders, num_rejected_config = 7, 1, 0, 0, 2
     inflight, uptime_s, state_name, kind_name = 3, 12.5, "running", "reconciler"
 
     def status(self) -> dict[str, Any]:
