@@ -43,11 +43,13 @@ from runtime.errors import BusError, ConfigError
 from runtime.local_backend import LocalBackend
 from runtime.placement import PlacedProcess, PlacementBackend, PlacementError, UnplacedProcess, actor_launch
 from runtime.registry import registration_key
-from runtime.run_config import RuntimeConfig
+from runtime.run_config import RuntimeConfig, import_entry
 
 log = structlog.get_logger(__name__)
 
 SUPERVISOR_SUBJECT = "ctl.supervisor"
+FINISH_SUBJECT = f"{SUPERVISOR_SUBJECT}.finish"  # ends the run as finished: believed only as the durable state says
+FINISH_CHECK_TIMEOUT_S = 30.0  # reading the state a finish is checked against (a table, one blob)
 BUS_STEP_TIMEOUT_S = 5.0  # one registry write of the supervisor's; past it the bus is taken as down
 ACTIVATE_TIMEOUT_S = 2.0  # a ready standby answers at once; one that does not is still loading
 
@@ -77,11 +79,13 @@ class ActorProcess:
 
 class Supervisor:
     def __init__(self, config: RuntimeConfig, run_dir: Path, bus: Bus, address: RunAddress,
-                 backend: PlacementBackend | None = None, credentials: RunCredentials | None = None) -> None:
+                 backend: PlacementBackend | None = None, credentials: RunCredentials | None = None,
+                 blob: Any = None) -> None:
         self.config = config
         # the run's bus credentials, held from the start: every actor starts with them, whatever became
         # of their directory, which is written again when it lost or changed a file (`_keep_credentials`)
         self.credentials = credentials
+        self.blob = blob  # the run's store (runtime.blob): what a finish request is checked against, with the bus
         self.run_dir = run_dir
         self.address = address  # what an actor process needs to find the run (runtime.actor_launch)
         self.bus = bus
@@ -95,6 +99,10 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self._swap_lock = asyncio.Lock()
+        # the kinds whose role may ask to finish the run: one of them must confirm a request (Actor.why_not_finished)
+        self._finishers = [cls for spec in config.actors.values()
+                           if FINISH_SUBJECT in (cls := import_entry(spec.entry)).required_access().publish]
+        self.num_refused_finishes = 0
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def run(self) -> Outcome:
@@ -398,19 +406,50 @@ class Supervisor:
             self._tg.create_task(self._reply_swap(raw, str(body.get("kind", ""))))
             return
         if verb == "status":
-            reply: dict[str, Any] = {"ok": True, "outcome": self.outcome.value, "actors": [
+            reply: dict[str, Any] = {"ok": True, "outcome": self.outcome.value,
+                                     "num_refused_finishes": self.num_refused_finishes, "actors": [
                 {"id": p.actor_id, "kind": p.kind, "pid": p.pid, "node": p.proc.node, "retiring": p.retiring,
                  "standby": p.standby, "uptime_s": round(time.time() - p.started_at, 1)} for p in self.procs.values()]}
         elif verb == "stop":
             self.request_stop(Outcome.STOPPED)
             reply = {"ok": True}
         elif verb == "finish":
-            log.info("run_finish_requested", by=body.get("by"), reason=body.get("reason"))
-            self.request_stop(Outcome.FINISHED)
-            reply = {"ok": True}
+            assert self._tg is not None  # reading the state may take a while: not in the subscription's callback
+            self._tg.create_task(self._reply_finish(raw, body))
+            return
         else:
             reply = {"ok": False, "error": f"unknown verb {verb!r}; use swap, status, stop or finish"}
         await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
+
+    async def _reply_finish(self, raw: Inbound, body: dict[str, Any]) -> None:
+        """Ends the run as finished if a kind that may say so confirms it from the durable state; else refuses,
+        counts and says why (the run goes on: a stop is an operator's, ``ctl.supervisor.stop``)."""
+        why = await self._why_not_finished(body)
+        if why is None:
+            log.info("run_finish_requested", by=body.get("by"), reason=body.get("reason"), version=body.get("version"))
+            self.request_stop(Outcome.FINISHED)
+            reply: dict[str, Any] = {"ok": True}
+        else:
+            self.num_refused_finishes += 1
+            log.warning("run_finish_refused", by=body.get("by"), reason=body.get("reason"),
+                        version=body.get("version"), why=why, num_refused=self.num_refused_finishes)
+            reply = {"ok": False, "error": f"the run is not finished: {why}"}
+        await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
+
+    async def _why_not_finished(self, body: dict[str, Any]) -> str | None:
+        if not self._finishers:
+            return "no actor kind of this run may end it (none publishes ctl.supervisor.finish)"
+        reasons = []
+        for cls in self._finishers:
+            try:
+                async with asyncio.timeout(FINISH_CHECK_TIMEOUT_S):
+                    why = await cls.why_not_finished(self.bus, self.blob, self.config.run, body)
+            except OSError as e:  # BusError, TimeoutError, a store's error: unconfirmed, never believed
+                why = f"the run's state could not be read ({e!r}); ask again"
+            if why is None:
+                return None
+            reasons.append(f"{cls.kind}: {why}")
+        return "; ".join(reasons)
 
     async def _reply_swap(self, raw: Inbound, kind: str) -> None:
         try:

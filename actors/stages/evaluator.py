@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import msgpack
 import structlog
@@ -27,6 +28,7 @@ from actors.config import RLConfig
 from actors.messages import DataExhausted, data_exhausted_subject
 from actors.reconciler.data_exhaustion import why_not_exhausted
 from actors.reconciler.kv_store import KVSlotStore
+from actors.run_end import finish_request, why_not_finished
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from actors.training.evaluation import evaluate, greedy, sampled
@@ -35,11 +37,11 @@ from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
 from model.weight_sync import WeightSyncError
 from runtime.actor import Actor
-from runtime.bus import Inbound
+from runtime.bus import Bus, Inbound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 from runtime.metrics_log import numbered, read_metrics, write_metrics
-from runtime.supervisor import SUPERVISOR_SUBJECT
+from runtime.supervisor import FINISH_SUBJECT
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +50,7 @@ __all__ = ["EvaluatorActor"]
 
 class EvaluatorActor(Actor):
     kind = "evaluator"
-    bus_access = BusAccess(publish=("progress.eval", f"{SUPERVISOR_SUBJECT}.finish"),
+    bus_access = BusAccess(publish=("progress.eval", FINISH_SUBJECT),
                            subscribe=("weights.*", "data_exhausted.*"), kv_read=("slots",))
     Config = RLConfig
 
@@ -133,9 +135,19 @@ class EvaluatorActor(Actor):
             return
         reason = "steps" if last >= self.ctx.run_steps > 0 else "data exhausted"
         log.info("run_last_version_evaluated", version=last, steps=self.ctx.run_steps, reason=reason)
-        await self.bus.request(f"{SUPERVISOR_SUBJECT}.finish",
-                               msgpack.packb({"by": self.identity.actor_id, "reason": reason}), timeout_s=5.0)
+        version = max(v for v in self.evaluated if v >= last)
+        reply = msgpack.unpackb(await self.bus.request(
+            FINISH_SUBJECT, msgpack.packb(finish_request(self.identity.actor_id, version, reason)), timeout_s=35.0),
+            raw=False)
+        if not reply.get("ok"):  # the supervisor reads the table and the metrics: asked again on the next version
+            log.error("run_finish_refused", version=version, error=reply.get("error"),
+                      fix="see the supervisor's run_finish_refused event; the run goes on")
+            return
         self.finish_requested = True
+
+    @classmethod
+    async def why_not_finished(cls, bus: Bus, blob: Any, run: Any, request: dict[str, Any]) -> str | None:
+        return await why_not_finished(bus, blob, run, request)
 
     async def _evaluate(self, version: int) -> None:
         e = self.config.eval

@@ -63,7 +63,8 @@ from actors.reconciler.work import (
 )
 from actors.records import RECORD_SCHEMA
 from actors.rollout_checkpoint import RolloutCheckpoint, RolloutCheckpoints
-from runtime.actor import Delivery
+from actors.stages.evaluator import EvaluatorActor
+from runtime.actor import Actor, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 
@@ -75,6 +76,7 @@ __all__ = [
     "SIM_CONFIG_FILE",
     "SimConfig",
     "SimError",
+    "SimEvaluatorActor",
     "SimGroupActor",
     "SimRewardActor",
     "SimRolloutActor",
@@ -511,3 +513,12 @@ class TrainerLedger:
             return await self._kv.update(LEDGER_KEY, data, last=revision)
         except KeyWrongLastSequenceError:
             raise SimError("the trainer ledger changed under this step; retrying the order") from None
+
+
+class SimEvaluatorActor(Actor):
+    """The evaluator's role without its model: it may ask the supervisor to finish the run, and a finish is
+    believed only as the real evaluator's check of the table and the metrics says (actors.run_end)."""
+
+    kind = "evaluator"
+    bus_access = EvaluatorActor.bus_access
+    why_not_finished = EvaluatorActor.why_not_finished
