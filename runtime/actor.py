@@ -139,6 +139,9 @@ class Actor:
     # whose processes must not share its queue says so here, and a run file asking for more is refused.
     max_count: ClassVar[int | None] = None
     max_count_reason: ClassVar[str] = ""
+    # A kind everything waits on (the reconciler): found unhealthy, by the supervisor, once no ping was answered for
+    # ``actors.<kind>.lease_s`` (a frozen one is replaced within its lease), not only after failed checks in a row
+    replaced_within_lease: ClassVar[bool] = False
     # Whether ``actors.<kind>.ranks`` > 1 is meaningful: its processes form one group (e.g. torch.distributed)
     supports_ranks: ClassVar[bool] = False
 

@@ -4,10 +4,11 @@ A process can be running and useless: its event loop wedged (or the process stop
 while the process lives, a handler that never returns. The supervisor restarts what exits; this finds
 what does not exit, so that it is replaced too, and says why. Checks, on a clock of ``interval_s``:
 
-- **liveness**: ``ctl.<kind>.<id>.ping`` answered within ``ping_timeout_s`` (the actor's event loop runs);
-- **readiness**: every ``probe_every``-th check is ``ctl.<kind>.<id>.probe``: the kind's own probe (`Actor.probe`;
+- **liveness**: ``ctl.<kind>.<id>.ping`` answered within ``ping_timeout_s`` (the actor's event loop runs); a
+  kind with a bound (the reconciler's: its lease) is unhealthy once no ping was answered for that long;
+- **readiness**: every ``probe_every`` intervals, ``ctl.<kind>.<id>.probe``: the kind's own probe (`Actor.probe`;
   the rollout actor decodes one token, the reward actor runs one sandboxed command), within
-  ``probe_timeout_s``;
+  ``probe_timeout_s``, on its own clock: pings go on while a probe is in flight;
 - **progress**: the ping's reply says how long the actor has held work without finishing any; more
   than ``stuck_s`` is a stuck actor (0: not checked). Passively, from the same replies: a handling in
   hand ``outlier_factor`` times longer than the p99 of the kind's recent ones (and at least
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,35 +74,80 @@ async def _ask(bus: Bus, kind: str, actor_id: str, verb: str, timeout_s: float) 
     return body
 
 
-async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> Verdict:
-    """Checks ``actor_id`` (of ``kind``) until it is unhealthy (the verdict is returned); cancel to stop."""
+async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection,
+                unanswered_s: float | None = None) -> Verdict:
+    """Checks ``actor_id`` (of ``kind``) until it is unhealthy (the verdict is returned); cancel to stop.
+
+    Liveness and readiness keep their own clocks: a probe may take ``probe_timeout_s`` (60 s), and a frozen
+    process must not go unnoticed behind it (issue 32: pings waited behind the probe in flight, and a frozen
+    actor was found only by the probe, 95 s later). ``unanswered_s`` (the kind's bound, e.g. the reconciler's
+    lease): no ping answered for that long is unhealthy too, however few pings that was; pings then go every
+    quarter of it, so that the bound is kept within a ping's interval."""
     if not await _until_running(bus, kind, actor_id, cfg.start_grace_s):
         return Verdict("start", f"not running (registered as consuming) within {cfg.start_grace_s}s of starting")
-    failures = {"liveness": 0, "readiness": 0}  # in a row, per check: a frozen process fails pings first
+    async with asyncio.TaskGroup() as tg:
+        checks = [tg.create_task(_liveness(bus, kind, actor_id, cfg, unanswered_s))]
+        if cfg.probe_every > 0:
+            checks.append(tg.create_task(_readiness(bus, kind, actor_id, cfg)))
+        done, _ = await asyncio.wait(checks, return_when=asyncio.FIRST_COMPLETED)
+        verdict = next(iter(done)).result()
+        for check in checks:
+            check.cancel()
+    return verdict
+
+
+async def _liveness(bus: Bus, kind: str, actor_id: str, cfg: HealthSection, unanswered_s: float | None) -> Verdict:
+    """Pings on their own clock, and the passive checks read from their replies."""
+    loop = asyncio.get_running_loop()
+    every = cfg.interval_s if not unanswered_s else min(cfg.interval_s, unanswered_s / 4)
+    timeout_s = cfg.ping_timeout_s if not unanswered_s else min(cfg.ping_timeout_s, every)
     outcomes: collections.deque[tuple[int, int]] = collections.deque(maxlen=cfg.error_window + 1)
-    for tick in itertools.count(1):
-        await asyncio.sleep(cfg.interval_s)  # a checking clock: the next check is due interval_s after this one
+    failures, answered_at = 0, loop.time()  # it was running (registered) just now
+    while True:
+        asked_at = loop.time()
+        if bus.health.down.is_set():  # the bus is away: nobody can answer, which says nothing of this actor
+            answered_at = asked_at  # nor does the time it was away count against it
+        else:
+            try:
+                reply = await _ask(bus, kind, actor_id, "ping", timeout_s)
+            except (OSError, RuntimeError, ValueError) as e:  # timeout, no responder, the bus; a refusal; not msgpack
+                failures += 1
+                silent_s = loop.time() - answered_at
+                log.warning("health_check_failed", actor_id=actor_id, check="liveness", error=str(e) or repr(e),
+                            num_failures=failures, max_failures=cfg.max_failures, unanswered_s=round(silent_s, 1))
+                if unanswered_s and silent_s >= unanswered_s:
+                    return Verdict("liveness", f"no ping answered for {silent_s:.1f}s (the kind's bound: "
+                                               f"{unanswered_s:g}s); the last failure: {e}", unanswered_s)
+                if failures >= cfg.max_failures:
+                    return Verdict("liveness", f"{failures} liveness checks failed in a row; the last: {e}")
+            else:
+                if failures:
+                    log.info("health_check_recovered", actor_id=actor_id, check="liveness", num_failures=failures)
+                failures, answered_at = 0, asked_at
+                if (verdict := _passive(reply, cfg, outcomes)) is not None:
+                    return verdict
+        await asyncio.sleep(max(0.0, asked_at + every - loop.time()))  # a clock: due `every` after the last
+
+
+async def _readiness(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> Verdict:
+    """The kind's probe every ``probe_every`` ping intervals, however long each takes (within its timeout)."""
+    failures = 0
+    while True:
+        await asyncio.sleep(cfg.interval_s * cfg.probe_every)
         if bus.health.down.is_set():
-            continue  # the bus is away: nobody can answer, which says nothing of this actor
-        is_probe = cfg.probe_every > 0 and tick % cfg.probe_every == 0
-        check = "readiness" if is_probe else "liveness"
-        try:
-            reply = await _ask(bus, kind, actor_id, "probe" if is_probe else "ping",
-                               cfg.probe_timeout_s if is_probe else cfg.ping_timeout_s)
-        except (OSError, RuntimeError, ValueError) as e:  # timeout, no responder, the bus; a refusal; not msgpack
-            failures[check] += 1
-            log.warning("health_check_failed", actor_id=actor_id, check=check, error=str(e) or repr(e),
-                        num_failures=failures[check], max_failures=cfg.max_failures)
-            if failures[check] >= cfg.max_failures:
-                return Verdict(check, f"{failures[check]} {check} checks failed in a row; the last: {e}")
             continue
-        if failures[check]:
-            log.info("health_check_recovered", actor_id=actor_id, check=check, num_failures=failures[check])
-        failures[check] = 0
-        verdict = None if is_probe else _passive(reply, cfg, outcomes)  # a probe's reply carries no counts
-        if verdict is not None:
-            return verdict
-    raise AssertionError("itertools.count does not end")
+        try:
+            await _ask(bus, kind, actor_id, "probe", cfg.probe_timeout_s)
+        except (OSError, RuntimeError, ValueError) as e:
+            failures += 1
+            log.warning("health_check_failed", actor_id=actor_id, check="readiness", error=str(e) or repr(e),
+                        num_failures=failures, max_failures=cfg.max_failures)
+            if failures >= cfg.max_failures:
+                return Verdict("readiness", f"{failures} readiness checks failed in a row; the last: {e}")
+            continue
+        if failures:
+            log.info("health_check_recovered", actor_id=actor_id, check="readiness", num_failures=failures)
+        failures = 0
 
 
 def _passive(reply: dict[str, Any], cfg: HealthSection,

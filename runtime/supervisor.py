@@ -99,9 +99,12 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self._swap_lock = asyncio.Lock()
+        classes = {kind: import_entry(spec.entry) for kind, spec in config.actors.items()}
         # the kinds whose role may ask to finish the run: one of them must confirm a request (Actor.why_not_finished)
-        self._finishers = [cls for spec in config.actors.values()
-                           if FINISH_SUBJECT in (cls := import_entry(spec.entry)).required_access().publish]
+        self._finishers = [cls for cls in classes.values() if FINISH_SUBJECT in cls.required_access().publish]
+        # per kind, how long its pings may go unanswered before it is replaced (None: health.max_failures pings)
+        self._unanswered_s = {kind: config.actors[kind].lease_s if cls.replaced_within_lease else None
+                              for kind, cls in classes.items()}
         self.num_refused_finishes = 0
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -264,7 +267,7 @@ class Supervisor:
         (capacity comes back as soon as it can), then it is killed at once if it answers nothing or its
         work never ends, else drained, signalled, killed as on a stop. Its work in hand goes back to the
         queue when it dies unacknowledged, or is re-issued when its lease lapses."""
-        verdict = await health.watch(self.bus, ap.kind, ap.actor_id, self.config.health)
+        verdict = await health.watch(self.bus, ap.kind, ap.actor_id, self.config.health, self._unanswered_s[ap.kind])
         if ap.retiring or self._stop.is_set() or ap.actor_id not in self.procs:
             return
         num_recent = self._count_restart(ap)
