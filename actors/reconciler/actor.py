@@ -15,7 +15,9 @@ run) continues where this one stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Coroutine
 from typing import Any, ClassVar
 
 import msgpack
@@ -39,6 +41,7 @@ from actors.messages import (
     why_not_from_subject,
     work_queue_of,
 )
+from actors.reconciler.fence import Fenced, TableClaim, check_claim, take_table
 from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.registry_view import LostActor, RegistryView
@@ -68,6 +71,11 @@ class ReconcilerActor(Actor):
     produces = tuple(work_queue_of(s) for s in Stage)
     messages = COMPLETION_TYPES
     Config = RLConfig
+    # every sample waits on it: one at a time (a second one fences the first off the table), and a frozen one is
+    # replaced within its lease (actors.reconciler.lease_s)
+    max_count: ClassVar[int | None] = 1
+    max_count_reason: ClassVar[str] = "the slot table has one writer: a second reconciler takes it over (fencing)"
+    replaced_within_lease: ClassVar[bool] = True
     pipelined_writes: ClassVar[bool] = True  # group commit (see _call); False: one round trip per write
     # the only one to issue work, write the slot table and say the data ran out
     # and it follows weights announcements (the trainer's version)
@@ -95,6 +103,10 @@ class ReconcilerActor(Actor):
         self._groups_left: tuple[int, ...] | None = None  # the core's trained/dropped counts at the last retire
         self.orders_out = await self.bus.confirming_publisher()
         self.exit_stack.push_async_callback(self.orders_out.close)
+        self.num_fenced = 0
+        # before reading the table: whoever held it (a frozen predecessor that may wake) can write no more
+        self.claim: TableClaim = await take_table(self.bus, "slots", self.identity.actor_id)
+        log.info("reconciler_took_table", epoch=self.claim.epoch, previous_holder=self.claim.previous_holder)
         await self._resume()
         sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
@@ -127,7 +139,20 @@ class ReconcilerActor(Actor):
             return await PipelinedKVSlotStore.open(self.bus, "slots")
         return KVSlotStore(self.bus, "slots")
 
+    async def _hold_table(self) -> None:
+        """Returns while this reconciler still holds the table; else it is fenced: it fails (drains, writes
+        nothing more, exits non-zero) and `Fenced` is raised to whatever it was about to do."""
+        try:
+            await check_claim(self.bus, "slots", self.claim)
+        except Fenced as e:
+            self.num_fenced += 1
+            log.error("reconciler_fenced", epoch=self.claim.epoch, reason=str(e),
+                      fix="nothing to do: the reconciler that took the table over carries on")
+            self.fail(str(e))
+            raise
+
     async def _resume(self) -> None:
+        await self._hold_table()  # a refused write is most likely a successor's takeover: never rebuild over it
         old = getattr(self, "store", None)
         if isinstance(old, PipelinedKVSlotStore):
             await old.close()
@@ -270,11 +295,16 @@ class ReconcilerActor(Actor):
 
     async def background(self, tg: asyncio.TaskGroup) -> None:
         tg.create_task(self.orders_out.run())
-        tg.create_task(self._tick_loop())
-        tg.create_task(self._watch_rollout_actors())
+        tg.create_task(self._until_fenced(self._tick_loop()))
+        tg.create_task(self._until_fenced(self._watch_rollout_actors()))
         if self.ctx.blob is not None:
             tg.create_task(self.blobs.run())
             tg.create_task(self.blobs.sweep(self.core.trainer_version))
+
+    async def _until_fenced(self, loop: Coroutine[Any, Any, None]) -> None:
+        """Runs one of the reconciler's loops until it is fenced (`_hold_table`: it is then draining)."""
+        with contextlib.suppress(Fenced):
+            await loop
 
     async def _tick_loop(self) -> None:
         while True:
@@ -283,7 +313,10 @@ class ReconcilerActor(Actor):
             except StoreBroken as e:  # a write not stored (the bus away, a cluster electing a leader): the core
                 log.warning("reconciler_tick_not_recorded", error=str(e))  # was rebuilt from the store; next tick
             raise_if_cancelled()
-            for lost in self.registry.expire(time.monotonic()):
+            if lost_actors := self.registry.expire(time.monotonic()):
+                # leases, not the table: a reconciler woken from a freeze takes everyone for lost (and writes none)
+                await self._hold_table()
+            for lost in lost_actors:
                 await self._lose(lost)
                 # ops.status must not show it running; a frozen actor that comes back registers again
                 await (await self.bus.kv("actors")).delete(registration_key(lost.kind, lost.actor_id))
@@ -380,6 +413,8 @@ class ReconcilerActor(Actor):
             "num_rejected_registrations": self.num_rejected_registrations,
             "num_rejected_announcements": self.num_rejected_announcements,
             "num_refused_heartbeats": self.num_refused_heartbeats,
+            "table_epoch": self.claim.epoch,  # one more on each takeover of the slot table (fencing)
+            "num_fenced": self.num_fenced,
             "num_orders_published": self.orders_out.num_published,
             "num_orders_published_again": self.orders_out.num_republished,  # not stored in time: sent again
             "orders_unconfirmed": self.orders_out.num_unconfirmed,

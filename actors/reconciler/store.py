@@ -36,6 +36,7 @@ SLOT_PREFIX = "slot."
 OUTCOME_PREFIX = "outcome."
 CURSOR_KEY = "cursor"
 META_KEY = "meta"
+# "fence" (actors.reconciler.fence): which reconciler holds the table; never read by the lifecycle core
 
 
 class CasConflict(SampleLifecycleError, RuntimeError):

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from actors.config import TasksSection
+from actors.config import ReconcilerSection, RLConfig, TasksSection
+from actors.reconciler.actor import ReconcilerActor
 from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.scheduling import SchedulingConfig
@@ -31,6 +32,7 @@ from actors.reconciler.store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX, Cas
 from actors.reconciler.task_cursor import CursorRecord, ListTaskSource
 from actors.reconciler.work import GroupOutcome, RolloutDone, RolloutOrder
 from actors.task_catalog import TaskCatalog
+from runtime.actor import ActorContext, ActorIdentity, ActorSettings
 from runtime.bus import Bus
 from runtime.errors import BusTimeout
 from runtime.events import parse_event
@@ -114,6 +116,42 @@ async def test_a_second_reconciler_fences_the_first(tmp_path: Path) -> None:
         slot = next(s for s in second.lifecycle.slots if s.sample_id == rollout.sample_id)
         stored = Slot.decode((await store.get(f"{SLOT_PREFIX}{slot.index}")).value)
         assert stored.state is SlotState.REWARD and stored.blob_keys == {"rollout": "k"}
+
+
+async def test_a_reconciler_that_wakes_after_a_takeover_writes_nothing_and_fails(tmp_path: Path) -> None:
+    """Issue 32: a frozen reconciler is replaced; if it wakes (a kill that did not land), none of its writes may
+    land. Two real reconcilers on one real table: the second takes it over while the first does nothing (as
+    if frozen); the first's next calls are refused, it is fenced (failing: drained, then it exits) and the
+    table holds only the second's writes."""
+    async with nats_bus(tmp_path) as bus:
+        first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
+        try:
+            await first.start()
+            await second.start()  # takes the table over, adopting the first's work
+            after_takeover = await _last_write(bus)
+            for version in (1, 2):  # the first wakes: a weights announcement, twice (a rebuild would land the second)
+                with contextlib.suppress(Exception):
+                    await first._call("on_trainer_version", version)
+            assert await _last_write(bus) == after_takeover, "no write of the first reconciler landed"
+            await first._until_fenced(first._tick_loop())  # its tick loop ends at once: draining, not looping
+            assert first.failure is not None and "reconciler-2-bbbb" in first.failure, first.failure
+            assert first.status()["num_fenced"] >= 1 and second.status()["table_epoch"] == 2
+            assert await second._call("on_trainer_version", 1), "the second one writes on"
+            assert await _last_write(bus) > after_takeover and second.failure is None
+        finally:
+            for reconciler in (second, first):
+                await reconciler.exit_stack.aclose()
+
+
+def _reconciler(bus: Bus, actor_id: str) -> ReconcilerActor:
+    config = RLConfig(tasks=TasksSection(num_train=8, num_heldout=2),
+                      reconciler=ReconcilerSection(num_slots=4, group_size=2, batch_size_groups=1))
+    return ReconcilerActor(ActorContext(ActorIdentity.here("reconciler", actor_id, "h"), bus, ActorSettings(), config,
+                                        run_id="r-fence"))
+
+
+async def _last_write(bus: Bus) -> int:
+    return (await bus.js.stream_info("KV_slots")).state.last_seq
 
 
 # ------------------------------------------------------------------------------ the whole lifecycle

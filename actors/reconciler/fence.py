@@ -1,0 +1,80 @@
+"""The reconciler's claim on the slot table (fencing): one writer at a time, whatever the processes believe.
+
+A reconciler replaced while frozen (issue 32: SIGSTOPped, found by its unanswered pings, a new one started)
+may wake up. Its next writes must not land, nor anything it does on its old view of the table. So each
+reconciler takes the table over when it starts: the ``fence`` entry of the ``slots`` bucket, naming it and
+one epoch more than its predecessor's, written with compare-and-set. That write moves the bucket's last
+sequence, and every write of the old reconciler is chained on the sequence of its own previous write
+(`runtime.bus.ChainedKVWriter`): its first write after the takeover is refused by the server, and so is every
+one after. Where the old one would then rebuild its view (a refused write), and before each side effect
+not covered by a write of its own (removing lost actors' leases), it reads the fence: another holder means
+it is fenced: it writes nothing more and exits (`Fenced`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+
+from runtime.bus import Bus
+from runtime.errors import RevisionMismatch
+
+__all__ = ["FENCE_KEY", "Fenced", "TableClaim", "check_claim", "take_table"]
+
+FENCE_KEY = "fence"
+MAX_TAKEOVER_RACES = 8  # two reconcilers starting at once: one wins each round; more rounds is a fault
+
+
+class Fenced(RuntimeError):
+    """Another reconciler took the table over: this one must write nothing more and exit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TableClaim:
+    holder: str  # the reconciler's actor id
+    epoch: int  # 1 for the first reconciler of the run, one more for each takeover
+    revision: int  # of the fence entry this claim wrote: the claim holds while the entry is still this one
+    previous_holder: str = ""
+
+
+async def take_table(bus: Bus, bucket: str, holder: str) -> TableClaim:
+    """Claims the table for `holder`, fencing off whoever held it.
+
+    Raises:
+        Fenced: other reconcilers kept taking the table in the meantime (more than one is running).
+    """
+    for _ in range(MAX_TAKEOVER_RACES):
+        entry = await bus.kv_get(bucket, FENCE_KEY)
+        previous, epoch = _decode(entry.value) if entry is not None else ("", 0)
+        value = msgpack.packb({"holder": holder, "epoch": epoch + 1}, use_bin_type=True)
+        try:
+            revision = (await bus.kv_cas(bucket, FENCE_KEY, value, entry.revision) if entry is not None
+                        else await bus.kv_create(bucket, FENCE_KEY, value))
+        except RevisionMismatch:
+            continue  # another reconciler took it between the read and the write: read again
+        return TableClaim(holder, epoch + 1, revision, previous)
+    raise Fenced(f"the slot table's fence changed {MAX_TAKEOVER_RACES} times while {holder} took it: several "
+                 "reconcilers are starting at once (actors.reconciler.count must be 1)")
+
+
+async def check_claim(bus: Bus, bucket: str, claim: TableClaim) -> None:
+    """Returns while `claim` still holds the table.
+
+    Raises:
+        Fenced: another reconciler took the table over (named in the message).
+    """
+    entry = await bus.kv_get(bucket, FENCE_KEY)
+    if entry is not None and entry.revision == claim.revision:
+        return
+    holder, epoch = _decode(entry.value) if entry is not None else ("nobody (the fence was removed)", 0)
+    raise Fenced(f"the slot table was taken over by {holder} (epoch {epoch}; this reconciler held epoch "
+                 f"{claim.epoch}): it writes nothing more and exits")
+
+
+def _decode(raw: bytes) -> tuple[str, int]:
+    try:
+        record = msgpack.unpackb(raw, raw=False)
+        return str(record["holder"]), int(record["epoch"])
+    except (ValueError, KeyError, TypeError) as e:  # msgpack's errors are ValueErrors
+        raise ValueError(f"the slot table's fence entry is unreadable ({e}): only reconcilers write it") from None
