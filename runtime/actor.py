@@ -183,6 +183,11 @@ class Actor:
     async def setup(self) -> None:
         """Acquire resources (register them on ``self.exit_stack``)."""
 
+    async def on_running(self) -> None:
+        """What only an active process may do, once, just before it starts consuming: after `setup` for an actor
+        started running, on activation for a warm spare (the reconciler takes the slot table over here, so a
+        spare standing by never fences the reconciler it stands behind)."""
+
     async def handle(self, msg: Any, delivery: Delivery) -> None:
         raise NotImplementedError(f"{type(self).__name__} consumes {self.queues} but has no handle()")
 
@@ -257,6 +262,7 @@ class Actor:
             return
         if self.state is ActorState.STANDBY:
             self._log.info("actor_activated", standby_s=round(time.time() - self._started_at, 3))
+        await self.on_running()
         ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
         async with asyncio.TaskGroup() as tg:
             config_watch = tg.create_task(self._watch_config())

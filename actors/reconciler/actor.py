@@ -104,13 +104,16 @@ class ReconcilerActor(Actor):
         self.orders_out = await self.bus.confirming_publisher()
         self.exit_stack.push_async_callback(self.orders_out.close)
         self.num_fenced = 0
+        self.claim: TableClaim | None = None  # the table is taken over when this one starts consuming
+        self.weights_codec = Codec([WeightsPublished])
+
+    async def on_running(self) -> None:
         # before reading the table: whoever held it (a frozen predecessor that may wake) can write no more
-        self.claim: TableClaim = await take_table(self.bus, "slots", self.identity.actor_id)
+        self.claim = await take_table(self.bus, "slots", self.identity.actor_id)
         log.info("reconciler_took_table", epoch=self.claim.epoch, previous_holder=self.claim.previous_holder)
         await self._resume()
         sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
-        self.weights_codec = Codec([WeightsPublished])
         sub = await self.bus.subscribe(weights_subject(self.run_name), self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
@@ -142,6 +145,7 @@ class ReconcilerActor(Actor):
     async def _hold_table(self) -> None:
         """Returns while this reconciler still holds the table; else it is fenced: it fails (drains, writes
         nothing more, exits non-zero) and `Fenced` is raised to whatever it was about to do."""
+        assert self.claim is not None, "the table is taken over before it is read (on_running)"
         try:
             await check_claim(self.bus, "slots", self.claim)
         except Fenced as e:
@@ -390,6 +394,8 @@ class ReconcilerActor(Actor):
 
     async def handover(self) -> dict[str, Any] | None:
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""
+        if self.claim is None:  # a spare that never held the table
+            return None
         snapshot = self.core.snapshot(time.time())
         live_groups = sorted({s.group_id for s in self.core.slots if s.is_live})
         log.info(
@@ -404,6 +410,8 @@ class ReconcilerActor(Actor):
         return None
 
     def status(self) -> dict[str, Any]:
+        if self.claim is None:  # standing by (or starting): no table of its own yet
+            return {"num_fenced": self.num_fenced}
         snapshot = self.core.snapshot(time.time())
         return {
             "lifecycle": snapshot.to_dict(),

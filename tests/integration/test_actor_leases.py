@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from actors.reconciler.kv_store import KVSlotStore
@@ -24,7 +25,7 @@ from actors.reconciler.store import CURSOR_KEY, SLOT_PREFIX
 from actors.reconciler.task_cursor import CursorRecord
 from runtime.bus_auth import control_subject
 from tests.integration.harness import LiveRun, run_events, write_config
-from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
+from tests.integration.sim_stages import SimConfig, StageSim, TrainerLedger, sim_run_toml
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
@@ -178,3 +179,52 @@ async def test_old_orders_redelivered_while_the_reconciler_is_away_wait_for_it_a
                if e["reason"] == f"actor {victim['id']} lost"}
     skipped = {(e["key"], e["attempt"]) for e in run_events(run_dir, "superseded_order_skipped")}
     assert retried and retried <= skipped, (retried, skipped)
+
+
+@pytest.mark.parametrize("standby", [1])
+async def test_a_frozen_reconciler_is_replaced_within_its_lease_and_the_run_trains_every_group_once(
+    tmp_path: Path, standby: int
+) -> None:
+    """Issue 32 (item 3): the reconciler, the one actor every sample waits on, SIGSTOPped for good. Its pings go
+    unanswered; within its lease (10 s; the kind's bound) the supervisor finds it unhealthy, a warm spare takes
+    the table over (fencing: a new epoch of the slot table's fence) and the old process is killed; the run
+    trains every group once. Before: replaced only once a 60 s probe timed out (95 s), or never (45 s frozen)."""
+    lease_s = 10.0
+    run = await _start(tmp_path, 0.5, f"actors.reconciler.standby={standby}", f"actors.reconciler.lease_s={lease_s}")
+    run_dir, victim = run.run_dir, {}
+    try:
+        assert run.bus is not None
+        await run.wait_actors_in("reconciler", "standby", standby, timeout_s=120)
+        await _rollout_actor_holding_work(run)  # training under way
+        (victim,) = await run.wait_actors("reconciler", 1)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+
+        async def replacement_running() -> bool:  # registered running by itself: it holds the table
+            assert run.bus is not None
+            for key in await run.bus.kv_keys("actors"):
+                entry = await run.bus.kv_get("actors", key) if key.startswith("reg.reconciler.") else None
+                info = msgpack.unpackb(entry.value, raw=False) if entry is not None and entry.value else {}
+                if info.get("state") == "running" and info.get("id") != victim["id"]:
+                    return True
+            return False
+
+        await until(replacement_running, 60, "another reconciler running", every_s=0.1)
+        replaced_s = time.monotonic() - frozen_at
+        await until(_finished(run), 120, "every prompt trained after the reconciler froze", every_s=0.25)
+        resumed_s = time.monotonic() - frozen_at
+        print(f"reconciler frozen: replaced after {replaced_s:.1f}s (lease {lease_s:g}s), "
+              f"every prompt trained {resumed_s:.1f}s after the freeze")
+        assert replaced_s <= lease_s + 5.0, f"replaced {replaced_s:.1f}s after it froze (its lease: {lease_s:g}s)"
+        with contextlib.suppress(ProcessLookupError):  # woken, were it still there: it could write nothing
+            os.kill(victim["pid"], signal.SIGCONT)
+        ledger = await TrainerLedger.open(run.bus)
+        groups = [g for b in (await ledger.load())[0]["trained"].values() for g in b["group_ids"]]
+        assert sorted(groups) == sorted(f"e0-p{i}" for i in range(NUM_PROMPTS)), "every group trained once"
+    finally:
+        assert await run.stop() == 0
+    (unhealthy,) = [e for e in run_events(run_dir, "actor_unhealthy") if e["actor_id"] == victim["id"]]
+    assert unhealthy["check"] == "liveness" and unhealthy["limit_s"] == lease_s, unhealthy
+    assert [e["reason"] for e in run_events(run_dir, "actor_killed") if e["actor_id"] == victim["id"]] == ["liveness"]
+    takeovers = run_events(run_dir, "reconciler_took_table")
+    assert [(e["epoch"], e["previous_holder"]) for e in takeovers] == [(1, ""), (2, victim["id"])], takeovers

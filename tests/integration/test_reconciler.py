@@ -126,8 +126,9 @@ async def test_a_reconciler_that_wakes_after_a_takeover_writes_nothing_and_fails
     async with nats_bus(tmp_path) as bus:
         first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
         try:
-            await first.start()
-            await second.start()  # takes the table over, adopting the first's work
+            for reconciler in (first, second):  # the second takes the table over, adopting the first's work
+                await reconciler.start()
+                await reconciler.on_running()
             after_takeover = await _last_write(bus)
             for version in (1, 2):  # the first wakes: a weights announcement, twice (a rebuild would land the second)
                 with contextlib.suppress(Exception):
