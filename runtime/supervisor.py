@@ -106,6 +106,7 @@ class Supervisor:
         self._unanswered_s = {kind: config.actors[kind].lease_s if cls.replaced_within_lease else None
                               for kind, cls in classes.items()}
         self.num_refused_finishes = 0
+        self._single = {kind: cls.max_count == 1 for kind, cls in classes.items()}
 
     # --- lifecycle ----------------------------------------------------------------------------------
     async def run(self) -> Outcome:
@@ -360,9 +361,12 @@ class Supervisor:
             old_spares = [p for p in self.procs.values() if p.kind == kind and not p.retiring and p.standby]
             old_info = [await self._registry_entry(p) for p in old]
             log.info("swap_started", actor_kind=kind, old=[p.actor_id for p in old])
+            if self._single[kind]:  # one process at a time (a second fences the first): the old one goes first
+                for p in old:
+                    await self._retire(p)
             new = await self._spawn_together([(kind, 0)] * max(1, len(old)))
             new_info = [await self._wait_running(p) for p in new]
-            for p in old:
+            for p in [] if self._single[kind] else old:
                 await self._retire(p)
             for p in old_spares:  # spares run the old code too: new ones take their place
                 await self._retire(p)
