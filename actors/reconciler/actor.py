@@ -312,15 +312,18 @@ class ReconcilerActor(Actor):
 
     async def _tick_loop(self) -> None:
         while True:
+            try:  # a takeover is learnt within a tick, written or not: one woken from a freeze must not answer
+                await self._hold_table()  # the stage actors' "still wanted?" from its old view either
+            except OSError as e:  # BusError included: unread, nothing decided on it; read again next tick
+                log.warning("reconciler_fence_unread", error=repr(e))
+                await asyncio.sleep(self.config.reconciler.tick_s)
+                continue
             try:
                 await self._call("tick")
             except StoreBroken as e:  # a write not stored (the bus away, a cluster electing a leader): the core
                 log.warning("reconciler_tick_not_recorded", error=str(e))  # was rebuilt from the store; next tick
             raise_if_cancelled()
-            if lost_actors := self.registry.expire(time.monotonic()):
-                # leases, not the table: a reconciler woken from a freeze takes everyone for lost (and writes none)
-                await self._hold_table()
-            for lost in lost_actors:
+            for lost in self.registry.expire(time.monotonic()):  # the table held as of this tick (above)
                 await self._lose(lost)
                 # ops.status must not show it running; a frozen actor that comes back registers again
                 await (await self.bus.kv("actors")).delete(registration_key(lost.kind, lost.actor_id))

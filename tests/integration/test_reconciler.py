@@ -32,9 +32,9 @@ from actors.reconciler.store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX, Cas
 from actors.reconciler.task_cursor import CursorRecord, ListTaskSource
 from actors.reconciler.work import GroupOutcome, RolloutDone, RolloutOrder
 from actors.task_catalog import TaskCatalog
-from runtime.actor import ActorContext, ActorIdentity, ActorSettings
+from runtime.actor import ActorContext, ActorIdentity, ActorSettings, ActorState
 from runtime.bus import Bus
-from runtime.errors import BusTimeout
+from runtime.errors import ActorFailed, BusTimeout
 from runtime.events import parse_event
 from tests.integration.harness import LiveRun, nats_bus, run_events, write_config
 from tests.integration.sim_stages import LEDGER_BUCKET, SimConfig, StageSim, TrainerLedger, sim_run_toml
@@ -142,6 +142,31 @@ async def test_a_reconciler_that_wakes_after_a_takeover_writes_nothing_and_fails
         finally:
             for reconciler in (second, first):
                 await reconciler.exit_stack.aclose()
+
+
+async def test_a_running_reconciler_whose_table_is_taken_over_stops_within_a_tick(tmp_path: Path) -> None:
+    """A second reconciler must never write beside the first: the first, running (idle: nothing to write),
+    learns of the takeover on its next tick, is fenced, drains and its run ends failed (the process exits)."""
+    async with nats_bus(tmp_path) as bus:
+        first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
+        await first.start()
+        running = asyncio.create_task(first.run())
+        try:
+            await until(lambda: first.state is ActorState.RUNNING, 30, "the first reconciler running")
+            await second.start()
+            await second.on_running()
+            taken_at = time.monotonic()
+            with pytest.raises(ActorFailed, match="reconciler-2-bbbb"):
+                async with asyncio.timeout(30):
+                    await running
+            print(f"the first reconciler stopped {time.monotonic() - taken_at:.2f}s after the takeover")
+            assert first.state is ActorState.STOPPED and first.status()["num_fenced"] == 1
+            assert await second._call("tick"), "the second one writes on"
+        finally:
+            running.cancel()
+            with contextlib.suppress(BaseException):
+                await running
+            await second.exit_stack.aclose()
 
 
 def _reconciler(bus: Bus, actor_id: str) -> ReconcilerActor:
