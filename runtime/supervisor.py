@@ -451,7 +451,7 @@ class Supervisor:
             try:
                 async with asyncio.timeout(FINISH_CHECK_TIMEOUT_S):
                     why = await cls.why_not_finished(self.bus, self.blob, self.config.run, body)
-            except OSError as e:  # BusError, TimeoutError, a store's error: unconfirmed, never believed
+            except Exception as e:  # the bus, the store, a record unreadable: unconfirmed, never believed (nor fatal)
                 why = f"the run's state could not be read ({e!r}); ask again"
             if why is None:
                 return None
