@@ -68,7 +68,8 @@ async def test_pings_go_on_while_a_probe_is_in_flight_and_find_a_freeze() -> Non
     found_after = time.monotonic() - actor.started
     assert verdict.check == "liveness" and verdict.needs_kill, verdict
     assert actor.pings_during_probe >= 3, "pings kept their clock while the probe was in flight"
-    assert found_after < 0.6 + 3 * 0.2 + 1.0, f"found {found_after:.1f}s after start, not by the probe's timeout"
+    # 3 failed pings after the freeze: about 1 s (a loaded machine's slack up to 10 s); the probe would take 30 s
+    assert found_after < 10.0, f"found {found_after:.1f}s after start, not by the probe's timeout"
     assert actor.probes_in_flight == 0, "the probe in flight is cancelled with the verdict"
 
 
@@ -81,5 +82,6 @@ async def test_a_kind_s_bound_on_unanswered_pings_holds_with_fewer_than_max_fail
                                      unanswered_s=1.0)
     found_after = time.monotonic() - actor.started
     assert verdict.check == "liveness" and verdict.limit_s == 1.0 and "no ping answered" in verdict.reason
-    assert 1.0 <= found_after < 0.5 + 1.0 + 0.5, found_after  # its last answer + the bound + one interval (0.25 s)
+    # its last answer + the bound + a ping's interval (0.25 s), with a loaded machine's slack; 3 pings: 15 s
+    assert 1.0 <= found_after < 5.0, found_after
 
