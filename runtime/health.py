@@ -126,7 +126,9 @@ async def _liveness(bus: Bus, kind: str, actor_id: str, cfg: HealthSection, unan
                 failures, answered_at = 0, asked_at
                 if (verdict := _passive(reply, cfg, outcomes)) is not None:
                     return verdict
-        await asyncio.sleep(max(0.0, asked_at + every - loop.time()))  # a clock: due `every` after the last
+        # with a bound, a clock (due `every` after the last ping), so that the bound holds within one interval;
+        # without, `interval_s` after each answer or failure, as ever: max_failures pings span what they always did
+        await asyncio.sleep(max(0.0, asked_at + every - loop.time()) if unanswered_s else cfg.interval_s)
 
 
 async def _readiness(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> Verdict:

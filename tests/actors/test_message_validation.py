@@ -184,3 +184,26 @@ async def test_a_stage_refuses_an_order_whose_blob_key_leaves_the_store(tmp_path
             await StageActor.get_record(stage, "../../etc/passwd", dict)  # type: ignore[arg-type]
         with pytest.raises(WorkRefused, match="missing"):
             await StageActor.get_record(stage, "groups/none/a0", dict)  # type: ignore[arg-type]
+
+
+async def test_the_evaluator_asks_to_finish_naming_its_evaluated_last_version_and_asks_again_if_refused() -> None:
+    """The supervisor believes a finish only for a named version the durable state confirms (actors.run_end): the
+    evaluator names the evaluated version at or past the last, and a refusal leaves it asking again later."""
+    from actors.stages.evaluator import EvaluatorActor
+
+    sent: list[tuple[str, dict]] = []
+    replies = [{"ok": False, "error": "the run is not finished: no evaluation of version 10 is stored"}, {"ok": True}]
+
+    async def request(subject: str, data: bytes, timeout_s: float) -> bytes:
+        sent.append((subject, msgpack.unpackb(data, raw=False)))
+        return msgpack.packb(replies[len(sent) - 1])
+
+    evaluator = SimpleNamespace(last_version=10, finish_requested=False, evaluated={0, 5, 10, 11},
+                                ctx=SimpleNamespace(run_steps=10), identity=SimpleNamespace(actor_id="evaluator-1-ab"),
+                                bus=SimpleNamespace(request=request))
+    with capture_logs() as logs:
+        await EvaluatorActor._finish_if_last_evaluated(evaluator)  # type: ignore[arg-type]
+    assert sent == [("ctl.supervisor.finish", {"by": "evaluator-1-ab", "version": 11, "reason": "steps"})]
+    assert not evaluator.finish_requested and [e["error"] for e in logs if e["event"] == "run_finish_refused"]
+    await EvaluatorActor._finish_if_last_evaluated(evaluator)  # type: ignore[arg-type]
+    assert evaluator.finish_requested and len(sent) == 2
