@@ -86,7 +86,8 @@ def test_off_policy_they_are_what_the_loss_took_and_what_the_weights_give() -> N
 
 def test_a_chain_has_its_log_probs_per_segment() -> None:
     # Two samples' episodes as one chain of two segments: each segment is its own sequence in the forward,
-    # on-policy each, and each gets its own array.
+    # on-policy each, and each gets its own array. Equal to a few ulps, not to the bit: how the CPU's matmul
+    # blocks a packed batch depends on its shape and the processor (an AMD EPYC gives 4.8e-7 on 4 of 12 tokens).
     model = seeded_model(small_config(), seed=1)
     group = _group(model, [1.0, 0.0, 0.5], seed=4)
     first, second, third = group.samples
@@ -100,7 +101,8 @@ def test_a_chain_has_its_log_probs_per_segment() -> None:
     assert [len(v) for v in segments] == [len(s.token_ids) for s in chain.trajectory.segments]
     for values, seg in zip(segments, chain.trajectory.segments, strict=True):
         trained = ~numpy.isnan(values)
-        assert numpy.array_equal(values[trained], numpy.array(seg.behaviour_logprobs, dtype="<f4")[trained])
+        behaviour = numpy.array(seg.behaviour_logprobs, dtype="<f4")[trained]
+        numpy.testing.assert_allclose(values[trained], behaviour, rtol=0, atol=4e-6)
 
 
 def test_samples_left_out_of_the_forward_have_none_and_a_step_without_one_keeps_none() -> None:
