@@ -124,6 +124,7 @@ async def test_a_reconciler_that_wakes_after_a_takeover_writes_nothing_and_fails
     if frozen); the first's next calls are refused, it is fenced (failing: drained, then it exits) and the
     table holds only the second's writes."""
     async with nats_bus(tmp_path) as bus:
+        await _provision(bus)
         first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
         try:
             for reconciler in (first, second):  # the second takes the table over, adopting the first's work
@@ -148,6 +149,7 @@ async def test_a_running_reconciler_whose_table_is_taken_over_stops_within_a_tic
     """A second reconciler must never write beside the first: the first, running (idle: nothing to write),
     learns of the takeover on its next tick, is fenced, drains and its run ends failed (the process exits)."""
     async with nats_bus(tmp_path) as bus:
+        await _provision(bus)
         first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
         await first.start()
         running = asyncio.create_task(first.run())
@@ -167,6 +169,12 @@ async def test_a_running_reconciler_whose_table_is_taken_over_stops_within_a_tic
             with contextlib.suppress(BaseException):
                 await running
             await second.exit_stack.aclose()
+
+
+async def _provision(bus: Bus) -> None:
+    """The reconciler's work queues, as the supervisor makes them before any actor starts (an actor only binds)."""
+    for queue in ReconcilerActor.provisioned_queues():
+        await bus.ensure_queue(queue)
 
 
 def _reconciler(bus: Bus, actor_id: str) -> ReconcilerActor:
