@@ -105,6 +105,7 @@ class ReconcilerActor(Actor):
         self.exit_stack.push_async_callback(self.orders_out.close)
         self.num_fenced = 0
         self.claim: TableClaim | None = None  # the table is taken over when this one starts consuming
+        self._claim_held_at = float("-inf")  # time.monotonic() when the fence last showed the claim held
         self.weights_codec = Codec([WeightsPublished])
 
     async def on_running(self) -> None:
@@ -154,6 +155,28 @@ class ReconcilerActor(Actor):
                       fix="nothing to do: the reconciler that took the table over carries on")
             self.fail(str(e))
             raise
+        self._claim_held_at = time.monotonic()
+
+    async def _may_answer(self) -> bool:
+        """Whether this reconciler may still answer from its view of the table: not failed (fenced included), and
+        its claim seen held within half its lease or read again now. A running one learns of a takeover within a
+        tick (`_tick_loop` reads the fence each tick, far more often: nothing more is read here). A frozen one is
+        replaced only after going unanswered for its lease, and the monotonic clock counts the freeze, so one that
+        wakes reads the fence before it says anything instead of answering from its stale view until its next tick.
+        What it publishes needs no such check: its orders go out only after the writes that decided them landed,
+        each chained on the claim's sequence, and ``data_exhausted`` and lease removals follow the tick's read."""
+        if self.failure is not None or self.claim is None:
+            return False
+        if time.monotonic() - self._claim_held_at <= self.settings.lease_s / 2:
+            return True
+        try:
+            await self._hold_table()
+        except Fenced:
+            return False
+        except OSError as e:  # BusError included: the claim unconfirmed, so nothing is said on it
+            log.warning("reconciler_fence_unread", error=repr(e))
+            return False
+        return True
 
     async def _resume(self) -> None:
         await self._hold_table()  # a refused write is most likely a successor's takeover: never rebuild over it
@@ -256,6 +279,10 @@ class ReconcilerActor(Actor):
                                "store); it is nak'ed and the rebuilt core judges its redelivery")
 
     async def _on_heartbeat(self, raw: Any) -> None:
+        # a fenced (or failed) one says nothing: its "still wanted" would have a stage actor redo an attempt the
+        # successor re-issued; unanswered, the asker waits for the reconciler that holds the table
+        if not await self._may_answer():
+            return
         try:
             msg = await self.heartbeat_codec.decode(raw.data)
         except ValueError as e:

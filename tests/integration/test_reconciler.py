@@ -23,17 +23,19 @@ from typing import Any
 import pytest
 
 from actors.config import ReconcilerSection, RLConfig, TasksSection
+from actors.messages import WorkHeartbeat, heartbeat_subject
 from actors.reconciler.actor import ReconcilerActor
 from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.scheduling import SchedulingConfig
-from actors.reconciler.slot import Slot, SlotState
+from actors.reconciler.slot import Slot, SlotState, Stage
 from actors.reconciler.store import CURSOR_KEY, OUTCOME_PREFIX, SLOT_PREFIX, CasConflict, Entry
 from actors.reconciler.task_cursor import CursorRecord, ListTaskSource
 from actors.reconciler.work import GroupOutcome, RolloutDone, RolloutOrder
 from actors.task_catalog import TaskCatalog
 from runtime.actor import ActorContext, ActorIdentity, ActorSettings, ActorState
-from runtime.bus import Bus
+from runtime.bus import Bus, Inbound
+from runtime.codec import Codec
 from runtime.errors import ActorFailed, BusTimeout
 from runtime.events import parse_event
 from tests.integration.harness import LiveRun, nats_bus, run_events, write_config
@@ -169,6 +171,43 @@ async def test_a_running_reconciler_whose_table_is_taken_over_stops_within_a_tic
             with contextlib.suppress(BaseException):
                 await running
             await second.exit_stack.aclose()
+
+
+async def test_a_reconciler_that_wakes_after_a_takeover_answers_no_still_wanted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a fenced reconciler kept answering "is this attempt still wanted?" from its stale view until its drain
+    ended, and a stage actor then redid an attempt the successor had re-issued. Two real reconcilers on one table:
+    the first wakes after the second's takeover (its monotonic clock a lease on, as a freeze leaves it) and hears an
+    ask before its tick loop ran: it reads the fence, is fenced, answers nothing, and nothing after; the holder
+    answers."""
+    async with nats_bus(tmp_path) as bus:
+        await _provision(bus)
+        first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
+        answered: list[bytes] = []
+
+        async def respond(msg: Inbound, data: bytes, requester: str | None = None) -> bool:
+            answered.append(data)
+            return True
+
+        monkeypatch.setattr(bus, "respond", respond)
+        beat = WorkHeartbeat(Stage.ROLLOUT, "e0-p0-s0", 1, "rollout-1-abcd", "t0k3n")
+        ask = Inbound(heartbeat_subject(Stage.ROLLOUT), await Codec([WorkHeartbeat]).encode(beat),
+                      "_INBOX_rollout.still-wanted")
+        try:
+            for reconciler in (first, second):
+                await reconciler.start()
+                await reconciler.on_running()
+            await second._on_heartbeat(ask)
+            assert len(answered) == 1, "the reconciler holding the table answers"
+            first._claim_held_at = time.monotonic() - first.settings.lease_s  # its claim last seen a freeze ago
+            await first._on_heartbeat(ask)
+            assert len(answered) == 1, "the fenced reconciler answered from its stale view"
+            assert first.failure is not None and "reconciler-2-bbbb" in first.failure and first.num_fenced == 1
+            await first._on_heartbeat(ask)  # failed: silent without reading the fence again
+            assert len(answered) == 1 and first.num_fenced == 1
+        finally:
+            for reconciler in (second, first):
+                await reconciler.exit_stack.aclose()
 
 
 async def _provision(bus: Bus) -> None:
