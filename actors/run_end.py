@@ -4,18 +4,23 @@ Finishing ends the run for good, so the supervisor believes the request only whe
 (issue 31: a finish sent at version 2 of 10, with no final evaluation, ended a run as finished). The
 request names the version whose evaluation ends the run; the reconciler's table (``slots``, which only the
 reconciler writes) must show that version trained and it the last, by the step budget (``run.steps``) or
-by the data having run out (no batch in training, no sample in flight, the version the table's own), and
+by the data having run out (`why_data_not_run_out`, the check a ``data_exhausted`` claim gets: the dataset
+cursor past the last epoch, no batch in training, no sample in flight, the version the table's own), and
 the evaluation of that version must be stored in the run's metrics. Everything is only read.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from actors.config import RLConfig
+from actors.reconciler.data_exhaustion import why_data_not_run_out
 from actors.reconciler.kv_store import KVSlotStore
-from actors.reconciler.slot import Slot, SlotDecodeError
-from actors.reconciler.store import META_KEY, SLOT_PREFIX
+from actors.reconciler.slot import SlotDecodeError
+from actors.reconciler.store import META_KEY
 from actors.reconciler.work import MetaRecord
+from actors.task_catalog import TaskCatalog
 from runtime.blob import BlobNotFound, BlobStore
 from runtime.bus import Bus
 from runtime.metrics_log import metrics_key, numbered
@@ -29,8 +34,10 @@ def finish_request(by: str, version: int, reason: str) -> dict[str, Any]:
     return {"by": by, "version": version, "reason": reason}
 
 
-async def why_not_finished(bus: Bus, blob: BlobStore | None, run: RunSection, request: dict[str, Any]) -> str | None:
-    """Why the durable state does not confirm that the run ended at ``request["version"]`` (None: it does)."""
+async def why_not_finished(bus: Bus, blob: BlobStore | None, run: RunSection, config: RLConfig | None,
+                           request: dict[str, Any]) -> str | None:
+    """Why the durable state does not confirm that the run ended at ``request["version"]`` (None: it does).
+    ``config``: the run's application config (its tasks and epochs say where the data runs out)."""
     version = request.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         return f"the request names no version (got {version!r}): send the evaluated last version as 'version'"
@@ -43,16 +50,15 @@ async def why_not_finished(bus: Bus, blob: BlobStore | None, run: RunSection, re
     if meta.trainer_version < version:
         return f"version {version} is not trained: the reconciler's table is at version {meta.trainer_version}"
     if not 0 < run.steps <= version:  # short of the step budget: only the data running out ends the run
-        if meta.batch_id:
-            return (f"version {version} is short of run.steps={run.steps} and batch {meta.batch_id} is still in "
-                    "training: the data did not run out")
-        if version != meta.trainer_version:
-            return f"version {version} is not the last: the table is at version {meta.trainer_version}"
-        for key in await store.keys():
-            entry = await store.get(key) if key.startswith(SLOT_PREFIX) else None
-            if entry is not None and Slot.decode(entry.value).is_live:
-                return (f"version {version} is short of run.steps={run.steps} and samples are still in flight "
-                        f"({key} holds one): the data did not run out")
+        if config is None:
+            return (f"version {version} is short of run.steps={run.steps} and the supervisor has no application "
+                    "config to tell whether the data ran out (runtime.up passes it to the Supervisor)")
+        # the dataset cursor too, not only an empty table: a table with nothing in flight is also a run's start
+        source = await asyncio.to_thread(TaskCatalog.build, config.tasks)  # generated: off the supervisor's loop
+        why = await why_data_not_run_out(version, store=store, source=source,
+                                         num_epochs=config.reconciler.num_epochs)
+        if why is not None:
+            return f"version {version} is short of run.steps={run.steps} and the data did not run out: {why}"
     if blob is None:
         return "the supervisor has no blob store to read the final evaluation from"
     try:

@@ -213,11 +213,12 @@ class Actor:
         return None
 
     @classmethod
-    async def why_not_finished(cls, bus: Bus, blob: Any, run: Any, request: dict[str, Any]) -> str | None:
+    async def why_not_finished(cls, bus: Bus, blob: Any, run: Any, config: Any, request: dict[str, Any]) -> str | None:
         """Why a ``ctl.supervisor.finish`` from this kind is not believed (None: it is). Finishing ends the run for
         good, so a kind whose role may ask it (it declares the subject in `bus_access`) confirms the request
-        against the durable state it speaks of (``blob``: the run's store, ``run``: its run section); the
-        supervisor asks this of every such kind. The base confirms nothing."""
+        against the durable state it speaks of (``blob``: the run's store, ``run``: its run section, ``config``:
+        the run's application config, as its actors get it, or None); the supervisor asks this of every such
+        kind. The base confirms nothing."""
         return f"actors of kind {cls.kind!r} do not say when the run has ended"
 
     def status(self) -> dict[str, Any]:

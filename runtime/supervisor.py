@@ -80,8 +80,10 @@ class ActorProcess:
 class Supervisor:
     def __init__(self, config: RuntimeConfig, run_dir: Path, bus: Bus, address: RunAddress,
                  backend: PlacementBackend | None = None, credentials: RunCredentials | None = None,
-                 blob: Any = None) -> None:
+                 blob: Any = None, app: Any = None) -> None:
         self.config = config
+        # the run's application config (what its actors get as ActorContext.config): a finish's check reads it
+        self.app = app
         # the run's bus credentials, held from the start: every actor starts with them, whatever became
         # of their directory, which is written again when it lost or changed a file (`_keep_credentials`)
         self.credentials = credentials
@@ -450,7 +452,7 @@ class Supervisor:
         for cls in self._finishers:
             try:
                 async with asyncio.timeout(FINISH_CHECK_TIMEOUT_S):
-                    why = await cls.why_not_finished(self.bus, self.blob, self.config.run, body)
+                    why = await cls.why_not_finished(self.bus, self.blob, self.config.run, self.app, body)
             except Exception as e:  # the bus, the store, a record unreadable: unconfirmed, never believed (nor fatal)
                 why = f"the run's state could not be read ({e!r}); ask again"
             if why is None:

@@ -186,7 +186,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         stack.push_async_callback(backend.close)
         backend.check(rt)  # before the run is announced: a cluster that cannot hold it starts nothing
         info.write()
-        supervisor = Supervisor(rt, run_dir, bus, info.address(), backend, credentials, blob=store)
+        supervisor = Supervisor(rt, run_dir, bus, info.address(), backend, credentials, blob=store, app=cfg.app)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.request_stop)

@@ -15,7 +15,7 @@ from actors.reconciler.store import CURSOR_KEY, META_KEY, SLOT_PREFIX, SlotStore
 from actors.reconciler.task_cursor import CursorRecord, TaskCursor, TaskSource
 from actors.reconciler.work import MetaRecord
 
-__all__ = ["why_not_exhausted"]
+__all__ = ["why_data_not_run_out", "why_not_exhausted"]
 
 
 async def why_not_exhausted(
@@ -31,6 +31,14 @@ async def why_not_exhausted(
     """
     if claim.run != run:
         return f"run {claim.run!r} is not this run {run!r}"
+    return await why_data_not_run_out(claim.version, store=store, source=source, num_epochs=num_epochs)
+
+
+async def why_data_not_run_out(
+    version: int, *, store: SlotStore, source: TaskSource, num_epochs: int | None
+) -> str | None:
+    """Why the durable table does not show the data run out at `version` (None: it does): the one check of it,
+    for a ``data_exhausted`` claim and for a finish short of the step budget (`actors.run_end`)."""
     cursor_entry, meta_entry = await store.get(CURSOR_KEY), await store.get(META_KEY)
     if cursor_entry is None or meta_entry is None:
         return "the reconciler's table has no cursor or meta record yet"
@@ -42,8 +50,8 @@ async def why_not_exhausted(
         return f"the dataset cursor is at epoch {record.epoch} position {record.position}: prompts remain"
     if meta.batch_id:
         return f"batch {meta.batch_id} is still in training"
-    if claim.version != meta.trainer_version:
-        return f"version {claim.version} is not the reconciler's version {meta.trainer_version}"
+    if version != meta.trainer_version:
+        return f"version {version} is not the reconciler's version {meta.trainer_version}"
     for key in await store.keys():  # last: the one check that reads the whole table
         entry = await store.get(key) if key.startswith(SLOT_PREFIX) else None
         if entry is not None and Slot.decode(entry.value).is_live:

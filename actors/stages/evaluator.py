@@ -16,8 +16,9 @@ its weights (``weights_gc`` keeps the newest 16 versions and their chains).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import structlog
@@ -40,6 +41,7 @@ from runtime.actor import Actor
 from runtime.bus import Bus, Inbound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.errors import BusError
 from runtime.metrics_log import numbered, read_metrics, write_metrics
 from runtime.supervisor import FINISH_SUBJECT
 
@@ -53,6 +55,11 @@ class EvaluatorActor(Actor):
     bus_access = BusAccess(publish=("progress.eval", FINISH_SUBJECT),
                            subscribe=("weights.*", "data_exhausted.*"), kv_read=("slots",))
     Config = RLConfig
+    # A refused (or unanswered) finish is asked again by the clock: after the last version no newer one comes
+    # to wake the loop. A check out of time or a bus electing a leader clears within seconds; a state that
+    # still disagrees (a row not yet readable) is asked about less and less often, at most a minute apart.
+    finish_retry_first_s: ClassVar[float] = 1.0
+    finish_retry_max_s: ClassVar[float] = 60.0
 
     async def setup(self) -> None:
         catalog = TaskCatalog.build(self.config.tasks)
@@ -70,6 +77,7 @@ class EvaluatorActor(Actor):
         await self.weights.start(self.exit_stack)
         self.exhausted_at: int | None = None  # the last version, once the reconciler says the data ran out
         self.finish_requested = False
+        self.num_finish_requests = 0  # asked of the supervisor by this process (each refusal asked again)
         self.exhausted_codec = Codec([DataExhausted])
         self.slot_store = KVSlotStore(self.bus, "slots")  # read only: claims are checked against it
         self.num_rejected_claims = 0
@@ -124,30 +132,45 @@ class EvaluatorActor(Actor):
                     unavailable.add(version)
                     continue
                 await self._evaluate(version)
-            await self._finish_if_last_evaluated()
-            await self.weights.changed()
+            retry_in = await self._finish_if_last_evaluated()
+            if retry_in is None:
+                await self.weights.changed()
+                continue
+            with contextlib.suppress(TimeoutError):  # a newer version, or the time to ask again
+                async with asyncio.timeout(retry_in):
+                    await self.weights.changed()
 
-    async def _finish_if_last_evaluated(self) -> None:
+    async def _finish_if_last_evaluated(self) -> float | None:
         """The run's last version is evaluated (just now, or before this process was restarted: its row
-        is in the metrics): ask the supervisor to finish the run, once per process."""
+        is in the metrics): ask the supervisor to finish the run, until it is believed. Returns in how many
+        seconds to ask again after a refusal or no answer; None: nothing to ask, or believed."""
         last = self.last_version
         if last is None or self.finish_requested or not any(v >= last for v in self.evaluated):
-            return
+            return None
         reason = "steps" if last >= self.ctx.run_steps > 0 else "data exhausted"
-        log.info("run_last_version_evaluated", version=last, steps=self.ctx.run_steps, reason=reason)
         version = max(v for v in self.evaluated if v >= last)
-        reply = msgpack.unpackb(await self.bus.request(
-            FINISH_SUBJECT, msgpack.packb(finish_request(self.identity.actor_id, version, reason)), timeout_s=35.0),
-            raw=False)
-        if not reply.get("ok"):  # the supervisor reads the table and the metrics: asked again on the next version
-            log.error("run_finish_refused", version=version, error=reply.get("error"),
-                      fix="see the supervisor's run_finish_refused event; the run goes on")
-            return
-        self.finish_requested = True
+        self.num_finish_requests += 1
+        if self.num_finish_requests == 1:
+            log.info("run_last_version_evaluated", version=last, steps=self.ctx.run_steps, reason=reason)
+        try:
+            reply = msgpack.unpackb(await self.bus.request(
+                FINISH_SUBJECT, msgpack.packb(finish_request(self.identity.actor_id, version, reason)),
+                timeout_s=35.0), raw=False)
+            error = None if reply.get("ok") else str(reply.get("error"))
+        except BusError as e:  # no supervisor answered (restarting, the bus electing a leader): ask again too
+            error = f"the supervisor did not answer: {e!r}"
+        if error is None:
+            self.finish_requested = True
+            log.info("run_finish_believed", version=version, attempt=self.num_finish_requests)
+            return None
+        retry_in = min(self.finish_retry_max_s, self.finish_retry_first_s * 2 ** min(self.num_finish_requests - 1, 16))
+        log.error("run_finish_refused", version=version, attempt=self.num_finish_requests, retry_in_s=retry_in,
+                  error=error, fix="the supervisor's run_finish_refused event says why; asked again in retry_in_s")
+        return retry_in
 
     @classmethod
-    async def why_not_finished(cls, bus: Bus, blob: Any, run: Any, request: dict[str, Any]) -> str | None:
-        return await why_not_finished(bus, blob, run, request)
+    async def why_not_finished(cls, bus: Bus, blob: Any, run: Any, config: Any, request: dict[str, Any]) -> str | None:
+        return await why_not_finished(bus, blob, run, config, request)
 
     async def _evaluate(self, version: int) -> None:
         e = self.config.eval

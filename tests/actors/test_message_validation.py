@@ -6,10 +6,12 @@ receiver refuses it with a reason, counts it, and still acts on the true message
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgpack
 import pytest
@@ -200,10 +202,104 @@ async def test_the_evaluator_asks_to_finish_naming_its_evaluated_last_version_an
 
     evaluator = SimpleNamespace(last_version=10, finish_requested=False, evaluated={0, 5, 10, 11},
                                 ctx=SimpleNamespace(run_steps=10), identity=SimpleNamespace(actor_id="evaluator-1-ab"),
-                                bus=SimpleNamespace(request=request))
+                                bus=SimpleNamespace(request=request), num_finish_requests=0,
+                                finish_retry_first_s=1.0, finish_retry_max_s=60.0)
     with capture_logs() as logs:
-        await EvaluatorActor._finish_if_last_evaluated(evaluator)  # type: ignore[arg-type]
+        assert await EvaluatorActor._finish_if_last_evaluated(evaluator) == 1.0  # type: ignore[arg-type]
     assert sent == [("ctl.supervisor.finish", {"by": "evaluator-1-ab", "version": 11, "reason": "steps"})]
     assert not evaluator.finish_requested and [e["error"] for e in logs if e["event"] == "run_finish_refused"]
-    await EvaluatorActor._finish_if_last_evaluated(evaluator)  # type: ignore[arg-type]
+    assert await EvaluatorActor._finish_if_last_evaluated(evaluator) is None  # type: ignore[arg-type]
     assert evaluator.finish_requested and len(sent) == 2
+
+
+async def test_a_finish_short_of_the_step_budget_is_believed_only_once_the_dataset_cursor_ran_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of issue 31's check (actors.run_end): below ``run.steps`` a finish was believed from a table with no
+    batch, no live slot and the version its own, without the dataset cursor. A run's start looks just so (no meta
+    record reads as version 0, whose eval row is written at once), and so does the end of an epoch that is not the
+    last. Now a finish short of the budget gets the ``data_exhausted`` claim's check."""
+    from actors import run_end
+    from actors.config import ReconcilerSection, RLConfig, TasksSection
+    from actors.task_catalog import TaskCatalog
+    from runtime.metrics_log import numbered, write_metrics
+    from runtime.run_config import RunSection
+
+    one_epoch = RLConfig(tasks=TasksSection(num_train=4, num_heldout=2), reconciler=ReconcilerSection(num_epochs=1))
+    two_epochs = dataclasses.replace(one_epoch, reconciler=ReconcilerSection(num_epochs=2))
+    store = _store()
+    monkeypatch.setattr(run_end, "KVSlotStore", lambda bus, bucket: store)  # the reconciler's table, in memory
+    async with open_store(f"file://{tmp_path}") as blob:
+        for version in (0, 2):  # each evaluated: only the table may refuse
+            await write_metrics(blob, "eval", numbered(version), {"version": version, "pass_at_1": 0.5})
+
+        async def why(version: int, app: RLConfig = one_epoch) -> str | None:
+            request = {"by": "evaluator-1-ab", "version": version, "reason": "data exhausted"}
+            no_bus: Any = None  # the table is the in-memory store above
+            return await run_end.why_not_finished(no_bus, blob, RunSection(steps=10), app, request)
+
+        assert "no cursor or meta record" in (await why(0) or "")  # the reviewer's case: before the first admission
+        resumed = await Lifecycle.resume(store, TaskCatalog.build(one_epoch.tasks), config(), 0.0,
+                                         num_rollout_actors=4)
+        core, world = resumed.lifecycle, World()
+        world.add(resumed.orders, 1)
+        assert "in flight" in (await why(0) or "")
+        while world.pending:
+            order = world.pending.pop(0)
+            world.add(await core.on_completion(world.complete(order), 1.0), 1)
+        assert core.is_finished and core.trainer_version == 2
+        # an empty table at the version the table's own, with a second epoch still to come: not the end
+        assert "prompts remain" in (await why(2, two_epochs) or "")
+        assert await why(2) is None  # the dataset's one epoch ran out: believed
+        assert "not the reconciler's version 2" in (await why(0) or "")
+
+
+async def test_a_refused_finish_at_the_last_version_is_asked_again_though_no_newer_version_comes() -> None:
+    """Review: the evaluator's loop woke only for a newer version, and none comes after the last, so one refusal
+    (the check out of time, a bus electing a leader) left the run running for good. The real loop, nothing announced
+    after the last version: unanswered, refused, refused, and asked again each time, backing off, until believed."""
+    from actors.config import RLConfig
+    from actors.stages.evaluator import EvaluatorActor
+    from runtime.actor import ActorContext, ActorIdentity, ActorSettings
+    from runtime.errors import BusTimeout
+    from runtime.run_config import RunSection
+    from tests.waiting import until
+
+    sent: list[dict] = []
+    answers: list[object] = [BusTimeout("no reply within 35s"),
+                             {"ok": False, "error": "the run's state could not be read (TimeoutError()); ask again"},
+                             {"ok": False, "error": "the run is not finished: no evaluation of version 10 is stored"},
+                             {"ok": True}]
+
+    async def request(subject: str, data: bytes, timeout_s: float) -> bytes:
+        sent.append(msgpack.unpackb(data, raw=False))
+        answer = answers[len(sent) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return msgpack.packb(answer)
+
+    no_newer_version = asyncio.Event()  # never set: the last version was announced, nothing follows it
+
+    async def changed() -> int:
+        await no_newer_version.wait()
+        return 10
+
+    bus: Any = SimpleNamespace(request=request)
+    ctx = ActorContext(ActorIdentity.here("evaluator", "evaluator-1-ab", "h"), bus, ActorSettings(), RLConfig(),
+                       run=RunSection(steps=10))
+    evaluator = EvaluatorActor(ctx)
+    # what setup() holds, without a model: every due version is evaluated, so the loop only asks to finish
+    evaluator.weights, evaluator.engine = SimpleNamespace(latest=10, changed=changed), SimpleNamespace(version=10)
+    evaluator.evaluated, evaluator.exhausted_at, evaluator.finish_requested = set(range(11)), None, False
+    evaluator.num_finish_requests, evaluator.finish_retry_first_s = 0, 0.05
+    with capture_logs() as logs:
+        loop = asyncio.create_task(evaluator._evaluate_due_versions())
+        try:
+            await until(lambda: evaluator.finish_requested, 10, "the refused finish asked again until believed")
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+    assert [body["version"] for body in sent] == [10] * 4
+    refused = [e for e in logs if e["event"] == "run_finish_refused"]
+    assert [e["retry_in_s"] for e in refused] == [0.05, 0.1, 0.2] and [e["attempt"] for e in refused] == [1, 2, 3]
+    assert "did not answer" in refused[0]["error"] and "ask again" in refused[1]["error"]

@@ -99,11 +99,11 @@ class KilledEvaluatorActor(EvaluatorActor):
             _kill_self(self.ctx.run_dir, "evaluator")
         await super()._evaluate(version)
 
-    async def _finish_if_last_evaluated(self) -> None:
+    async def _finish_if_last_evaluated(self) -> float | None:
         last = self.last_version
         if last is not None and last in self.evaluated:
             _kill_self(self.ctx.run_dir, "evaluator-finish")
-        await super()._finish_if_last_evaluated()
+        return await super()._finish_if_last_evaluated()
 
 
 class _WeightsPutsFail:
