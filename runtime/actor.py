@@ -27,6 +27,7 @@ import structlog
 
 from runtime import actor_metrics
 from runtime import config as config_mod
+from runtime.backoff import doubling
 from runtime.bus import Bus, BusLimits, Inbound, Queue, WorkMessage
 from runtime.bus_auth import BusAccess, control_subject
 from runtime.codec import Codec, Message
@@ -85,7 +86,7 @@ class ActorSettings:
             raise ValueError("heartbeat_s and fetch_timeout_s must be > 0")
 
     def nak_delay(self, num_delivered: int) -> float:
-        return min(self.nak_max_delay_s, self.nak_base_delay_s * 2 ** max(0, num_delivered - 1))
+        return doubling(self.nak_base_delay_s, self.nak_max_delay_s, num_delivered - 1)
 
 
 @dataclass(frozen=True)

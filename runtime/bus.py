@@ -54,6 +54,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from runtime.backoff import doubling
 from runtime.bus_auth import BusCredentials, inbox_prefix
 from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 from runtime.gather import gather_or_cancel
@@ -96,7 +97,7 @@ async def through_election(what: str, make: Callable[[], Awaitable[Any]], wait_s
 def election_backoff_s(attempt: int) -> float:
     """The wait before the next try of something a cluster electing a leader refused (``attempt`` 0 first):
     0.1 s doubling to 1 s, as an election ends within seconds and is then noticed at once."""
-    return min(1.0, 0.1 * 2 ** attempt)
+    return doubling(0.1, 1.0, attempt)
 
 
 def server_urls(url: str | Sequence[str]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 import tomli_w
 
 from runtime import config as config_mod
+from runtime.backoff import doubling
 from runtime.bus import BusLimits, server_urls
 from runtime.config import Range, check_ranges, fixed
 from runtime.errors import ConfigError
@@ -172,7 +173,7 @@ class SupervisorSection:
             raise ValueError(f"supervisor.stall_s={self.stall_s} must be 0 (off) or within 1..604800 seconds")
 
     def backoff(self, num_recent_restarts: int) -> float:
-        return min(self.backoff_max_s, self.backoff_base_s * 2 ** max(0, num_recent_restarts - 1))
+        return doubling(self.backoff_base_s, self.backoff_max_s, num_recent_restarts - 1)
 
 
 @dataclass(frozen=True)

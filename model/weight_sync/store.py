@@ -50,14 +50,17 @@ class Retry:
 
     async def run(self, op: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
         """Await ``call()``, retrying transient errors with backoff; the last failure propagates."""
+        # doubled as it goes, not base * 2 ** attempt, which overflows from attempt 1025 of a large
+        # max_attempts (runtime.backoff, which this layer may not import, says the same of the runtime's)
+        cap = min(self.max_s, self.base_s)
         for attempt in range(1, self.attempts + 1):
             try:
                 return await call()
             except (ConnectionError, TimeoutError) as exc:
                 if attempt == self.attempts or getattr(exc, "retried", False):
                     raise
-                cap = min(self.max_s, self.base_s * 2 ** (attempt - 1))
                 delay_s = cap / 2 + random.uniform(0, cap / 2)
+                cap = min(self.max_s, cap * 2)
                 log.warning("weights_storage_retry", op=op, key=key, attempt=attempt, delay_s=delay_s, error=str(exc))
                 await asyncio.sleep(delay_s)
         raise AssertionError("unreachable")  # pragma: no cover

@@ -16,6 +16,8 @@ import random
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import BinaryIO, Literal, Self
 
+from runtime.backoff import doubling
+
 __all__ = [
     "RESERVED_PREFIX",
     "BlobError",
@@ -72,7 +74,7 @@ def is_transient_os_error(exc: BaseException) -> bool:
 
 def backoff_s(config: BlobStoreConfig, attempt: int, rng: random.Random) -> float:
     """The delay before retry number ``attempt``: capped exponential with full jitter over its top half."""
-    cap = min(config.backoff_max_s, config.backoff_base_s * 2 ** (attempt - 1))
+    cap = doubling(config.backoff_base_s, config.backoff_max_s, attempt - 1)
     return cap / 2 + rng.uniform(0, cap / 2)
 
 

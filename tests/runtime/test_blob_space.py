@@ -24,9 +24,9 @@ MiB = 1024 * 1024
 class FullDisk(FileBlobStore):
     """The real store, its whole-object writes failing with ``errnos`` first."""
 
-    def __init__(self, root: Path, errnos: list[int], max_full_s: float = 5.0) -> None:
-        super().__init__(BlobStoreConfig(url=root.as_uri(), backoff_base_s=0.001, backoff_max_s=0.01,
-                                         max_full_s=max_full_s))
+    def __init__(self, root: Path, errnos: list[int], max_full_s: float = 5.0, backoff_max_s: float = 0.01) -> None:
+        super().__init__(BlobStoreConfig(url=root.as_uri(), backoff_base_s=min(0.001, backoff_max_s),
+                                         backoff_max_s=backoff_max_s, max_full_s=max_full_s))
         self.errnos, self.num_calls = errnos, 0
 
     def _put_sync(self, *args: Any) -> None:
@@ -81,6 +81,16 @@ async def test_a_disk_full_for_longer_than_max_full_s_fails_the_write_saying_wha
     assert store.space.num_waiting == 0, "a write that gave up waits no more"
     assert 0.3 <= time.monotonic() - started < 2.0
     assert isinstance(StorageFull("x"), OSError), "callers that handle an unavailable store handle it too"
+
+
+async def test_an_outage_past_1024_tries_is_still_waited_out(tmp_path: Path) -> None:
+    """The tries of a full disk are bounded by time, not by a count: with short retry delays (or an outage of
+    an hour at 5 s) the 1025th try's backoff raised OverflowError (base * 2 ** 1024) instead of waiting."""
+    store = FullDisk(tmp_path, [errno.ENOSPC] * 1100, max_full_s=600.0, backoff_max_s=0.0)
+    with capture_logs() as logs:
+        await store.put("a", b"1")
+    assert await store.get("a") == b"1" and store.num_calls == 1101
+    assert len(_events(logs, "storage_full")) == 1 and len(_events(logs, "storage_recovered")) == 1
 
 
 async def test_a_write_waits_on_a_real_full_tmpfs_and_is_done_once_space_returns(tmp_path: Path) -> None:
