@@ -20,7 +20,9 @@ newest version that fails after the publisher's retries fails the trainer (it ex
 restarted, which publishes it again); an older version's failure is only logged, a newer one
 supersedes it. Any other write after the step that fails (the store full past its ``max_full_s``,
 unavailable past its retries) rolls the learner back to the store's newest checkpoint in place
-(``_back_to_stored``): a step is "already trained" only once a stored checkpoint says so. A group whose
+(``_back_to_stored``): a step is "already trained" only once a stored checkpoint says so (with
+``trainer.checkpoint_every`` > 1 a checkpoint older than the step before lacks acknowledged steps: the
+trainer fails and restarts from it instead, saying which steps are lost). A group whose
 record cannot be read is left out of its batch, named in ``TrainDone.dropped``; the rest trains.
 
 With ``actors.trainer.ranks = N`` the trainer is N processes forming one torch.distributed group
@@ -70,7 +72,7 @@ from actors.training.checkpoint_store import (
     stored_checkpoints,
     upload_checkpoint,
 )
-from actors.training.learner import Learner, StepMetrics
+from actors.training.learner import Learner, StepMetrics, checkpoint_version
 from actors.training.ranks import RankGroup, RankLayout, weights_to_publish
 from model.device import resolve_device
 from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
@@ -301,12 +303,13 @@ class TrainerActor(StageActor):
         Returns the groups left out of the step (their record unreadable), each with why."""
         groups, dropped = await self._read_share(plan)
         learner = self.learner
+        counted = (self.num_samples, self.busy_s)  # what the step adds, taken back if it is rolled back
         started = time.monotonic()
         metrics = await self._compute(learner.step, groups, plan.batch_id)
         try:
             await self._keep_step(metrics, [g.group_id for g in groups], started, order, delivery)
         except Exception as e:
-            await self._back_to_stored(e)
+            await self._back_to_stored(e, counted)
             raise
         return dropped
 
@@ -337,27 +340,47 @@ class TrainerActor(StageActor):
         if order is not None and self.ctx.ready_samples is not None:  # trained: the object store's copies go
             await self.ctx.ready_samples.release(list(order.group_keys))
 
-    async def _back_to_stored(self, error: Exception) -> None:
+    async def _back_to_stored(self, error: Exception, counted: tuple[int, float]) -> None:
         """A write after the step failed (the store full past its bound, unavailable, the local cache full): the
         step in memory is not the trainer's state, the store's newest checkpoint is. A lone rank reloads it
         (weights, optimizer moments, version and ledger; no restart), so that a redelivered order is trained
         again, never answered "already trained" from a step nobody can load, and makes sure its version is
-        stored and announced; with ranks, the group fails and restarts together from that checkpoint."""
+        stored and announced; the step's counts (``counted``: samples and busy time before it) go back with
+        it, as its retraining counts them again. That is only when the stored checkpoint is the version before
+        the step, or the step's own: an older one (``trainer.checkpoint_every`` > 1) lacks steps already
+        acknowledged, whose loss (and the reuse of their version numbers for other weights) is a failure to
+        say, not a recovery to log, so the trainer fails and restarts from storage, as before rollbacks. With
+        ranks, the group fails and restarts together from the stored checkpoint."""
         stepped = self.learner.version
         if self.ranks.distributed:
             self.fail(f"version {stepped}: a write after the step failed on rank {self.layout.rank}: {error!r}; "
                       "the group restarts from its stored checkpoint")
             return
-        log.error("trainer_step_rolled_back", version=stepped, error=repr(error),
+        try:
+            names = await stored_checkpoints(self.ctx.blob)
+        except Exception as e:
+            self.fail(f"version {stepped} could not be stored ({error!r}) nor the stored checkpoints listed "
+                      f"({e!r}); the restarted trainer resumes from the newest")
+            raise
+        stored = checkpoint_version(names[-1]) if names else 0  # none stored: the starting policy, version 0
+        if stored < stepped - 1:
+            self.fail(f"version {stepped}: a write after the step failed ({error!r}) and the newest stored checkpoint "
+                      f"is version {stored} (trainer.checkpoint_every = {self.config.trainer.checkpoint_every}): "
+                      f"versions {stored + 1}..{stepped - 1} were acknowledged but are in no checkpoint: going back "
+                      f"to version {stored} loses them, a failure, not a recovery; the trainer restarts from it "
+                      "(trainer.checkpoint_every = 1 keeps every acknowledged step in a checkpoint)")
+            return
+        log.error("trainer_step_rolled_back", version=stepped, error=repr(error), stored_version=stored,
                   consequence="reloading the newest stored checkpoint; the order is redelivered and trained again")
         try:
             await self.publisher.close()  # what it was given is published or failed; its delta base goes with it
-            names = await stored_checkpoints(self.ctx.blob)
             restored = await download_checkpoint(self.ctx.blob, names[-1], self.checkpoints) if names else None
             for cached in self.checkpoints.glob("step-*"):  # newer than the stored: never resumed from
                 if restored is None or cached.name > restored.name:
                     shutil.rmtree(cached, ignore_errors=True)
             self.learner = await self._learner_from(restored)
+            if self.learner.version < stepped:  # the step is not stored: it is trained, and counted, again
+                self.num_samples, self.busy_s = counted
             await self._start_publisher()
             await self._recover_pending_row()
             await self._announce_current()

@@ -75,11 +75,21 @@ from model.transformer import MoETransformer
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["Learner", "StepMetrics"]
+__all__ = ["Learner", "StepMetrics", "checkpoint_name", "checkpoint_version"]
 
 STATE_FILE = "trainer_state.json"
 _NO_TOKENS = PolicyLossMetrics(num_tokens=0, pg_loss=0.0, kl=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0,
                                ratio_max=1.0, ratio_median=1.0, entropy=float("nan"))
+
+
+def checkpoint_name(version: int) -> str:
+    """The directory ``Learner.save`` writes the checkpoint of ``version`` to: names sort as versions do."""
+    return f"step-{version:07d}"
+
+
+def checkpoint_version(name: str) -> int:
+    """The version of the checkpoint that ``Learner.save`` named ``name``."""
+    return int(name.removeprefix("step-"))
 
 
 @dataclass(frozen=True)
@@ -317,10 +327,10 @@ class Learner:
         if self.ranks.any(bool(bad)):  # unreachable through step(); a checkpoint must never carry them
             raise NonFiniteWeights(f"refusing to save version {self.version}: non-finite values in "
                                    f"{bad[:8] or 'another rank'}")
-        final = directory / f"step-{self.version:07d}"
+        final = directory / checkpoint_name(self.version)
         if self.ranks.distributed:
             return self._save_sharded(directory, final)
-        tmp = directory / f".tmp-step-{self.version:07d}-{os.getpid()}"
+        tmp = directory / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(self.model, tmp)
         save_file(_optimizer_tensors(self.optimizer, self.model), str(tmp / "optimizer.safetensors"))
@@ -341,7 +351,7 @@ class Learner:
 
     def _save_sharded(self, directory: Path, final: Path) -> Path:
         layout, model = self.ranks.layout, self.model
-        tmp = directory / f".tmp-step-{self.version:07d}-ranks"
+        tmp = directory / f".tmp-{final.name}-ranks"
         if layout.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a group killed while writing left it
             tmp.mkdir(parents=True)

@@ -11,12 +11,16 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from actors.messages import WeightsPublished
 from actors.stages.evaluator import EvaluatorActor
 from actors.stages.rollout import RolloutActor
 from actors.stages.trainer import TrainerActor
 from runtime.actor import Delivery
 from runtime.blob import BlobUnavailable, StorageFull
+
+log = structlog.get_logger(__name__)
 
 
 def _first_time(run_dir: Any, fault: str) -> bool:
@@ -135,10 +139,13 @@ class PublishFailingTrainerActor(TrainerActor):
 # point of step -> row -> checkpoint -> weights -> metrics.
 FAILED_WRITES = {1: ("checkpoints/", StorageFull), 2: ("trainer/pending-train-row", BlobUnavailable),
                  3: ("metrics/train/", BlobUnavailable)}
+# With trainer.checkpoint_every = 2: version 3's metrics (after a step counted in full, the stored checkpoint
+# the version before it), version 4's row (the stored checkpoint two versions back, version 3 acknowledged).
+SPARSE_FAILED_WRITES = {3: ("metrics/train/", BlobUnavailable), 4: ("trainer/pending-train-row", BlobUnavailable)}
 
 
 class _WritesFailAfterStep:
-    """The trainer's store, one write failing once at each point of `FAILED_WRITES`."""
+    """The trainer's store, one write failing once at each point of the trainer's ``failed_writes``."""
 
     def __init__(self, trainer: TrainerActor) -> None:
         self._trainer, self._store = trainer, trainer.ctx.blob
@@ -146,7 +153,7 @@ class _WritesFailAfterStep:
     def _fail(self, key: str) -> None:
         learner = getattr(self._trainer, "learner", None)  # None while it starts
         version = learner.version if learner is not None else -1
-        prefix, error = FAILED_WRITES.get(version, ("", None))
+        prefix, error = self._trainer.failed_writes.get(version, ("", None))
         if error is not None and key.startswith(prefix) and _first_time(self._trainer.ctx.run_dir, f"write-v{version}"):
             raise error(f"injected fault: writing {key!r} after the step to version {version} failed")
 
@@ -163,10 +170,30 @@ class _WritesFailAfterStep:
 
 
 class WriteFailingTrainerActor(TrainerActor):
-    """The real trainer whose store fails one write after the step at each point of `FAILED_WRITES`."""
+    """The real trainer whose store fails one write after the step at each point of ``failed_writes``; it logs
+    its counters around each step (``trainer_counters``), so a test sees what a rolled-back step left counted."""
 
     still_wanted_patience_s = 1.0  # the test plays the reconciler and answers no still-wanted question
+    failed_writes = FAILED_WRITES
 
     async def setup(self) -> None:
         self.ctx.blob = _WritesFailAfterStep(self)  # type: ignore[assignment]
         await super().setup()
+
+    async def _train_plan(self, *args: Any) -> dict[str, str]:
+        version, num_samples, busy_s = self.learner.version, self.num_samples, self.busy_s
+        failed = True
+        try:
+            dropped = await super()._train_plan(*args)
+            failed = False
+            return dropped
+        finally:
+            log.info("trainer_counters", version_before=version, version=self.learner.version, failed=failed,
+                     num_samples_before=num_samples, num_samples=self.num_samples, busy_s_before=busy_s,
+                     busy_s=self.busy_s)
+
+
+class SparseWriteFailingTrainerActor(WriteFailingTrainerActor):
+    """The same with writes failing at `SPARSE_FAILED_WRITES`, for a run with trainer.checkpoint_every = 2."""
+
+    failed_writes = SPARSE_FAILED_WRITES

@@ -4,7 +4,9 @@ costs its own group only. This test plays the reconciler.
 
 After a failed write the step in memory is rolled back to the newest stored checkpoint (weights, optimizer
 moments, ledger) in the same process, no restart: the redelivered order is trained again, every version is
-stored, published and announced, each batch trains once and each step reports one row. A truncated group
+stored, published and announced, each batch trains once and each step reports one row, and counts its samples
+and busy time once. With trainer.checkpoint_every = 2 a rollback that would drop an acknowledged step fails
+the trainer instead (it restarts from storage). A truncated group
 record beside a healthy one: the healthy one trains, the corrupt one is named in ``TrainDone.dropped`` with
 why, and a redelivery of that batch gets the same answer.
 """
@@ -47,6 +49,8 @@ max_concurrency = 1
 heartbeat_s = 1.0
 [policy]
 checkpoint = "{checkpoint}"
+[trainer]
+checkpoint_every = {checkpoint_every}
 [tasks]
 num_train = 8
 num_heldout = 2
@@ -57,14 +61,15 @@ Train = Callable[[str, int, tuple[str, ...]], Awaitable[Any]]
 
 
 @contextlib.asynccontextmanager
-async def _trainer_run(tmp_path: Path, entry: str, num_groups: int,
-                       truncated: tuple[int, ...] = ()) -> AsyncIterator[tuple[LiveRun, BlobStore, Train]]:
+async def _trainer_run(tmp_path: Path, entry: str, num_groups: int, truncated: tuple[int, ...] = (),
+                       checkpoint_every: int = 1) -> AsyncIterator[tuple[LiveRun, BlobStore, Train]]:
     """A run of the trainer alone, group records g1..g<num_groups> in its store (``truncated`` ones cut in half)
     and a way to send it an order and get its completion."""
     ckpt = tmp_path / "policy"
     model = MoETransformer(tiny()).init_weights(0)
     save_checkpoint(model, ckpt)
-    cfg = write_config(tmp_path / "run.toml", RUN.format(entry=entry, checkpoint=ckpt))
+    cfg = write_config(tmp_path / "run.toml",
+                       RUN.format(entry=entry, checkpoint=ckpt, checkpoint_every=checkpoint_every))
     run = await LiveRun(tmp_path / "run", cfg).start()
     try:
         assert run.bus is not None
@@ -89,6 +94,20 @@ async def _trainer_run(tmp_path: Path, entry: str, num_groups: int,
             yield run, store, train
     finally:
         assert await run.stop() == 0
+
+
+def _counted_once(run_dir: Path) -> list[dict[str, Any]]:
+    """The trainer's counters around each step (``trainer_counters``): a step that succeeds adds its 4 samples
+    and its time; one rolled back to the version before it adds nothing (its retraining counts it); one whose
+    own checkpoint was stored keeps its samples (it is answered "already trained", never trained again)."""
+    steps = run_events(run_dir, "trainer_counters")
+    for e in steps:
+        if e["failed"] and e["version"] == e["version_before"]:
+            assert (e["num_samples"], e["busy_s"]) == (e["num_samples_before"], e["busy_s_before"]), e
+        else:
+            assert e["num_samples"] == e["num_samples_before"] + 4, e
+            assert e["failed"] or e["busy_s"] > e["busy_s_before"], e
+    return steps
 
 
 async def _stored_state(store: BlobStore, cache: Path) -> tuple[str, dict[str, Any]]:
@@ -119,6 +138,35 @@ async def test_after_a_failed_write_the_trainer_answers_already_trained_only_fro
     assert not run_events(run_dir, "actor_crashed"), "no restart: the trainer went back to its stored checkpoint"
     rows = sorted(r["version"] for r in await read_run_metrics(run_dir, kind="train"))
     assert rows == [1, 2, 3], f"each step reported once: {rows}"
+    steps = _counted_once(run_dir)  # old: the rolled-back steps 1 and 2 counted their samples twice
+    assert [(e["version_before"], e["version"], e["failed"]) for e in steps] == [
+        (0, 0, True), (0, 1, False), (1, 1, True), (1, 2, False), (2, 3, True)], steps
+    assert steps[-1]["num_samples"] == 12, "3 steps of 4 samples"
+
+
+async def test_with_sparse_checkpoints_a_rollback_past_acknowledged_steps_fails_the_trainer(tmp_path: Path) -> None:
+    """trainer.checkpoint_every = 2: version 3's failed write goes back in place to the stored version 2 (its
+    samples and time taken back with it); version 4's would go back past version 3, already acknowledged: the
+    trainer fails instead, saying so, and the restarted one resumes from version 2 as a restart always did."""
+    async with _trainer_run(tmp_path, "tests.integration.faulty_actors:SparseWriteFailingTrainerActor", 4,
+                            checkpoint_every=2) as (run, store, train):
+        for version in (1, 2, 3):
+            trained = await train(f"b{version}", 0, (f"g{version}",))
+            assert isinstance(trained, TrainDone) and trained.trainer_version == version, trained
+        after_restart = await train("b4", 0, ("g4",))  # version 4's row fails: restarted from the stored 2
+        assert isinstance(after_restart, TrainDone) and after_restart.trainer_version == 3, after_restart
+        newest, _ = await _stored_state(store, tmp_path / "ckpt")
+    run_dir = run.run_dir
+    assert newest == "step-0000002"
+    assert [e["version"] for e in run_events(run_dir, "trainer_step_rolled_back")] == [3], \
+        "version 3 rolled back in place; version 4 not (old: both)"
+    (failing,) = run_events(run_dir, "actor_failing")
+    assert "newest stored checkpoint is version 2 (trainer.checkpoint_every = 2)" in failing["reason"], failing
+    assert "versions 3..3 were acknowledged but are in no checkpoint" in failing["reason"], failing
+    assert len(run_events(run_dir, "actor_crashed")) >= 1, "the trainer failed and was restarted"
+    steps = _counted_once(run_dir)  # old: the rolled-back version 3 counted its samples and time twice
+    assert [(e["version_before"], e["version"], e["failed"]) for e in steps] == [
+        (0, 1, False), (1, 2, False), (2, 2, True), (2, 3, False), (3, 4, True), (2, 3, False)], steps
 
 
 async def test_a_truncated_group_record_drops_its_group_alone_and_the_healthy_one_trains(tmp_path: Path) -> None:
