@@ -264,12 +264,15 @@ class Actor:
             return
         if self.state is ActorState.STANDBY:
             self._log.info("actor_activated", standby_s=round(time.time() - self._started_at, 3))
-        await self.on_running()
+        # answering pings and keeping the lease before on_running, not after: a promoted spare reconciler takes the
+        # slot table over there, which may take longer than its health bound, and it was killed as silent meanwhile
         ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
         async with asyncio.TaskGroup() as tg:
-            config_watch = tg.create_task(self._watch_config())
             lease = tg.create_task(self._renew_lease())
+            config_watch: asyncio.Task[None] | None = None
             try:
+                await self.on_running()
+                config_watch = tg.create_task(self._watch_config())  # a live change meets an actor that is running
                 async with asyncio.TaskGroup() as work_tg:
                     self.state = ActorState.RUNNING
                     await self._register()
@@ -286,7 +289,8 @@ class Actor:
                     loops.cancel()
                 # Leaving work_tg: consumers stopped fetching; every handler and its tasks finished.
             finally:
-                config_watch.cancel()
+                if config_watch is not None:
+                    config_watch.cancel()
                 lease.cancel()
                 await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
         await self._stop()

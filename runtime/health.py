@@ -5,7 +5,8 @@ while the process lives, a handler that never returns. The supervisor restarts w
 what does not exit, so that it is replaced too, and says why. Checks, on a clock of ``interval_s``:
 
 - **liveness**: ``ctl.<kind>.<id>.ping`` answered within ``ping_timeout_s`` (the actor's event loop runs); a
-  kind with a bound (the reconciler's: its lease) is unhealthy once no ping was answered for that long;
+  kind with a bound (the reconciler's: its lease) is unhealthy once no ping was answered for that long, and
+  only then (``max_failures`` does not apply to it);
 - **readiness**: every ``probe_every`` intervals, ``ctl.<kind>.<id>.probe``: the kind's own probe (`Actor.probe`;
   the rollout actor decodes one token, the reward actor runs one sandboxed command), within
   ``probe_timeout_s``, on its own clock: pings go on while a probe is in flight;
@@ -82,8 +83,8 @@ async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection,
     Liveness and readiness keep their own clocks: a probe may take ``probe_timeout_s`` (60 s), and a frozen
     process must not go unnoticed behind it (issue 32: pings waited behind the probe in flight, and a frozen
     actor was found only by the probe, 95 s later). ``unanswered_s`` (the kind's bound, e.g. the reconciler's
-    lease): no ping answered for that long is unhealthy too, however few pings that was; pings then go every
-    quarter of it, so that the bound is kept within a ping's interval."""
+    lease): no ping answered for that long is unhealthy, however few or many pings that was (``max_failures``
+    does not apply); pings then go every quarter of it, so that the bound is kept within a ping's interval."""
     if not await _until_running(bus, kind, actor_id, cfg.start_grace_s):
         return Verdict("start", f"not running (registered as consuming) within {cfg.start_grace_s}s of starting")
     async with asyncio.TaskGroup() as tg:
@@ -118,10 +119,12 @@ async def _liveness(bus: Bus, kind: str, actor_id: str, cfg: HealthSection, unan
                 silent_s = loop.time() - answered_at
                 log.warning("health_check_failed", actor_id=actor_id, check="liveness", error=str(e) or repr(e),
                             num_failures=failures, max_failures=cfg.max_failures, unanswered_s=round(silent_s, 1))
-                if unanswered_s and silent_s >= unanswered_s:
-                    return Verdict("liveness", f"no ping answered for {silent_s:.1f}s (the kind's bound: "
-                                               f"{unanswered_s:g}s); the last failure: {e}", unanswered_s)
-                if failures >= cfg.max_failures:
+                if unanswered_s:  # judged by the bound alone: its pings go 4 times as often, so max_failures of
+                    # them span only part of it (a promoted spare busy taking the table over was killed by them)
+                    if silent_s >= unanswered_s:
+                        return Verdict("liveness", f"no ping answered for {silent_s:.1f}s (the kind's bound: "
+                                                   f"{unanswered_s:g}s); the last failure: {e}", unanswered_s)
+                elif failures >= cfg.max_failures:
                     return Verdict("liveness", f"{failures} liveness checks failed in a row; the last: {e}")
             else:
                 if failures:

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 
 from runtime import health
-from runtime.errors import BusTimeout
+from runtime.errors import BusTimeout, NoResponders
 from runtime.run_config import HealthSection
 
 
@@ -85,3 +85,32 @@ async def test_a_kind_s_bound_on_unanswered_pings_holds_with_fewer_than_max_fail
     # its last answer + the bound + a ping's interval (0.25 s), with a loaded machine's slack; 3 pings: 15 s
     assert 1.0 <= found_after < 5.0, found_after
 
+
+
+class SilentWhileActivating(ScriptedActor):
+    """Not subscribed (no responders, at once) from ``silent[0]`` to ``silent[1]``: a spare taking over, as a
+    promoted reconciler did while it took the slot table over; answers between; frozen from ``freeze_at``."""
+
+    def __init__(self, silent: tuple[float, float], freeze_at: float) -> None:
+        super().__init__(freeze_at)
+        self.silent = silent
+
+    async def request(self, subject: str, data: bytes, timeout_s: float) -> bytes:
+        now = time.monotonic() - self.started
+        if self.silent[0] <= now < self.silent[1]:
+            self.pings.append(now)
+            raise NoResponders(f"no responders on {subject}")
+        return await super().request(subject, data, timeout_s)
+
+
+async def test_with_a_bound_only_the_bound_judges_not_max_failures() -> None:
+    # pings every 0.5 s (a quarter of the 2 s bound): 3 failures in 1.5 s of silence made the verdict before
+    cfg = HealthSection(interval_s=5.0, ping_timeout_s=5.0, probe_every=0, max_failures=3, start_grace_s=5.0)
+    actor = SilentWhileActivating(silent=(0.2, 1.9), freeze_at=3.0)
+    async with asyncio.timeout(20):
+        verdict = await health.watch(actor, "reconciler", "reconciler-1-abcd", cfg,  # type: ignore[arg-type]
+                                     unanswered_s=2.0)
+    found_after = time.monotonic() - actor.started
+    assert sum(0.2 <= t < 1.9 for t in actor.pings) >= cfg.max_failures, "the silence spanned max_failures pings"
+    assert "no ping answered" in verdict.reason, verdict
+    assert found_after >= 3.0 + 2.0 - 0.5, f"judged {found_after:.1f}s after start, within the silence it survived"
