@@ -176,8 +176,9 @@ class Actor:
         self.failure: str | None = None  # set by fail(): the run() that drains then raises ActorFailed
         self.num_rejected_config = 0  # live config values refused (see _apply_config)
         self._started_at = time.time()
-        self._progress_at = time.monotonic()  # the last time a handling ended, or work was taken up idle
-        self.work_timing = WorkTiming()  # the health checks' passive half reads it from every ping
+        # the health checks' passive half reads it from every ping; its clock leaves out a full disk's wait
+        self.work_timing = WorkTiming(paused_s=ctx.blob.space_waited_s if ctx.blob is not None else None)
+        self._progress_at = self.work_timing.now()  # the last time a handling ended, or work was taken up idle
         self._log = log.bind(kind=self.identity.kind, actor=self.identity.actor_id)
 
     # --- hooks for subclasses ----------------------------------------------------------------
@@ -388,7 +389,7 @@ class Actor:
                 msgs = await sub.fetch(free, timeout_s=self.settings.fetch_timeout_s)  # none in time: []
                 for raw in msgs:
                     if self._inflight == 0:  # idle until now: the time without progress starts here
-                        self._progress_at = time.monotonic()
+                        self._progress_at = self.work_timing.now()
                     self._inflight += 1
                     work_tg.create_task(self._process(q, raw))
         finally:
@@ -436,7 +437,7 @@ class Actor:
             if await self._settle(raw, "ack"):
                 self.num_handled += 1
         finally:
-            self._progress_at = time.monotonic()
+            self._progress_at = self.work_timing.now()
             async with self._capacity:
                 self._inflight -= 1
                 self._capacity.notify_all()
@@ -493,13 +494,7 @@ class Actor:
     async def _on_ctl(self, raw: Inbound) -> None:
         verb = raw.subject.rsplit(".", 1)[-1]
         if verb == "ping":
-            reply: dict[str, Any] = {
-                "ok": True, "state": self.state.value, "busy_without_progress_s": self.busy_without_progress_s,
-                # what the passive checks read (runtime.health): outcomes so far, and the handlings' times
-                "num_handled": self.num_handled, "num_failed": self.num_failed,
-                "oldest_in_hand_s": self.work_timing.oldest_in_hand_s(),
-                "recent_handling_p99_s": self.work_timing.recent_quantile(0.99),
-                "num_recent_handlings": self.work_timing.num_recent}
+            reply = self.ping()
         elif verb == "probe":
             reply = await self._probe()
         elif verb == "status":
@@ -520,6 +515,15 @@ class Actor:
                      "error": f"unknown verb {verb!r}; use ping, probe, status, metrics, activate or drain"}
         await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
 
+    def ping(self) -> dict[str, Any]:
+        """The answer to ``ctl.<kind>.<id>.ping``: alive, and what the health checks' passive half reads
+        (runtime.health): outcomes so far, and the handlings' times (on the work clock: runtime.work_timing)."""
+        return {"ok": True, "state": self.state.value, "busy_without_progress_s": self.busy_without_progress_s,
+                "num_handled": self.num_handled, "num_failed": self.num_failed,
+                "oldest_in_hand_s": self.work_timing.oldest_in_hand_s(),
+                "recent_handling_p99_s": self.work_timing.recent_quantile(0.99),
+                "num_recent_handlings": self.work_timing.num_recent}
+
     async def _probe(self) -> dict[str, Any]:
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
@@ -531,8 +535,9 @@ class Actor:
 
     @property
     def busy_without_progress_s(self) -> float:
-        """Seconds this actor has held work without finishing any handling (0 when it holds none)."""
-        return round(time.monotonic() - self._progress_at, 3) if self._inflight else 0.0
+        """Seconds this actor has held work without finishing any handling (0 when it holds none), on the work
+        clock (a full disk's wait is not counted: runtime.work_timing)."""
+        return round(self.work_timing.now() - self._progress_at, 3) if self._inflight else 0.0
 
     # what runtime.actor_metrics reads at a scrape
     @property

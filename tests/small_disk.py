@@ -1,5 +1,6 @@
 """A real small file system for the tests of a full disk: a tmpfs of a few MiB mounted at a test's folder
-(the tests run as root), filled to the last byte and freed again."""
+(the tests run as root), filled to the last byte and freed again; and the file store with the errors of a
+full disk injected below it (`FullDisk`), where a test needs the outage's length in its own hands."""
 
 from __future__ import annotations
 
@@ -8,10 +9,29 @@ import errno
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-__all__ = ["fill", "small_tmpfs"]
+from runtime.blob import BlobStoreConfig, FileBlobStore
+
+__all__ = ["FullDisk", "fill", "small_tmpfs"]
+
+
+class FullDisk(FileBlobStore):
+    """The real store, its whole-object writes failing with ``errnos`` first."""
+
+    def __init__(self, root: Path, errnos: list[int], max_full_s: float = 5.0, backoff_max_s: float = 0.01) -> None:
+        super().__init__(BlobStoreConfig(url=root.as_uri(), backoff_base_s=min(0.001, backoff_max_s),
+                                         backoff_max_s=backoff_max_s, max_full_s=max_full_s))
+        self.errnos, self.num_calls = errnos, 0
+
+    def _put_sync(self, *args: Any) -> None:
+        self.num_calls += 1
+        if self.errnos:
+            code = self.errnos.pop(0)
+            raise OSError(code, errno.errorcode[code])
+        super()._put_sync(*args)
 
 
 @contextlib.contextmanager

@@ -215,6 +215,11 @@ class BlobStore(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - backends without resources keep the default
         """Release resources; idempotent."""
 
+    def space_waited_s(self) -> float:
+        """Seconds writes have spent waiting out a full file system so far (runtime.blob._space), counted
+        once however many waited together; 0 for a backend that never waits for space."""
+        return 0.0
+
     async def __aenter__(self) -> Self:
         return self
 

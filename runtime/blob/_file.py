@@ -70,6 +70,9 @@ class FileBlobStore(BlobStore):
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*validate_key(key).split("/"))
 
+    def space_waited_s(self) -> float:
+        return self.space.waited_s()
+
     # -- whole objects ---------------------------------------------------------------------------
 
     async def put(self, key: str, data: bytes | bytearray | memoryview) -> None:

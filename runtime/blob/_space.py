@@ -56,8 +56,32 @@ class SpaceOutage:
         self.path = path
         self.full_since: float | None = None
         self.num_outages = 0
-        self.num_waiting = 0  # writes waiting for space now
+        self._num_waiting = 0
+        self._waiting_since: float | None = None  # since when some write waits for space (None: none does)
+        self._waited_s = 0.0  # time some write waited for space, before `_waiting_since`
         self._rng = random.Random()
+
+    @property
+    def num_waiting(self) -> int:
+        """Writes waiting for space now."""
+        return self._num_waiting
+
+    @num_waiting.setter
+    def num_waiting(self, n: int) -> None:
+        now = time.monotonic()
+        if n and self._waiting_since is None:
+            self._waiting_since = now
+        elif not n and self._waiting_since is not None:
+            self._waited_s += now - self._waiting_since
+            self._waiting_since = None
+        self._num_waiting = n
+
+    def waited_s(self) -> float:
+        """Seconds during which some write of this store waited for space, so far (a clock that runs only
+        then): an actor's work timing leaves it out, so that the health checks do not take a handling
+        waiting out a full disk for a stuck one (runtime.work_timing)."""
+        since = self._waiting_since
+        return self._waited_s + (time.monotonic() - since if since is not None else 0.0)
 
     async def wait(self, op: str, key: str, error: OSError, attempt: int) -> None:
         """Waits before try number ``attempt + 1`` of a write that found the disk full; raises StorageFull
@@ -68,8 +92,9 @@ class SpaceOutage:
             self.num_outages += 1
             log.warning("storage_full", path=str(self.path), free_bytes=free_bytes(self.path), op=op, key=key,
                         error=str(error), max_full_s=self.config.max_full_s,
-                        consequence="writes wait for space (no restart, nothing dropped); free space under the "
-                                    "store's path and the run goes on by itself")
+                        consequence="writes wait for space (no restart, nothing dropped, and the health checks "
+                                    "do not count the wait against a handling); free space under the store's "
+                                    "path and the run goes on by itself")
         full_s = now - self.full_since
         if full_s >= self.config.max_full_s:
             raise StorageFull(f"blob store {self.config.url} has been full for {full_s:.0f}s "

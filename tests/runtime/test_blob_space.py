@@ -15,26 +15,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from runtime.blob import BlobStoreConfig, FileBlobStore, StorageFull, get_tree, put_tree
-from tests.small_disk import fill, small_tmpfs
+from tests.small_disk import FullDisk, fill, small_tmpfs
 from tests.waiting import until
 
 MiB = 1024 * 1024
-
-
-class FullDisk(FileBlobStore):
-    """The real store, its whole-object writes failing with ``errnos`` first."""
-
-    def __init__(self, root: Path, errnos: list[int], max_full_s: float = 5.0, backoff_max_s: float = 0.01) -> None:
-        super().__init__(BlobStoreConfig(url=root.as_uri(), backoff_base_s=min(0.001, backoff_max_s),
-                                         backoff_max_s=backoff_max_s, max_full_s=max_full_s))
-        self.errnos, self.num_calls = errnos, 0
-
-    def _put_sync(self, *args: Any) -> None:
-        self.num_calls += 1
-        if self.errnos:
-            code = self.errnos.pop(0)
-            raise OSError(code, errno.errorcode[code])
-        super()._put_sync(*args)
 
 
 def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -3,12 +3,20 @@ kind's recent times. Pure functions of the replies: each rule's edges, and what 
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import errno
 import time
+from collections.abc import Awaitable
+from pathlib import Path
 
+from runtime.actor import Actor, ActorContext, ActorIdentity, ActorSettings
 from runtime.health import _passive
 from runtime.run_config import HealthSection
 from runtime.work_timing import WorkTiming
+from tests.small_disk import FullDisk
+from tests.waiting import until
 
 CFG = HealthSection(error_window=3, max_error_rate=0.5, min_outcomes=10, outlier_factor=20.0, outlier_min_s=5.0,
                     outlier_min_samples=20, stuck_s=0.0)
@@ -78,3 +86,37 @@ def test_work_timing_ages_and_quantiles() -> None:
     except ValueError:
         pass
     assert timing.oldest_in_hand_s() == 0.0  # a failed handling is out of hand too
+
+
+async def test_a_handling_waiting_out_a_full_disk_is_not_held_against_it(tmp_path: Path) -> None:
+    # limits of 0.5 s (outlier floor and stuck_s) stand for the 120 s that a full disk's 600 s wait outlasted
+    cfg = HealthSection(error_window=0, outlier_factor=20.0, outlier_min_s=0.5, outlier_min_samples=1, stuck_s=0.5)
+    store = FullDisk(tmp_path, [errno.ENOSPC] * 1_000_000, max_full_s=60.0)
+    actor = Actor(ActorContext(ActorIdentity("k", "k-1", 1, "h", "c"), None, ActorSettings(), None, blob=store))
+    with actor.work_timing.handling():  # one quick handling: the kind's history
+        pass
+
+    async def handling(work: Awaitable[object]) -> None:
+        actor._inflight, actor._progress_at = 1, actor.work_timing.now()  # as `_consume` takes work up
+        try:
+            with actor.work_timing.handling():
+                await work
+        finally:
+            actor._inflight, actor._progress_at = 0, actor.work_timing.now()
+
+    writing = asyncio.ensure_future(handling(store.put("checkpoint", b"w")))
+    await until(lambda: store.space.num_waiting == 1, 5, "the write to wait for space")
+    await asyncio.sleep(1.0)
+    assert _passive(actor.ping(), cfg, collections.deque()) is None, actor.ping()
+    store.errnos.clear()  # space again: the write ends, and its wait is not in its time either
+    await asyncio.wait_for(writing, 5)
+    assert actor.work_timing.recent_quantile(0.99) < 0.5 and store.space_waited_s() >= 1.0
+
+    # what is not a storage wait still counts: a handling hung as long is judged
+    hung = asyncio.ensure_future(handling(asyncio.sleep(3600)))
+    await asyncio.sleep(1.0)
+    verdict = _passive(actor.ping(), cfg, collections.deque())
+    hung.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await hung
+    assert verdict is not None and verdict.check == "progress", actor.ping()
