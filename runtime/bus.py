@@ -922,7 +922,16 @@ class Bus:
 
         async def on_error(e: Exception) -> None:
             if "authorization violation" in str(e).lower() or "authentication" in str(e).lower():
-                refused.set()
+                if not connecting.done():  # the first connect: said once, by the BusAuthRefused raised below
+                    refused.set()
+                    return
+                # a reconnect refused (credentials rotated, a server restarted with others): it loops, so say so
+                log.error("bus_sign_in_refused", error=str(e), client=name,
+                          role=credentials.user if credentials else None,
+                          reason="the bus refused this client's credentials on reconnecting: they were rotated, "
+                                 "or the server restarted with other users",
+                          fix="restart this process with the bus's current credentials (an actor's supervisor "
+                              "starts it with those of bus.credentials_dir); it retries until then")
                 return
             if "permissions violation" in str(e).lower():  # the server refused a subject to this role
                 log.error("bus_permission_denied", error=str(e), client=name,
