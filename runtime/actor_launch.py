@@ -58,14 +58,15 @@ def actor_argv(address: RunAddress, run_dir: Path, kind: str, actor_id: str, *, 
 def actor_env(address: RunAddress, role: str, base: Mapping[str, str],
               held: RunCredentials | None = None) -> dict[str, str]:
     """``base`` with what a process of ``role`` needs to reach the bus (see the module docstring): its
-    credentials from ``held`` (the supervisor's, in memory) if given, else from the credentials directory.
+    credentials from ``held`` (the supervisor's: `RunCredentials.for_spawn`) if given, else from the
+    credentials directory.
 
     Raises:
         ConfigError: the credentials directory has no readable file for ``role``.
     """
     env = {k: v for k, v in base.items() if k != CREDENTIALS_ENV and k not in TLS_ENV}
     if address.credentials_dir:
-        credentials = held.for_role(role) if held is not None else read_credentials(address.credentials_dir, role)
+        credentials = held.for_spawn(role) if held is not None else read_credentials(address.credentials_dir, role)
         # an NKEY seed or a .creds file travels as its path (present on every node, like TLS files)
         env[CREDENTIALS_ENV] = json.dumps({k: v for k, v in dataclasses.asdict(credentials).items() if v})
     for name, value in zip(TLS_ENV, (address.tls_ca_file, address.tls_cert_file, address.tls_key_file), strict=True):

@@ -38,8 +38,12 @@ import ssl
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import structlog
+
 from runtime.errors import ConfigError
 from runtime.registry import handover_key, registration_key
+
+log = structlog.get_logger(__name__)
 
 __all__ = [
     "OPERATOR",
@@ -243,7 +247,8 @@ class RunCredentials:
 
     ``owned``: the supervisor made them (an embedded bus: `generate_credentials`), and writes the
     directory again whenever a file is missing or changed (`restore`); a directory given for a remote bus
-    (``bus.credentials_dir``) is its owner's, read once and never written.
+    (``bus.credentials_dir``) is its owner's, never written, and read again for each process started
+    (`for_spawn`): its owner may rotate them.
     """
 
     directory: Path
@@ -261,6 +266,23 @@ class RunCredentials:
         except KeyError:
             raise ConfigError(f"the run has no bus credentials for role {role!r}; it has {sorted(self.roles)}") \
                 from None
+
+    def for_spawn(self, role: str) -> BusCredentials:
+        """The credentials a process of ``role`` starts with. The run's own: as held. A directory the run does
+        not own: read again now, as its owner may have rotated them since the run started (the copy held
+        since then would be refused, and every restarted actor crash-loop); the held copy only if it cannot
+        be read (said: the process may then be refused)."""
+        if self.owned:
+            return self.for_role(role)
+        try:
+            return read_credentials(self.directory, role)
+        except (ConfigError, OSError) as e:
+            held = self.for_role(role)
+            log.warning("credentials_reread_failed", directory=str(self.directory), role=role, error=str(e),
+                        consequence="the process starts with the credentials read when the run started; if they "
+                                    "were rotated since, the bus refuses it",
+                        fix=f"make {self.directory} hold {role}'s current credentials, readable by the run's user")
+            return held
 
     def restore(self) -> list[str]:
         """Writes again the files of the directory that are missing or differ (the directory too, 0700);
