@@ -167,6 +167,10 @@ class Actor:
         self.exit_stack = contextlib.AsyncExitStack()
         self._drain_requested = asyncio.Event()
         self._activated = asyncio.Event()
+        # probes answered in tasks of their own: a control subscription hands over one request at a time, and a
+        # probe of a wedged engine waits its whole timeout, so pings queued behind it went unanswered and a
+        # process that was alive got a liveness verdict (killed, not drained as a readiness verdict has it)
+        self._probes_in_flight: set[asyncio.Task[None]] = set()
         self._inflight = 0
         self._capacity = asyncio.Condition()
         self.num_handled = 0
@@ -255,7 +259,7 @@ class Actor:
                 await self._unless_drained(self._activated.wait())
                 lease.cancel()
         finally:
-            await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
+            await self._unsubscribe_ctl(ctl)
 
     async def run(self) -> None:
         """Runs until a drain is requested (ctl drain, SIGTERM), then drains and stops."""
@@ -293,7 +297,7 @@ class Actor:
                 if config_watch is not None:
                     config_watch.cancel()
                 lease.cancel()
-                await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
+                await self._unsubscribe_ctl(ctl)
         await self._stop()
         if self.failure is not None:
             raise ActorFailed(self.failure)
@@ -496,7 +500,10 @@ class Actor:
         if verb == "ping":
             reply = self.ping()
         elif verb == "probe":
-            reply = await self._probe()
+            task = asyncio.create_task(self._answer_probe(raw))
+            self._probes_in_flight.add(task)
+            task.add_done_callback(self._probes_in_flight.discard)
+            return
         elif verb == "status":
             reply = self.describe()
         elif verb == "drain":
@@ -523,6 +530,20 @@ class Actor:
                 "oldest_in_hand_s": self.work_timing.oldest_in_hand_s(),
                 "recent_handling_p99_s": self.work_timing.recent_quantile(0.99),
                 "num_recent_handlings": self.work_timing.num_recent}
+
+    async def _answer_probe(self, raw: Inbound) -> None:
+        reply = await self._probe()
+        try:
+            await self.bus.respond(raw, msgpack.packb(reply, use_bin_type=True))
+        except OSError as e:  # BusError included: the asker takes the silence for a failed probe
+            self._log.warning("probe_answer_failed", error=repr(e))
+
+    async def _unsubscribe_ctl(self, ctl: Any) -> None:
+        """Stops answering control requests: unsubscribes, and cancels the probes still being answered."""
+        for task in list(self._probes_in_flight):
+            task.cancel()
+        await asyncio.gather(*self._probes_in_flight, return_exceptions=True)
+        await self._stop_step("unsubscribe_ctl", ctl.unsubscribe())
 
     async def _probe(self) -> dict[str, Any]:
         try:
