@@ -919,6 +919,10 @@ class Bus:
             auth["tls"] = tls
 
         refused = asyncio.Event()  # the server refused to sign this client in
+        # what failed the first connect's attempts before it ended: a server refusing a client may reset the
+        # connection before nats-py reads its 'Authorization Violation' (the attempt's PING unread when it
+        # closes), so the refusal can come only on a later attempt; its outcome says what matters, once
+        first_attempts: list[str] = []
 
         async def on_error(e: Exception) -> None:
             if "authorization violation" in str(e).lower() or "authentication" in str(e).lower():
@@ -937,6 +941,9 @@ class Bus:
                 log.error("bus_permission_denied", error=str(e), client=name,
                           role=credentials.user if credentials else None,
                           fix="declare the subject or bucket in the actor class's bus_access (runtime.bus_auth)")
+                return
+            if not connecting.done():  # the first connect's failed attempts: said with its outcome, below
+                first_attempts.append(str(e))
                 return
             log.warning("nats_client_error", error=str(e), client=name)
 
@@ -984,10 +991,14 @@ class Bus:
             connecting.cancel()
             with contextlib.suppress(BaseException):
                 await nc.close()
-            raise BusError(f"cannot connect to NATS at {','.join(servers)}: no answer within {connect_timeout_s}s; "
-                           "is the run up?")
+            last = f" (last attempt: {first_attempts[-1]})" if first_attempts else ""
+            raise BusError(f"cannot connect to NATS at {','.join(servers)}: no answer within {connect_timeout_s}s"
+                           f"{last}; is the run up?")
         if (e := connecting.exception()) is not None:
             raise BusError(f"cannot connect to NATS at {','.join(servers)}: {e!r}; is the run up?") from e
+        if first_attempts:
+            log.info("bus_connect_retried", client=name, num_failed_attempts=len(first_attempts),
+                     last_failure=first_attempts[-1])
         return cls(nc, limits, health)
 
     async def close(self, timeout_s: float = 5.0) -> None:
