@@ -11,8 +11,10 @@ last process of the kind to stop (it is only removed when empty, so live sibling
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import struct
 from pathlib import Path
 
 import structlog
@@ -24,6 +26,7 @@ log = structlog.get_logger(__name__)
 __all__ = ["SCRATCH_DIR", "open_sandbox_store", "scratch_root"]
 
 SCRATCH_DIR = Path("/var/tmp")
+UID_CLAIMS = "env-uids.lock"  # sandbox._ids: the stores' claims of host uids, one locked byte each
 
 
 def scratch_root(kind: str, run_dir: Path | str) -> Path:
@@ -44,5 +47,28 @@ def open_sandbox_store(kind: str, run_dir: Path | str, exit_stack: contextlib.Ex
 
 def _remove_if_empty(root: Path) -> None:
     with contextlib.suppress(FileNotFoundError, OSError):  # OSError: ENOTEMPTY, a sibling still works here
+        _remove_uid_claims_if_unused(root)
         os.rmdir(root)
         log.info("scratch_root_removed", root=str(root))
+
+
+def _remove_uid_claims_if_unused(root: Path) -> None:
+    """Remove the stores' uid claim file (``sandbox._ids``: ``<root>/env-uids.lock``, which every store of
+    the root opens and none removes) when it is all the root holds and no store holds a claim in it.
+
+    A store makes its directory in the root before it opens the file, so with no store directory seen
+    while holding the whole file's lock, no live store has it open: the next one creates it again."""
+    lock = root / UID_CLAIMS
+    if os.listdir(root) != [UID_CLAIMS]:
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        whole = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # struct flock: every byte, l_pid 0
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, whole)
+        except BlockingIOError:  # a store still holds a uid's claim
+            return
+        if os.listdir(root) == [UID_CLAIMS]:
+            os.unlink(lock)
+    finally:
+        os.close(fd)
