@@ -99,7 +99,16 @@ class FileBlobStore(BlobStore):
 
     async def _io(self, op: str, key: str, fn: Callable[..., T], *args: Any) -> T:
         """Run one blocking file operation in a thread; transient errors retried, a full disk waited out
-        (module docstring)."""
+        (module docstring); one that waited for space and then succeeded ends the outage."""
+        result, waited = await self._io_waiting(op, key, fn, *args)
+        if waited or op in _WRITES:
+            self.space.wrote(waited=waited)
+        return result
+
+    async def _io_waiting(self, op: str, key: str, fn: Callable[..., T], *args: Any) -> tuple[T, bool]:
+        """`_io` without ending an outage: the result, and whether the operation waited for space (a
+        stream's part that fits ends nothing: the disk may have room for a few of its bytes at a time, freed
+        by other writers' failed tries, and the outage is over only once the whole object is stored)."""
         num_transient = num_full = 0
         try:
             while True:
@@ -123,13 +132,11 @@ class FileBlobStore(BlobStore):
                                 error=str(exc))
                     await asyncio.sleep(delay_s)
                     continue
+                waited = num_full > 0
                 if num_full:
                     self.space.num_waiting -= 1
                     num_full = 0
-                    self.space.wrote(waited=True)
-                elif op in _WRITES:
-                    self.space.wrote(waited=False)
-                return result
+                return result, waited
         finally:
             if num_full:  # gave up (StorageFull) or cancelled
                 self.space.num_waiting -= 1
@@ -141,16 +148,17 @@ class FileBlobStore(BlobStore):
         tmp = self._new_tmp_path()
         num_bytes = 0
         # unbuffered: a write the full disk cut short says how far it got, and goes on from there
-        handle = await self._io("put_stream", key, open, tmp, "wb", 0)
+        handle, waited = await self._io_waiting("put_stream", key, open, tmp, "wb", 0)
         try:
             async for chunk in iter_source(source, self.config.stream_chunk_bytes):
                 rest = memoryview(chunk)
                 while rest:
-                    rest = rest[await self._io("put_stream", key, handle.write, rest):]
+                    n, part_waited = await self._io_waiting("put_stream", key, handle.write, rest)
+                    rest, waited = rest[n:], waited or part_waited
                 num_bytes += len(chunk)
             await asyncio.to_thread(self._finish_tmp, handle)
-            await self._io("put_stream", key, self._publish_tmp, key, tmp, path)
-            self.space.wrote(waited=False)
+            _, part_waited = await self._io_waiting("put_stream", key, self._publish_tmp, key, tmp, path)
+            self.space.wrote(waited=waited or part_waited)  # the whole object stored: an outage it waited in ends
         except BaseException:
             handle.close()
             with contextlib.suppress(FileNotFoundError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import io
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,39 @@ async def test_a_small_write_that_fits_while_a_large_one_waits_ends_no_outage(tm
         await large
     assert len(_events(logs, "storage_full")) == 1 and len(_events(logs, "storage_recovered")) == 1
     assert store.space.num_waiting == 0 and store.space.full_since is None
+
+
+async def test_a_stream_that_gets_a_few_bytes_in_at_a_time_ends_its_outage_only_once_stored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full disk other writers' failed tries free their pages again and again, so a waiting stream's
+    write now and then gets a few bytes in and meets the full disk again: one outage (said once), over only
+    once the whole object is stored. Each such part ended it, so a trainer's checkpoint said storage_full
+    and storage_recovered over and over (test_storage_full: storage_full twice in the trainer)."""
+    import runtime.blob._file as file_module
+
+    class Trickle:
+        """The disk refuses a write, then takes 100 bytes of it, three times; then it has room."""
+
+        def __init__(self, handle: Any) -> None:
+            self.handle, self.script = handle, ["full", 100, "full", 100, "full", 100]
+
+        def write(self, data: memoryview) -> int:
+            step = self.script.pop(0) if self.script else None
+            if step == "full":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.handle.write(data[:step] if step else data)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.handle, name)
+
+    monkeypatch.setattr(file_module, "open", lambda *a: Trickle(open(*a)), raising=False)  # noqa: SIM115
+    store = FileBlobStore(BlobStoreConfig(url=tmp_path.as_uri(), backoff_base_s=0.001, backoff_max_s=0.01))
+    payload = bytes(range(256)) * 64
+    with capture_logs() as logs:
+        await store.put_stream("stream", io.BytesIO(payload))
+    assert await store.get("stream") == payload
+    assert len(_events(logs, "storage_full")) == 1 and len(_events(logs, "storage_recovered")) == 1
+    assert store.space.num_outages == 1 and store.space.full_since is None and store.space.num_waiting == 0
 
 
 async def test_a_disk_full_for_longer_than_max_full_s_fails_the_write_saying_what_to_do(tmp_path: Path) -> None:
