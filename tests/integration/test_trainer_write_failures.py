@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from model.checkpoint import save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
 from model.weight_sync import SubscriberConfig, WeightSubscriber
+from ops.tail import event_time
 from runtime.blob import BlobStore, open_store
 from runtime.bus import DONE_QUEUE
 from runtime.codec import Codec
@@ -100,7 +102,9 @@ def _counted_once(run_dir: Path) -> list[dict[str, Any]]:
     """The trainer's counters around each step (``trainer_counters``): a step that succeeds adds its 4 samples
     and its time; one rolled back to the version before it adds nothing (its retraining counts it); one whose
     own checkpoint was stored keeps its samples (it is answered "already trained", never trained again)."""
-    steps = run_events(run_dir, "trainer_counters")
+    # in the order they happened: a restarted trainer logs to a file of its own, and files are read in no order
+    never = datetime.min.replace(tzinfo=UTC)
+    steps = sorted(run_events(run_dir, "trainer_counters"), key=lambda e: event_time(e) or never)
     for e in steps:
         if e["failed"] and e["version"] == e["version_before"]:
             assert (e["num_samples"], e["busy_s"]) == (e["num_samples_before"], e["busy_s_before"]), e
