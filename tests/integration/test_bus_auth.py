@@ -274,22 +274,13 @@ async def test_actor_roles_get_no_jetstream_rights_but_their_own_pull_consumers_
     On main, every role could create and update its queues' streams and consumers (STREAM.UPDATE: capture
     other roles' subjects, republish into any) and create buckets."""
     rt = load_run_config([DEFAULT_RUN]).runtime
-    users = generate_credentials(tmp_path / "credentials", bus_roles(rt))
-    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", users=tuple(users))) as server:
-        admin = await Bus.connect(server.url, "admin", credentials=read_credentials(tmp_path / "credentials",
-                                                                                       SUPERVISOR))
-        try:
-            await admin.ensure_base()
-            await provision_streams(admin, rt)
-            streams = {s.name: "x" for s in await admin.stream_states()}
-        finally:
-            await admin.close()
+    async with _default_run_bus(tmp_path) as (admin, info):
+        streams = {s.name: "x" for s in await admin.stream_states()}
         classes = {kind: import_entry(spec.entry) for kind, spec in rt.actors.items()}
         for cls in classes.values():
             for q in cls.provisioned_queues():
                 streams[q.stream] = q.durable  # its durable consumer: the one name a role may bind to
         assert {"Q_DONE", "Q_WORK_ROLLOUT", "KV_actors", "LOG", "DLQ"} <= set(streams)
-        info = _info(server.url, tmp_path / "credentials")
         subjects = list(_ACCOUNT_API)
         for stream, consumer in streams.items():
             subjects += _stream_api(stream, consumer, "x")
