@@ -33,7 +33,7 @@ __all__ = [
 class PolicySection:
     checkpoint: str = ""  # a local HF-layout directory; empty: the built-in starting policy
     cache_dir: Path = Path("runs/_cache")  # where the built-in starting policy is built once and kept
-    experts_precision: str = "reference"  # reference | emulated | triton (kernels/)
+    experts_precision: str = "reference"  # reference | emulated | triton (low_precision/)
     # where the rollout engine, the evaluator and the trainer compute: auto (CUDA when the process was
     # given a GPU, else the CPU) | cpu | cuda | cuda:N
     device: str = "auto"

@@ -9,7 +9,7 @@ Every MoE block calls its experts through an `ExpertsFn`:
     y[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, k]
 
 `reference_experts_forward` is the plain torch definition (the numerics every low-precision variant in
-`kernels/` is measured against). It groups tokens by expert with a stable sort, so one token's result does
+`low_precision/` is measured against). It groups tokens by expert with a stable sort, so one token's result does
 not depend on which other tokens share the batch.
 """
 

@@ -2,7 +2,7 @@
 
 Without a GPU, Triton kernels can only run under the Triton interpreter, and ``triton.jit`` decides
 between compiling and interpreting when a kernel module is first imported — by whichever test package
-imports ``kernels`` first (the actors import it too). So the choice is made here, before any test
+imports ``low_precision`` first (the actors import it too). So the choice is made here, before any test
 module is imported, once for the whole session.
 """
 

@@ -22,7 +22,7 @@ def sections() -> dict[str, str]:
 def test_every_section_the_code_cites_exists() -> None:
     titles = set(sections())
     cited = {}
-    for package in ("runtime", "actors", "ops", "model", "kernels", "sandbox", "tests"):
+    for package in ("runtime", "actors", "ops", "model", "low_precision", "sandbox", "tests"):
         for path in (REPO / package).rglob("*.py"):
             for match in CITATION.finditer(path.read_text(encoding="utf-8")):
                 for name in re.findall(r"\"([^\"]+)\"", match.group(1)):

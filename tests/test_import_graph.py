@@ -5,9 +5,9 @@
   two modules that need each other. ``if TYPE_CHECKING:`` blocks never run and are not counted. Importing
   ``a.b.c`` runs the packages ``a`` and ``a.b`` first, but a package importing its own submodules is no
   circle, so only what an import names is an edge.
-- ``runtime`` imports nothing of ``actors``, ``ops``, ``model``, ``kernels`` or ``sandbox``: it is a
+- ``runtime`` imports nothing of ``actors``, ``ops``, ``model``, ``low_precision`` or ``sandbox``: it is a
   runtime for any application, which names its actors in the run file.
-- ``model``, ``kernels`` and ``sandbox`` import nothing of ``actors``, ``ops`` or ``runtime``; ``ops``
+- ``model``, ``low_precision`` and ``sandbox`` import nothing of ``actors``, ``ops`` or ``runtime``; ``ops``
   (operator commands) imports nothing of ``actors``.
 - Only ``runtime/bus.py`` imports nats-py, and nothing reaches past a ``Bus`` to its client (``bus.nc``,
   ``bus.js``). ``PENDING_NATS`` lists the files still being moved behind the Bus API, each with its
@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("runtime", "actors", "ops", "model", "kernels", "sandbox")
+PACKAGES = ("runtime", "actors", "ops", "model", "low_precision", "sandbox")
 FORBIDDEN = {  # package -> the packages it must not import
-    "runtime": {"actors", "ops", "model", "kernels", "sandbox"},
+    "runtime": {"actors", "ops", "model", "low_precision", "sandbox"},
     "model": {"actors", "ops", "runtime"},
-    "kernels": {"actors", "ops", "runtime"},
+    "low_precision": {"actors", "ops", "runtime"},
     "sandbox": {"actors", "ops", "runtime"},
     "ops": {"actors"},
 }

@@ -1,4 +1,4 @@
-"""Switch the ``kernels.*_triton`` modules between compiled and interpreted Triton in a test session.
+"""Switch the ``low_precision.*_triton`` modules between compiled and interpreted Triton in a test session.
 
 ``triton.jit`` decides between compiling and interpreting (TRITON_INTERPRET=1) when a kernel is
 *defined*, so switching means setting the variable and reloading the modules that define kernels, in
@@ -14,17 +14,17 @@ import os
 import sys
 
 TRITON_MODULES = (
-    "kernels._triton_formats",
-    "kernels.mxfp8_triton",
-    "kernels.nvfp4_triton",
-    "kernels.grouped_gemm_triton",
-    "kernels._backends",
+    "low_precision._triton_formats",
+    "low_precision.mxfp8_triton",
+    "low_precision.nvfp4_triton",
+    "low_precision.grouped_gemm_triton",
+    "low_precision._backends",
 )
 
 
 def kernels_interpreted() -> bool:
     """Whether the kernel modules, as imported now, run under the interpreter."""
-    from kernels._backends import triton_interpreted
+    from low_precision._backends import triton_interpreted
 
     return triton_interpreted()
 
@@ -35,7 +35,7 @@ def use_triton_mode(*, interpret: bool) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
-    if "kernels._backends" in sys.modules and kernels_interpreted() == interpret:
+    if "low_precision._backends" in sys.modules and kernels_interpreted() == interpret:
         return
     for name in TRITON_MODULES:
         if name in sys.modules:

@@ -10,7 +10,7 @@ from pathlib import Path
 import structlog
 
 from actors.config import PolicySection
-from kernels.experts import ExpertsPrecision, make_experts_fn
+from low_precision.experts import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
 from model.device import resolve_device
 from model.transformer import MoETransformer

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-if not __package__:  # run as a script: this file's folder would shadow the `kernels` package
+if not __package__:  # run as a script: this file's folder would shadow the `low_precision` package
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 
@@ -90,9 +90,9 @@ def _bf16_wgrad(dy, x, offsets_E1):
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from kernels import _backends
-    from kernels.formats import ScaleMode
-    from kernels.mxfp8 import padded_group_layout
+    from low_precision import _backends
+    from low_precision.formats import ScaleMode
+    from low_precision.mxfp8 import padded_group_layout
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
         "bf16_wgrad": _time_ms(_bf16_wgrad(dy, x, offsets)),
         "mxfp8_wgrad": mxfp8_wgrad[0],
     }
-    from kernels.grouped_gemm_triton import _nvfp4_unscaled
+    from low_precision.grouped_gemm_triton import _nvfp4_unscaled
 
     quant = {
         # inside nvfp4_fwd: Hopper has no FP4 MMA, so both operands are first expanded to bf16

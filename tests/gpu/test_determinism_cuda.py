@@ -2,7 +2,7 @@
 
 CUDA's index_add_ combines a token's K expert results with float atomics, in whatever order threads
 arrive: different low bits from run to run for K >= 3. With deterministic algorithms on, the experts
-combine by a sorted segment sum (kernels.routing.combine_rows). Skipped without CUDA.
+combine by a sorted segment sum (low_precision.routing.combine_rows). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import ExpertsPrecision, make_experts_fn
-from kernels.routing import combine_rows, route
+from low_precision import ExpertsPrecision, make_experts_fn
+from low_precision.routing import combine_rows, route
 from tests.triton_mode import kernels_interpreted, use_triton_mode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,6 +1,6 @@
 """The Triton kernels compiled for a real GPU against the torch reference computed on the CPU.
 
-The same kernels run under the interpreter in tests/kernels (every CI run); here they are compiled for
+The same kernels run under the interpreter in tests/low_precision (every CI run); here they are compiled for
 the GPU, where code generation (FMA contraction, hardware min/max, bf16 MMA) could change results the
 interpreter cannot show. Skipped without CUDA. On a GPU machine: ``python -m pytest tests/gpu``.
 """
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import ExpertsPrecision, experts_forward_reference, make_experts_fn, mxfp8, nvfp4
-from kernels.formats import ScaleMode
-from tests.kernels._helpers import all_bf16_values, edge_values, grouped_reference, mixed_values, sqnr_db
+from low_precision import ExpertsPrecision, experts_forward_reference, make_experts_fn, mxfp8, nvfp4
+from low_precision.formats import ScaleMode
+from tests.low_precision._helpers import all_bf16_values, edge_values, grouped_reference, mixed_values, sqnr_db
 from tests.triton_mode import kernels_interpreted, use_triton_mode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,7 +31,7 @@ def compiled_kernels() -> Iterator[None]:
 
 
 def _backend():
-    from kernels import _backends  # after the fixture: the compiled backend
+    from low_precision import _backends  # after the fixture: the compiled backend
 
     return _backends.TRITON
 
@@ -44,7 +44,7 @@ def _same(reference, ours) -> None:
     for field in ("codes", "scales", "packed", "block_scales", "global_amax"):
         if hasattr(reference, field):
             ref, got = getattr(reference, field), getattr(ours, field).cpu()
-            if ref.is_floating_point():  # global_amax: NaN for a row holding a NaN or an inf (kernels.nvfp4)
+            if ref.is_floating_point():  # global_amax: NaN for a row holding a NaN or an inf (low_precision.nvfp4)
                 assert torch.equal(ref.isnan(), got.isnan()), f"{field}: NaN patterns differ"
                 ref, got = ref[~ref.isnan()], got[~got.isnan()]
             assert torch.equal(ref, got), f"{field}: {int((ref != got).sum())} of {ref.numel()} differ"
@@ -132,7 +132,7 @@ def _grouped_problem(seed: int):
 
 
 def test_grouped_gemms_meet_the_floors_and_agree_with_the_emulation() -> None:
-    from kernels import grouped_gemm
+    from low_precision import grouped_gemm
 
     b, mode = _backend(), ScaleMode.RCEIL
     x, w, dout, offsets = _grouped_problem(0)

@@ -20,7 +20,7 @@ from actors.records import GroupRecord, GroupSample, RewardBreakdown, decode_rec
 from actors.training.learner import Learner
 from actors.training.lr_schedule import LRSchedule
 from actors.training.step_guard import NonFiniteWeights
-from kernels import ExpertsPrecision, make_experts_fn
+from low_precision import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
 from model.loss import advantages_dr_grpo
 from model.packing import pack_sequences

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import (
+from low_precision import (
     ExpertIndexError,
     ExpertsPrecision,
     KernelDTypeError,
@@ -16,7 +16,7 @@ from kernels import (
     experts_forward_reference,
     make_experts_fn,
 )
-from tests.kernels._helpers import sqnr_db
+from tests.low_precision._helpers import sqnr_db
 
 
 @dataclass(frozen=True)

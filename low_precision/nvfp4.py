@@ -16,7 +16,7 @@ Weights use one scale per expert (``nvfp4_quantize_experts``): the "row" is the 
 
 Non-finite values (this project's rule; E2M1 has no NaN or inf and TransformerEngine leaves the case
 undefined): a row (token, or expert) holding a NaN or +-inf anywhere quantizes to NaN as a whole, like
-an MX block holding one (OCP MX v1.0, kernels.mxfp8): every block scale is the E4M3 NaN 0x7F, every
+an MX block holding one (OCP MX v1.0, low_precision.mxfp8): every block scale is the E4M3 NaN 0x7F, every
 code 0, and ``global_amax`` is NaN. It dequantizes to all NaN, and a GEMM's output for that token (or
 for every token routed to that expert) is NaN, where the unquantized product is inf or NaN too. Without
 the rule an inf became the finite 2688 (S_enc = 2688 / inf = 0, replaced by 1) and the row's other
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import check_dtype, check_multiple, check_rank
-from kernels.formats import E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, pack_e2m1, unpack_e2m1
+from low_precision._checks import check_dtype, check_multiple, check_rank
+from low_precision.formats import E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3, pack_e2m1, unpack_e2m1
 
 __all__ = [
     "NVFP4_BLOCK",

@@ -1,6 +1,6 @@
 """Kernel tests run the Triton kernels on CPU through the Triton interpreter (tests/gpu runs them compiled).
 
-Set here for this directory, before its test modules import ``kernels``; see tests/triton_mode.py.
+Set here for this directory, before its test modules import ``low_precision``; see tests/triton_mode.py.
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.errors import KernelDTypeError, KernelShapeError
-from kernels.nvfp4 import (
+from low_precision.errors import KernelDTypeError, KernelShapeError
+from low_precision.nvfp4 import (
     NVFP4Tensor,
     nvfp4_dequantize,
     nvfp4_quantize,
     nvfp4_quantize_experts,
 )
-from tests.kernels._helpers import sqnr_db
+from tests.low_precision._helpers import sqnr_db
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
@@ -149,7 +149,7 @@ def _same_nan_pattern(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("poison", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_row_with_a_nan_or_an_infinity_quantizes_to_nan(poison: float, dtype: torch.dtype) -> None:
-    # The rule (kernels.nvfp4): the whole row NaN. Before it, +inf became the finite 2688 and the rest
+    # The rule (low_precision.nvfp4): the whole row NaN. Before it, +inf became the finite 2688 and the rest
     # of the row 0.
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(12))
     x[2, 17] = poison

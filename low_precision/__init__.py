@@ -4,7 +4,7 @@ The torch modules (``formats``, ``mxfp8``, ``nvfp4``, ``grouped_gemm``) define t
 ``*_triton`` modules hold Triton kernels that match them byte for byte on quantized data.
 """
 
-from kernels.errors import (
+from low_precision.errors import (
     ExpertIndexError,
     KernelDeviceError,
     KernelDTypeError,
@@ -12,7 +12,7 @@ from kernels.errors import (
     KernelShapeError,
     KernelStrideError,
 )
-from kernels.experts import (
+from low_precision.experts import (
     ExpertsFn,
     ExpertsPrecision,
     experts_forward_emulated,
@@ -20,7 +20,7 @@ from kernels.experts import (
     experts_forward_triton,
     make_experts_fn,
 )
-from kernels.formats import ScaleMode
+from low_precision.formats import ScaleMode
 
 __all__ = [
     "ExpertIndexError",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.formats import (
+from low_precision.formats import (
     decode_e2m1,
     decode_e4m3,
     e8m0_floor,
@@ -15,7 +15,7 @@ from kernels.formats import (
     pack_e2m1,
     unpack_e2m1,
 )
-from tests.kernels._helpers import all_bf16_values
+from tests.low_precision._helpers import all_bf16_values
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 

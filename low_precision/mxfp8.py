@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import check_dtype, check_multiple, check_rank
-from kernels.errors import KernelShapeError
-from kernels.formats import (
+from low_precision._checks import check_dtype, check_multiple, check_rank
+from low_precision.errors import KernelShapeError
+from low_precision.formats import (
     E4M3_MAX,
     ScaleMode,
     decode_e4m3,

@@ -11,18 +11,18 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels import grouped_gemm, grouped_gemm_triton, mxfp8, mxfp8_triton, nvfp4, nvfp4_triton
-from kernels.errors import KernelDeviceError
-from kernels.formats import ScaleMode
-from kernels.mxfp8 import MXTensor, PaddedGroups
-from kernels.nvfp4 import NVFP4Tensor
+from low_precision import grouped_gemm, grouped_gemm_triton, mxfp8, mxfp8_triton, nvfp4, nvfp4_triton
+from low_precision.errors import KernelDeviceError
+from low_precision.formats import ScaleMode
+from low_precision.mxfp8 import MXTensor, PaddedGroups
+from low_precision.nvfp4 import NVFP4Tensor
 
 __all__ = ["EMULATED", "TRITON", "QuantBackend", "take_rows", "triton_interpreted"]
 
 
 @dataclass(frozen=True)
 class QuantBackend:
-    """Quantizers and grouped GEMMs of one implementation (see :mod:`kernels.experts`)."""
+    """Quantizers and grouped GEMMs of one implementation (see :mod:`low_precision.experts`)."""
 
     name: str
     nvfp4_rows: Callable[[torch.Tensor], NVFP4Tensor]

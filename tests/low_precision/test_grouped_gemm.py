@@ -7,13 +7,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import _backends
-from kernels.errors import KernelDTypeError, KernelShapeError, KernelStrideError
-from kernels.grouped_gemm import mxfp8_grouped_mm, mxfp8_grouped_wgrad, nvfp4_grouped_mm
-from kernels.grouped_gemm_triton import triton_mxfp8_grouped_mm, triton_mxfp8_grouped_wgrad, triton_nvfp4_grouped_mm
-from kernels.mxfp8 import MXTensor, mxfp8_dequantize, mxfp8_quantize, mxfp8_quantize_experts, padded_group_layout
-from kernels.nvfp4 import nvfp4_quantize, nvfp4_quantize_experts
-from tests.kernels._helpers import grouped_reference, sqnr_db
+from low_precision import _backends
+from low_precision.errors import KernelDTypeError, KernelShapeError, KernelStrideError
+from low_precision.grouped_gemm import mxfp8_grouped_mm, mxfp8_grouped_wgrad, nvfp4_grouped_mm
+from low_precision.grouped_gemm_triton import (
+    triton_mxfp8_grouped_mm,
+    triton_mxfp8_grouped_wgrad,
+    triton_nvfp4_grouped_mm,
+)
+from low_precision.mxfp8 import MXTensor, mxfp8_dequantize, mxfp8_quantize, mxfp8_quantize_experts, padded_group_layout
+from low_precision.nvfp4 import nvfp4_quantize, nvfp4_quantize_experts
+from tests.low_precision._helpers import grouped_reference, sqnr_db
 
 BACKENDS = {"emulated": _backends.EMULATED, "triton": _backends.TRITON}
 

@@ -4,7 +4,7 @@
     y[t] = sum_k weight[t, k] * W_down[e] (silu(W_gate[e] x[t]) * W_up[e] x[t]),  e = topk_ids[t, k]
 
 Legend: T tokens, D hidden, F expert intermediate, E experts, K top-k, M = T*K routed pairs (sorted by
-expert, see :mod:`kernels.routing`).
+expert, see :mod:`low_precision.routing`).
 
 - REFERENCE: plain torch in the activations' dtype (bf16 or fp32); autograd does the backward.
 - EMULATED / TRITON: :class:`QuantizedExperts`, a custom autograd op. Forward: activations in NVFP4
@@ -15,7 +15,7 @@ expert, see :mod:`kernels.routing`).
   (CUDA, or CPU under TRITON_INTERPRET=1). Master weights stay bf16/fp32; gradients come back in the
   dtype of each input.
 
-Every path combines the K expert results of a token with :func:`kernels.routing.combine_rows`: a sorted
+Every path combines the K expert results of a token with :func:`low_precision.routing.combine_rows`: a sorted
 segment sum, bit-identical run to run, when ``torch.use_deterministic_algorithms(True)`` is on.
 """
 
@@ -29,12 +29,12 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kernels import _backends
-from kernels._backends import QuantBackend, take_rows
-from kernels._checks import check_dtype, check_multiple, check_rank, check_size
-from kernels.formats import ScaleMode
-from kernels.mxfp8 import padded_group_layout
-from kernels.routing import Routing, combine_rows, route
+from low_precision import _backends
+from low_precision._backends import QuantBackend, take_rows
+from low_precision._checks import check_dtype, check_multiple, check_rank, check_size
+from low_precision.formats import ScaleMode
+from low_precision.mxfp8 import padded_group_layout
+from low_precision.routing import Routing, combine_rows, route
 
 __all__ = [
     "ExpertsFn",

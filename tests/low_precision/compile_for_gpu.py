@@ -1,11 +1,11 @@
-"""Compile every Triton kernel of kernels/ for a GPU architecture, on a machine without one.
+"""Compile every Triton kernel of low_precision/ for a GPU architecture, on a machine without one.
 
 The interpreter (what CI runs) accepts code that the compiler rejects (an early return in a
-``constexpr`` branch, a NaN global), so tests/kernels/test_compile_for_gpu.py runs this in a fresh
+``constexpr`` branch, a NaN global), so tests/low_precision/test_compile_for_gpu.py runs this in a fresh
 process with TRITON_INTERPRET unset. Each kernel is compiled for every specialization its launcher
 makes (dtypes, scale modes, GPU paths); the block sizes are the launchers' defaults.
 
-    python -m tests.kernels.compile_for_gpu [--arch 90]
+    python -m tests.low_precision.compile_for_gpu [--arch 90]
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ TILE_MAP = {"tile_expert_ptr": I32, "tile_start_ptr": I32, "tile_end_ptr": I32}
 
 def _variants():
     """(kernel, pointer types by argument, constexprs): every specialization the launchers use."""
-    from kernels import grouped_gemm_triton as gg
-    from kernels import mxfp8_triton as mx
-    from kernels import nvfp4_triton as nv
+    from low_precision import grouped_gemm_triton as gg
+    from low_precision import mxfp8_triton as mx
+    from low_precision import nvfp4_triton as nv
 
     for is_bf16 in (True, False):
         x = I16 if is_bf16 else F32  # bf16 inputs travel as their int16 bits (as_loadable)

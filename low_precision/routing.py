@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._checks import check_dtype, check_rank
-from kernels.errors import ExpertIndexError
+from low_precision._checks import check_dtype, check_rank
+from low_precision.errors import ExpertIndexError
 
 __all__ = ["Routing", "combine_rows", "route"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import mxfp8, mxfp8_triton, nvfp4, nvfp4_triton
-from kernels.errors import KernelDTypeError, KernelShapeError, KernelStrideError
-from kernels.formats import ScaleMode
-from tests.kernels._helpers import all_bf16_values, edge_values, mixed_values
+from low_precision import mxfp8, mxfp8_triton, nvfp4, nvfp4_triton
+from low_precision.errors import KernelDTypeError, KernelShapeError, KernelStrideError
+from low_precision.formats import ScaleMode
+from tests.low_precision._helpers import all_bf16_values, edge_values, mixed_values
 
 
 def _assert_mx_equal(a: mxfp8.MXTensor, b: mxfp8.MXTensor) -> None:

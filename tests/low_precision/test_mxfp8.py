@@ -8,16 +8,16 @@ import pytest
 import torch
 from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
 
-from kernels.errors import KernelDTypeError, KernelShapeError
-from kernels.formats import ScaleMode, decode_e4m3, encode_e4m3
-from kernels.mxfp8 import (
+from low_precision.errors import KernelDTypeError, KernelShapeError
+from low_precision.formats import ScaleMode, decode_e4m3, encode_e4m3
+from low_precision.mxfp8 import (
     MXTensor,
     mxfp8_dequantize,
     mxfp8_quantize,
     mxfp8_quantize_grouped_cols,
     padded_group_layout,
 )
-from tests.kernels._helpers import all_bf16_values, edge_values, sqnr_db
+from tests.low_precision._helpers import all_bf16_values, edge_values, sqnr_db
 
 TORCHAO_MODE = {ScaleMode.FLOOR: ScaleCalculationMode.FLOOR, ScaleMode.RCEIL: ScaleCalculationMode.RCEIL}
 

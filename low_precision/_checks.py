@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kernels.errors import KernelDTypeError, KernelShapeError, KernelStrideError
+from low_precision.errors import KernelDTypeError, KernelShapeError, KernelStrideError
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.compile_for_gpu", "--arch", "90"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
+    done = subprocess.run([sys.executable, "-m", "tests.low_precision.compile_for_gpu", "--arch", "90"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert {r["kernel"] for r in rows} == {

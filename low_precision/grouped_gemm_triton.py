@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from low_precision._checks import (
     check_contiguous,
     check_dtype,
     check_multiple,
@@ -32,10 +32,10 @@ from kernels._checks import (
     check_same_device,
     check_size,
 )
-from kernels._triton_formats import decode_e2m1, decode_e4m3, mx_dequant_multiplier
-from kernels.errors import KernelShapeError
-from kernels.mxfp8 import MX_BLOCK, MXTensor
-from kernels.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
+from low_precision._triton_formats import decode_e2m1, decode_e4m3, mx_dequant_multiplier
+from low_precision.errors import KernelShapeError
+from low_precision.mxfp8 import MX_BLOCK, MXTensor
+from low_precision.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
 
 __all__ = ["triton_mxfp8_grouped_mm", "triton_mxfp8_grouped_wgrad", "triton_nvfp4_grouped_mm"]
 

@@ -1,6 +1,6 @@
 """Triton MXFP8 quantizers (rows, and grouped columns), each beside its launcher.
 
-They produce the same bytes as :mod:`kernels.mxfp8` (the torch reference); tests check this under
+They produce the same bytes as :mod:`low_precision.mxfp8` (the torch reference); tests check this under
 ``TRITON_INTERPRET=1``.
 """
 
@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_contiguous, check_dtype, check_multiple, check_rank
-from kernels._triton_formats import as_loadable, e8m0_scale, load_f32, mx_encode, nan_aware_amax
-from kernels.formats import ScaleMode
-from kernels.mxfp8 import MX_BLOCK, MXTensor, PaddedGroups
+from low_precision._checks import check_contiguous, check_dtype, check_multiple, check_rank
+from low_precision._triton_formats import as_loadable, e8m0_scale, load_f32, mx_encode, nan_aware_amax
+from low_precision.formats import ScaleMode
+from low_precision.mxfp8 import MX_BLOCK, MXTensor, PaddedGroups
 
 __all__ = ["triton_mxfp8_quantize_experts", "triton_mxfp8_quantize_grouped_cols", "triton_mxfp8_quantize_rows"]
 
@@ -101,7 +101,7 @@ def triton_mxfp8_quantize_grouped_cols(
 ) -> MXTensor:
     """MXFP8 along dim 0 in per-group blocks of 32 (the padded layout of :func:`padded_group_layout`).
 
-    Returns codes (P, N) and scales (P/32, N) like :func:`kernels.mxfp8.mxfp8_quantize_grouped_cols`.
+    Returns codes (P, N) and scales (P/32, N) like :func:`low_precision.mxfp8.mxfp8_quantize_grouped_cols`.
     """
     check_dtype("x_MN", x_MN, (torch.bfloat16, torch.float32))
     check_rank("x_MN", x_MN, 2, "tokens x features")

@@ -1,6 +1,6 @@
 """Triton device functions for the low-precision formats, written with integer bit operations.
 
-They mirror :mod:`kernels.formats` and :mod:`kernels.mxfp8` operation for operation. No float8 casts
+They mirror :mod:`low_precision.formats` and :mod:`low_precision.mxfp8` operation for operation. No float8 casts
 (the interpreter's are wrong, triton#8322) and no division operator: quotients use ``tl.div_rn``.
 """
 

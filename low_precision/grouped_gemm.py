@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import check_dtype, check_offsets, check_rank, check_size
-from kernels.errors import KernelShapeError
-from kernels.mxfp8 import MXTensor, mxfp8_dequantize
-from kernels.nvfp4 import NVFP4_GLOBAL, NVFP4Tensor, nvfp4_unscaled_values
+from low_precision._checks import check_dtype, check_offsets, check_rank, check_size
+from low_precision.errors import KernelShapeError
+from low_precision.mxfp8 import MXTensor, mxfp8_dequantize
+from low_precision.nvfp4 import NVFP4_GLOBAL, NVFP4Tensor, nvfp4_unscaled_values
 
 __all__ = ["expert_of_rows", "mxfp8_grouped_mm", "mxfp8_grouped_wgrad", "nvfp4_grouped_mm"]
 

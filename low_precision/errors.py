@@ -17,7 +17,7 @@ __all__ = [
 
 
 class KernelError(Exception):
-    """Base class of every error raised by ``kernels``."""
+    """Base class of every error raised by ``low_precision``."""
 
 
 class KernelShapeError(KernelError, ValueError):

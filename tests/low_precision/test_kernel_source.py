@@ -14,7 +14,7 @@ import tokenize
 
 import pytest
 
-from kernels import _triton_formats, grouped_gemm_triton, nvfp4_triton
+from low_precision import _triton_formats, grouped_gemm_triton, nvfp4_triton
 
 BANNED_NAMES = {"fdiv", "fast_dividef", "fast_expf", "fast_logf", "inline_asm_elementwise", "rsqrt"}
 BANNED_TEXT = ("approx", "div.full", "ftz")

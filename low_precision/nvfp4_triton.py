@@ -1,6 +1,6 @@
 """Triton NVFP4 quantizers (per-token rows, per-expert weights), each kernel beside its launcher.
 
-Byte-identical to :mod:`kernels.nvfp4`, its rule for non-finite rows included (a NaN or inf anywhere in
+Byte-identical to :mod:`low_precision.nvfp4`, its rule for non-finite rows included (a NaN or inf anywhere in
 a row or expert makes it all NaN: scales 0x7F, codes 0, global amax NaN). Hardware max drops NaN, so the
 amax kernels carry a NaN flag of their own. Every quotient is ``tl.div_rn`` (IEEE round-to-nearest);
 the source of these kernels holds no division operator and no approximate math, which a test enforces.
@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_contiguous, check_dtype, check_multiple, check_rank
-from kernels._triton_formats import INF, as_loadable, decode_e4m3, encode_e2m1, encode_e4m3, load_f32, quiet_nan
-from kernels.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
+from low_precision._checks import check_contiguous, check_dtype, check_multiple, check_rank
+from low_precision._triton_formats import INF, as_loadable, decode_e4m3, encode_e2m1, encode_e4m3, load_f32, quiet_nan
+from low_precision.nvfp4 import NVFP4_BLOCK, NVFP4Tensor
 
 __all__ = ["triton_nvfp4_quantize", "triton_nvfp4_quantize_experts"]
 

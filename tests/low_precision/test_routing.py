@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import ExpertsPrecision, make_experts_fn
-from kernels.routing import combine_rows, route
+from low_precision import ExpertsPrecision, make_experts_fn
+from low_precision.routing import combine_rows, route
 
 
 @pytest.fixture
