@@ -11,10 +11,15 @@ quotas are its own. Inside, every environment looks the same: bwrap maps the con
 disk) through idmapped views that show them as the environment's (one user namespace per uid,
 kept with the uid for its next environment: making one forks a placeholder process).
 
-Several stores (processes) on one host share the range: a uid is taken by locking its byte of
-``<root_dir>/env-uids.lock`` (an open-file-description lock: the kernel drops it when the store's
-process ends, however it ends), and a store keeps the locks of every uid it has handed out until
-it closes, so no two stores ever run environments as the same uid.
+Every store (process) on one host shares the range, whatever its ``root_dir`` (actor kinds and runs
+each use their own): the kernel's quotas are per host uid. So the claims are one file per host,
+``SandboxConfig.env_uid_claims`` (``/run/asyncrl-sandbox/env-uids.lock``): a uid is taken by locking
+its byte (an open-file-description lock: the kernel drops it when the store's process ends, however
+it ends, kill -9 included), and a store keeps the locks of every uid it has handed out until it
+closes, so no two stores ever run environments as the same uid. The file and its directory must be
+this user's and closed to others (made 0700/0600, opened without following links): anyone who can
+open the file can lock bytes of it, and anyone who can swap it splits the stores' claims. Another
+user's file there is refused, not worked around: a second record would hand out the same uids.
 
 Recycling: an environment's ids come back only once it is closed and all its processes are known
 gone (each command's pid namespace emptied: its init exited, which the kernel allows only after
@@ -29,10 +34,12 @@ snapshots and imports are written as root's.
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import grp
 import os
 import pwd
+import stat
 import struct
 import threading
 import time
@@ -45,7 +52,7 @@ from sandbox._idmap import IdmappedViews
 from sandbox.config import SandboxConfig
 from sandbox.errors import SandboxUnavailable
 
-__all__ = ["EnvIds", "IdPool", "check_range_is_free"]
+__all__ = ["EnvIds", "IdPool", "check_range_is_free", "open_claims"]
 
 log = structlog.get_logger(__name__)
 
@@ -94,26 +101,87 @@ def check_range_is_free(config: SandboxConfig) -> None:
         )
 
 
+def _refuse(path: str, why: str) -> SandboxUnavailable:
+    log.error("sandbox_uid_claims_refused", path=path, reason=why)
+    return SandboxUnavailable(
+        f"the host's environment uid claims {path!r}: {why}; remove it if it is not this project's, or set "
+        "SandboxConfig.env_uid_claims to a path only this user can reach, the same for every store of the host"
+    )
+
+
+def _check_private(path: str, fd: int, kind: str, mode_mask: int) -> None:
+    st = os.fstat(fd)
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        raise _refuse(path, f"the {kind} belongs to uid {st.st_uid}, not this process's {euid} (another user's "
+                            "claims: stores of two users would hand out the same uids; run every store as one user)")
+    if st.st_mode & mode_mask:
+        raise _refuse(path, f"the {kind} has mode {stat.S_IMODE(st.st_mode):o}: other users could reach it")
+
+
+def open_claims(path: str) -> int:
+    """Open (creating it, and its directory, if missing) the host's uid claim file; returns its fd.
+
+    The directory is made 0700 and the file 0600; neither is followed if it is a link, and both must
+    be this process's user's and closed to other users, so that no one else can lock a uid's byte or
+    put their own file in its place.
+
+    Raises:
+        SandboxUnavailable: the path is a link, not a directory / regular file, another user's or open
+            to others, or cannot be made.
+    """
+    directory, name = os.path.split(path)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise _refuse(path, f"cannot make its directory ({e.strerror})") from e
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _refuse(path, f"its directory {directory!r} is a symbolic link or not a directory") from e
+        raise _refuse(path, f"cannot open its directory ({e.strerror})") from e
+    try:
+        _check_private(path, dir_fd, "directory", 0o022)
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _refuse(path, "it is a symbolic link") from e
+            raise _refuse(path, f"cannot open it ({e.strerror})") from e
+    finally:
+        os.close(dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _refuse(path, "it is not a regular file")
+        _check_private(path, fd, "file", 0o077)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class IdPool:
     """Hands each environment its own ids from the configured range (see the module's text)."""
 
     def __init__(self, config: SandboxConfig) -> None:
         self._base, self._count = config.env_uid_base, config.env_uid_count
         self._quarantine_s = config.env_uid_quarantine_s
-        self._next = 0  # offsets below it have been handed out at least once
+        self._next = 0  # offsets below it have been tried: claimed here, or skipped (see _skipped)
         self._views: dict[int, IdmappedViews] = {}  # per uid, kept for its reuse
         self._resting: collections.deque[tuple[float, int]] = collections.deque()  # (freed at, uid), oldest first
         self._pending: list[tuple[int, Callable[[], bool]]] = []  # closed, processes not yet known gone
         self._in_use: set[int] = set()
+        self._skipped: list[int] = []  # other stores held them when tried (they may have died since)
         self._retired: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self._lock_fd = os.open(
-            os.path.join(config.root_dir, "env-uids.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
+        self._lock_fd = open_claims(config.env_uid_claims)
 
     def _claim(self, uid: int) -> bool:
-        """Lock ``uid``'s byte of the host-wide lock file; False if another store holds it."""
+        """Lock ``uid``'s byte of the host's claim file; False if another store holds it."""
         flock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, uid, 1, 0)  # struct flock, l_pid 0
         try:
             fcntl.fcntl(self._lock_fd, fcntl.F_OFD_SETLK, flock)
@@ -146,14 +214,24 @@ class IdPool:
         return EnvIds(uid, uid, views)
 
     def _pick(self) -> int:
-        now = time.monotonic()
-        if self._resting and now - self._resting[0][0] >= self._quarantine_s:
-            return self._resting.popleft()[1]
-        while self._next < self._count:
-            uid = self._base + self._next
-            self._next += 1
-            if self._claim(uid):
-                return uid
+        retry: list[int] | None = None
+        while True:
+            now = time.monotonic()
+            if self._resting and now - self._resting[0][0] >= self._quarantine_s:
+                return self._resting.popleft()[1]
+            if self._next < self._count:
+                uid = self._base + self._next
+                self._next += 1
+            else:  # the range is used up here: try again, once per acquire, what other stores held then
+                if retry is None:
+                    retry, self._skipped = self._skipped, []
+                if not retry:
+                    break
+                uid = retry.pop()
+            if not self._claim(uid):
+                self._skipped.append(uid)
+                continue
+            return uid
         if self._resting:  # the range is too small for this churn: reuse early rather than fail
             freed_at, uid = self._resting.popleft()
             log.warning("sandbox_uid_reused_early", uid=uid, rested_s=round(now - freed_at, 3))
@@ -199,3 +277,4 @@ class IdPool:
         for v in views:
             v.close()
         os.close(self._lock_fd)  # every uid's lock with it
+

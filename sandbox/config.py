@@ -108,6 +108,10 @@ class SandboxConfig:
             ``env_uid_count=0`` runs every environment as ``sandbox_uid`` (shared quotas).
         env_uid_quarantine_s: how long a closed environment's ids rest before another one gets
             them (the kernel frees some per-uid charges in deferred work after the processes).
+        env_uid_claims: the file recording which of those uids are taken, one per host (the
+            kernel's per-uid quotas are the host's, whatever ``root_dir`` a store uses); it and its
+            directory must be this process's user's and reachable by no other (`sandbox._ids`).
+            Every store whose range may overlap another's must name the same file.
         bwrap_path: the bubblewrap binary; ``None`` looks it up on PATH.
         shell: the shell (inside the sandbox) that runs command strings.
         workspace_dir: where the workspace appears inside the sandbox.
@@ -122,6 +126,7 @@ class SandboxConfig:
     env_uid_base: int = 0x70000000
     env_uid_count: int = 65536
     env_uid_quarantine_s: float = 2.0
+    env_uid_claims: str = "/run/asyncrl-sandbox/env-uids.lock"
     bwrap_path: str | None = None
     shell: str = "/bin/bash"
     workspace_dir: str = "/workspace"
@@ -152,6 +157,11 @@ class SandboxConfig:
                 f"SandboxConfig.env_uid_base={self.env_uid_base} with env_uid_count={self.env_uid_count} must lie "
                 "in [65536, 2**31): above the ids of real users and groups, below those tools read as negative; "
                 "the default 0x70000000 is free on a systemd host"
+            )
+        if not os.path.isabs(self.env_uid_claims) or os.path.basename(self.env_uid_claims) in ("", ".", ".."):
+            raise ValueError(
+                f"SandboxConfig.env_uid_claims={self.env_uid_claims!r} must be an absolute path to a file, "
+                "the same for every store of the host"
             )
         if not self.workspace_dir.startswith("/") or self.workspace_dir in ("/", "/tmp", "/usr", "/etc"):
             raise ValueError(

@@ -124,7 +124,13 @@ class LayerStore:
         # (no idmapped views) can be edited by that uid only, so then all share it
         self.ids: IdPool | None = None
         if self._views is not None and self.config.env_uid_count:
-            self.ids = IdPool(self.config)
+            try:
+                self.ids = IdPool(self.config)
+            except BaseException:  # the host's uid claims refused: leave nothing of this store behind
+                self._views.close()
+                _mount.umount_tree(self.dir)
+                discard_tree(self.dir)
+                raise
         elif self.config.env_uid_count:
             log.warning(
                 "sandbox_env_uids_shared",
