@@ -26,7 +26,9 @@ log = structlog.get_logger(__name__)
 __all__ = ["SCRATCH_DIR", "open_sandbox_store", "scratch_root"]
 
 SCRATCH_DIR = Path("/var/tmp")
-UID_CLAIMS = "env-uids.lock"  # sandbox._ids: the stores' claims of host uids, one locked byte each
+# sandbox._ids's claims of host uids, one locked byte each, which stores kept in their root before
+# they moved to one file per host (SandboxConfig.env_uid_claims); a root made then may still hold it
+UID_CLAIMS = "env-uids.lock"
 
 
 def scratch_root(kind: str, run_dir: Path | str) -> Path:
@@ -53,11 +55,12 @@ def _remove_if_empty(root: Path) -> None:
 
 
 def _remove_uid_claims_if_unused(root: Path) -> None:
-    """Remove the stores' uid claim file (``sandbox._ids``: ``<root>/env-uids.lock``, which every store of
-    the root opens and none removes) when it is all the root holds and no store holds a claim in it.
+    """Remove the uid claim file stores of earlier versions kept in their root (``<root>/env-uids.lock``,
+    which none removed; stores now claim uids in one file per host) when it is all the root holds and no
+    store holds a claim in it, so a root made by them can still be removed.
 
-    A store makes its directory in the root before it opens the file, so with no store directory seen
-    while holding the whole file's lock, no live store has it open: the next one creates it again."""
+    Such a store made its directory in the root before it opened the file, so with no store directory
+    seen while holding the whole file's lock, no live store has it open."""
     lock = root / UID_CLAIMS
     if os.listdir(root) != [UID_CLAIMS]:
         return
