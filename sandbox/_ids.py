@@ -21,6 +21,12 @@ this user's and closed to others (made 0700/0600, opened without following links
 open the file can lock bytes of it, and anyone who can swap it splits the stores' claims. Another
 user's file there is refused, not worked around: a second record would hand out the same uids.
 
+Each byte's content says whether the uid ever ran an environment (1) or has rested since (0): a
+store that dies, or closes before its last environments' ids have rested, leaves 1s, and the store
+that claims such a uid next rests it ``env_uid_quarantine_s`` before handing it out, since nobody
+knows when it was freed. A store writes 0 for the uids it rested fully when it closes. (The file is
+sparse: its size is the highest uid, its disk a page per 4096 uids ever used.)
+
 Recycling: an environment's ids come back only once it is closed and all its processes are known
 gone (each command's pid namespace emptied: its init exited, which the kernel allows only after
 every other process in it is reaped, and its bwrap reaped); then they rest ``env_uid_quarantine_s``
@@ -231,6 +237,10 @@ class IdPool:
             if not self._claim(uid):
                 self._skipped.append(uid)
                 continue
+            if os.pread(self._lock_fd, 1, uid) == b"\1":  # left unrested by a store that died or closed
+                self._resting.append((now, uid))
+                continue
+            self._mark(uid, b"\1")  # before any environment runs as it
             return uid
         if self._resting:  # the range is too small for this churn: reuse early rather than fail
             freed_at, uid = self._resting.popleft()
@@ -274,7 +284,20 @@ class IdPool:
                 return
             self._closed = True
             views, self._views = list(self._views.values()), {}
+            self._collect_settled()
+            now = time.monotonic()
+            rested = [uid for freed_at, uid in self._resting if now - freed_at >= self._quarantine_s]
         for v in views:
             v.close()
+        for uid in rested:  # the next store may hand these out at once; the rest it rests first
+            self._mark(uid, b"\0")
         os.close(self._lock_fd)  # every uid's lock with it
 
+    def _mark(self, uid: int, value: bytes) -> None:
+        """Record in ``uid``'s byte whether it needs a rest before its next store hands it out. A
+        failed write (a full disk under the claims) costs only that rest, kept or skipped once, so
+        it is logged, not raised: the uid's lock, what keeps stores apart, is held either way."""
+        try:
+            os.pwrite(self._lock_fd, value, uid)
+        except OSError as e:
+            log.error("sandbox_uid_claim_mark_failed", uid=uid, needs_rest=value == b"\1", error=str(e))

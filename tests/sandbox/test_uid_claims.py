@@ -1,6 +1,6 @@
 """Environment uids are claimed host-wide (`sandbox._ids`): the kernel's per-uid quotas are the host's,
 so stores of different roots (actor kinds, runs) never hand out the same uid; a killed store's claims
-come back; and the one claim file per host refuses a path someone else planted."""
+come back, after their rest; and the one claim file per host refuses a path someone else planted."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from sandbox import Environment, LayerStore, SandboxConfig, SandboxUnavailable
 from sandbox._ids import IdPool
@@ -111,6 +112,34 @@ def test_a_killed_store_s_claim_comes_back(other_roots: Callable[[str], str]) ->
 def _private_claims(tmp_path: Path, **changes: float) -> SandboxConfig:
     """A range and claim file of this test's own, so that no earlier store's marks change what it sees."""
     return dataclasses.replace(TEST_CONFIG, env_uid_claims=str(tmp_path / "claims" / "env-uids.lock"), **changes)
+
+
+def test_a_dead_or_closed_store_s_unrested_uids_rest_before_reuse(tmp_path: Path) -> None:
+    config = _private_claims(tmp_path, env_uid_count=3, env_uid_quarantine_s=60.0)
+    holder, killed = _start_holder(config)
+    _kill(holder)
+    closed = IdPool(config)
+    try:
+        # the killed store's uid is free but rests (nobody knows since when): the next ones are handed out
+        assert (killed, closed.acquire().uid, closed.acquire().uid) == (ENV_UID_BASE, ENV_UID_BASE + 1,
+                                                                        ENV_UID_BASE + 2)  # fmt: skip
+    finally:
+        closed.close()  # neither released: both still need their rest
+    quick = IdPool(dataclasses.replace(config, env_uid_quarantine_s=0.0))
+    try:
+        again = quick.acquire()
+        assert again.uid == ENV_UID_BASE  # rested its 0 s here
+        quick.release(again, lambda: True)
+    finally:
+        quick.close()  # it rested fully: marked clean for the next store
+    nxt = IdPool(config)
+    try:
+        assert nxt.acquire().uid == ENV_UID_BASE  # clean: at once, although rests last 60 s here
+        with structlog.testing.capture_logs() as logs:  # the closed store's two rest: only reused early, and said so
+            assert nxt.acquire().uid == ENV_UID_BASE + 1
+        assert [e["event"] for e in logs] == ["sandbox_uid_reused_early"] and logs[0]["uid"] == ENV_UID_BASE + 1
+    finally:
+        nxt.close()
 
 
 def _refused(config: SandboxConfig, needle: str) -> None:
