@@ -9,11 +9,14 @@ module is imported, once for the whole session.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 pytest_plugins = ["tests.s3_fixtures"]
+INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -22,3 +25,11 @@ if not torch.cuda.is_available():
 # default 200 ms deadline (reported as a flaky failure), or generate data slowly enough to fail its health check.
 settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("suite")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under tests/integration runs the whole system (real processes, servers, clusters): mark it
+    ``system``, so ``scripts/test.sh --fast`` (``-m "not system"``) leaves it out without a list to keep."""
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.system)
