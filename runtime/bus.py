@@ -37,6 +37,7 @@ from nats.js.api import (
     DiscardPolicy,
     Header,
     KeyValueConfig,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -55,9 +56,10 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from runtime.backoff import doubling
-from runtime.bus_auth import BusCredentials, inbox_prefix
+from runtime.bus_auth import BusCredentials, inbox_prefix, kv_watch_subject
 from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 from runtime.gather import gather_or_cancel
+from runtime.kv_watch import Admission, KVEntry, WatchCursor, entry_of
 
 log = structlog.get_logger(__name__)
 
@@ -85,7 +87,7 @@ async def through_election(what: str, make: Callable[[], Awaitable[Any]], wait_s
         try:
             return await make()
         except (ServiceUnavailableError, NoStreamResponseError, BadRequestError, nats.errors.TimeoutError,
-                nats.errors.NoRespondersError) as e:
+                nats.errors.NoRespondersError, _BehindLeader) as e:
             transient = not isinstance(e, BadRequestError) or getattr(e, "err_code", None) in _NOT_PLACED_YET
             delay = election_backoff_s(attempt)
             if not transient or time.monotonic() + delay > deadline:
@@ -138,16 +140,6 @@ def work_queue(stage: str) -> Queue:
 
 
 DONE_QUEUE = Queue("done", ("done.>",))
-
-
-@dataclass(frozen=True)
-class KVEntry:
-    """One key's record in a KV bucket; ``deleted``: a delete or purge marker (a watch sees them)."""
-
-    key: str
-    value: bytes
-    revision: int
-    deleted: bool = False
 
 
 @dataclass(frozen=True)
@@ -326,6 +318,22 @@ class BusLimits:
             raise ValueError(f"replicas={self.replicas}: JetStream keeps 1 to 5 copies of a stream")
 
 
+_MAX_MULTI_LAST = 1024  # the most keys whose last records one direct get reads (nats-server's limit)
+
+
+class _TooManyKeys(Exception):  # a signal between two of Bucket's methods, never raised out of it
+    """More keys match than one direct get reads."""
+
+
+class _BehindLeader(nats.errors.Error):
+    """A replica answered a bucket's read before it had the newest record its leader holds."""
+
+
+def watch_republish(bucket: str) -> RePublish:
+    """The republish rule of a bucket's stream that its watches read (`runtime.kv_watch`)."""
+    return RePublish(src=f"$KV.{bucket}.>", dest=kv_watch_subject(bucket))
+
+
 class Bucket(KeyValue):
     """A JetStream KV bucket whose `keys` lists every live key.
 
@@ -348,30 +356,127 @@ class Bucket(KeyValue):
         super().__init__(name=name, stream=stream, pre=self._prefix, js=js, direct=direct)
         self._nc = nc
         self._stream_info_subject = f"$JS.API.STREAM.INFO.{stream}"
+        self._direct_get_subject = f"$JS.API.DIRECT.GET.{stream}"
+
+    @property
+    def stream(self) -> str:
+        """The bucket's stream, ``KV_<bucket>``."""
+        return self._stream
+
+    @property
+    def prefix(self) -> str:
+        """What a key's subject starts with, ``$KV.<bucket>.``."""
+        return self._prefix
 
     async def keys(self, filters: list[str] | None = None, **kwargs: Any) -> list[str]:
         """The live keys (containing one of `filters`, if given); raises ``NoKeysError`` if none, as nats-py does."""
-        keys = [k for k in await self._stored_keys() if not filters or any(f in k for f in filters)]
+        keys = [k for k in (await self._stored_keys())[0] if not filters or any(f in k for f in filters)]
         live = await gather_or_cancel(*(self._is_live(k) for k in keys))
         keys = [k for k, alive in zip(keys, live, strict=True) if alive]
         if not keys:
             raise NoKeysError
         return keys
 
-    async def _stored_keys(self) -> list[str]:
-        """Every key with a record in the stream, deleted and purged ones included."""
-        keys: list[str] = []
+    async def _stored_keys(self, keys: str = ">") -> tuple[list[str], int]:
+        """Every key matching ``keys`` with a record in the stream, deleted and purged ones included, and the
+        stream's last sequence when the listing began."""
+        listed: list[str] = []
+        last_sequence = -1
         while True:
-            request = {"subjects_filter": f"{self._prefix}>", "offset": len(keys)}
+            request = {"subjects_filter": f"{self._prefix}{keys}", "offset": len(listed)}
             reply = await through_election(f"list {self.bucket}", lambda request=request: self._nc.request(
                 self._stream_info_subject, json.dumps(request).encode(), self._read_timeout_s), self._election_wait_s)
             info = json.loads(reply.data)
             if "error" in info:
                 raise BusError(f"cannot list the keys of bucket {self.bucket!r}: {info['error']}")
+            if last_sequence < 0:
+                last_sequence = int(info["state"].get("last_seq", 0))
             page = list((info["state"].get("subjects") or {}).keys())
-            keys += [s[len(self._prefix) :] for s in page]
-            if not page or len(keys) >= info.get("total", 0):
-                return keys
+            listed += [s[len(self._prefix) :] for s in page]
+            if not page or len(listed) >= info.get("total", 0):
+                return listed, last_sequence
+
+    async def current(self, keys: str) -> tuple[WatchCursor, list[KVEntry]]:
+        """The last record of every key matching ``keys`` (delete and purge markers included), in stream
+        order, read at one sequence of the stream, and the cursor a watch goes on from (`runtime.kv_watch`).
+
+        Raises:
+            BusError: the bucket's stream does not republish its records for watches (a bucket made by an
+                older version or by hand: the supervisor's `Bus.ensure_bucket` makes it so), or the
+                server refused the read.
+        """
+        info = await (self._js_quick if self._election_wait_s else self._js).stream_info(self._stream)
+        republish, wanted = info.config.republish, watch_republish(self.bucket)
+        if republish is None or (republish.src, republish.dest) != (wanted.src, wanted.dest) \
+                or republish.headers_only or not info.config.allow_direct:
+            raise BusError(f"bucket {self.bucket!r} cannot be watched: its stream {self._stream} does not republish "
+                           f"its records to {kv_watch_subject(self.bucket)} with direct gets allowed (made by an "
+                           "older version, or not by the supervisor); the supervisor's ensure_base and "
+                           "provision_streams (runtime.up) set that on every bucket of the run")
+        matching = f"{self._prefix}{keys}"
+        try:
+            records, up_to = await self._last_records([matching])
+        except _TooManyKeys:  # the server reads at most 1024 keys' last records per request: list them, then read
+            listed, up_to = await self._stored_keys(keys)
+            records = []
+            for first in range(0, len(listed), _MAX_MULTI_LAST):
+                records += (await self._last_records(
+                    [self._prefix + k for k in listed[first : first + _MAX_MULTI_LAST]], up_to))[0]
+            records.sort(key=lambda m: int(m.headers["Nats-Sequence"]))
+        if (info.config.num_replicas or 1) > 1:
+            await self._check_caught_up(matching, up_to)
+        entries = [entry_of(m.headers["Nats-Subject"][len(self._prefix) :], m.data, int(m.headers["Nats-Sequence"]),
+                            m.headers) for m in records]
+        return WatchCursor(up_to), [e for e in entries if e is not None]
+
+    async def _last_records(self, subjects: list[str], up_to: int = 0) -> tuple[list[Msg], int]:
+        """The last record at or before stream sequence ``up_to`` (0: the stream's last when the server reads)
+        of each subject matching ``subjects``, by direct gets (one request, continued while the server's
+        byte limit per answer cuts it short); and the sequence they were read at (0: none matched then).
+
+        Raises:
+            _TooManyKeys: more subjects match than the server reads in one request.
+        """
+        inbox = self._nc.new_inbox()
+        sub = await self._nc.subscribe(inbox, pending_msgs_limit=0, pending_bytes_limit=0)
+        records: list[Msg] = []
+        try:
+            start = 0
+            while True:
+                request = {"multi_last": subjects} | ({"up_to_seq": up_to} if up_to else {}) | (
+                    {"seq": start} if start else {})
+                await self._nc.publish(self._direct_get_subject, json.dumps(request).encode(), reply=inbox)
+                while "Nats-Sequence" in (headers := (msg := await sub.next_msg(self._read_timeout_s)).headers or {}):
+                    records.append(msg)  # a record (the server sets this header); anything else is the answer's end
+                status = headers.get("Status")
+                if status == "404":  # none (left) at or before the sequence read at
+                    return records, up_to
+                if status == "413":
+                    raise _TooManyKeys
+                if status != "204":
+                    raise BusError(f"reading the records of bucket {self.bucket!r}: the server answered {status} "
+                                   f"{headers.get(Header.DESCRIPTION, '')!r}")
+                up_to = int(headers["Nats-UpTo-Sequence"])
+                if int(headers.get("Nats-Num-Pending", "0")) == 0:
+                    return records, up_to
+                start = int(headers["Nats-Last-Sequence"]) + 1  # the rest: after the last record this answer held
+        finally:
+            await Subscription(sub).unsubscribe()
+
+    async def _check_caught_up(self, matching: str, up_to: int) -> None:
+        """That a direct get of a replicated bucket, which any replica answers, saw the newest record the
+        stream's leader holds of ``matching`` (a replica catching up after a restart would miss some).
+
+        Raises:
+            _BehindLeader: it did not (`through_election` reads again, for a while).
+        """
+        try:
+            newest = (await self._js_quick.get_msg(self._stream, subject=matching)).seq or 0
+        except NotFoundError:
+            newest = 0
+        if newest > up_to:
+            raise _BehindLeader(f"the replica that answered for {self.bucket!r} had read up to {up_to}, "
+                                f"its leader holds {newest}")
 
     async def _get(self, key: str, revision: int | None = None) -> KeyValue.Entry:
         """nats-py's read of a key, except that a delete marker the server placed (a TTL that ran out,
@@ -1081,8 +1186,15 @@ class Bus:
                 max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD,
                 num_replicas=lim.replicas))
             for bucket in KV_BUCKETS:
-                await self.kv(bucket)
-                await self._update_bucket(bucket, lease_max_s if bucket in LEASE_BUCKETS else 0.0)
+                await self.ensure_bucket(bucket, lease_max_s)
+
+    async def ensure_bucket(self, bucket: str, lease_max_s: float = 0.0) -> None:
+        """The bucket, made or brought up to date (the supervisor's: actor roles only use it): its replicas,
+        direct gets and the republish rule its watches read (`runtime.kv_watch`); for a lease bucket
+        (`LEASE_BUCKETS`) TTLs, and ``lease_max_s`` as `ensure_base` says."""
+        with _translated(f"create the bucket {bucket}"):
+            await self.kv(bucket)
+            await self._update_bucket(bucket, lease_max_s if bucket in LEASE_BUCKETS else 0.0)
 
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
@@ -1118,7 +1230,8 @@ class Bus:
                     lease = bucket in LEASE_BUCKETS
                     config = KeyValueConfig(
                         bucket=bucket, history=self.limits.kv_history, storage=StorageType.FILE,
-                        replicas=self.limits.replicas, limit_marker_ttl=_LEASE_MARKER_TTL_S if lease else None)
+                        replicas=self.limits.replicas, limit_marker_ttl=_LEASE_MARKER_TTL_S if lease else None,
+                        direct=True, republish=watch_republish(bucket))
                     await self._through_election(f"KV_{bucket}", lambda: self.js.create_key_value(config))
                     info = await self.js.stream_info(f"KV_{bucket}")
                 # a replicated bucket is read from its leader: a direct get may be answered by any replica,
@@ -1128,10 +1241,11 @@ class Bus:
             return self._kv[bucket]
 
     async def _update_bucket(self, bucket: str, max_age_s: float = 0.0) -> None:
-        """A bucket made before (a resumed run, another version): its replicas, TTLs for a lease bucket, and
-        its records' longest life (``max_age_s``, 0: unbounded)."""
+        """A bucket made before (a resumed run, another version): its replicas, its watches' republish rule and
+        direct gets, TTLs for a lease bucket, and its records' longest life (``max_age_s``, 0: unbounded)."""
         info = await self.js.stream_info(f"KV_{bucket}")
-        wanted = dataclasses.replace(info.config, num_replicas=self.limits.replicas)
+        wanted = dataclasses.replace(info.config, num_replicas=self.limits.replicas, allow_direct=True,
+                                     republish=watch_republish(bucket))
         if bucket in LEASE_BUCKETS and not info.config.subject_delete_marker_ttl:
             wanted = dataclasses.replace(wanted, allow_msg_ttl=True, subject_delete_marker_ttl=_LEASE_MARKER_TTL_S)
         if bucket in LEASE_BUCKETS and max_age_s > 0 and bucket not in self._no_ttl:
@@ -1221,50 +1335,75 @@ class Bus:
                 return []
 
     async def kv_watch(self, bucket: str, keys: str = ">") -> AsyncIterator[KVEntry | None]:
-        """As `watch_kv`, as `KVEntry` records: the current values, then None, then every change."""
-        async for entry in self.watch_kv(bucket, keys):
-            yield None if entry is None else KVEntry(entry.key, entry.value or b"", entry.revision or 0,
-                                                    deleted=entry.operation is not None)
+        """The records of the keys of ``bucket`` matching ``keys`` (NATS wildcards over the key's tokens): the
+        current ones (delete and purge markers included), then None, then every change in the order the
+        stream stored them; across outages and lost messages, after which the current ones come again,
+        then None (what a follower of a bucket must see anyway to catch up).
 
-    async def watch_kv(self, bucket: str, keys: str = ">") -> AsyncIterator[Any]:
-        """Entries of ``bucket``: the current values, then None, then every change; across outages.
-
-        A restarted server loses the ephemeral consumer behind a KV watch, and nats-py's ordered
-        consumer recreates it only once it has missed two idle heartbeats (measured: 19.5 s of silence
-        after a kill -9 and restart of the server, while pull consumers carried on at once). So once
-        the connection drops, the watch is made again as soon as it is back: the current values come
-        again (then None), which is what a follower of a bucket must see anyway to catch up.
+        No consumer (no actor role may make one on a bucket's stream: docs/ARCHITECTURE.md, "Buckets"): a
+        read of the current records at one stream sequence, and the records the stream republishes after
+        it (`runtime.kv_watch`). A restarted server, or a record lost on the way (the next record of its
+        key names a predecessor this watch did not see: ``kv_watch_gap``), starts it again.
         """
         kv = await self.kv(bucket)
         while True:
             await self.health.up.wait()
             generation = self.health.num_outages  # a drop at any point after this renews the watch
             try:
-                watcher = await self._through_election(f"watch {bucket}", lambda: kv.watch(keys))
-            except (nats.errors.Error, OSError):
+                with _translated(f"watch {bucket}/{keys}"):
+                    sub, cursor, current = await self._through_election(
+                        f"watch {bucket}", lambda: self._open_watch(kv, keys))
+            except OSError:  # BusError included
                 if self.health.num_outages != generation or self.health.down.is_set():
                     continue  # it failed because the connection dropped meanwhile: watch again once back
                 raise
             try:
-                while self.health.num_outages == generation:
-                    entry = await self._next_or_outage(watcher)
-                    if entry is _OUTAGE:
-                        break
-                    if entry is _END:
-                        return
+                for entry in current:
                     yield entry
+                yield None
+                while self.health.num_outages == generation:
+                    msg = await self._next_or_outage(sub.next_msg(timeout=None))
+                    if msg is _OUTAGE:
+                        break
+                    headers = msg.headers or {}
+                    if headers.get("Nats-Stream") != kv.stream or "Nats-Sequence" not in headers:
+                        log.error("kv_watch_message_refused", bucket=bucket, subject=msg.subject,
+                                  client=self.health.client, reason=f"not republished by the stream {kv.stream}")
+                        continue
+                    key = headers.get("Nats-Subject", "")[len(kv.prefix) :]
+                    sequence, previous = int(headers["Nats-Sequence"]), int(headers.get("Nats-Last-Sequence", 0))
+                    admission = cursor.admit(key, sequence, previous)
+                    if admission is Admission.GAP:
+                        log.warning("kv_watch_gap", bucket=bucket, key=key, sequence=sequence, previous=previous,
+                                    client=self.health.client, consequence="read the current records again")
+                        break
+                    if admission is Admission.NEW and (entry := entry_of(key, msg.data, sequence, headers)):
+                        yield entry
             finally:
-                try:
-                    async with asyncio.timeout(5.0):
-                        await watcher.stop()
-                except (nats.errors.Error, OSError):
-                    pass  # the connection is gone: so is the subscription
+                await Subscription(sub).unsubscribe()
             log.info("kv_watch_renewed", bucket=bucket, keys=keys, client=self.health.client)
 
+    async def _open_watch(self, kv: Bucket, keys: str) -> tuple[Any, WatchCursor, list[KVEntry]]:
+        """Subscribed to the bucket's republished records first, then its current ones read: every record
+        stored after the read's sequence arrives (and some before it, which `WatchCursor` tells apart).
+        Nothing the subscription receives is dropped by the client (no pending limit): one that falls
+        behind is a slow consumer for the server, which closes the connection, and that renews the watch."""
+        sub = await self.nc.subscribe(kv_watch_subject(kv.bucket, keys), pending_msgs_limit=0, pending_bytes_limit=0)
+        try:
+            cursor, current = await kv.current(keys)
+        except BaseException:
+            await Subscription(sub).unsubscribe()
+            raise
+        return sub, cursor, current
+
     async def follow(self, subject: str, start: FollowStart = "new") -> AsyncIterator[StreamMessage]:
-        """The messages of a stream's ``subject`` through an ordered consumer, from ``start``, across
-        outages: as for ``watch_kv``, the consumer is made again once the connection is back, from the
-        stream sequence after the last message delivered, so none is lost or repeated."""
+        """The messages of a stream's ``subject`` through an ordered consumer, from ``start``, across outages.
+
+        A restarted server loses the ephemeral consumer, and nats-py's ordered consumer recreates it only
+        once it has missed two idle heartbeats (measured: 19.5 s of silence after a kill -9 and restart of
+        the server, while pull consumers carried on at once). So once the connection drops, the consumer
+        is made again as soon as it is back, from the stream sequence after the last message delivered, so
+        none is lost or repeated."""
         if isinstance(start, datetime):
             config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())
         elif start in ("all", "new"):

@@ -58,6 +58,7 @@ __all__ = [
     "control_subject",
     "generate_credentials",
     "inbox_prefix",
+    "kv_watch_subject",
     "operator_permissions",
     "read_credentials",
     "tls_context",
@@ -67,6 +68,7 @@ _ROLE_RE = re.compile(r"^[A-Za-z0-9_-]+$")  # a role names an inbox prefix and a
 SUPERVISOR = "supervisor"
 OPERATOR = "operator"
 _API = "$JS.API"
+KV_WATCH = "kvwatch"  # the root of every bucket's republished records (`kv_watch_subject`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,7 @@ class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     subscribe_deny: tuple[str, ...] = ()
+    publish_deny: tuple[str, ...] = ()
     allow_responses: bool = True
 
 
@@ -143,6 +146,14 @@ def inbox_prefix(role: str) -> str:
     return f"_INBOX_{role}"
 
 
+def kv_watch_subject(bucket: str, keys: str = ">") -> str:
+    """Where the stream of ``bucket`` republishes each record of ``keys`` (its republish rule, made by the
+    supervisor: `runtime.bus.Bus.ensure_bucket`): a KV watch without a consumer subscribes here
+    (`runtime.kv_watch`). The bucket's readers may subscribe; no role may publish (the server's
+    republish is subject to no user's permissions)."""
+    return f"{KV_WATCH}.{bucket}.{keys}"
+
+
 def control_subject(kind: str, actor_id: str, verb: str = "*") -> str:
     """Where actor ``actor_id`` of ``kind`` takes control requests (ping, status, drain): under its
     kind, so that a role may listen to its own actors' control and no other's."""
@@ -162,14 +173,19 @@ def _stream_api(stream: str, durable: str) -> list[str]:
 
 
 def _kv_read(bucket: str) -> list[str]:
-    """Get, list and watch a bucket (a watch is an ephemeral ordered consumer of its stream, which the
-    server deletes once idle: no one but the supervisor deletes a consumer)."""
+    """Get, list and snapshot a bucket (stream info, gets and direct gets: `runtime.kv_watch`); the consumer
+    rights that nats-py's watch used (an ephemeral ordered consumer) are still granted."""
     stream = f"KV_{bucket}"
     return [
         f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
         f"{_API}.STREAM.MSG.GET.{stream}", f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
         f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>",
     ]
+
+
+def _kv_watch(buckets: Iterable[str]) -> list[str]:
+    """Subscribe to the records the streams of ``buckets`` republish (a watch's changes)."""
+    return [kv_watch_subject(bucket) for bucket in buckets]
 
 
 def _kv_write(bucket: str) -> list[str]:
@@ -208,19 +224,22 @@ def actor_permissions(role: str, access: BusAccess) -> Permissions:
         publish += _kv_keys(bucket, (pattern,))
     for stream, durable in access.streams:
         publish += [*_stream_api(stream, durable), f"dlq.{durable}"]
-    subscribe = [f"{inbox_prefix(role)}.>", control_subject(role, "*"), *access.subscribe]
+    buckets = ("actors", "config", "run", *access.kv_read, *access.kv_write, *(b for b, _ in access.kv_keys))
+    subscribe = [f"{inbox_prefix(role)}.>", control_subject(role, "*"), *_kv_watch(buckets), *access.subscribe]
     return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)))
 
 
 def operator_permissions() -> Permissions:
     """ops commands: control requests, live configuration, the registry, the event log, progress."""
     publish = ["ctl.>", *_kv_write("config"), *_kv_read("actors"), *_kv_read("run"), *stream_reader("LOG")]
-    return Permissions(tuple(publish), (f"{inbox_prefix(OPERATOR)}.>", "log.>", "progress.>"),
-                       allow_responses=False)
+    subscribe = (f"{inbox_prefix(OPERATOR)}.>", "log.>", "progress.>", *_kv_watch(("config", "actors", "run")))
+    return Permissions(tuple(publish), subscribe, allow_responses=False)
 
 
 def _supervisor_permissions() -> Permissions:
-    return Permissions((">",), (">",))
+    # everything but publishing into the buckets' republished records, which only their streams write:
+    # a watcher takes what arrives there for the bucket's own (`runtime.kv_watch`)
+    return Permissions((">",), (">",), publish_deny=(f"{KV_WATCH}.>",))
 
 
 def generate_credentials(directory: Path, roles: Mapping[str, Permissions]) -> list[BusUser]:
@@ -360,7 +379,10 @@ def authorization_conf(users: Iterable[BusUser]) -> str:
         subscribe: dict[str, list[str]] = {"allow": list(p.subscribe)}
         if p.subscribe_deny:
             subscribe["deny"] = list(p.subscribe_deny)
-        permissions: dict[str, object] = {"publish": {"allow": list(p.publish)}, "subscribe": subscribe}
+        publish: dict[str, list[str]] = {"allow": list(p.publish)}
+        if p.publish_deny:
+            publish["deny"] = list(p.publish_deny)
+        permissions: dict[str, object] = {"publish": publish, "subscribe": subscribe}
         if p.allow_responses:
             permissions["allow_responses"] = True
         who = {"nkey": u.nkey} if u.nkey else {"user": u.credentials.user, "password": u.credentials.password}

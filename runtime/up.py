@@ -282,7 +282,7 @@ async def provision_streams(bus: Bus, rt: RuntimeConfig) -> None:
             await bus.ensure_queue(queue)
         access = cls.required_access()
         for bucket in dict.fromkeys((*access.kv_read, *access.kv_write, *(b for b, _ in access.kv_keys))):
-            await bus.kv(bucket)
+            await bus.ensure_bucket(bucket)  # with the republish rule its watches read (runtime.kv_watch)
 
 
 def bus_roles(rt: RuntimeConfig) -> dict[str, Permissions]:

@@ -384,15 +384,15 @@ class ReconcilerActor(Actor):
         """Follows the registry's entries (no requests per event: each would be a round trip and a
         place where Python 3.11's ``wait_for`` can swallow the drain's cancellation): live rollout
         actors, and actors lost (their leases are also checked on every tick)."""
-        async for entry in self.bus.watch_kv("actors"):  # renewed (current values replayed) after an outage
+        async for entry in self.bus.kv_watch("actors"):  # renewed (current values replayed) after an outage
             if entry is None or not is_registration_key(entry.key):  # end of the initial values; a handover
                 continue
-            value = entry.value if entry.operation is None and entry.value else None
+            value = entry.value if not entry.deleted and entry.value else None
             if value is not None and self._registration(entry.key, value) is None:
                 continue  # not an actor's own complete entry (a forgery): follows nothing
             if (registered := parse_registration_key(entry.key)) is None:
                 continue  # the removal of a key no actor's lease is under: follows nothing
-            lost = self.registry.observe(registered[1], value, time.monotonic(), expired=entry.operation == "PURGE")
+            lost = self.registry.observe(registered[1], value, time.monotonic(), expired=entry.purged)
             if lost is not None:
                 await self._lose(lost)
             await self._count_rollouts_from_registry()

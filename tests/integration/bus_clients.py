@@ -10,13 +10,19 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import nats
 from nats.aio.client import Client
 
-from runtime.bus_auth import read_credentials
+from actors.__main__ import DEFAULT_RUN_FILE
+from runtime.bus import Bus
+from runtime.bus_auth import SUPERVISOR, generate_credentials, read_credentials
+from runtime.natsserver import NatsServer, NatsServerConfig
+from runtime.run_config import load_run_config
 from runtime.rundir import RunInfo
+from runtime.up import bus_roles, provision_streams
 
 
 @dataclass
@@ -76,3 +82,20 @@ async def connect_anonymously(url: str, **options: Any) -> Client:
 
     return await nats.connect(url, name="attacker-anonymous", allow_reconnect=False, connect_timeout=5,
                               max_reconnect_attempts=0, error_cb=quiet, **options)
+
+
+@contextlib.asynccontextmanager
+async def default_run_bus(tmp_path: Path) -> AsyncIterator[tuple[Bus, RunInfo]]:
+    """A server with the default run's roles (``python -m actors``), its streams, buckets and queues made by
+    the supervisor role: that role's Bus, and the bus's address and credentials (a RunInfo without a run)."""
+    rt = load_run_config([DEFAULT_RUN_FILE]).runtime
+    users = generate_credentials(tmp_path / "credentials", bus_roles(rt))
+    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", users=tuple(users))) as server:
+        admin = await Bus.connect(server.url, "admin", credentials=read_credentials(tmp_path / "credentials",
+                                                                                       SUPERVISOR))
+        try:
+            await admin.ensure_base()
+            await provision_streams(admin, rt)
+            yield admin, RunInfo("", server.url, "", "", 0, 0.0, str(tmp_path / "credentials"))
+        finally:
+            await admin.close()

@@ -76,7 +76,7 @@ async def test_a_killed_server_is_restarted_and_clients_carry_on(tmp_path: Path)
         saw = {"before": asyncio.Event(), "after": asyncio.Event()}
 
         async def follow() -> None:
-            async for entry in bus.watch_kv("config"):
+            async for entry in bus.kv_watch("config"):
                 watched.append(entry.key if entry is not None else None)
                 if watched[-1] in saw:
                     saw[watched[-1]].set()

@@ -124,14 +124,14 @@ async def test_a_lease_key_is_removed_by_the_bus_once_it_is_not_renewed(tmp_path
         bus = await Bus.connect(server.url, name="test")
         try:
             await bus.ensure_base()
-            watch = bus.watch_kv("actors")
+            watch = bus.kv_watch("actors")
             assert await anext(watch) is None  # the (empty) current values
             seen = []
 
             async def first_removal() -> float:  # when the watch saw it, while the renewals go on
                 async for entry in watch:
-                    seen.append((entry.key, entry.operation))
-                    if entry.operation is not None:
+                    seen.append((entry.key, "PURGE" if entry.purged else "DEL" if entry.deleted else None))
+                    if entry.deleted:
                         return time.monotonic()
                 raise AssertionError("the watch ended")
 

@@ -60,8 +60,7 @@ HELPERS = {
     "publish_durable": "Bus.publish_durable: js.publish, 5 s",
     "confirming_publisher": "Bus.confirming_publisher: a core subscribe to its inbox (no round trip)",
     "dead_letter": "Bus.dead_letter: js.publish, 5 s",
-    "watch": "a KV watch: its consumer is a JetStream API request (5 s); then events as they come",
-    "watch_kv": "Bus.watch_kv: as watch, renewed after an outage",
+    "watch": "runtime.health.watch: Bus.kv_watch under asyncio.timeout(start_grace_s), then probes with timeouts",
     "start": "NatsServer.start: asyncio.wait_for(start_timeout_s); Actor.start: ensure_queue and a registry "
              "put (JetStream requests), then the kind's setup, whose own awaits this check covers",
     "stop": "NatsServer.stop: wait_for(stop_timeout_s), then SIGKILL; a KV watcher's stop: an unsubscribe",
@@ -70,7 +69,10 @@ HELPERS = {
     **dict.fromkeys(("kv_get", "kv_put", "kv_create", "kv_cas", "kv_delete"),
                     "Bus.kv_*: one JetStream KV request (5 s), after Bus.kv's"),
     "kv_keys": "Bus.kv_keys: Bucket.keys, stream-info pages (5 s each) and one get per key (5 s each)",
-    "kv_watch": "Bus.kv_watch: Bus.watch_kv's entries as typed records",
+    "kv_watch": "Bus.kv_watch: a stream-info request and direct gets (5 s each), then events as they come, renewed "
+                "after an outage",
+    "current": "Bucket.current: a stream-info request, direct gets (a read timeout each) and a leader's get (5 s)",
+    "ensure_bucket": "Bus.ensure_bucket: JetStream API requests (5 s each)",
     "stream_states": "Bus.stream_states: one JetStream API request (5 s)",
     "pull_consumer": "Bus.pull_consumer: a pull_subscribe_bind (core subscribe, no round trip)",
 }
@@ -139,7 +141,8 @@ def _receiver_kind(call: ast.Call) -> str:
 
 def _in_kv_subclass(call: ast.Call, node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
     """``self.get(...)`` inside a class derived from nats-py's KeyValue (runtime.bus.Bucket)."""
-    if not ast.unparse(call.func).startswith("self."):
+    func = call.func  # self.get(...), not a call on one of its attributes (self._nc.publish(...))
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"):
         return False
     while node in parents:
         node = parents[node]
