@@ -6,8 +6,10 @@ Roles:
                 reading the registry, the event log and progress; nothing else.
     <kind>      each actor kind of the run (reconciler, rollout, trainer, ...): what every actor does
                 (fetching from and acknowledging on its own work queues' consumers, which the
-                supervisor makes: no role but the supervisor creates, changes or deletes a stream or
-                a consumer other than a watch's ephemeral one; its own kind's registry entries and
+                supervisor makes: no role but the supervisor creates, changes or deletes a stream, nor
+                any consumer on a bucket's stream: a KV watch is a read and the stream's republished
+                records, `runtime.kv_watch`; only a kind that declares `stream_reader` makes the
+                ordered consumers reading that stream); its own kind's registry entries and
                 handover record, the ``config`` watch, events, dead letters, its own kind's control
                 subjects and their replies) plus what its class declares in ``Actor.bus_access``
                 (subjects it publishes and subscribes to, buckets it reads and writes, keys of other
@@ -173,14 +175,14 @@ def _stream_api(stream: str, durable: str) -> list[str]:
 
 
 def _kv_read(bucket: str) -> list[str]:
-    """Get, list and snapshot a bucket (stream info, gets and direct gets: `runtime.kv_watch`); the consumer
-    rights that nats-py's watch used (an ephemeral ordered consumer) are still granted."""
+    """Get, list and snapshot a bucket: stream info (its keys), the leader's get and direct gets (a key's last
+    record; every key's, for a watch's snapshot). No consumer: a role that may create one on the bucket's
+    stream may give it any deliver subject, which the server does not check against the role's
+    permissions; a watch is this snapshot and the stream's republished records (`runtime.kv_watch`,
+    subscribed to with `_kv_watch`)."""
     stream = f"KV_{bucket}"
-    return [
-        f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
-        f"{_API}.STREAM.MSG.GET.{stream}", f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
-        f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>",
-    ]
+    return [f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
+            f"{_API}.STREAM.MSG.GET.{stream}"]
 
 
 def _kv_watch(buckets: Iterable[str]) -> list[str]:

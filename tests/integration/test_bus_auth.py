@@ -21,8 +21,10 @@ from typing import Any
 import msgpack
 import nats
 import pytest
+import structlog
 from nats.js.api import RePublish
 
+from actors.__main__ import DEFAULT_RUN_FILE
 from actors.reconciler import ReconcilerActor
 from actors.stages.evaluator import EvaluatorActor
 from runtime.bus import Bus, Inbound
@@ -42,8 +44,8 @@ from runtime.registry import handover_key, registration_key
 from runtime.run_config import import_entry, load_run_config
 from runtime.run_state import new_run_id
 from runtime.rundir import RunInfo
-from runtime.up import bus_roles, provision_streams
-from tests.integration.bus_clients import connect_anonymously, connect_as
+from runtime.up import bus_roles
+from tests.integration.bus_clients import connect_anonymously, connect_as, default_run_bus
 from tests.integration.harness import REPO, LiveRun, run_events, write_config
 from tests.integration.sim_stages import SimConfig, StageSim, sim_run_toml
 from tests.integration.workers import CountRequest
@@ -219,7 +221,7 @@ async def test_a_remote_bus_over_tls(tmp_path: Path) -> None:
 
 # --- issue 31: a role's JetStream rights are its subject permissions' ----------------------------------
 
-DEFAULT_RUN = Path(__file__).resolve().parents[2] / "actors" / "run.toml"
+DEFAULT_RUN = DEFAULT_RUN_FILE
 _VIOLATION = re.compile(r'Permissions Violation for Publish to "([^"]+)"', re.IGNORECASE)
 
 
@@ -240,12 +242,13 @@ def _stream_api(stream: str, consumer: str, filter_subject: str) -> list[str]:
 _ACCOUNT_API = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "$JS.API.META.LEADER.STEPDOWN",
                 "$JS.API.SERVER.REMOVE", "$JS.API.ACCOUNT.PURGE.x", "$JS.API.ACCOUNT.STREAM.MOVE.x.y",
                 "$JS.API.STREAM.TEMPLATE.CREATE.x"]
-# What a reader of a bucket needs, and a watch: an ephemeral ordered consumer, which the role makes itself
-# (nats-py's KV watch); the server cannot tell it from a push consumer with another deliver subject, which
-# the receiving side refuses (`test_a_consumer_delivering_into_a_subscribed_subject_is_refused_by_the_receiver`)
-_BUCKET_READS = ("STREAM.INFO.{s}", "DIRECT.GET.{s}", "DIRECT.GET.{s}.{f}", "STREAM.MSG.GET.{s}",
-                 "CONSUMER.CREATE.{s}", "CONSUMER.CREATE.{s}.{c}", "CONSUMER.CREATE.{s}.{c}.{f}",
-                 "CONSUMER.INFO.{s}.{c}")
+# What a reader of a bucket needs: its keys (stream info), a key's record and a watch's snapshot (gets). No
+# consumer: a watch reads the records the bucket's stream republishes (runtime.kv_watch), as a consumer
+# would have a deliver subject the server does not check against the role's permissions
+_BUCKET_READS = ("STREAM.INFO.{s}", "DIRECT.GET.{s}", "DIRECT.GET.{s}.{f}", "STREAM.MSG.GET.{s}")
+# what the event log's reader (a kind declaring `stream_reader("LOG")`) asks: ordered consumers on LOG
+_LOG_READS = ("STREAM.INFO.{s}", "CONSUMER.CREATE.{s}", "CONSUMER.CREATE.{s}.{c}", "CONSUMER.CREATE.{s}.{c}.{f}",
+              "CONSUMER.INFO.{s}.{c}")
 _OWN_QUEUE = ("CONSUMER.INFO.{s}.{c}", "CONSUMER.MSG.NEXT.{s}.{c}")  # bind, fetch (acks are $JS.ACK)
 
 
@@ -258,9 +261,8 @@ def _allowed(role: str, cls: type, subject: str, streams: dict[str, str]) -> boo
         as_api = {f"$JS.API.{op.format(s=stream, c=consumer, f='x')}" for op in _BUCKET_READS}
         if stream.startswith("KV_") and stream[3:] in read_buckets and subject in as_api:
             return True
-        if stream == "LOG" and any("STREAM.INFO.LOG" in p for p in access.publish) and (
-                subject in as_api or subject == "$JS.API.STREAM.NAMES") and "DIRECT" not in subject \
-                and "MSG.GET" not in subject:
+        log_api = {f"$JS.API.{op.format(s=stream, c=consumer, f='x')}" for op in _LOG_READS} | {"$JS.API.STREAM.NAMES"}
+        if stream == "LOG" and any("STREAM.INFO.LOG" in p for p in access.publish) and subject in log_api:
             return True
         own = {f"$JS.API.{op.format(s=stream, c=consumer)}" for op in _OWN_QUEUE}
         if (stream, consumer) in access.streams and subject in own:
@@ -274,7 +276,7 @@ async def test_actor_roles_get_no_jetstream_rights_but_their_own_pull_consumers_
     On main, every role could create and update its queues' streams and consumers (STREAM.UPDATE: capture
     other roles' subjects, republish into any) and create buckets."""
     rt = load_run_config([DEFAULT_RUN]).runtime
-    async with _default_run_bus(tmp_path) as (admin, info):
+    async with default_run_bus(tmp_path) as (admin, info):
         streams = {s.name: "x" for s in await admin.stream_states()}
         classes = {kind: import_entry(spec.entry) for kind, spec in rt.actors.items()}
         for cls in classes.values():
@@ -301,30 +303,14 @@ async def test_actor_roles_get_no_jetstream_rights_but_their_own_pull_consumers_
                 granted = {s.lower() for s in subjects} - refused()
                 assert granted and not any(op in s for s in granted for op in (
                     "stream.create", "stream.update", "stream.delete", "stream.purge", "msg.delete", "durable",
-                    "consumer.delete")), (role, sorted(granted))
-
-
-@contextlib.asynccontextmanager
-async def _default_run_bus(tmp_path: Path) -> Any:
-    """A server with the default run's roles, its streams, buckets and queues made by the supervisor role."""
-    rt = load_run_config([DEFAULT_RUN]).runtime
-    users = generate_credentials(tmp_path / "credentials", bus_roles(rt))
-    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", users=tuple(users))) as server:
-        admin = await Bus.connect(server.url, "admin", credentials=read_credentials(tmp_path / "credentials",
-                                                                                       SUPERVISOR))
-        try:
-            await admin.ensure_base()
-            await provision_streams(admin, rt)
-            yield admin, _info(server.url, tmp_path / "credentials")
-        finally:
-            await admin.close()
+                    "consumer.delete", "consumer.create.kv_")), (role, sorted(granted))
 
 
 async def test_a_role_cannot_reconfigure_its_own_queue_stream(tmp_path: Path) -> None:
     """The tester's STREAM.UPDATE of the rollout role's own work queue: capturing ``heartbeat.>`` and
     ``ctl.>``, and a republish into ``$KV.slots`` and ``ctl.supervisor.stop``. Refused; the stream unchanged.
     On main the server applied each update."""
-    async with _default_run_bus(tmp_path) as (admin, info):
+    async with default_run_bus(tmp_path) as (admin, info):
         before = await admin.js.stream_info("Q_WORK_ROLLOUT")
         async with connect_as(info, "rollout") as rollout:
             js = rollout.nc.jetstream(timeout=1.0)
@@ -339,12 +325,93 @@ async def test_a_role_cannot_reconfigure_its_own_queue_stream(tmp_path: Path) ->
         assert after.config.subjects == before.config.subjects and after.config.republish is None
 
 
+async def test_no_actor_role_creates_a_consumer_on_a_bucket(tmp_path: Path) -> None:
+    """Every actor role of the default run, on every bucket's stream: CONSUMER.CREATE (bare, named, named with
+    a filter) and DURABLE.CREATE are refused, among them a push consumer delivering the bucket's records into
+    ``weights.<run>`` (the server does not check a deliver subject against its creator's permissions); none
+    is made and nothing arrives there. A KV watch needs none (runtime.kv_watch). On main every role that read
+    a bucket could make one (a KV watch was an ordered push consumer), and ``weights.r1`` got the records."""
+    rt = load_run_config([DEFAULT_RUN]).runtime
+    async with default_run_bus(tmp_path) as (admin, info):
+        await admin.kv_put("run", "build.x", b"the attacker's bytes")  # what would be delivered
+        buckets = sorted(s.name for s in await admin.stream_states() if s.name.startswith("KV_"))
+        assert {"KV_actors", "KV_config", "KV_run", "KV_slots"} <= set(buckets)
+        delivered: list[bytes] = []
+
+        async def note(msg: Any) -> None:
+            delivered.append(msg.data)
+
+        await admin.nc.subscribe("weights.r1", cb=note)
+        for role in rt.actors:
+            async with connect_as(info, role) as client:
+                subjects = []
+                for stream in buckets:
+                    name = f"{role}_push"
+                    request = json.dumps({"stream_name": stream, "config": {
+                        "name": name, "deliver_subject": "weights.r1", "ack_policy": "none", "deliver_policy": "all",
+                        "filter_subject": f"$KV.{stream[3:]}.build.x"}}).encode()
+                    for subject in (f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.{name}",
+                                    f"$JS.API.CONSUMER.CREATE.{stream}.{name}.$KV.{stream[3:]}.build.x",
+                                    f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"):
+                        subjects.append(subject)
+                        await client.nc.publish(subject, request, reply=client.nc.new_inbox())
+                await client.nc.flush()
+
+                def refused(client: Any = client) -> set[str]:
+                    return {m.group(1) for e in client.errors if (m := _VIOLATION.search(e))}
+
+                expected = {s.lower() for s in subjects}
+                with contextlib.suppress(AssertionError):  # the comparison below says what is missing
+                    await until(lambda expected=expected: expected <= refused(), 10.0, f"{role}: every refusal")
+                assert expected - refused() == set(), (role, sorted(expected - refused()))
+        for stream in buckets:
+            assert await admin.js.consumers_info(stream) == [], stream
+        await admin.nc.flush()
+        assert delivered == []
+
+
+async def test_a_buckets_records_reach_its_readers_from_its_stream_only(tmp_path: Path) -> None:
+    """What a KV watch reads: the bucket's stream republishes each record into ``kvwatch.<bucket>.<key>``,
+    with its stream and sequence; a reader of the bucket subscribes there; no role publishes there (every
+    actor role, the operator, and the supervisor too), so only the stream's records arrive. On main no
+    stream republished and no role could subscribe there."""
+    rt = load_run_config([DEFAULT_RUN]).runtime
+    async with default_run_bus(tmp_path) as (admin, info):
+        received: list[tuple[str, bytes, str | None]] = []
+
+        async def note(msg: Any) -> None:
+            received.append((msg.subject, msg.data, (msg.headers or {}).get("Nats-Stream")))
+
+        async with connect_as(info, "reconciler") as reader:
+            for bucket in ("config", "actors", "slots"):  # docs/ARCHITECTURE.md, "Subjects": kvwatch.<bucket>.<key>
+                await reader.nc.subscribe(f"kvwatch.{bucket}.>", cb=note)
+            await reader.nc.flush()
+            assert not reader.errors, reader.errors  # a reader of the bucket may subscribe there
+            forged = ["kvwatch.config.sampling.temperature",
+                      f"kvwatch.actors.{registration_key('reconciler', 'reconciler-1-abcd')}"]
+            for role in (*rt.actors, OPERATOR):
+                async with connect_as(info, role) as forger:
+                    for subject in forged:
+                        await forger.publish(subject, b"forged")
+                        assert await forger.refused(subject), (role, subject)
+            with structlog.testing.capture_logs() as events:
+                await admin.publish(forged[0], b"forged by the supervisor")
+                await admin.flush(5.0)
+                await until(lambda: [e for e in events if e["event"] == "bus_permission_denied"], 10.0,
+                            "the supervisor's refusal")
+            await admin.kv_put("config", "sampling.temperature", b"0.7")
+            await until(lambda: received, 10.0, "the stream's record")
+            await reader.nc.flush()
+        assert received == [("kvwatch.config.sampling.temperature", b"0.7", "KV_config")]
+
+
 async def test_a_consumer_delivering_into_a_subscribed_subject_is_refused_by_the_receiver(tmp_path: Path) -> None:
-    """A push consumer the rollout role makes on a bucket it reads (the ``run`` bucket, whose ``build.>``
-    keys it writes), delivering into ``weights.<run>``: the server delivers (a watch's consumer cannot be
-    told from it), the subscriber of ``weights.*`` refuses what a stream delivered and says so. On main the
+    """A push consumer the rollout role tries to make on a bucket it reads (the ``run`` bucket, whose
+    ``build.>`` keys it writes), delivering into ``weights.<run>``: the server refuses to make it
+    (`test_no_actor_role_creates_a_consumer_on_a_bucket`), and the subscriber of ``weights.*`` would refuse
+    what a stream delivered (a push consumer's delivery, a republished record) and say so. On main the
     reconciler's weights handler got the attacker's bytes."""
-    async with _default_run_bus(tmp_path) as (_, info):
+    async with default_run_bus(tmp_path) as (_, info):
         reconciler = await Bus.connect(info.nats_url, "reconciler", **info.bus_options("reconciler"))
         received: list[bytes] = []
         try:
@@ -374,7 +441,7 @@ async def test_a_reply_goes_only_to_the_requesters_inbox(tmp_path: Path) -> None
     """A heartbeat whose reply-to names the supervisor's inbox, or a control subject: the answering side
     refuses to answer (``reply_refused``). On main the reconciler answered into the supervisor's inbox and
     would have answered into ``ctl.supervisor.stop``."""
-    async with _default_run_bus(tmp_path) as (admin, info):
+    async with default_run_bus(tmp_path) as (admin, info):
         reconciler = await Bus.connect(info.nats_url, "reconciler", **info.bus_options("reconciler"))
         answered: list[bool] = []
         try:
