@@ -59,7 +59,7 @@ from runtime.backoff import doubling
 from runtime.bus_auth import BusCredentials, inbox_prefix, kv_watch_subject
 from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 from runtime.gather import gather_or_cancel
-from runtime.kv_watch import Admission, KVEntry, WatchCursor, entry_of
+from runtime.kv_watch import Admission, KVEntry, WatchCursor, entry_of, subject_matches
 
 log = structlog.get_logger(__name__)
 
@@ -321,12 +321,38 @@ class BusLimits:
 _MAX_MULTI_LAST = 1024  # the most keys whose last records one direct get reads (nats-server's limit)
 
 
+async def direct_get(nc: NatsClient, stream: str, request: dict[str, Any], timeout_s: float) -> tuple[list[Msg], Msg]:
+    """One batched direct get of ``stream`` (``multi_last`` or ``batch``: any replica answers): the records
+    it sends (each with the ``Nats-Sequence`` the server sets) and the message that ends it, a status (204
+    the batch's end, with ``Nats-Num-Pending``; 404 none; 413 too many). Every reply is waited for at most
+    ``timeout_s`` (nats-py's ``TimeoutError``)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, pending_msgs_limit=0, pending_bytes_limit=0)
+    records: list[Msg] = []
+    try:
+        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
+        while "Nats-Sequence" in ((msg := await sub.next_msg(timeout_s)).headers or {}):
+            records.append(msg)  # a record (the server sets this header); anything else is the answer's end
+        return records, msg
+    finally:
+        await Subscription(sub).unsubscribe()
+
+
 class _TooManyKeys(Exception):  # a signal between two of Bucket's methods, never raised out of it
     """More keys match than one direct get reads."""
 
 
 class _BehindLeader(nats.errors.Error):
     """A replica answered a bucket's read before it had the newest record its leader holds."""
+
+
+async def leader_newest(js: JetStreamContext, stream: str, subjects: str) -> int:
+    """The sequence of the newest message of ``subjects`` (wildcards allowed) that the leader of ``stream``
+    holds (a leader's get), 0 if none."""
+    try:
+        return (await js.get_msg(stream, subject=subjects)).seq or 0
+    except NotFoundError:
+        return 0
 
 
 def watch_republish(bucket: str) -> RePublish:
@@ -356,7 +382,6 @@ class Bucket(KeyValue):
         super().__init__(name=name, stream=stream, pre=self._prefix, js=js, direct=direct)
         self._nc = nc
         self._stream_info_subject = f"$JS.API.STREAM.INFO.{stream}"
-        self._direct_get_subject = f"$JS.API.DIRECT.GET.{stream}"
 
     @property
     def stream(self) -> str:
@@ -398,7 +423,8 @@ class Bucket(KeyValue):
 
     async def current(self, keys: str) -> tuple[WatchCursor, list[KVEntry]]:
         """The last record of every key matching ``keys`` (delete and purge markers included), in stream
-        order, read at one sequence of the stream, and the cursor a watch goes on from (`runtime.kv_watch`).
+        order, read at one sequence of the stream, and the cursor a watch goes on from (`runtime.kv_watch`),
+        read after the watch subscribed to the stream's republished records.
 
         Raises:
             BusError: the bucket's stream does not republish its records for watches (a bucket made by an
@@ -427,7 +453,9 @@ class Bucket(KeyValue):
             await self._check_caught_up(matching, up_to)
         entries = [entry_of(m.headers["Nats-Subject"][len(self._prefix) :], m.data, int(m.headers["Nats-Sequence"]),
                             m.headers) for m in records]
-        return WatchCursor(up_to), [e for e in entries if e is not None]
+        # the cut: where the read was made, or (none matched then) the stream's last sequence before it, after
+        # which every record was republished to the subscription made before
+        return WatchCursor(max(up_to, info.state.last_seq)), [e for e in entries if e is not None]
 
     async def _last_records(self, subjects: list[str], up_to: int = 0) -> tuple[list[Msg], int]:
         """The last record at or before stream sequence ``up_to`` (0: the stream's last when the server reads)
@@ -437,31 +465,26 @@ class Bucket(KeyValue):
         Raises:
             _TooManyKeys: more subjects match than the server reads in one request.
         """
-        inbox = self._nc.new_inbox()
-        sub = await self._nc.subscribe(inbox, pending_msgs_limit=0, pending_bytes_limit=0)
         records: list[Msg] = []
-        try:
-            start = 0
-            while True:
-                request = {"multi_last": subjects} | ({"up_to_seq": up_to} if up_to else {}) | (
-                    {"seq": start} if start else {})
-                await self._nc.publish(self._direct_get_subject, json.dumps(request).encode(), reply=inbox)
-                while "Nats-Sequence" in (headers := (msg := await sub.next_msg(self._read_timeout_s)).headers or {}):
-                    records.append(msg)  # a record (the server sets this header); anything else is the answer's end
-                status = headers.get("Status")
-                if status == "404":  # none (left) at or before the sequence read at
-                    return records, up_to
-                if status == "413":
-                    raise _TooManyKeys
-                if status != "204":
-                    raise BusError(f"reading the records of bucket {self.bucket!r}: the server answered {status} "
-                                   f"{headers.get(Header.DESCRIPTION, '')!r}")
-                up_to = int(headers["Nats-UpTo-Sequence"])
-                if int(headers.get("Nats-Num-Pending", "0")) == 0:
-                    return records, up_to
-                start = int(headers["Nats-Last-Sequence"]) + 1  # the rest: after the last record this answer held
-        finally:
-            await Subscription(sub).unsubscribe()
+        start = 0
+        while True:
+            request = {"multi_last": subjects} | ({"up_to_seq": up_to} if up_to else {}) | (
+                {"seq": start} if start else {})
+            got, end = await direct_get(self._nc, self._stream, request, self._read_timeout_s)
+            records += got
+            headers = end.headers or {}
+            status = headers.get("Status")
+            if status == "404":  # none (left) at or before the sequence read at
+                return records, up_to
+            if status == "413":
+                raise _TooManyKeys
+            if status != "204":
+                raise BusError(f"reading the records of bucket {self.bucket!r}: the server answered {status} "
+                               f"{headers.get(Header.DESCRIPTION, '')!r}")
+            up_to = int(headers["Nats-UpTo-Sequence"])
+            if int(headers.get("Nats-Num-Pending", "0")) == 0:
+                return records, up_to
+            start = int(headers["Nats-Last-Sequence"]) + 1  # the rest: after the last record this answer held
 
     async def _check_caught_up(self, matching: str, up_to: int) -> None:
         """That a direct get of a replicated bucket, which any replica answers, saw the newest record the
@@ -470,10 +493,7 @@ class Bucket(KeyValue):
         Raises:
             _BehindLeader: it did not (`through_election` reads again, for a while).
         """
-        try:
-            newest = (await self._js_quick.get_msg(self._stream, subject=matching)).seq or 0
-        except NotFoundError:
-            newest = 0
+        newest = await leader_newest(self._js_quick, self._stream, matching)
         if newest > up_to:
             raise _BehindLeader(f"the replica that answered for {self.bucket!r} had read up to {up_to}, "
                                 f"its leader holds {newest}")
@@ -1342,8 +1362,8 @@ class Bus:
 
         No consumer (no actor role may make one on a bucket's stream: docs/ARCHITECTURE.md, "Buckets"): a
         read of the current records at one stream sequence, and the records the stream republishes after
-        it (`runtime.kv_watch`). A restarted server, or a record lost on the way (the next record of its
-        key names a predecessor this watch did not see: ``kv_watch_gap``), starts it again.
+        it (`runtime.kv_watch`). A restarted server, or a record lost on the way (the next one received is
+        not the next sequence: ``kv_watch_gap``), starts it again.
         """
         kv = await self.kv(bucket)
         while True:
@@ -1361,40 +1381,51 @@ class Bus:
                 for entry in current:
                     yield entry
                 yield None
-                while self.health.num_outages == generation:
-                    msg = await self._next_or_outage(sub.next_msg(timeout=None))
-                    if msg is _OUTAGE:
-                        break
-                    headers = msg.headers or {}
-                    if headers.get("Nats-Stream") != kv.stream or "Nats-Sequence" not in headers:
-                        log.error("kv_watch_message_refused", bucket=bucket, subject=msg.subject,
-                                  client=self.health.client, reason=f"not republished by the stream {kv.stream}")
-                        continue
-                    key = headers.get("Nats-Subject", "")[len(kv.prefix) :]
-                    sequence, previous = int(headers["Nats-Sequence"]), int(headers.get("Nats-Last-Sequence", 0))
-                    admission = cursor.admit(key, sequence, previous)
-                    if admission is Admission.GAP:
-                        log.warning("kv_watch_gap", bucket=bucket, key=key, sequence=sequence, previous=previous,
-                                    client=self.health.client, consequence="read the current records again")
-                        break
-                    if admission is Admission.NEW and (entry := entry_of(key, msg.data, sequence, headers)):
+                async for key, sequence, msg in self._republished(sub, kv.stream, len(kv.prefix), cursor, generation,
+                                                                  "kv_watch_gap"):
+                    if subject_matches(keys, key) and (entry := entry_of(key, msg.data, sequence, msg.headers)):
                         yield entry
             finally:
                 await Subscription(sub).unsubscribe()
             log.info("kv_watch_renewed", bucket=bucket, keys=keys, client=self.health.client)
 
     async def _open_watch(self, kv: Bucket, keys: str) -> tuple[Any, WatchCursor, list[KVEntry]]:
-        """Subscribed to the bucket's republished records first, then its current ones read: every record
-        stored after the read's sequence arrives (and some before it, which `WatchCursor` tells apart).
-        Nothing the subscription receives is dropped by the client (no pending limit): one that falls
-        behind is a slow consumer for the server, which closes the connection, and that renews the watch."""
-        sub = await self.nc.subscribe(kv_watch_subject(kv.bucket, keys), pending_msgs_limit=0, pending_bytes_limit=0)
+        """Subscribed to every record the bucket's stream republishes first (the keys are picked out here, so
+        that a lost record of any key is noticed: `runtime.kv_watch`), then its current ones read: every
+        record stored after the read's sequence arrives (and some before it, which `WatchCursor` tells
+        apart). Nothing the subscription receives is dropped by the client (no pending limit): one that
+        falls behind is a slow consumer for the server, which closes the connection, and that renews it."""
+        sub = await self.nc.subscribe(kv_watch_subject(kv.bucket), pending_msgs_limit=0, pending_bytes_limit=0)
         try:
             cursor, current = await kv.current(keys)
         except BaseException:
             await Subscription(sub).unsubscribe()
             raise
         return sub, cursor, current
+
+    async def _republished(self, sub: Any, stream: str, strip: int, cursor: WatchCursor, generation: int,
+                           gap_event: str) -> AsyncIterator[tuple[str, int, Msg]]:
+        """The records ``stream`` republished after ``cursor``'s cut that ``sub`` receives, each as (its subject
+        less its first ``strip`` characters, its sequence, the message), until the connection drops or a
+        record turns out lost (``gap_event``: the caller reads again from the stream)."""
+        while self.health.num_outages == generation:
+            msg = await self._next_or_outage(sub.next_msg(timeout=None))
+            if msg is _OUTAGE:
+                return
+            headers = msg.headers or {}
+            if headers.get("Nats-Stream") != stream or "Nats-Sequence" not in headers:
+                log.error("republished_message_refused", stream=stream, subject=msg.subject, client=self.health.client,
+                          reason=f"not republished by the stream {stream}")
+                continue
+            sequence = int(headers["Nats-Sequence"])
+            admission = cursor.admit(sequence)
+            if admission is Admission.GAP:
+                log.warning(gap_event, stream=stream, subject=headers.get("Nats-Subject"), sequence=sequence,
+                            expected=cursor.sequence + 1, client=self.health.client,
+                            consequence="read again from the stream")
+                return
+            if admission is Admission.NEW:
+                yield headers.get("Nats-Subject", "")[strip:], sequence, msg
 
     async def follow(self, subject: str, start: FollowStart = "new") -> AsyncIterator[StreamMessage]:
         """The messages of a stream's ``subject`` through an ordered consumer, from ``start``, across outages.

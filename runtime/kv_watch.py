@@ -1,32 +1,34 @@
-"""A KV watch without a consumer: the bucket's current records in one read, then the changes its stream
-republishes, merged by stream sequence (transport-free; `runtime.bus.Bus.kv_watch` does the talking).
+"""Reading a stream without a consumer: what it holds (one read), then the records it republishes, merged by
+stream sequence (transport-free; `runtime.bus.Bus.kv_watch` and `Bus.follow` do the talking).
 
 Why no consumer: whoever may create a consumer on a stream may give it any deliver subject, and the
 server does not check that subject against the creator's permissions: a role that reads a bucket could
 have the server publish the bucket's records into ``weights.<run>`` or any other subject (issue 31). So
-the supervisor gives each bucket's stream a republish rule, ``$KV.<bucket>.>`` to
-``kvwatch.<bucket>.>`` (`runtime.bus_auth.kv_watch_subject`), which a bucket's readers may subscribe to
-and no role may publish to (the server's own republish is not subject to any user's permissions), and
-no actor role may create a consumer on a bucket's stream. A watch is then:
+the supervisor gives each bucket's stream a republish rule, ``$KV.<bucket>.>`` to ``kvwatch.<bucket>.>``
+(`runtime.bus_auth.kv_watch_subject`; the event log LOG likewise, ``log.>`` to ``follow.log.>``), which
+the stream's readers may subscribe to and no role may publish to (the server's own republish is not
+subject to any user's permissions), and no actor role may create a consumer. A KV watch is then:
 
-1. subscribe to the republished changes of the keys (kept from then on, none dropped by the client);
+1. subscribe to every record the bucket's stream republishes (kept from then on, none dropped by the
+   client; the keys watched are picked out here, `subject_matches`);
 2. read the last record of every matching key in one direct get (``multi_last``), a consistent cut
-   of the stream at one sequence (`WatchCursor.snapshot_sequence`);
-3. the changes after that sequence, in the order the stream stored them (`WatchCursor.admit`).
+   of the stream at one sequence (`WatchCursor.sequence`);
+3. the records after that sequence, in the order the stream stored them (`WatchCursor.admit`).
 
-A republished record names the key's previous record (``Nats-Last-Sequence``): a change whose previous
-record is after the cut and is not the last one this watch saw of the key means a change was lost (a
-route that learnt of the subscription late, a stream replica behind its leader), and the watch starts
-again from a new cut (`Admission.GAP`), as it does after an outage.
+The stream republishes every record it stores, one sequence after the other, and the watch receives
+all of them: a record that is not the one after the last means one was lost on the way (a route that
+learnt of the subscription late, a leader's change), whatever its key, and the watch reads again from
+the stream (`Admission.GAP`), as it does after an outage. (Each record also names its key's previous
+one, ``Nats-Last-Sequence``; that would notice a lost record only when its key is written again.)
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-__all__ = ["Admission", "KVEntry", "WatchCursor", "entry_of"]
+__all__ = ["Admission", "KVEntry", "WatchCursor", "entry_of", "subject_matches"]
 
 _OPERATION = "KV-Operation"  # a client's delete (DEL) or purge (PURGE) marker
 _MARKER_REASON = "Nats-Marker-Reason"  # a marker the server placed (nats-server >= 2.11)
@@ -60,8 +62,19 @@ def entry_of(key: str, value: bytes, revision: int, headers: Mapping[str, str]) 
     return KVEntry(key, value, revision)
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether ``subject`` matches the NATS ``pattern`` (``*`` one token, a last ``>`` one or more)."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">" and i == len(want) - 1:
+            return len(have) > i
+        if i >= len(have) or token not in ("*", have[i]):
+            return False
+    return len(have) == len(want)
+
+
 class Admission(enum.Enum):
-    """What a republished record is to a watch: in its snapshot already, new, or after a lost one."""
+    """What a republished record is to a reader: in what it read already, the next one, or after a lost one."""
 
     OLD = "old"
     NEW = "new"
@@ -70,24 +83,21 @@ class Admission(enum.Enum):
 
 @dataclass
 class WatchCursor:
-    """Where a watch stands: the sequence its snapshot was read at, and the last record of each key since.
+    """Where a reader of a stream stands: the last sequence it has, the cut it read the stream at, then each
+    republished record it took.
 
     Attributes:
-        snapshot_sequence: the stream sequence the snapshot holds every record up to (the direct get's
-            ``Nats-UpTo-Sequence``).
+        sequence: every record of the stream up to this one is accounted for (read, or taken live).
     """
 
-    snapshot_sequence: int
-    _since: dict[str, int] = field(default_factory=dict)  # key -> sequence of its last record after the cut
+    sequence: int
 
-    def admit(self, key: str, sequence: int, previous: int) -> Admission:
-        """A republished record of ``key`` at ``sequence`` whose key's record before it was at ``previous``
-        (0: none stored). A record at or before the cut is in the snapshot (it came between subscribing
-        and reading). After the cut, its previous record must be at or before the cut (the snapshot has
-        it, or this record superseded it) or be the last one admitted for the key; otherwise one was lost."""
-        if sequence <= self.snapshot_sequence:
+    def admit(self, sequence: int) -> Admission:
+        """A republished record at ``sequence``: at or before the cut it is in what was read (it came between
+        subscribing and reading); the next one is taken; any later one means one before it was lost."""
+        if sequence <= self.sequence:
             return Admission.OLD
-        if previous > self.snapshot_sequence and self._since.get(key) != previous:
+        if sequence != self.sequence + 1:
             return Admission.GAP
-        self._since[key] = sequence
+        self.sequence = sequence
         return Admission.NEW
