@@ -56,7 +56,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from runtime.backoff import doubling
-from runtime.bus_auth import BusCredentials, inbox_prefix, kv_watch_subject
+from runtime.bus_auth import BusCredentials, follow_subject, inbox_prefix, kv_watch_subject
 from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 from runtime.gather import gather_or_cancel
 from runtime.kv_watch import Admission, KVEntry, WatchCursor, entry_of, subject_matches
@@ -319,6 +319,7 @@ class BusLimits:
 
 
 _MAX_MULTI_LAST = 1024  # the most keys whose last records one direct get reads (nats-server's limit)
+_FOLLOW_BATCH = 256  # records per direct get while a follow catches up
 
 
 async def direct_get(nc: NatsClient, stream: str, request: dict[str, Any], timeout_s: float) -> tuple[list[Msg], Msg]:
@@ -1200,7 +1201,8 @@ class Bus:
             await self._ensure_stream(StreamConfig(
                 name="LOG", subjects=["log.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                 max_age=lim.log_max_age_s, max_bytes=lim.log_max_bytes, discard=DiscardPolicy.OLD,
-                num_replicas=lim.replicas))
+                num_replicas=lim.replicas, allow_direct=True,  # followed without consumers (`Bus.follow`)
+                republish=RePublish(src="log.>", dest=follow_subject("log.>"))))
             await self._ensure_stream(StreamConfig(
                 name="DLQ", subjects=["dlq.>"], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                 max_age=lim.dlq_max_age_s, max_bytes=lim.dlq_max_bytes, discard=DiscardPolicy.OLD,
@@ -1428,48 +1430,114 @@ class Bus:
                 yield headers.get("Nats-Subject", "")[strip:], sequence, msg
 
     async def follow(self, subject: str, start: FollowStart = "new") -> AsyncIterator[StreamMessage]:
-        """The messages of a stream's ``subject`` through an ordered consumer, from ``start``, across outages.
+        """The messages of a stream's ``subject`` from ``start`` (everything kept, new ones, or from a time), in
+        the order the stream stored them, across outages and lost messages, none lost or repeated.
 
-        A restarted server loses the ephemeral consumer, and nats-py's ordered consumer recreates it only
-        once it has missed two idle heartbeats (measured: 19.5 s of silence after a kill -9 and restart of
-        the server, while pull consumers carried on at once). So once the connection drops, the consumer
-        is made again as soon as it is back, from the stream sequence after the last message delivered, so
-        none is lost or repeated."""
-        if isinstance(start, datetime):
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())
-        elif start in ("all", "new"):
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL if start == "all" else DeliverPolicy.NEW)
-        else:
+        No consumer (a role that may create one may give it any deliver subject, which the server does not
+        check against its permissions): the stored messages by batched direct gets, then those the stream
+        republishes into ``follow.<its subjects>`` (its republish rule, `runtime.bus_auth.follow_subject`:
+        all of them, ``subject``'s picked out here), told apart by sequence as a KV watch does
+        (`runtime.kv_watch`). Once the connection drops, or a republished message is not the next sequence
+        (one was lost on the way: ``stream_follow_gap``), it reads the stream again after the last message
+        it had.
+        """
+        if not isinstance(start, datetime) and start not in ("all", "new"):
             raise ValueError(f"start={start!r}: expected 'all', 'new' or a datetime")
-        next_seq: int | None = None
+        with _translated(f"find the stream of {subject}"):
+            stream = await self._through_election(f"follow {subject}",
+                                                  lambda: self.js_reads.find_stream_name_by_subject(subject))
+        next_seq: int | None = None  # the sequence after the last message delivered, once caught up or delivered
         while True:
             await self.health.up.wait()
             generation = self.health.num_outages
-            if next_seq is not None:
-                config = dataclasses.replace(config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                             opt_start_seq=next_seq, opt_start_time=None)
             try:
-                sub = await self._through_election(f"follow {subject}", lambda config=config: self.js.subscribe(
-                    subject, ordered_consumer=True, config=config))
-            except (nats.errors.Error, OSError):
+                with _translated(f"follow {subject}"):
+                    sub, last_seq, replicated = await self._through_election(
+                        f"follow {subject}", lambda: self._open_follow(stream))
+            except OSError:  # BusError included
                 if self.health.num_outages != generation or self.health.down.is_set():
                     continue
                 raise
             try:
-                while self.health.num_outages == generation:
-                    msg = await self._next_or_outage(sub.next_msg(timeout=None))
-                    if msg is _OUTAGE:
-                        break
-                    next_seq = msg.metadata.sequence.stream + 1
-                    yield StreamMessage(msg.subject, msg.data, msg.metadata.sequence.stream,
-                                        msg.metadata.num_pending)
-            finally:
+                if next_seq is not None:
+                    request: dict[str, Any] = {"seq": next_seq}
+                elif isinstance(start, datetime):
+                    request = {"start_time": start.isoformat()}
+                else:
+                    request = {"seq": 1 if start == "all" else last_seq + 1}
+                caught_up = False
                 try:
-                    async with asyncio.timeout(5.0):
-                        await sub.unsubscribe()
-                except (nats.errors.Error, OSError):
-                    pass  # the connection is gone: so is the subscription
+                    with _translated(f"follow {subject}"):
+                        async for msg in self._catch_up(stream, subject, request, replicated):
+                            next_seq = int(msg.headers["Nats-Sequence"]) + 1
+                            yield StreamMessage(msg.headers["Nats-Subject"], msg.data, next_seq - 1,
+                                                int(msg.headers.get("Nats-Num-Pending", 0)))
+                    caught_up = True
+                except OSError:  # BusError included
+                    if self.health.num_outages == generation and not self.health.down.is_set():
+                        raise
+                if caught_up:  # nothing of ``subject`` up to the stream's last sequence then is left to read
+                    next_seq = max(next_seq or 0, last_seq + 1)
+                    async for name, sequence, msg in self._republished(sub, stream, 0, WatchCursor(next_seq - 1),
+                                                                       generation, "stream_follow_gap"):
+                        next_seq = sequence + 1
+                        if subject_matches(subject, name):
+                            yield StreamMessage(name, msg.data, sequence, 0)
+            finally:
+                await Subscription(sub).unsubscribe()
             log.info("stream_follow_renewed", subject=subject, next_seq=next_seq, client=self.health.client)
+
+    async def _open_follow(self, stream: str) -> tuple[Any, int, bool]:
+        """Subscribed to every message ``stream`` republishes first (as `_open_watch`), then its state read:
+        its last sequence then, and whether it is replicated.
+
+        Raises:
+            BusError: the stream republishes nothing for a follow (the supervisor's `ensure_base` makes LOG so).
+        """
+        info = await self.js_reads.stream_info(stream)
+        republish = info.config.republish
+        if republish is None or republish.dest != follow_subject(republish.src) or republish.headers_only \
+                or not info.config.allow_direct:
+            raise BusError(f"stream {stream} cannot be followed: it does not republish its messages into "
+                           f"{follow_subject('<subject>')} with direct gets allowed (made by an older version); "
+                           "the supervisor's ensure_base (runtime.up) sets that")
+        sub = await self.nc.subscribe(follow_subject(republish.src), pending_msgs_limit=0, pending_bytes_limit=0)
+        try:
+            info = await self.js_reads.stream_info(stream)
+        except BaseException:
+            await Subscription(sub).unsubscribe()
+            raise
+        return sub, info.state.last_seq, (info.config.num_replicas or 1) > 1
+
+    async def _catch_up(self, stream: str, subject: str, request: dict[str, Any],
+                        replicated: bool) -> AsyncIterator[Msg]:
+        """The stored messages of ``subject`` from ``request``'s start (a sequence or a time), by batched direct
+        gets, until one reports none left; on a replicated stream, until the leader holds none newer either
+        (a replica that answered may be behind it: asked again while `BusLimits.election_wait_s` lasts)."""
+        deadline = time.monotonic() + self.election_wait_s
+        for attempt in itertools.count():
+            batch = request | {"batch": _FOLLOW_BATCH, "next_by_subj": subject}
+            records, end = await self._through_election(f"follow {subject}", lambda batch=batch: direct_get(
+                self.nc, stream, batch, _READ_PROBE_S if self.election_wait_s else 5.0))
+            for msg in records:
+                yield msg
+            if records:
+                request = {"seq": int(records[-1].headers["Nats-Sequence"]) + 1}
+            status = (end.headers or {}).get("Status")
+            if status == "204" and int((end.headers or {}).get("Nats-Num-Pending", 0)) > 0:
+                continue
+            if status not in ("204", "404"):
+                raise BusError(f"following {subject} in {stream}: the server answered {status} "
+                               f"{(end.headers or {}).get(Header.DESCRIPTION, '')!r}")
+            # a replica that answered "none left" may be behind its leader: the leader's newest message of
+            # ``subject`` must be one delivered (from a time with none delivered, nothing tells: taken as is)
+            if not replicated or "seq" not in request \
+                    or await leader_newest(self.js_reads, stream, subject) < request["seq"]:
+                return
+            if time.monotonic() > deadline:
+                raise BusError(f"following {subject} in {stream}: the replicas that answered stayed behind "
+                               f"the leader for {self.election_wait_s}s")
+            await asyncio.sleep(election_backoff_s(attempt))  # a replica catching up: seconds, then at once
 
     async def _next_or_outage(self, source: Any) -> Any:
         """The next item of ``source`` (an async iterator, or an awaitable for one item); ``_END`` when an

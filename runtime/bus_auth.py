@@ -6,10 +6,9 @@ Roles:
                 reading the registry, the event log and progress; nothing else.
     <kind>      each actor kind of the run (reconciler, rollout, trainer, ...): what every actor does
                 (fetching from and acknowledging on its own work queues' consumers, which the
-                supervisor makes: no role but the supervisor creates, changes or deletes a stream, nor
-                any consumer on a bucket's stream: a KV watch is a read and the stream's republished
-                records, `runtime.kv_watch`; only a kind that declares `stream_reader` makes the
-                ordered consumers reading that stream); its own kind's registry entries and
+                supervisor makes: no role but the supervisor creates, changes or deletes a stream or a
+                consumer; a KV watch and a stream's follow are reads and the stream's republished
+                records, `runtime.kv_watch`); its own kind's registry entries and
                 handover record, the ``config`` watch, events, dead letters, its own kind's control
                 subjects and their replies) plus what its class declares in ``Actor.bus_access``
                 (subjects it publishes and subscribes to, buckets it reads and writes, keys of other
@@ -58,6 +57,7 @@ __all__ = [
     "actor_permissions",
     "authorization_conf",
     "control_subject",
+    "follow_subject",
     "generate_credentials",
     "inbox_prefix",
     "kv_watch_subject",
@@ -71,6 +71,7 @@ SUPERVISOR = "supervisor"
 OPERATOR = "operator"
 _API = "$JS.API"
 KV_WATCH = "kvwatch"  # the root of every bucket's republished records (`kv_watch_subject`)
+FOLLOW = "follow"  # the root of the messages a followed stream republishes (`follow_subject`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +157,13 @@ def kv_watch_subject(bucket: str, keys: str = ">") -> str:
     return f"{KV_WATCH}.{bucket}.{keys}"
 
 
+def follow_subject(subject: str) -> str:
+    """Where a followed stream (LOG) republishes its messages of ``subject`` (its republish rule, made by the
+    supervisor: `runtime.bus.Bus.ensure_base`): `runtime.bus.Bus.follow` subscribes here. A reader of the
+    stream (`stream_reader`) may subscribe; no role may publish."""
+    return f"{FOLLOW}.{subject}"
+
+
 def control_subject(kind: str, actor_id: str, verb: str = "*") -> str:
     """Where actor ``actor_id`` of ``kind`` takes control requests (ping, status, drain): under its
     kind, so that a role may listen to its own actors' control and no other's."""
@@ -201,11 +209,12 @@ def _kv_keys(bucket: str, keys: Iterable[str]) -> list[str]:
     return [*_kv_read(bucket), *(f"$KV.{bucket}.{key}" for key in keys)]
 
 
-def stream_reader(stream: str) -> tuple[str, ...]:
-    """Read a stream through ordered consumers (``Bus.follow``): find it by subject, make and renew them
-    (the server deletes an idle one)."""
-    return (f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.{stream}", f"{_API}.CONSUMER.CREATE.{stream}",
-            f"{_API}.CONSUMER.CREATE.{stream}.>", f"{_API}.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>")
+def stream_reader(stream: str, subject: str) -> BusAccess:
+    """Read a stream's ``subject`` from any point on (``Bus.follow``): find the stream by subject, read its
+    state and its messages by direct gets, and subscribe to what it republishes. No consumer: a role that
+    may create one may give it any deliver subject, which the server does not check against its permissions."""
+    return BusAccess(publish=(f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}"),
+                     subscribe=(follow_subject(subject),))
 
 
 def actor_permissions(role: str, access: BusAccess) -> Permissions:
@@ -233,15 +242,17 @@ def actor_permissions(role: str, access: BusAccess) -> Permissions:
 
 def operator_permissions() -> Permissions:
     """ops commands: control requests, live configuration, the registry, the event log, progress."""
-    publish = ["ctl.>", *_kv_write("config"), *_kv_read("actors"), *_kv_read("run"), *stream_reader("LOG")]
-    subscribe = (f"{inbox_prefix(OPERATOR)}.>", "log.>", "progress.>", *_kv_watch(("config", "actors", "run")))
+    log_reader = stream_reader("LOG", "log.>")
+    publish = ["ctl.>", *_kv_write("config"), *_kv_read("actors"), *_kv_read("run"), *log_reader.publish]
+    subscribe = (f"{inbox_prefix(OPERATOR)}.>", "log.>", "progress.>", *_kv_watch(("config", "actors", "run")),
+                 *log_reader.subscribe)
     return Permissions(tuple(publish), subscribe, allow_responses=False)
 
 
 def _supervisor_permissions() -> Permissions:
-    # everything but publishing into the buckets' republished records, which only their streams write:
-    # a watcher takes what arrives there for the bucket's own (`runtime.kv_watch`)
-    return Permissions((">",), (">",), publish_deny=(f"{KV_WATCH}.>",))
+    # everything but publishing where streams republish, which only they write: a watcher or follower
+    # takes what arrives there for the stream's own (`runtime.kv_watch`)
+    return Permissions((">",), (">",), publish_deny=(f"{KV_WATCH}.>", f"{FOLLOW}.>"))
 
 
 def generate_credentials(directory: Path, roles: Mapping[str, Permissions]) -> list[BusUser]:

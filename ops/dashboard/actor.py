@@ -28,9 +28,9 @@ from runtime.rundir import CONFIG_FILE
 
 class DashboardActor(Actor):
     kind = "dashboard"
-    bus_access = BusAccess(publish=("ctl.*.*.status", "ctl.*.*.metrics", "ctl.supervisor.status", "progress.dashboard",
-                                    *stream_reader("LOG")),
-                           subscribe=("log.>",), kv_read=("actors",), kv_write=("config",))
+    bus_access = BusAccess(publish=("ctl.*.*.status", "ctl.*.*.metrics", "ctl.supervisor.status", "progress.dashboard"),
+                           subscribe=("log.>",), kv_read=("actors",), kv_write=("config",)) \
+        | stream_reader("LOG", "log.>")
 
     async def setup(self) -> None:
         run_dir = Path(self.ctx.run_dir)

@@ -1,7 +1,7 @@
 """Where the dashboard's view of a run comes from.
 
-Live (the run's bus answers): the event log replayed from its start and then followed (``log.>`` through
-an ordered consumer that survives bus outages), the live configuration watched in its KV bucket, and a
+Live (the run's bus answers): the event log replayed from its start and then followed (``log.>``, through
+`runtime.bus.Bus.follow`, which survives bus outages), the live configuration watched in its KV bucket, and a
 status sample (registry, reconciler and trainer status) every ``sample_s``: the slot table and the
 actors are state, not events, so a chart of them over time is a series of samples. Offline (a finished
 run, or one whose bus does not answer): the event files under RUN_DIR/logs, read once.

@@ -246,9 +246,8 @@ _ACCOUNT_API = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "
 # consumer: a watch reads the records the bucket's stream republishes (runtime.kv_watch), as a consumer
 # would have a deliver subject the server does not check against the role's permissions
 _BUCKET_READS = ("STREAM.INFO.{s}", "DIRECT.GET.{s}", "DIRECT.GET.{s}.{f}", "STREAM.MSG.GET.{s}")
-# what the event log's reader (a kind declaring `stream_reader("LOG")`) asks: ordered consumers on LOG
-_LOG_READS = ("STREAM.INFO.{s}", "CONSUMER.CREATE.{s}", "CONSUMER.CREATE.{s}.{c}", "CONSUMER.CREATE.{s}.{c}.{f}",
-              "CONSUMER.INFO.{s}.{c}")
+# what the event log's reader (a kind declaring `stream_reader("LOG", ...)`) asks: its state and direct gets
+_LOG_READS = ("STREAM.INFO.{s}", "DIRECT.GET.{s}")
 _OWN_QUEUE = ("CONSUMER.INFO.{s}.{c}", "CONSUMER.MSG.NEXT.{s}.{c}")  # bind, fetch (acks are $JS.ACK)
 
 
@@ -303,7 +302,7 @@ async def test_actor_roles_get_no_jetstream_rights_but_their_own_pull_consumers_
                 granted = {s.lower() for s in subjects} - refused()
                 assert granted and not any(op in s for s in granted for op in (
                     "stream.create", "stream.update", "stream.delete", "stream.purge", "msg.delete", "durable",
-                    "consumer.delete", "consumer.create.kv_")), (role, sorted(granted))
+                    "consumer.delete", "consumer.create")), (role, sorted(granted))
 
 
 async def test_a_role_cannot_reconfigure_its_own_queue_stream(tmp_path: Path) -> None:
@@ -325,17 +324,20 @@ async def test_a_role_cannot_reconfigure_its_own_queue_stream(tmp_path: Path) ->
         assert after.config.subjects == before.config.subjects and after.config.republish is None
 
 
-async def test_no_actor_role_creates_a_consumer_on_a_bucket(tmp_path: Path) -> None:
-    """Every actor role of the default run, on every bucket's stream: CONSUMER.CREATE (bare, named, named with
-    a filter) and DURABLE.CREATE are refused, among them a push consumer delivering the bucket's records into
-    ``weights.<run>`` (the server does not check a deliver subject against its creator's permissions); none
-    is made and nothing arrives there. A KV watch needs none (runtime.kv_watch). On main every role that read
-    a bucket could make one (a KV watch was an ordered push consumer), and ``weights.r1`` got the records."""
+async def test_no_actor_role_creates_a_consumer_on_a_bucket_or_the_event_log(tmp_path: Path) -> None:
+    """Every actor role of the default run, on every bucket's stream and on LOG: CONSUMER.CREATE (bare, named,
+    named with a filter) and DURABLE.CREATE are refused, among them a push consumer delivering the stream's
+    messages into ``weights.<run>`` (the server does not check a deliver subject against its creator's
+    permissions); none is made and nothing arrives there. A KV watch and a follow of the log need none
+    (runtime.kv_watch). On main every role that read a bucket could make one (a KV watch was an ordered push
+    consumer), and so could the dashboard on LOG (ops.tail's follow), and ``weights.r1`` got the records."""
     rt = load_run_config([DEFAULT_RUN]).runtime
     async with default_run_bus(tmp_path) as (admin, info):
         await admin.kv_put("run", "build.x", b"the attacker's bytes")  # what would be delivered
+        await admin.publish_durable("log.dashboard.info", b"the attacker's bytes")
         buckets = sorted(s.name for s in await admin.stream_states() if s.name.startswith("KV_"))
         assert {"KV_actors", "KV_config", "KV_run", "KV_slots"} <= set(buckets)
+        buckets.append("LOG")
         delivered: list[bytes] = []
 
         async def note(msg: Any) -> None:
@@ -347,11 +349,12 @@ async def test_no_actor_role_creates_a_consumer_on_a_bucket(tmp_path: Path) -> N
                 subjects = []
                 for stream in buckets:
                     name = f"{role}_push"
+                    written = "log.dashboard.info" if stream == "LOG" else f"$KV.{stream[3:]}.build.x"
                     request = json.dumps({"stream_name": stream, "config": {
                         "name": name, "deliver_subject": "weights.r1", "ack_policy": "none", "deliver_policy": "all",
-                        "filter_subject": f"$KV.{stream[3:]}.build.x"}}).encode()
+                        "filter_subject": written}}).encode()
                     for subject in (f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.{name}",
-                                    f"$JS.API.CONSUMER.CREATE.{stream}.{name}.$KV.{stream[3:]}.build.x",
+                                    f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{written}",
                                     f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"):
                         subjects.append(subject)
                         await client.nc.publish(subject, request, reply=client.nc.new_inbox())
