@@ -28,18 +28,20 @@ from runtime.errors import ConfigError
 from runtime.events import EventLog
 from runtime.procutil import lower_priority
 from runtime.ready_samples import ReadySamples
-from runtime.run_config import RunConfig, import_entry, load_run_config
+from runtime.run_config import RunConfig, import_entry, load_kind_config
 from runtime.run_state import RunNotFound, check_run_id, read_run_config, read_run_record
 from runtime.rundir import CONFIG_FILE
 
 CONNECT_TIMEOUT_S = 30.0  # the bus of a run being resumed may still be electing its leaders
 
 
-async def find_run(bus: Bus, run_id: str, run_dir: Path) -> tuple[RunConfig, BlobStore]:
-    """The run's configuration (cached in ``run_dir``) and blob store, from the bus's run record.
+async def find_run(bus: Bus, run_id: str, run_dir: Path, kind: str) -> tuple[RunConfig, BlobStore]:
+    """The run's configuration as a process of ``kind`` needs it (cached in ``run_dir``) and blob store, from the
+    bus's run record.
 
     Raises:
         RunNotFound, RunConflict: the bus or its store carries no run, or another one.
+        ConfigError: the run has no actor kind ``kind``.
     """
     record = await read_run_record(bus)
     if record is None or record.run_id != run_id:
@@ -53,7 +55,7 @@ async def find_run(bus: Bus, run_id: str, run_dir: Path) -> tuple[RunConfig, Blo
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, cached)
-        return load_run_config([cached]), blob
+        return load_kind_config([cached], kind), blob
     except BaseException:
         await blob.close()
         raise
@@ -64,14 +66,11 @@ async def _serve(args: argparse.Namespace) -> None:
     async with asyncio.timeout(CONNECT_TIMEOUT_S):
         bus = await Bus.connect(args.bus, name=args.actor_id, **bus_options)
     try:
-        cfg, blob = await find_run(bus, args.run, args.run_dir)
+        cfg, blob = await find_run(bus, args.run, args.run_dir, args.kind)
     except BaseException:
         await bus.close()
         raise
-    spec = cfg.runtime.actors.get(args.kind)
-    if spec is None:
-        await bus.close()
-        raise ConfigError(f"run {args.run!r} has no actor kind {args.kind!r}; it has {sorted(cfg.runtime.actors)}")
+    spec = cfg.runtime.actors[args.kind]
     lower_priority(spec.nice)
     event_log = EventLog(args.run_dir / "logs" / f"{args.actor_id}.jsonl", args.kind, args.actor_id, cfg.runtime.log)
     event_log.install()

@@ -342,6 +342,30 @@ def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -
     return RunConfig(runtime, config_mod.build(schema, app_tree), schema)
 
 
+def load_kind_config(files: Iterable[Path], kind: str) -> RunConfig:
+    """A run's resolved configuration as a process of ``kind`` needs it (`runtime.actor_process`): the
+    runtime's sections, and the application's built with ``kind``'s own ``Config``.
+
+    Only that kind's class is imported when it has a ``Config``: the whole was checked by `load_run_config`
+    when the run started (every kind's class, the process counts, one shared schema), and the files are
+    that check's output. Importing every other kind's code would make each process load what the heaviest
+    kind needs: the reconciler imported torch for the trainer's sake, and its replacement after a freeze
+    started seconds later for it (issue 32). A kind without a ``Config`` gets the run's shared schema,
+    found as `load_run_config` finds it.
+
+    Raises:
+        ConfigError: the run has no kind ``kind``, or the files do not read as a run's configuration.
+    """
+    tree = config_mod.read_files(files)
+    runtime = config_mod.build(RuntimeConfig, {k: v for k, v in tree.items() if k in RUNTIME_SECTIONS})
+    spec = runtime.actors.get(kind)
+    if spec is None:
+        raise ConfigError(f"the run has no actor kind {kind!r}; it has {sorted(runtime.actors)}")
+    schema = import_entry(spec.entry).Config or app_schema_of(runtime.actors)
+    app_tree = {k: v for k, v in tree.items() if k not in RUNTIME_SECTIONS}
+    return RunConfig(runtime, None if schema is None else config_mod.build(schema, app_tree), schema)
+
+
 def runtime_from_overrides(overrides: Iterable[str]) -> RuntimeConfig:
     """The runtime sections that ``key=value`` overrides set (the rest default; application keys and
     ``actors.*`` ignored): how to reach a run (its bus, its store) before its configuration is read.

@@ -70,3 +70,34 @@ def test_the_fault_handling_settings_are_range_checked(tmp_path: Path) -> None:
             load_run_config([source], [override])
     cfg = load_run_config([source], ["supervisor.stall_s=0", "bus.max_outage_s=5", "actors.counter.max_deliveries=3"])
     assert cfg.runtime.supervisor.stall_s == 0 and cfg.runtime.bus.max_outage_s == 5
+
+
+_CRASHING = '[actors.crashing]\nentry = "tests.integration.workers:CrashingActor"\n'  # a kind without a Config
+
+
+def test_a_process_of_one_kind_imports_no_other_kinds_code(tmp_path: Path) -> None:
+    """An actor process reads the run's configuration with its own kind's class alone (issue 32: the reconciler
+    imported torch for the trainer's sake): another kind's entry, here one that cannot be imported at all, is
+    never imported; the whole run file was checked when the run started (load_run_config refuses it)."""
+    import pytest
+
+    from runtime.errors import ConfigError
+    from runtime.run_config import load_kind_config
+
+    source = tmp_path / "config.toml"
+    source.write_text(_COUNTER + '[actors.other]\nentry = "tests.no_such_module:Thing"\n[counter]\nnote = "n"\n')
+    with pytest.raises(ConfigError, match="no_such_module"):
+        load_run_config([source])
+    cfg = load_kind_config([source], "counter")
+    assert cfg.app.counter.note == "n" and cfg.app_schema.__name__ == "CounterConfig"
+    assert sorted(cfg.runtime.actors) == ["counter", "other"]
+    with pytest.raises(ConfigError, match="no actor kind 'nope'"):
+        load_kind_config([source], "nope")
+
+
+def test_a_kind_without_a_config_gets_the_runs_shared_one(tmp_path: Path) -> None:
+    from runtime.run_config import load_kind_config
+
+    source = tmp_path / "config.toml"
+    source.write_text(_COUNTER + _CRASHING + '[counter]\nnote = "n"\n')
+    assert load_kind_config([source], "crashing") == load_run_config([source]) == load_kind_config([source], "counter")
