@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.agent.episode import AgentConfig
+from actors.agent.config import AgentConfig
 from actors.reconciler.scheduling import SchedulingConfig
 from actors.training.lr_schedule import LRSchedule
-from model.device import check_device_spec
+from model.device_spec import check_device_spec
 from runtime.config import Range, check_ranges, fixed, live
 from sandbox.long_context_tasks import count_long_context_tasks
 from sandbox.task_generator import count_tasks

@@ -3,26 +3,17 @@
 ``auto`` is CUDA when the process was given a GPU (``torch.cuda.is_available()``: the backend hides
 the others with ``CUDA_VISIBLE_DEVICES``), else the CPU. An explicit ``cuda`` on a machine without one
 is an error that says so, never a silent fall back to the CPU: a run that asked for a GPU and trains
-on the CPU would be hundreds of times slower without a word.
+on the CPU would be hundreds of times slower without a word. How a spec reads is `model.device_spec`'s.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from model.device_spec import check_device_spec
 from model.errors import ConfigError
 
-__all__ = ["check_device_spec", "resolve_device"]
-
-_SPEC = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
-
-
-def check_device_spec(spec: str, *, key: str = "policy.device") -> None:
-    """Raises ConfigError unless ``spec`` reads as a device (availability is checked by resolve_device)."""
-    if not _SPEC.match(spec):
-        raise ConfigError(f"{key}={spec!r}: use auto, cpu, cuda or cuda:N (N the GPU's index)")
+__all__ = ["resolve_device"]
 
 
 def resolve_device(spec: str, *, key: str = "policy.device") -> torch.device:

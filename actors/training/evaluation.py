@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from actors.agent.episode import AgentConfig, EpisodeEnd, run_episode
+from actors.agent.config import AgentConfig
+from actors.agent.episode import EpisodeEnd, run_episode
 from model.engine import EngineConfig, GenerationEngine
 from model.generation import Generation
 from model.sampling import SamplingParams

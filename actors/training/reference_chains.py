@@ -19,11 +19,9 @@ from typing import Any
 
 import torch
 
+from actors.agent.config import END, USER, AgentConfig
 from actors.agent.episode import (
-    END,
     FINAL_ANSWER,
-    USER,
-    AgentConfig,
     CallTool,
     Segment,
     Trajectory,

@@ -49,7 +49,8 @@ from typing import Any
 import structlog
 import torch
 
-from actors.agent.episode import AgentConfig, reference_episode_text
+from actors.agent.config import AgentConfig
+from actors.agent.episode import reference_episode_text
 from actors.training.evaluation import EvalResult, evaluate, greedy, sampled
 from actors.training.reference_chains import LONG_CONTEXT_AGENT, chain_sft_examples, reference_chain
 from model.checkpoint import load_checkpoint, save_checkpoint

@@ -22,7 +22,8 @@ import pytest
 import torch
 import zstandard
 
-from actors.agent.episode import AgentConfig, EpisodeEnd, Segment, Trajectory, reference_episode_text, run_episode
+from actors.agent.config import AgentConfig
+from actors.agent.episode import EpisodeEnd, Segment, Trajectory, reference_episode_text, run_episode
 from actors.blob_collector import BlobCollector
 from actors.config import TasksSection
 from actors.rollout_checkpoint import RolloutCheckpoint, RolloutCheckpoints, checkpoint_key, num_policy_tokens

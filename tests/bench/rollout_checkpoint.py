@@ -44,7 +44,8 @@ if not __package__:  # run as a script: this file's folder would shadow the `san
 import structlog
 import torch
 
-from actors.agent.episode import AgentConfig, Trajectory, reference_episode_text, run_episode
+from actors.agent.config import AgentConfig
+from actors.agent.episode import Trajectory, reference_episode_text, run_episode
 from actors.config import TasksSection
 from actors.rollout_checkpoint import CapturedCheckpoint, RolloutCheckpoints
 from actors.task_catalog import TaskCatalog

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.device import check_device_spec, resolve_device
+from model.device import resolve_device
+from model.device_spec import check_device_spec
 from model.errors import ConfigError
 
 

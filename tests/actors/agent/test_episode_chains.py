@@ -10,9 +10,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from actors.agent.config import END, AgentConfig
 from actors.agent.episode import (
-    END,
-    AgentConfig,
     EpisodeEnd,
     Trajectory,
     resume_prompt_text,

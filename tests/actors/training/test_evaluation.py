@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from actors.agent.episode import TOOL, AgentConfig, EpisodeEnd, reference_episode_text
+from actors.agent.config import TOOL, AgentConfig
+from actors.agent.episode import EpisodeEnd, reference_episode_text
 from actors.training.evaluation import EpisodeResult, EvalResult, evaluate, greedy, sampled
 from model.config import ModelConfig
 from model.generation import FinishReason, Generation
