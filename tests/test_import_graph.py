@@ -12,6 +12,9 @@
 - Only ``runtime/bus.py`` imports nats-py, and nothing reaches past a ``Bus`` to its client (``bus.nc``,
   ``bus.js``). ``PENDING_NATS`` lists the files still being moved behind the Bus API, each with its
   reason; an entry that no longer imports nats fails, so the list stays true.
+- The reconciler's process loads no torch (nor numpy, Ray or Hugging Face's libraries): checked in a fresh
+  interpreter doing what ``runtime.actor_process`` does before the actor runs. A frozen reconciler is replaced
+  within its lease (issue 32); torch alone took 6-7 s of CPU of the replacement's start.
 
 The layer rules count every import, function-level and TYPE_CHECKING ones included: a layer that needs
 another's names at type-checking time depends on it all the same.
@@ -20,6 +23,9 @@ another's names at type-checking time depends on it all the same.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +41,7 @@ FORBIDDEN = {  # package -> the packages it must not import
     "sandbox": {"actors", "ops", "runtime"},
     "ops": {"actors"},
 }
+HEAVY = ("torch", "numpy", "triton", "safetensors", "ray", "transformers", "tokenizers")  # none in a reconciler
 NATS_OWNER = "runtime/bus.py"
 PENDING_NATS: dict[str, str] = {}  # file -> why it still imports nats-py (none: every caller is behind the Bus API)
 
@@ -178,6 +185,31 @@ def test_nothing_reaches_past_the_bus_to_its_nats_client() -> None:
     found = {str(path.relative_to(REPO)): lines for path in project_files().values() if path != REPO / NATS_OWNER
              if (lines := _client_uses(ast.parse(path.read_text(encoding="utf-8"))))}
     assert {f: lines for f, lines in found.items() if f not in PENDING_NATS} == {}, "use the Bus API"
+
+
+# What an actor process loads before its actor runs (runtime.actor_process._serve), step by step: its entry module
+# with the kind's class, then the run's configuration read as a process of the kind reads it (find_run). Each
+# step prints the heavy modules loaded so far; the default run's file stands for the run's stored configuration.
+_RECONCILER_PROCESS = f"""
+import json, sys
+from pathlib import Path
+heavy = lambda: sorted(m for m in {HEAVY!r} if m in sys.modules)
+import runtime.actor_process
+from runtime.run_config import import_entry
+import_entry("actors.reconciler:ReconcilerActor")
+print(json.dumps(["the reconciler's class", heavy()]), flush=True)
+from runtime.run_config import load_kind_config
+load_kind_config([Path("actors/run.toml")], "reconciler")
+print(json.dumps(["the run's configuration", heavy()]), flush=True)
+"""
+
+
+def test_the_reconciler_process_loads_no_torch() -> None:
+    done = subprocess.run([sys.executable, "-c", _RECONCILER_PROCESS], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    steps = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [step for step, heavy in steps if heavy] == [], f"heavy modules loaded by these steps: {steps}"
+    assert done.returncode == 0 and len(steps) == 2, done.stderr
 
 
 def test_the_checks_see_what_they_check(tmp_path: Path) -> None:

@@ -17,12 +17,10 @@ from model.transformer import MoETransformer
 from runtime.actor import ActorContext
 from runtime.blob import put_tree, tree_exists
 from runtime.build_once import BUILDS_PREFIX, build_once
-from runtime.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["checkpoint_dir", "load_policy", "load_run_policy", "run_checkpoint_dir", "use_training_precision",
-           "weights_run_name"]
+__all__ = ["checkpoint_dir", "load_policy", "load_run_policy", "run_checkpoint_dir", "use_training_precision"]
 
 _PRECISION = {"reference": ExpertsPrecision.REFERENCE, "emulated": ExpertsPrecision.EMULATED,
               "triton": ExpertsPrecision.TRITON}
@@ -80,14 +78,3 @@ def use_training_precision(model: MoETransformer, section: PolicySection) -> MoE
         model.set_experts_fn(make_experts_fn(_PRECISION[section.experts_precision]))
     log.info("experts_precision_set", experts_precision=section.experts_precision)
     return model
-
-
-def weights_run_name(ctx: ActorContext) -> str:
-    """The weight tree's run name: the run's id, unique per run and the same on every machine and resume.
-
-    Raises:
-        ConfigError: the actor's context names no run (an actor built outside runtime.actor_process).
-    """
-    if not ctx.run_id:
-        raise ConfigError("the actor's context has no run id: start it through runtime.actor_process")
-    return ctx.run_id

@@ -23,46 +23,21 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from actors.messages import WeightsPublished
+from actors.weights_announcements import weights_subject, why_not_published
 from model.engine import GenerationEngine
 from model.generation import KVPolicy
-from model.weight_sync import BlobStoreLike, Manifest, SubscriberConfig, WeightSubscriber, WeightSyncError
-from model.weight_sync.manifest import parse_key, run_prefix
+from model.weight_sync import BlobStoreLike, WeightSyncError
+from model.weight_sync.subscriber import SubscriberConfig, WeightSubscriber
 from runtime.bus import Bus, Inbound
 from runtime.codec import Codec
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["WeightsFollower", "WeightsUnavailable", "weights_subject", "why_not_published"]
+__all__ = ["WeightsFollower", "WeightsUnavailable"]
 
 
 class WeightsUnavailable(TimeoutError):
     """A version was not announced (or could not be loaded) within the time allowed for it."""
-
-
-def weights_subject(run: str) -> str:
-    """The subject on which the trainer announces each published version of ``run``."""
-    return f"weights.{run}"
-
-
-async def why_not_published(msg: WeightsPublished, *, run: str, store: BlobStoreLike,
-                            key_prefix: str = "weights") -> str | None:
-    """Why announcement `msg` is not a version the store holds for `run` (None: it is). Anyone acting on
-    ``weights.<run>`` (followers, the reconciler's trainer version) checks this first."""
-    if msg.run != run:
-        return f"run {msg.run!r} is not this run {run!r}"
-    parsed = parse_key(msg.key)
-    prefix = run_prefix(key_prefix, run)
-    if parsed is None or not parsed.is_manifest or parsed.version != msg.version or not msg.key.startswith(prefix):
-        return f"key {msg.key!r} is not a manifest of version {msg.version} under {prefix!r}"
-    try:
-        manifest = Manifest.from_json(await store.get(msg.key), where=msg.key)
-    except KeyError:
-        return f"version {msg.version} is not in the store (no manifest at {msg.key!r})"
-    except (OSError, WeightSyncError) as e:
-        return f"manifest {msg.key!r} unreadable: {e}"
-    if (manifest.run, manifest.version) != (run, msg.version):
-        return f"manifest {msg.key!r} is of run {manifest.run!r} version {manifest.version}"
-    return None
 
 
 class WeightsFollower:

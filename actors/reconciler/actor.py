@@ -23,8 +23,6 @@ from typing import Any, ClassVar
 import msgpack
 import structlog
 
-from actors.agent.policy import weights_run_name
-from actors.agent.weights_follower import weights_subject, why_not_published
 from actors.blob_collector import BlobCollector
 from actors.config import RLConfig
 from actors.messages import (
@@ -48,6 +46,7 @@ from actors.reconciler.registry_view import LostActor, RegistryView
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RewardGroupDone, RolloutGroupDone, WorkOrder, group_orders
 from actors.task_catalog import TaskCatalog
+from actors.weights_announcements import weights_run_name, weights_subject, why_not_published
 from runtime import config as config_mod
 from runtime.actor import Actor, Delivery, raise_if_cancelled
 from runtime.bus_auth import BusAccess

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import msgpack
 import structlog
 
-from actors.agent.policy import load_run_policy, weights_run_name
+from actors.agent.policy import load_run_policy
 from actors.agent.weights_follower import WeightsFollower
 from actors.config import RLConfig
 from actors.messages import DataExhausted, data_exhausted_subject
@@ -33,6 +33,7 @@ from actors.run_end import finish_request, why_not_finished
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from actors.training.evaluation import evaluate, greedy, sampled
+from actors.weights_announcements import weights_run_name
 from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer

@@ -18,7 +18,7 @@ import structlog
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent.episode import Trajectory, run_episode
-from actors.agent.policy import load_run_policy, weights_run_name
+from actors.agent.policy import load_run_policy
 from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RolloutDone, RolloutOrder
@@ -32,6 +32,7 @@ from actors.rollout_checkpoint import (
 )
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
+from actors.weights_announcements import weights_run_name
 from model.engine import EngineStatus, GenerationEngine
 from model.errors import EngineError, EngineStateError
 from model.generation import EngineConfig, Generation, KVPolicy

@@ -59,8 +59,7 @@ import structlog
 import torch
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.policy import load_run_policy, use_training_precision, weights_run_name
-from actors.agent.weights_follower import weights_subject
+from actors.agent.policy import load_run_policy, use_training_precision
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import TrainDone, TrainOrder
@@ -74,9 +73,11 @@ from actors.training.checkpoint_store import (
 )
 from actors.training.learner import Learner, StepMetrics, checkpoint_version
 from actors.training.ranks import RankGroup, RankLayout, weights_to_publish
+from actors.weights_announcements import weights_run_name, weights_subject
 from model.device import resolve_device
-from model.weight_sync import PublishedVersion, PublisherConfig, SubscriberConfig, WeightPublisher, WeightSubscriber
 from model.weight_sync.manifest import manifest_key
+from model.weight_sync.publisher import PublishedVersion, PublisherConfig, WeightPublisher
+from model.weight_sync.subscriber import SubscriberConfig, WeightSubscriber
 from runtime.actor import ActorContext, Delivery
 from runtime.actor_launch import RANK_ENV, WORLD_SIZE_ENV
 from runtime.blob import BlobError, BlobNotFound

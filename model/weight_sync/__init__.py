@@ -14,9 +14,12 @@ anchor, verify every step, and assemble all ranks' parts. Modules, one concept e
 
 This package is single-process library code: it takes any object with async ``put/get/list/delete``
 (``runtime.blob.BlobStore`` fits) and never imports the runtime.
+
+The package's own names are the torch-free modules' (errors, manifest, sharding, store): whoever only reads
+manifests and announcements (the reconciler, checking a weights announcement) imports no torch through it.
+The codec, version, publisher and subscriber, which need torch, are imported from their modules.
 """
 
-from model.weight_sync.codec import CodecConfig
 from model.weight_sync.errors import (
     BaseMismatch,
     CorruptVersion,
@@ -26,35 +29,22 @@ from model.weight_sync.errors import (
     WeightSyncError,
 )
 from model.weight_sync.manifest import FORMAT, Manifest, ShardEntry, TensorEntry, manifest_key
-from model.weight_sync.publisher import PublishedVersion, PublisherConfig, WeightPublisher
 from model.weight_sync.sharding import assemble, partition, rank_part
 from model.weight_sync.store import BlobStoreLike
-from model.weight_sync.subscriber import SubscriberConfig, WeightSubscriber
-from model.weight_sync.version import EncodedVersion, WeightState, decode_version, encode_version
 
 __all__ = [
     "FORMAT",
     "BaseMismatch",
     "BlobStoreLike",
-    "CodecConfig",
     "CorruptVersion",
-    "EncodedVersion",
     "IncompleteVersion",
     "Manifest",
     "PublishFailed",
-    "PublishedVersion",
-    "PublisherConfig",
     "ShardEntry",
-    "SubscriberConfig",
     "TensorEntry",
     "VersionUnavailable",
-    "WeightPublisher",
-    "WeightState",
-    "WeightSubscriber",
     "WeightSyncError",
     "assemble",
-    "decode_version",
-    "encode_version",
     "manifest_key",
     "partition",
     "rank_part",

@@ -18,9 +18,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from actors import Lifecycle, ListTaskSource
-from actors.agent.weights_follower import WeightsFollower, weights_subject
+from actors.agent.weights_follower import WeightsFollower
 from actors.messages import DataExhausted, WeightsPublished
 from actors.reconciler.data_exhaustion import why_not_exhausted
+from actors.weights_announcements import weights_subject
 from model.engine import GenerationEngine
 from model.weight_sync import manifest_key
 from runtime.blob import open_store

@@ -63,15 +63,10 @@ import structlog
 import torch
 import zstandard
 
-from model.weight_sync import (
-    CodecConfig,
-    PublisherConfig,
-    SubscriberConfig,
-    WeightPublisher,
-    WeightSubscriber,
-    decode_version,
-    encode_version,
-)
+from model.weight_sync.codec import CodecConfig
+from model.weight_sync.publisher import PublisherConfig, WeightPublisher
+from model.weight_sync.subscriber import SubscriberConfig, WeightSubscriber
+from model.weight_sync.version import decode_version, encode_version
 from runtime.blob import BlobStore, open_store
 
 State = dict[str, torch.Tensor]

@@ -48,7 +48,6 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent.episode import EpisodeEnd, Segment, Trajectory
-from actors.agent.policy import weights_run_name
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import (
@@ -64,6 +63,7 @@ from actors.reconciler.work import (
 from actors.records import RECORD_SCHEMA
 from actors.rollout_checkpoint import RolloutCheckpoint, RolloutCheckpoints
 from actors.stages.evaluator import EvaluatorActor
+from actors.weights_announcements import weights_run_name
 from runtime.actor import Actor, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec

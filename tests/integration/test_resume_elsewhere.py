@@ -26,7 +26,7 @@ import pytest
 from actors.__main__ import DEFAULT_RUN_FILE
 from actors.training.checkpoint_store import download_checkpoint, stored_checkpoints
 from actors.training.starting_policy import ensure_starting_policy
-from model.weight_sync import SubscriberConfig, WeightSubscriber
+from model.weight_sync.subscriber import SubscriberConfig, WeightSubscriber
 from runtime.blob import open_store
 from runtime.blob.testing import MotoServer
 from runtime.bus_auth import generate_credentials

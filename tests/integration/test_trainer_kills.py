@@ -37,7 +37,7 @@ from actors.task_catalog import TaskCatalog
 from model.checkpoint import save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
-from model.weight_sync import SubscriberConfig, WeightSubscriber
+from model.weight_sync.subscriber import SubscriberConfig, WeightSubscriber
 from runtime.blob import open_store
 from runtime.bus import DONE_QUEUE
 from runtime.codec import Codec

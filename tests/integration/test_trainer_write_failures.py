@@ -30,7 +30,7 @@ from actors.training.checkpoint_store import download_checkpoint, stored_checkpo
 from model.checkpoint import save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
-from model.weight_sync import SubscriberConfig, WeightSubscriber
+from model.weight_sync.subscriber import SubscriberConfig, WeightSubscriber
 from ops.tail import event_time
 from runtime.blob import BlobStore, open_store
 from runtime.bus import DONE_QUEUE

@@ -9,7 +9,7 @@ import torch
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import tiny
 from model.transformer import MoETransformer
-from model.weight_sync import CodecConfig
+from model.weight_sync.codec import CodecConfig
 from runtime.blob import open_store
 from tests.bench.model import load_peer, parity, peer_implementations
 from tests.bench.weight_sync import decode_full, encode_full, measure_sync

@@ -19,24 +19,20 @@ from structlog.testing import capture_logs
 from model.weight_sync import (
     FORMAT,
     BaseMismatch,
-    CodecConfig,
     CorruptVersion,
     IncompleteVersion,
     Manifest,
-    PublisherConfig,
     PublishFailed,
-    SubscriberConfig,
     VersionUnavailable,
-    WeightPublisher,
-    WeightState,
-    WeightSubscriber,
-    decode_version,
-    encode_version,
     manifest_key,
     partition,
     rank_part,
 )
 from model.weight_sync._priority import lower_thread_priority
+from model.weight_sync.codec import CodecConfig
+from model.weight_sync.publisher import PublisherConfig, WeightPublisher
+from model.weight_sync.subscriber import SubscriberConfig, WeightSubscriber
+from model.weight_sync.version import WeightState, decode_version, encode_version
 from runtime.blob import BlobStore, open_store
 from runtime.blob.testing import FaultProxy, MotoServer
 

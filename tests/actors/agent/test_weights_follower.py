@@ -12,10 +12,12 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable, weights_subject
+from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.messages import WeightsPublished
+from actors.weights_announcements import weights_subject
 from model.engine import GenerationEngine
-from model.weight_sync import PublisherConfig, WeightPublisher, manifest_key
+from model.weight_sync import manifest_key
+from model.weight_sync.publisher import PublisherConfig, WeightPublisher
 from runtime.blob import BlobStore, open_store
 from runtime.bus import Inbound
 from runtime.codec import Codec
