@@ -421,9 +421,16 @@ class ReconcilerActor(Actor):
                         num_rejected=self.num_rejected_registrations)
             return None
 
+    @property
+    def _holds_a_core(self) -> bool:
+        """Whether the table is taken over and its core built from it. The claim alone is a takeover in progress
+        (``on_running``: its lease is renewed meanwhile, with this status), or one frozen there and woken fenced:
+        its status read the core not yet built and crashed the process, where it is to be fenced and exit."""
+        return self.claim is not None and hasattr(self, "core")
+
     async def handover(self) -> dict[str, Any] | None:
         """Nothing to hand over (the table is durable in KV); log the final accounting instead."""
-        if self.claim is None:  # a spare that never held the table
+        if not self._holds_a_core:  # a spare that never held the table, or one stopped while taking it over
             return None
         snapshot = self.core.snapshot(time.time())
         live_groups = sorted({s.group_id for s in self.core.slots if s.is_live})
@@ -439,7 +446,7 @@ class ReconcilerActor(Actor):
         return None
 
     def status(self) -> dict[str, Any]:
-        if self.claim is None:  # standing by (or starting): no table of its own yet
+        if not self._holds_a_core:  # standing by (or starting, or taking the table over): no table of its own yet
             return {"num_fenced": self.num_fenced}
         snapshot = self.core.snapshot(time.time())
         return {

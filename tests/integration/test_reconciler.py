@@ -210,6 +210,37 @@ async def test_a_reconciler_that_wakes_after_a_takeover_answers_no_still_wanted(
                 await reconciler.exit_stack.aclose()
 
 
+async def test_a_reconciler_taking_the_table_over_answers_its_status_before_its_core_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by tests/integration/test_actor_leases.py: a reconciler frozen just after it took the table over (the
+    claim written, its core not yet built from the table), continued, renewed its lease first: its status read the
+    core and the process crashed (AttributeError) instead of being fenced. A takeover that outlasts a third of the
+    lease (a large table, a loaded machine) met the same. While it takes the table over it reports no table yet."""
+    async with nats_bus(tmp_path) as bus:
+        await _provision(bus)
+        reconciler = _reconciler(bus, "reconciler-1-aaaa")
+        building, build = asyncio.Event(), asyncio.Event()
+        resume = reconciler._resume
+
+        async def resume_when_told() -> None:  # the core is built from the table once the test says so
+            building.set()
+            await build.wait()
+            await resume()
+
+        monkeypatch.setattr(reconciler, "_resume", resume_when_told)
+        try:
+            await reconciler.start()
+            taking = asyncio.create_task(reconciler.on_running())
+            await asyncio.wait_for(building.wait(), 30)
+            assert reconciler.claim is not None, "the table is taken over before the core is built"
+            assert reconciler.describe()["num_fenced"] == 0 and "table_epoch" not in reconciler.describe()
+            build.set()
+            await asyncio.wait_for(taking, 30)
+            assert reconciler.describe()["table_epoch"] == 1
+        finally:
+            await reconciler.exit_stack.aclose()
+
+
 async def _provision(bus: Bus) -> None:
     """The reconciler's work queues, as the supervisor makes them before any actor starts (an actor only binds)."""
     for queue in ReconcilerActor.provisioned_queues():
