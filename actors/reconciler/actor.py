@@ -111,7 +111,11 @@ class ReconcilerActor(Actor):
         # before reading the table: whoever held it (a frozen predecessor that may wake) can write no more
         self.claim = await take_table(self.bus, "slots", self.identity.actor_id)
         log.info("reconciler_took_table", epoch=self.claim.epoch, previous_holder=self.claim.previous_holder)
-        await self._resume()
+        try:
+            await self._resume()
+        except OSError:  # BusError and timeouts: frozen during its takeover, its request in flight timed out as it
+            await self._hold_table()  # woke; another that took the table meanwhile makes it fenced, not a fault
+            raise
         sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
         sub = await self.bus.subscribe(weights_subject(self.run_name), self._on_weights)

@@ -25,6 +25,7 @@ import pytest
 from actors.config import ReconcilerSection, RLConfig, TasksSection
 from actors.messages import WorkHeartbeat, heartbeat_subject
 from actors.reconciler.actor import ReconcilerActor
+from actors.reconciler.fence import Fenced
 from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.scheduling import SchedulingConfig
@@ -239,6 +240,34 @@ async def test_a_reconciler_taking_the_table_over_answers_its_status_before_its_
             assert reconciler.describe()["table_epoch"] == 1
         finally:
             await reconciler.exit_stack.aclose()
+
+
+async def test_a_reconciler_whose_takeover_fails_once_another_took_the_table_is_fenced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by tests/integration/test_actor_leases.py: a reconciler frozen during its takeover (its claim written, a
+    request to the bus in flight) and continued once another had taken the table over: the request timed out at once
+    (the freeze counted against it) and the process crashed on the timeout. A takeover failing on the bus reads the
+    fence: taken over meanwhile, the reconciler is fenced (it says so, writes nothing and exits)."""
+    async with nats_bus(tmp_path) as bus:
+        await _provision(bus)
+        first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
+
+        async def frozen_meanwhile() -> KVSlotStore:  # the second takes over; the first's request then times out
+            await second.on_running()
+            raise TimeoutError("nats: timeout")
+
+        monkeypatch.setattr(first, "_open_store", frozen_meanwhile)
+        try:
+            for reconciler in (first, second):
+                await reconciler.start()
+            last_write = await _last_write(bus)
+            with pytest.raises(Fenced, match="reconciler-2-bbbb"):
+                await first.on_running()
+            assert first.num_fenced == 1 and first.failure is not None and second.status()["table_epoch"] == 2
+            assert await _last_write(bus) > last_write and await second._call("tick"), "the second one writes on"
+        finally:
+            for reconciler in (second, first):
+                await reconciler.exit_stack.aclose()
 
 
 async def _provision(bus: Bus) -> None:
