@@ -109,7 +109,11 @@ class ReconcilerActor(Actor):
 
     async def on_running(self) -> None:
         # before reading the table: whoever held it (a frozen predecessor that may wake) can write no more
-        self.claim = await take_table(self.bus, "slots", self.identity.actor_id)
+        try:
+            self.claim = await take_table(self.bus, "slots", self.identity.actor_id)
+        except Fenced as e:  # taken over while its own takeover went unanswered (frozen with it in flight)
+            self._be_fenced(str(e), epoch=None)
+            raise
         log.info("reconciler_took_table", epoch=self.claim.epoch, previous_holder=self.claim.previous_holder)
         try:
             await self._resume()
@@ -153,12 +157,16 @@ class ReconcilerActor(Actor):
         try:
             await check_claim(self.bus, "slots", self.claim)
         except Fenced as e:
-            self.num_fenced += 1
-            log.error("reconciler_fenced", epoch=self.claim.epoch, reason=str(e),
-                      fix="nothing to do: the reconciler that took the table over carries on")
-            self.fail(str(e))
+            self._be_fenced(str(e), epoch=self.claim.epoch)
             raise
         self._claim_held_at = time.monotonic()
+
+    def _be_fenced(self, reason: str, epoch: int | None) -> None:
+        """Says it (``epoch``: the one it held, None if its takeover never came back) and fails: drains, exits."""
+        self.num_fenced += 1
+        log.error("reconciler_fenced", epoch=epoch, reason=reason,
+                  fix="nothing to do: the reconciler that took the table over carries on")
+        self.fail(reason)
 
     async def _may_answer(self) -> bool:
         """Whether this reconciler may still answer from its view of the table: not failed (fenced included), and

@@ -18,7 +18,7 @@ import dataclasses
 import msgpack
 
 from runtime.bus import Bus
-from runtime.errors import RevisionMismatch
+from runtime.errors import BusTimeout, RevisionMismatch
 
 __all__ = ["FENCE_KEY", "Fenced", "TableClaim", "check_claim", "take_table"]
 
@@ -42,7 +42,8 @@ async def take_table(bus: Bus, bucket: str, holder: str) -> TableClaim:
     """Claims the table for `holder`, fencing off whoever held it.
 
     Raises:
-        Fenced: other reconcilers kept taking the table in the meantime (more than one is running).
+        Fenced: other reconcilers kept taking the table in the meantime (more than one is running), or took it
+            over while this one's write went unanswered (its outcome is read back from the fence).
     """
     for _ in range(MAX_TAKEOVER_RACES):
         entry = await bus.kv_get(bucket, FENCE_KEY)
@@ -53,6 +54,15 @@ async def take_table(bus: Bus, bucket: str, holder: str) -> TableClaim:
                         else await bus.kv_create(bucket, FENCE_KEY, value))
         except RevisionMismatch:
             continue  # another reconciler took it between the read and the write: read again
+        except BusTimeout:  # unanswered, it may have landed (one frozen with its write in flight, woken later)
+            now = await bus.kv_get(bucket, FENCE_KEY)
+            held, now_epoch = _decode(now.value) if now is not None else ("", 0)
+            if now is not None and (held, now_epoch) == (holder, epoch + 1):
+                return TableClaim(holder, epoch + 1, now.revision, previous)  # it landed, and still holds
+            if now_epoch > epoch + 1:  # it landed and was taken over since, or others took it twice: stale either way
+                raise Fenced(f"the slot table was taken over by {held} (epoch {now_epoch}) while {holder}'s takeover "
+                             f"(epoch {epoch + 1}) went unanswered: it writes nothing and exits") from None
+            continue  # it did not land: read again (one that won meanwhile is taken over from, as on a conflict)
         return TableClaim(holder, epoch + 1, revision, previous)
     raise Fenced(f"the slot table's fence changed {MAX_TAKEOVER_RACES} times while {holder} took it: several "
                  "reconcilers are starting at once (actors.reconciler.count must be 1)")

@@ -20,12 +20,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from actors.config import ReconcilerSection, RLConfig, TasksSection
 from actors.messages import WorkHeartbeat, heartbeat_subject
 from actors.reconciler.actor import ReconcilerActor
-from actors.reconciler.fence import Fenced
+from actors.reconciler.fence import FENCE_KEY, Fenced, check_claim, take_table
 from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreBroken
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.scheduling import SchedulingConfig
@@ -268,6 +269,45 @@ async def test_a_reconciler_whose_takeover_fails_once_another_took_the_table_is_
         finally:
             for reconciler in (second, first):
                 await reconciler.exit_stack.aclose()
+
+
+async def test_a_takeover_whose_write_goes_unanswered_reads_its_outcome_from_the_fence(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by tests/integration/test_actor_leases.py: a reconciler frozen with its fence write in flight, woken once
+    another had taken the table over, crashed on the write's timeout. Its outcome is read back from the fence: landed
+    and still holding, the claim is its; landed and taken over since, it is fenced; not landed, it tries again."""
+    async with nats_bus(tmp_path) as bus:
+        await take_table(bus, "slots", "reconciler-1-aaaa")
+        cas = bus.kv_cas
+
+        async def landed_unanswered(*args: Any) -> int:  # written; its reply lost to the freeze
+            await cas(*args)
+            raise BusTimeout("update slots/fence: no answer in time")
+
+        monkeypatch.setattr(bus, "kv_cas", landed_unanswered)
+        second = await take_table(bus, "slots", "reconciler-2-bbbb")
+        assert (second.epoch, second.previous_holder) == (2, "reconciler-1-aaaa")
+        await check_claim(bus, "slots", second)  # the claim's revision is the fence's
+
+        async def landed_then_taken_over(*args: Any) -> int:
+            await cas(*args)
+            taken = await bus.kv_get("slots", FENCE_KEY)
+            assert taken is not None
+            await cas("slots", FENCE_KEY, msgpack.packb({"holder": "reconciler-4-dddd", "epoch": 4}), taken.revision)
+            raise BusTimeout("update slots/fence: no answer in time")
+
+        monkeypatch.setattr(bus, "kv_cas", landed_then_taken_over)
+        with pytest.raises(Fenced, match="reconciler-4-dddd"):
+            await take_table(bus, "slots", "reconciler-3-cccc")
+
+        async def unwritten(*args: Any) -> int:  # the next try is answered
+            monkeypatch.setattr(bus, "kv_cas", cas)
+            raise BusTimeout("update slots/fence: no answer in time")
+
+        monkeypatch.setattr(bus, "kv_cas", unwritten)
+        fifth = await take_table(bus, "slots", "reconciler-5-eeee")
+        assert (fifth.epoch, fifth.previous_holder) == (5, "reconciler-4-dddd")
+        await check_claim(bus, "slots", fifth)
 
 
 async def _provision(bus: Bus) -> None:
