@@ -44,6 +44,7 @@ from actors.reconciler.kv_store import KVSlotStore, PipelinedKVSlotStore, StoreB
 from actors.reconciler.lifecycle import CoreBroken, Lifecycle, LifecycleConfig
 from actors.reconciler.registry_view import LostActor, RegistryView
 from actors.reconciler.slot import Stage
+from actors.reconciler.store import CasConflict
 from actors.reconciler.work import RewardGroupDone, RolloutGroupDone, WorkOrder, group_orders
 from actors.task_catalog import TaskCatalog
 from actors.weights_announcements import weights_run_name, weights_subject, why_not_published
@@ -117,9 +118,9 @@ class ReconcilerActor(Actor):
         log.info("reconciler_took_table", epoch=self.claim.epoch, previous_holder=self.claim.previous_holder)
         try:
             await self._resume()
-        except OSError:  # BusError and timeouts: frozen during its takeover, its request in flight timed out as it
-            await self._hold_table()  # woke; another that took the table meanwhile makes it fenced, not a fault
-            raise
+        except (OSError, CasConflict):  # frozen during its takeover and woken: its request in flight timed out, or
+            await self._hold_table()  # its writes were refused; another that took the table meanwhile makes it
+            raise  # fenced (said so), not a fault
         sub = await self.bus.subscribe("heartbeat.>", self._on_heartbeat)
         self.exit_stack.push_async_callback(sub.unsubscribe)
         sub = await self.bus.subscribe(weights_subject(self.run_name), self._on_weights)

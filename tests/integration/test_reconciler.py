@@ -243,19 +243,21 @@ async def test_a_reconciler_taking_the_table_over_answers_its_status_before_its_
             await reconciler.exit_stack.aclose()
 
 
+@pytest.mark.parametrize("error", [TimeoutError("nats: timeout"), CasConflict("slot.3", 56, None)])
 async def test_a_reconciler_whose_takeover_fails_once_another_took_the_table_is_fenced(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
     """Found by tests/integration/test_actor_leases.py: a reconciler frozen during its takeover (its claim written, a
-    request to the bus in flight) and continued once another had taken the table over: the request timed out at once
-    (the freeze counted against it) and the process crashed on the timeout. A takeover failing on the bus reads the
-    fence: taken over meanwhile, the reconciler is fenced (it says so, writes nothing and exits)."""
+    request to the bus in flight, writes of its recovery sent) and continued once another had taken the table over:
+    the request timed out at once (the freeze counted against it), or its writes were refused, and the process
+    crashed on that. A takeover failing so reads the fence: taken over meanwhile, the reconciler is fenced (it says
+    so, writes nothing more and exits)."""
     async with nats_bus(tmp_path) as bus:
         await _provision(bus)
         first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
 
         async def frozen_meanwhile() -> KVSlotStore:  # the second takes over; the first's request then times out
             await second.on_running()
-            raise TimeoutError("nats: timeout")
+            raise error
 
         monkeypatch.setattr(first, "_open_store", frozen_meanwhile)
         try:
