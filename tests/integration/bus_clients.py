@@ -99,3 +99,24 @@ async def default_run_bus(tmp_path: Path) -> AsyncIterator[tuple[Bus, RunInfo]]:
             yield admin, RunInfo("", server.url, "", "", 0, 0.0, str(tmp_path / "credentials"))
         finally:
             await admin.close()
+
+
+class DroppingSubscription:
+    """A subscription that loses the first message of one subject, as a route could: a watch or follow
+    wrapped in it must notice the gap by sequence and read its stream again."""
+
+    def __init__(self, sub: Any, subject: str) -> None:
+        self._sub = sub
+        self._subject = subject
+        self.dropped = 0
+
+    async def next_msg(self, timeout: float | None = None) -> Any:
+        while True:
+            msg = await self._sub.next_msg(timeout=timeout)
+            if msg.subject == self._subject and not self.dropped:
+                self.dropped += 1
+                continue
+            return msg
+
+    async def unsubscribe(self) -> None:
+        await self._sub.unsubscribe()

@@ -16,7 +16,7 @@ import structlog
 
 from runtime.bus import Bus, KVEntry
 from runtime.rundir import RunInfo
-from tests.integration.bus_clients import default_run_bus
+from tests.integration.bus_clients import DroppingSubscription, default_run_bus
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -141,26 +141,6 @@ async def test_no_change_is_lost_or_repeated_when_writes_race_the_snapshot(tmp_p
             assert set(history) - set(by_key) <= {k for k, h in history.items() if h[-1][2]}, i  # only deleted unseen
 
 
-class _Dropping:
-    """A watch's subscription that loses the first republished record of one key, as a route could."""
-
-    def __init__(self, sub: Any, key_subject: str) -> None:
-        self._sub = sub
-        self._key_subject = key_subject
-        self.dropped = 0
-
-    async def next_msg(self, timeout: float | None = None) -> Any:
-        while True:
-            msg = await self._sub.next_msg(timeout=timeout)
-            if msg.subject == self._key_subject and not self.dropped:
-                self.dropped += 1
-                continue
-            return msg
-
-    async def unsubscribe(self) -> None:
-        await self._sub.unsubscribe()
-
-
 async def test_a_change_lost_on_the_way_is_noticed_and_the_bucket_read_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reconciler role's watch of ``config`` loses the record of a put (its subscription drops it): the
@@ -170,12 +150,12 @@ async def test_a_change_lost_on_the_way_is_noticed_and_the_bucket_read_again(
     async with default_run_bus(tmp_path) as (admin, info), _as_role(info, "reconciler") as reconciler:
         await admin.kv_put("config", "a", b"0")
         subscribe = reconciler.nc.subscribe
-        dropping: list[_Dropping] = []
+        dropping: list[DroppingSubscription] = []
 
         async def lossy(subject: str, **kwargs: Any) -> Any:
             sub = await subscribe(subject, **kwargs)
             if subject.startswith("kvwatch.") and not dropping:
-                dropping.append(_Dropping(sub, "kvwatch.config.a"))
+                dropping.append(DroppingSubscription(sub, "kvwatch.config.a"))
                 return dropping[0]
             return sub
 

@@ -16,7 +16,7 @@ import structlog
 
 from runtime.bus import Bus, StreamMessage
 from runtime.rundir import RunInfo
-from tests.integration.bus_clients import default_run_bus
+from tests.integration.bus_clients import DroppingSubscription, default_run_bus
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -115,26 +115,6 @@ async def test_no_message_is_lost_or_repeated_when_writes_race_the_catch_up(tmp_
         assert await admin.js.consumers_info("LOG") == []
 
 
-class _Dropping:
-    """A follow's subscription that loses the first republished message of one subject, as a route could."""
-
-    def __init__(self, sub: Any, subject: str) -> None:
-        self._sub = sub
-        self._subject = subject
-        self.dropped = 0
-
-    async def next_msg(self, timeout: float | None = None) -> Any:
-        while True:
-            msg = await self._sub.next_msg(timeout=timeout)
-            if msg.subject == self._subject and not self.dropped:
-                self.dropped += 1
-                continue
-            return msg
-
-    async def unsubscribe(self) -> None:
-        await self._sub.unsubscribe()
-
-
 async def test_a_message_lost_on_the_way_is_noticed_and_read_again_from_the_stream(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A live follow loses one republished event (its subscription drops it): the next one it receives is not
@@ -142,12 +122,12 @@ async def test_a_message_lost_on_the_way_is_noticed_and_read_again_from_the_stre
     the last it delivered: every event once, in order. On main the follow had no such subscription."""
     async with default_run_bus(tmp_path) as (admin, info), _as_role(info, "dashboard") as dashboard:
         subscribe = dashboard.nc.subscribe
-        dropping: list[_Dropping] = []
+        dropping: list[DroppingSubscription] = []
 
         async def lossy(subject: str, **kwargs: Any) -> Any:
             sub = await subscribe(subject, **kwargs)
             if subject.startswith("follow.") and not dropping:
-                dropping.append(_Dropping(sub, "follow.log.a.info"))
+                dropping.append(DroppingSubscription(sub, "follow.log.a.info"))
                 return dropping[0]
             return sub
 
