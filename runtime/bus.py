@@ -1347,6 +1347,13 @@ class Bus:
             kv = await self.kv(bucket)
             await kv.delete(key)
 
+    async def kv_max_age_s(self, bucket: str) -> float | None:
+        """How long the server keeps a record of the bucket that is not written to last: its stream's max
+        age (a lease bucket's is the run's longest lease, `ensure_base`); None: no bound."""
+        with _translated(f"read the limits of bucket {bucket}"):
+            info = await self._through_election(f"read {bucket}", lambda: self.js_reads.stream_info(f"KV_{bucket}"))
+        return float(info.config.max_age) if info.config.max_age else None
+
     async def kv_keys(self, bucket: str) -> list[str]:
         """The bucket's live keys (none: an empty list)."""
         with _translated(f"list the keys of {bucket}"):

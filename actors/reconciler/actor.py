@@ -94,7 +94,9 @@ class ReconcilerActor(Actor):
         self.num_rejected_registrations = 0
         self.num_rejected_announcements = 0
         self.num_refused_heartbeats = 0  # heartbeats of one stage on another stage's subject
-        self.registry = RegistryView(witness=self.identity.actor_id)  # its own lease: is the registry live?
+        # its own lease says whether the registry is live; no entry is believed past the run's longest lease
+        self.registry = RegistryView(witness=self.identity.actor_id,
+                                     lease_bound_s=await self.bus.kv_max_age_s("actors"))
         self.num_rollout_actors = await self._count_rollout_actors()
         r = self.config.reconciler
         self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,

@@ -55,9 +55,14 @@ class _Member:
 class RegistryView:
     """Registry entries -> live actors per kind and `LostActor` events (see the module docstring)."""
 
-    def __init__(self, witness: str | None = None) -> None:
+    def __init__(self, witness: str | None = None, lease_bound_s: float | None = None) -> None:
+        """``lease_bound_s``: the run's longest lease (the ``actors`` bucket's max age, the supervisor's rule).
+        An entry's own ``lease_s`` is what its writer claims: one claiming a longer lease, or none, is held to
+        the bound, so an entry written by hand to last (``Nats-TTL: never``, which the bus's max age spares)
+        is still judged lost once it goes unrenewed that long."""
         self._members: dict[str, _Member] = {}
         self._witness = witness  # the reader's own entry (see the module docstring)
+        self._lease_bound_s = lease_bound_s
         self._witness_gap_ended_at = -math.inf  # when its renewals were last seen again after missed ones
 
     def observe(self, key: str, value: bytes | None, now: float, expired: bool = False) -> LostActor | None:
@@ -82,6 +87,8 @@ class RegistryView:
             return None
         lease = info.get("lease_s")
         lease_s = float(lease) if isinstance(lease, int | float) and lease > 0 else None
+        if self._lease_bound_s is not None:
+            lease_s = self._lease_bound_s if lease_s is None else min(lease_s, self._lease_bound_s)
         if key == self._witness and member is not None and lease_s is not None:
             self._credit_missed_renewals(member, now, lease_s)
         self._members[key] = _Member(str(info["kind"]), str(info["state"]), lease_s, now)

@@ -155,3 +155,18 @@ def test_a_purged_entry_without_a_lease_is_lost_at_once() -> None:
     view.observe("old-writer", entry("rollout", "running", lease_s=None), now=0.0)
     lost = view.observe("old-writer", None, now=11.0, expired=True)  # the witness overdue: no matter, no lease
     assert lost is not None and "the bus expired" in lost.reason
+
+
+def test_no_entry_is_believed_past_the_run_s_longest_lease() -> None:
+    """Issue 31: an entry written by hand to last (no lease, or one of 10^9 s, kept by ``Nats-TTL: never``,
+    which the bus's max age spares) is held to the run's longest lease (the bucket's max age) and judged
+    lost once unrenewed that long; a genuine shorter lease keeps its own length."""
+    view = RegistryView(lease_bound_s=30.0)
+    view.observe("forged-none", entry("rollout", "running", lease_s=None), now=0.0)
+    view.observe("forged-long", entry("rollout", "running", lease_s=1e9), now=0.0)
+    view.observe("genuine", entry("rollout", "running", lease_s=10.0), now=0.0)
+    assert [x.actor_id for x in view.expire(now=10.5)] == ["genuine"]
+    assert view.expire(now=29.0) == [] and view.num_running("rollout") == 2
+    lost = view.expire(now=30.5)
+    assert sorted(x.actor_id for x in lost) == ["forged-long", "forged-none"]
+    assert all("lease 30s" in x.reason for x in lost) and view.num_running("rollout") == 0

@@ -540,6 +540,43 @@ async def test_resuming_by_id_without_the_credentials_says_which_are_missing(tmp
     assert output.lower().count("authorization violation") <= 1, output
 
 
+async def test_a_registry_entry_written_to_last_is_judged_lost_by_the_reconciler_within_the_longest_lease(
+        tmp_path: Path) -> None:
+    """A complete rollout entry written by hand with ``Nats-TTL: never`` (which the server's max age spares, as
+    it spares handover records) and a claimed lease of 10^9 s: the reconciler holds it to the run's longest
+    lease (the bucket's max age), takes the actor for lost once unrenewed that long, and deletes the entry.
+    On main it was believed for good: counted among the rollout actors, never lost."""
+    run_dir = tmp_path / "run"
+    SimConfig(rollout=StageSim(median_s=0.1, sigma=0.3, max_s=0.5), seed=7).write(run_dir)
+    config = write_config(tmp_path / "run.toml", sim_run_toml(num_prompts=400, num_slots=8, group_size=2,
+                                                              batch_groups=2, eta=1, stage_timeout_s=20.0))
+    run = await LiveRun(run_dir, config).start()
+    try:
+        assert run.bus is not None and run.info is not None
+        await run.wait_actors("reconciler", 1)
+        bound_s = await run.bus.kv_max_age_s("actors")
+        assert bound_s is not None and bound_s <= 15.0, bound_s
+        key = registration_key("rollout", "rollout-9-beef")
+        forged = {"kind": "rollout", "id": "rollout-9-beef", "pid": 4242, "host": "h", "code_hash": "c",
+                  "state": "running", "num_inflight": 0, "num_handled": 0, "num_failed": 0,
+                  "num_dead_lettered": 0, "uptime_s": 1.0, "lease_s": 1e9}
+        async with connect_as(run.info, "rollout") as rollout:
+            await rollout.nc.jetstream().publish(f"$KV.actors.{key}", msgpack.packb(forged),
+                                                 headers={"Nats-TTL": "never"})
+        written = asyncio.get_running_loop().time()
+
+        async def deleted() -> bool:
+            assert run.bus is not None
+            return await run.bus.kv_get("actors", key) is None
+
+        await until(deleted, 60.0, "the forged entry judged lost and deleted by the reconciler")
+        assert asyncio.get_running_loop().time() - written < bound_s + 5.0, "within the longest lease (+ a tick)"
+        lost = [e for e in run_events(run_dir, "actor_lost") if e.get("actor_id") == "rollout-9-beef"]
+        assert lost and "lease" in lost[0]["reason"], lost
+    finally:
+        await run.stop()
+
+
 async def test_a_registry_entry_written_by_hand_is_removed_by_the_server_within_the_lease(tmp_path: Path) -> None:
     """A complete registry entry of the role's own kind written by hand (no TTL, or a TTL far longer than
     any lease): the server removes it once the run's longest lease has passed, as it removes the entry of
