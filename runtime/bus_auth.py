@@ -211,9 +211,11 @@ def _kv_keys(bucket: str, keys: Iterable[str]) -> list[str]:
 
 def stream_reader(stream: str, subject: str) -> BusAccess:
     """Read a stream's ``subject`` from any point on (``Bus.follow``): find the stream by subject, read its
-    state and its messages by direct gets, and subscribe to what it republishes. No consumer: a role that
+    state and its messages by direct gets, ask the leader for its newest message (a replicated stream's
+    replica may answer a direct get behind it), and subscribe to what it republishes. No consumer: a role that
     may create one may give it any deliver subject, which the server does not check against its permissions."""
-    return BusAccess(publish=(f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}"),
+    return BusAccess(publish=(f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}",
+                              f"{_API}.STREAM.MSG.GET.{stream}"),
                      subscribe=(follow_subject(subject),))
 
 

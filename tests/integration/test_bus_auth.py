@@ -246,8 +246,9 @@ _ACCOUNT_API = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST", "
 # consumer: a watch reads the records the bucket's stream republishes (runtime.kv_watch), as a consumer
 # would have a deliver subject the server does not check against the role's permissions
 _BUCKET_READS = ("STREAM.INFO.{s}", "DIRECT.GET.{s}", "DIRECT.GET.{s}.{f}", "STREAM.MSG.GET.{s}")
-# what the event log's reader (a kind declaring `stream_reader("LOG", ...)`) asks: its state and direct gets
-_LOG_READS = ("STREAM.INFO.{s}", "DIRECT.GET.{s}")
+# what the event log's reader (a kind declaring `stream_reader("LOG", ...)`) asks: its state, direct gets and the
+# leader's newest message (a replicated LOG's replica may answer a direct get behind its leader)
+_LOG_READS = ("STREAM.INFO.{s}", "DIRECT.GET.{s}", "STREAM.MSG.GET.{s}")
 _OWN_QUEUE = ("CONSUMER.INFO.{s}.{c}", "CONSUMER.MSG.NEXT.{s}.{c}")  # bind, fetch (acks are $JS.ACK)
 
 
