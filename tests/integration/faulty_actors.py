@@ -60,6 +60,10 @@ class KilledTrainerActor(TrainerActor):
     """The real trainer, SIGKILLed once at each point of step -> checkpoint -> upload -> announce -> TrainDone
     (`TRAINER_KILLS`: the point, by the version being made)."""
 
+    # the test stands in for the reconciler and answers no "still wanted?": a redelivered order waits this long
+    # unasked, not the 30 s a real reconciler's absence is given (6 kills, 3 minutes of the test's time)
+    still_wanted_patience_s = 3.0
+
     async def setup(self) -> None:
         await super().setup()
         step, save = self.learner.step, self.learner.save
