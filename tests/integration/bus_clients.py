@@ -120,3 +120,29 @@ class DroppingSubscription:
 
     async def unsubscribe(self) -> None:
         await self._sub.unsubscribe()
+
+
+@contextlib.asynccontextmanager
+async def bus_as(info: RunInfo, role: str) -> AsyncIterator[Bus]:
+    """A `Bus` signed in as ``role`` of the run (what an actor of that kind holds)."""
+    bus = await Bus.connect(info.nats_url, role, **info.bus_options(role))
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+def lose_first_message(monkeypatch: Any, bus: Bus, prefix: str, subject: str) -> list[DroppingSubscription]:
+    """Makes the first subscription of ``bus`` to a subject starting with ``prefix`` lose the first message of
+    ``subject``; the list holds that subscription once made (empty: none was)."""
+    subscribe, dropping = bus.nc.subscribe, []
+
+    async def lossy(to: str, **kwargs: Any) -> Any:
+        sub = await subscribe(to, **kwargs)
+        if to.startswith(prefix) and not dropping:
+            dropping.append(DroppingSubscription(sub, subject))
+            return dropping[0]
+        return sub
+
+    monkeypatch.setattr(bus.nc, "subscribe", lossy)
+    return dropping

@@ -7,27 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import structlog
 
 from runtime.bus import Bus, KVEntry
-from runtime.rundir import RunInfo
-from tests.integration.bus_clients import DroppingSubscription, default_run_bus
+from tests.integration.bus_clients import bus_as, default_run_bus, lose_first_message
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@contextlib.asynccontextmanager
-async def _as_role(info: RunInfo, role: str) -> AsyncIterator[Bus]:
-    bus = await Bus.connect(info.nats_url, role, **info.bus_options(role))
-    try:
-        yield bus
-    finally:
-        await bus.close()
 
 
 def _shown(entry: KVEntry | None) -> tuple[str, bytes, str] | None:
@@ -42,7 +31,7 @@ async def test_a_watch_sees_the_current_records_then_each_change_in_order_and_ma
     marker included) in stream order, then None, then a put, a delete, a purge and a lease that ran out (the
     server's marker), in the order they were stored; the bucket's stream has no consumer meanwhile. On main the
     watch was an ordered consumer the role made on KV_actors."""
-    async with default_run_bus(tmp_path) as (admin, info), _as_role(info, "reconciler") as reconciler:
+    async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "reconciler") as reconciler:
         await admin.kv_put("actors", "reg.rollout.a", b"1", ttl_s=60)
         await admin.kv_put("actors", "reg.rollout.b", b"2", ttl_s=60)
         await admin.kv_put("actors", "handover.rollout", b"h")
@@ -85,7 +74,7 @@ async def test_no_change_is_lost_or_repeated_when_writes_race_the_snapshot(tmp_p
     ends in the bucket's final state, without starting again and without a consumer; and writes were made
     while watches subscribed and read (the race). On main the watches were consumers on KV_config."""
     rng = random.Random(7)
-    async with default_run_bus(tmp_path) as (admin, info), _as_role(info, "evaluator") as evaluator:
+    async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "evaluator") as evaluator:
         history: dict[str, list[tuple[int, bytes, bool]]] = {}  # key -> (revision, value, deleted), as written
         started = [asyncio.Event() for _ in range(12)]
         watched: list[list[KVEntry | None]] = [[] for _ in started]
@@ -147,19 +136,9 @@ async def test_a_change_lost_on_the_way_is_noticed_and_the_bucket_read_again(
     next record the stream republishes (another key's) is not the next sequence, the watch says
     ``kv_watch_gap``, reads the bucket again (its current records, then None) and goes on. On main the watch
     had no such subscription."""
-    async with default_run_bus(tmp_path) as (admin, info), _as_role(info, "reconciler") as reconciler:
+    async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "reconciler") as reconciler:
         await admin.kv_put("config", "a", b"0")
-        subscribe = reconciler.nc.subscribe
-        dropping: list[DroppingSubscription] = []
-
-        async def lossy(subject: str, **kwargs: Any) -> Any:
-            sub = await subscribe(subject, **kwargs)
-            if subject.startswith("kvwatch.") and not dropping:
-                dropping.append(DroppingSubscription(sub, "kvwatch.config.a"))
-                return dropping[0]
-            return sub
-
-        monkeypatch.setattr(reconciler.nc, "subscribe", lossy)
+        dropping = lose_first_message(monkeypatch, reconciler, "kvwatch.", "kvwatch.config.a")
         seen: list[tuple[str, bytes, bool] | None] = []
         with structlog.testing.capture_logs() as events:
             async with asyncio.timeout(30), contextlib.aclosing(reconciler.kv_watch("config")) as entries:

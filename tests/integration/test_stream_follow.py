@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,19 +14,9 @@ import pytest
 import structlog
 
 from runtime.bus import Bus, StreamMessage
-from runtime.rundir import RunInfo
-from tests.integration.bus_clients import DroppingSubscription, default_run_bus
+from tests.integration.bus_clients import bus_as, default_run_bus, lose_first_message
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@contextlib.asynccontextmanager
-async def _as_role(info: RunInfo, role: str) -> AsyncIterator[Bus]:
-    bus = await Bus.connect(info.nats_url, role, **info.bus_options(role))
-    try:
-        yield bus
-    finally:
-        await bus.close()
 
 
 async def _read(bus: Bus, start: Any, last: bytes, into: list[StreamMessage],
@@ -48,7 +37,7 @@ async def test_a_follow_reads_the_log_from_a_point_then_live_without_a_consumer(
     third and the fourth; five more events once both read the stored ones: each gets its part once and in
     order, the live ones too. A follow from "new" gets only what was stored after it began. LOG has no
     consumer meanwhile. On main each follow was an ordered consumer on LOG."""
-    async with default_run_bus(tmp_path) as (admin, info), _as_role(info, "dashboard") as dashboard:
+    async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "dashboard") as dashboard:
         for i in range(5):
             await admin.publish_durable(f"log.rollout.{'info' if i % 2 else 'error'}", b"%d" % i)
             if i == 2:  # after the third was stored (acknowledged), before the fourth is sent: one machine's clock
@@ -89,7 +78,7 @@ async def test_no_message_is_lost_or_repeated_when_writes_race_the_catch_up(tmp_
     """One writer puts 400 events into the log back to back; 8 follows from "all" start one after another while
     it writes (each after the next 50): each gets every event once, in order, without reading again. On main
     the follows were consumers on LOG."""
-    async with default_run_bus(tmp_path) as (admin, info), _as_role(info, "dashboard") as dashboard:
+    async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "dashboard") as dashboard:
         started = [asyncio.Event() for _ in range(8)]
         reads: list[list[StreamMessage]] = [[] for _ in started]
 
@@ -120,18 +109,8 @@ async def test_a_message_lost_on_the_way_is_noticed_and_read_again_from_the_stre
     """A live follow loses one republished event (its subscription drops it): the next one it receives is not
     the next sequence, the follow says ``stream_follow_gap`` and reads the stream again from the message after
     the last it delivered: every event once, in order. On main the follow had no such subscription."""
-    async with default_run_bus(tmp_path) as (admin, info), _as_role(info, "dashboard") as dashboard:
-        subscribe = dashboard.nc.subscribe
-        dropping: list[DroppingSubscription] = []
-
-        async def lossy(subject: str, **kwargs: Any) -> Any:
-            sub = await subscribe(subject, **kwargs)
-            if subject.startswith("follow.") and not dropping:
-                dropping.append(DroppingSubscription(sub, "follow.log.a.info"))
-                return dropping[0]
-            return sub
-
-        monkeypatch.setattr(dashboard.nc, "subscribe", lossy)
+    async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "dashboard") as dashboard:
+        dropping = lose_first_message(monkeypatch, dashboard, "follow.", "follow.log.a.info")
         await admin.publish_durable("log.a.info", b"0")
         read: list[StreamMessage] = []
         with structlog.testing.capture_logs() as events:
