@@ -182,6 +182,12 @@ def _stream_api(stream: str, durable: str) -> list[str]:
     ]
 
 
+def _stream_reads(stream: str) -> list[str]:
+    """Read a stream without a consumer: its state, direct gets of its messages, and its leader's newest
+    message (a replicated stream's replica may answer a direct get behind its leader)."""
+    return [f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.STREAM.MSG.GET.{stream}"]
+
+
 def _kv_read(bucket: str) -> list[str]:
     """Get, list and snapshot a bucket: stream info (its keys), the leader's get and direct gets (a key's last
     record; every key's, for a watch's snapshot). No consumer: a role that may create one on the bucket's
@@ -189,8 +195,7 @@ def _kv_read(bucket: str) -> list[str]:
     permissions; a watch is this snapshot and the stream's republished records (`runtime.kv_watch`,
     subscribed to with `_kv_watch`)."""
     stream = f"KV_{bucket}"
-    return [f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
-            f"{_API}.STREAM.MSG.GET.{stream}"]
+    return [*_stream_reads(stream), f"{_API}.DIRECT.GET.{stream}.>"]
 
 
 def _kv_watch(buckets: Iterable[str]) -> list[str]:
@@ -214,9 +219,7 @@ def stream_reader(stream: str, subject: str) -> BusAccess:
     state and its messages by direct gets, ask the leader for its newest message (a replicated stream's
     replica may answer a direct get behind it), and subscribe to what it republishes. No consumer: a role that
     may create one may give it any deliver subject, which the server does not check against its permissions."""
-    return BusAccess(publish=(f"{_API}.STREAM.NAMES", f"{_API}.STREAM.INFO.{stream}", f"{_API}.DIRECT.GET.{stream}",
-                              f"{_API}.STREAM.MSG.GET.{stream}"),
-                     subscribe=(follow_subject(subject),))
+    return BusAccess(publish=(f"{_API}.STREAM.NAMES", *_stream_reads(stream)), subscribe=(follow_subject(subject),))
 
 
 def actor_permissions(role: str, access: BusAccess) -> Permissions:
