@@ -2,8 +2,9 @@
 
 A task gives the agent a prompt and starting files; its hidden tests are only copied into a fresh
 fork at grading time (see `sandbox.reward`). With ``test_command == ""`` the built-in grader runs
-the hidden tests (``*.json`` I/O cases or ``*.py`` modules with ``test_*`` functions) and reports
-each test; any other command is run as is and passes or fails as a whole by its exit code.
+the hidden tests (``*.json`` I/O cases, ``*.check.json`` HumanEval-style checks of a completed function:
+`sandbox.task_file`, or ``*.py`` modules with ``test_*`` functions) and reports each test; any other
+command is run as is and passes or fails as a whole by its exit code.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Task:
         limits: sandbox limits for the agent's commands and for grading.
         difficulty: 1 (easiest) upward.
         reference_solution: files (path -> text) that pass every hidden test.
+        metadata: free-form facts about the task (its source, tags) that grading never reads.
     """
 
     id: str
@@ -63,6 +65,7 @@ class Task:
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     difficulty: int = 1
     reference_solution: Mapping[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -100,6 +103,7 @@ class Task:
             "limits": limits,
             "difficulty": self.difficulty,
             "reference_solution": dict(self.reference_solution),
+            "metadata": dict(self.metadata),
         }
 
     @classmethod
