@@ -5,6 +5,9 @@ a fresh `sandbox.Environment` holding the task's starting files and driven throu
 the finished environment is graded with `sandbox.reward.score` (hidden tests in a fresh fork).
 
     pass@1       fraction of episodes whose hidden tests all pass (averaged per task, then over tasks)
+    pass@k       the unbiased estimator over each task's episodes (`actors.training.pass_at_k`), for k = 1
+                 and, as the samples allow, 10, 100 and samples_per_task; each with its standard error
+                 over tasks
     mean reward  mean fraction of hidden tests passed
 
 Sampled episodes are seeded from (seed, task index, sample index), so a result does not depend on the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -24,6 +28,7 @@ import structlog
 
 from actors.agent.config import AgentConfig
 from actors.agent.episode import EpisodeEnd, run_episode
+from actors.training.pass_at_k import PassAtK, estimate_pass_at_k, reported_ks
 from model.engine import EngineConfig, GenerationEngine
 from model.generation import Generation
 from model.sampling import SamplingParams
@@ -101,6 +106,7 @@ class EvalResult:
     by_difficulty: dict[int, DifficultyResult]
     episodes: tuple[EpisodeResult, ...]
     duration_s: float
+    pass_at_k: dict[int, PassAtK] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_episodes(cls, episodes: Sequence[EpisodeResult], samples_per_task: int, duration_s: float) -> EvalResult:
@@ -119,6 +125,8 @@ class EvalResult:
             )
             for d in sorted({r[0] for r in rows})
         }
+        counts = [(len(eps), sum(e.passed for e in eps)) for eps in per_task.values()]
+        fewest = min((n for n, _ in counts), default=0)
         return cls(
             len(rows),
             samples_per_task,
@@ -127,6 +135,7 @@ class EvalResult:
             by_difficulty,
             tuple(episodes),
             duration_s,
+            {k: estimate_pass_at_k(counts, k) for k in reported_ks(fewest)} if counts else {},
         )
 
     def summary(self) -> dict[str, Any]:
@@ -135,6 +144,10 @@ class EvalResult:
             "num_tasks": self.num_tasks,
             "samples_per_task": self.samples_per_task,
             "pass_at_1": round(self.pass_at_1, 4),
+            "pass_at_1_stderr": _rounded(self.pass_at_k[1].stderr) if 1 in self.pass_at_k else None,
+            # the unbiased estimator (Chen et al., 2021) with its standard error over tasks, per reported k
+            "pass_at_k": {str(k): {"value": round(p.value, 4), "stderr": _rounded(p.stderr)}
+                          for k, p in self.pass_at_k.items()},
             "mean_reward": round(self.mean_reward, 4),
             "by_difficulty": {
                 str(d): {
@@ -150,6 +163,11 @@ class EvalResult:
                                                 / max(1, sum(e.num_summaries for e in self.episodes)), 2),
             "duration_s": round(self.duration_s, 2),
         }
+
+
+def _rounded(value: float) -> float | None:
+    """4 places; None for NaN (one task has no spread), which JSON cannot carry."""
+    return None if math.isnan(value) else round(value, 4)
 
 
 def _mean(values: Sequence[float | bool]) -> float:
