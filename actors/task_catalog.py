@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.config import TasksSection
-from sandbox.long_context_tasks import generate_long_context_tasks
-from sandbox.task_generator import generate_tasks
+from actors.task_sources import family_tasks
 from sandbox.tasks import Task
 
 __all__ = ["TaskCatalog"]
@@ -20,13 +19,22 @@ class TaskCatalog:
 
     @classmethod
     def build(cls, section: TasksSection) -> TaskCatalog:
-        def split(name: str, n: int) -> tuple[Task, ...]:
-            n = n or section.count(name)
-            if section.family == "long_context":
-                return tuple(generate_long_context_tasks(section.seed, n, name))
-            return tuple(generate_tasks(section.seed, n, name, section.difficulties))
+        """The training and held-out tasks ``section`` names (`actors.task_sources`).
 
-        return cls(split("train", section.num_train), split("heldout", section.num_heldout))
+        Raises:
+            ValueError: a task id in both splits (tasks from two families that share ids).
+        """
+        def split(name: str, n: int) -> tuple[Task, ...]:
+            return family_tasks(section.family_of(name), name, section.seed, n, difficulties=section.difficulties,
+                                path=section.path, cache_dir=section.cache_dir)
+
+        train, heldout = split("train", section.num_train), split("heldout", section.num_heldout)
+        shared = sorted({t.id for t in train} & {t.id for t in heldout})
+        if shared:
+            raise ValueError(f"task ids {shared[:5]} are in both the training and the held-out tasks "
+                             f"(tasks.family={section.family!r}, tasks.heldout_family={section.heldout_family!r}); "
+                             "rename them: a held-out task must never be trained on")
+        return cls(train, heldout)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_id", {t.id: t for t in (*self.train, *self.heldout)})
