@@ -18,7 +18,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import Architecture, Llama3RopeScaling, ModelConfig
 from model.engine import EngineConfig, GenerationEngine, SamplingParams
 from model.errors import ConfigError
-from tests.model.helpers import random_prompts
+from tests.model.helpers import hf_dense_model, random_prompts
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,22 +40,9 @@ CASES: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-def _hf_model(kind: str, seed: int, **overrides: object):
-    torch.manual_seed(seed)
-    fields: dict[str, object] = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                     max_position_embeddings=256, initializer_range=0.05)
-    fields.update(overrides)
-    if fields.get("head_dim") is None:
-        fields.pop("head_dim")
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
-
-
 def _saved(path: Path, name: str):
     kind, overrides = CASES[name]
-    hf = _hf_model(kind, seed=len(name), **overrides)
+    hf = hf_dense_model(kind, seed=len(name), **overrides)
     hf.save_pretrained(str(path))
     return hf
 
