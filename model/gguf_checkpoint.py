@@ -88,8 +88,19 @@ class _NamingReader(GGUFReader):
     """GGUFReader whose failures name the tensor or key they hit.
 
     The reader maps every tensor eagerly; a file cut short fails inside numpy ("cannot reshape array ...")
-    with no tensor named. Each tensor's extent is checked against the file's size first.
+    with no tensor named. Each tensor's extent is checked against the file's size first, and a header that
+    breaks is reported with the last metadata key read whole.
     """
+
+    def __init__(self, path: Path) -> None:
+        try:
+            super().__init__(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        except (ValueError, IndexError, OverflowError, UnicodeDecodeError) as exc:
+            keys = list(getattr(self, "fields", {}))  # the keys parsed before the failure, in file order
+            where = f"after metadata key {keys[-1]!r}" if keys else "in its header"
+            raise CheckpointError(f"{path}: not a readable GGUF file: it ends or breaks {where} ({exc})") from exc
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         size = int(self.data.shape[0])
@@ -110,17 +121,7 @@ class _NamingReader(GGUFReader):
 def _open(path: Path) -> GGUFReader:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
-    reader: _NamingReader | None = None
-    try:
-        reader = _NamingReader.__new__(_NamingReader)
-        reader.__init__(path)  # type: ignore[misc]  # split from __new__ so a failure leaves the keys read so far
-    except CheckpointError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
-    except (ValueError, IndexError, OverflowError, UnicodeDecodeError) as exc:
-        fields = list(getattr(reader, "fields", {}))
-        where = f"after metadata key {fields[-1]!r}" if fields else "in its header"
-        raise CheckpointError(f"{path}: not a readable GGUF file: it ends or breaks {where} ({exc})") from exc
-    return reader
+    return _NamingReader(path)
 
 
 def _metadata(reader: GGUFReader) -> dict[str, Any]:
