@@ -293,7 +293,7 @@ def _write_hf_config(config: ModelConfig) -> dict[str, Any]:
                 **dataclasses.asdict(config.rope_scaling)}
     out.update(
         architectures=[arch.hf_class], model_type=arch.value, hidden_act="silu", attention_dropout=0.0,
-        rope_scaling=None, rope_parameters=rope, torch_dtype="float32",
+        rope_theta=config.rope_theta, rope_scaling=None, rope_parameters=rope, torch_dtype="float32",
     )
     if arch.is_moe:
         out.update(num_experts=config.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
