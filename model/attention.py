@@ -108,7 +108,7 @@ def _sdpa_runs(q_THHd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens:
 
 
 class Attention(nn.Module):
-    """Qwen3 attention: q/k/v projections, per-head RMSNorm on q and k, RoPE, GQA, output projection."""
+    """Qwen3 / Llama attention: q/k/v projections, per-head RMSNorm on q and k (Qwen3), RoPE, GQA, output."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -121,8 +121,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        # Qwen3 normalises each query/key head before RoPE; Llama has no such norm (identity here).
+        self.q_norm: nn.Module = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm: nn.Module = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else nn.Identity()
 
     def forward(
         self, x_TD: torch.Tensor, cos_THd: torch.Tensor, sin_THd: torch.Tensor, batch: AttentionBatch

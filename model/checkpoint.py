@@ -32,6 +32,7 @@ __all__ = [
     "load_state_into",
     "save_checkpoint",
     "to_hf_state_dict",
+    "write_checkpoint",
 ]
 
 log = structlog.get_logger(__name__)
@@ -116,20 +117,24 @@ def load_state_into(model: MoETransformer, state: dict[str, torch.Tensor]) -> No
             own[name].copy_(value)
 
 
-def save_checkpoint(model: MoETransformer, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write `model.safetensors` and `config.json` (HF names) into `directory`; returns the directory."""
+def write_checkpoint(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], directory: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """Write HF-named `tensors` as `model.safetensors` and `config` as `config.json`; returns the directory."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
-        for k, v in to_hf_state_dict(model).items()
-    }
-    config = model.config.to_hf_dict()
-    config["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    log.info("checkpoint_saved", directory=str(path), num_tensors=len(tensors))
+    out = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in tensors.items()}
+    hf_config = config.to_hf_dict()
+    hf_config["torch_dtype"] = str(dtype or next(iter(out.values())).dtype).removeprefix("torch.")
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    log.info("checkpoint_saved", directory=str(path), num_tensors=len(out))
     return path
+
+
+def save_checkpoint(model: MoETransformer, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `model.safetensors` and `config.json` (HF names) into `directory`; returns the directory."""
+    return write_checkpoint(model.config, to_hf_state_dict(model), directory, dtype)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,14 +1,18 @@
-"""Small building blocks: RMSNorm and rotary position embeddings (Qwen3 conventions).
+"""Small building blocks: RMSNorm and rotary position embeddings (Qwen3 / Llama conventions).
 
-Legend: T tokens, H heads, Hd head dim, D hidden size.
+Legend: T tokens, H heads, Hd head dim, D hidden size, R = Hd / 2 rotary frequencies.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary"]
+from model.config import Llama3RopeScaling
+
+__all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "llama3_inv_freq"]
 
 
 class RMSNorm(nn.Module):
@@ -25,14 +29,31 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def llama3_inv_freq(inv_freq_R: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3.1's rescaled frequencies: long wavelengths slowed by `factor`, short ones kept, a smooth band between.
+
+    With wavelength w = 2π / f and the original context C: w > C / low_freq_factor gives f / factor;
+    w < C / high_freq_factor keeps f; between, f·((1 − s) / factor + s) with s = (C / w − low) / (high − low).
+    """
+    context = scaling.original_max_position_embeddings
+    wavelen_R = 2 * math.pi / inv_freq_R
+    slowed_R = torch.where(wavelen_R > context / scaling.low_freq_factor, inv_freq_R / scaling.factor, inv_freq_R)
+    smooth_R = (context / wavelen_R - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended_R = (1 - smooth_R) * slowed_R / scaling.factor + smooth_R * slowed_R
+    in_band_R = (wavelen_R >= context / scaling.high_freq_factor) & (wavelen_R <= context / scaling.low_freq_factor)
+    return torch.where(in_band_R, blended_R, slowed_R)
+
+
 class RotaryEmbedding(nn.Module):
-    """Default RoPE: inv_freq_i = theta^(-2i/Hd); cos/sin computed for arbitrary position ids."""
+    """RoPE: inv_freq_i = theta^(-2i/Hd), optionally rescaled (llama3); cos/sin for arbitrary position ids."""
 
     inv_freq: torch.Tensor
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids_T: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

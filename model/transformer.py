@@ -1,10 +1,13 @@
-"""The Qwen3-MoE-compatible decoder over packed variable-length sequences.
+"""The decoder (Qwen3-MoE, or dense Qwen3 / Llama by config) over packed variable-length sequences.
 
 Legend: T packed tokens, D hidden size, V vocabulary, L layers, K experts per token, N logit rows.
 
 Parameter names follow Hugging Face (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`,
 `model.layers.{i}.mlp.gate.weight`, `model.norm.weight`, `lm_head.weight`) except the stacked expert
 tensors (`model.layers.{i}.mlp.w_gate_EFD`, ...), which `model.checkpoint` maps to per-expert HF keys.
+
+Dense architectures use `model.mlp.DenseMLP` (`mlp.gate_proj`, `mlp.up_proj`, `mlp.down_proj`) where the
+MoE block sits; they route nothing, so their expert ids are (T, L, 0) and their routing counters zero.
 
 One forward serves training (packed, no cache; see `AttentionBatch.packed`) and generation (KV cache,
 `AttentionBatch.cached`). It returns logits, the experts every token used in every layer (router capture)
@@ -23,6 +26,7 @@ from model.attention import Attention, AttentionBatch
 from model.config import ModelConfig
 from model.experts import ExpertsFn, reference_experts_forward
 from model.layers import RMSNorm, RotaryEmbedding
+from model.mlp import DenseMLP
 from model.moe import MoEBlock
 from model.router import RouterReplayConfig, RoutingStats
 
@@ -40,14 +44,14 @@ class ModelOutput:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + moe(norm(h))."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)), the MLP a MoE block or dense by config."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, experts_fn: ExpertsFn) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoEBlock(config, experts_fn)
+        self.mlp: MoEBlock | DenseMLP = MoEBlock(config, experts_fn) if config.is_moe else DenseMLP(config)
 
 
 class _Backbone(nn.Module):
@@ -56,7 +60,7 @@ class _Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, experts_fn) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
 def _as_batch(num_tokens: int, seq_lens: Sequence[int] | torch.Tensor | None, device: torch.device) -> AttentionBatch:
@@ -69,11 +73,12 @@ def _as_batch(num_tokens: int, seq_lens: Sequence[int] | torch.Tensor | None, de
 
 
 class MoETransformer(nn.Module):
-    """Qwen3-MoE causal LM (every layer sparse). Experts run through a settable `ExpertsFn`."""
+    """Qwen3-MoE causal LM (every layer sparse), or dense Qwen3 / Llama. Experts run through a settable `ExpertsFn`."""
 
     def __init__(self, config: ModelConfig, experts_fn: ExpertsFn = reference_experts_forward) -> None:
         super().__init__()
         self.config = config
+        self._experts_fn = experts_fn
         self.model = _Backbone(config, experts_fn)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -81,12 +86,17 @@ class MoETransformer(nn.Module):
 
     @property
     def experts_fn(self) -> ExpertsFn:
-        return self.model.layers[0].mlp.experts_fn
+        return self._experts_fn
 
     def set_experts_fn(self, fn: ExpertsFn) -> None:
-        """Use `fn` for the experts of every MoE layer (reference, emulated low precision, Triton)."""
+        """Use `fn` for the experts of every MoE layer (reference, emulated low precision, Triton).
+
+        A dense model keeps `fn` for the record only: it has no experts to run it on.
+        """
+        self._experts_fn = fn
         for layer in self.model.layers:
-            layer.mlp.experts_fn = fn
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.experts_fn = fn
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> MoETransformer:
@@ -135,13 +145,20 @@ class MoETransformer(nn.Module):
         h_TD = self.model.embed_tokens(input_ids_T)
         cos, sin = self.model.rotary(batch.position_ids_T, h_TD.dtype)
         ids_per_layer, stats = [], []
+        no_experts_TK = torch.empty(input_ids_T.shape[0], 0, dtype=torch.long, device=input_ids_T.device)
         for i, layer in enumerate(self.model.layers):
             h_TD = h_TD + layer.self_attn(layer.input_layernorm(h_TD), cos, sin, batch)
-            replay_TK = None if replay_topk_ids_TLK is None else replay_topk_ids_TLK[:, i]
-            y_TD, routing = layer.mlp(layer.post_attention_layernorm(h_TD), replay_TK, replay)
+            x_TD = layer.post_attention_layernorm(h_TD)
+            if isinstance(layer.mlp, MoEBlock):
+                replay_TK = None if replay_topk_ids_TLK is None else replay_topk_ids_TLK[:, i]
+                y_TD, routing = layer.mlp(x_TD, replay_TK, replay)
+                ids_per_layer.append(routing.topk_ids_TK)
+                stats.append(routing.stats)
+            else:
+                y_TD = layer.mlp(x_TD)
+                ids_per_layer.append(no_experts_TK)
+                stats.append(RoutingStats())
             h_TD = h_TD + y_TD
-            ids_per_layer.append(routing.topk_ids_TK)
-            stats.append(routing.stats)
         if logits_rows is not None:
             h_TD = h_TD.index_select(0, logits_rows)
         logits = self.lm_head(self.model.norm(h_TD))

@@ -35,3 +35,19 @@ def random_prompts(num: int, vocab: int, min_len: int, max_len: int, seed: int =
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def hf_dense_model(kind: str, seed: int, **overrides: object):
+    """A transformers LlamaForCausalLM ("llama") or Qwen3ForCausalLM ("qwen3") at random init, small sizes."""
+    import transformers
+
+    torch.manual_seed(seed)
+    fields: dict[str, object] = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=256, initializer_range=0.05)
+    fields.update(overrides)
+    if fields.get("head_dim") is None:
+        fields.pop("head_dim")
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
