@@ -153,9 +153,19 @@ def _all_of_split(split: str, seed: int, difficulties: Sequence[int] | None) -> 
     return generate_tasks(seed, lo, split, difficulties)
 
 
+# ModelConfig fields added after recipes were first hashed, each with a default that computes what a model
+# had before it existed: hashed only when set otherwise, so adding such a field keeps every recipe's hash
+# (and the shipped starting policy) valid.
+_MODEL_FIELDS_HASHED_WHEN_SET = ("architecture", "mlp_bias", "rope_scaling")
+
+
 def _jsonable(recipe: StartingPolicyRecipe) -> dict[str, Any]:
     out = dataclasses.asdict(recipe)
     out["pretrain"] = dataclasses.asdict(_pretrain_config(recipe))
+    defaults = ModelConfig()
+    for name in _MODEL_FIELDS_HASHED_WHEN_SET:
+        if getattr(recipe.model, name) == getattr(defaults, name):
+            del out["model"][name]
     return out
 
 
