@@ -12,6 +12,7 @@ import msgpack
 from runtime.bus import Bus
 from runtime.bus_auth import OPERATOR
 from runtime.errors import BusError, ConfigError
+from runtime.run_state import read_run_record
 from runtime.rundir import RunInfo, latest_run_dir
 
 
@@ -25,8 +26,25 @@ def resolve_run_dir(run_dir: Path | None, runs_dir: Path = Path("runs")) -> Path
 
 
 async def connect(run_dir: Path, name: str) -> Bus:
+    """The bus of the run in ``run_dir``, as the operator.
+
+    Raises:
+        BusError: no server answers at the run's address, or one does that carries another run (the run's
+            own server is gone and another took its port): never a bus of the wrong run.
+    """
     info = RunInfo.read(run_dir)
-    return await Bus.connect(info.nats_url, name=name, **info.bus_options(OPERATOR))
+    bus = await Bus.connect(info.nats_url, name=name, **info.bus_options(OPERATOR))
+    try:
+        record = await read_run_record(bus)
+    except BaseException:
+        await bus.close()
+        raise
+    if record is None or record.run_id != info.run:
+        await bus.close()
+        held = "no run" if record is None else f"run {record.run_id!r}"
+        raise BusError(f"the bus at {info.nats_url} carries {held}, not run {info.run!r}: the run's own server is "
+                       "gone and another took its address")
+    return bus
 
 
 async def connect_or_none(run_dir: Path, name: str, timeout_s: float) -> tuple[Bus | None, str]:
