@@ -2,7 +2,9 @@
 # The test suite: bootstrap if needed, lint, then every test; the 20 slowest are listed at the end.
 #   scripts/test.sh           everything (CI and the README's command)
 #   scripts/test.sh --fast    unit and property tests only: no test that runs the whole system (marker `system`)
-# Other arguments go to pytest.
+# Tests run on parallel workers (pytest-xdist, one per core; TEST_WORKERS overrides, 0 runs them in this
+# process), fed two at a time in the order tests/conftest.py gives (the longest first). Other arguments go
+# to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 selection=()
@@ -12,4 +14,9 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 bash scripts/bootstrap.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "${selection[@]}" "$@"
+workers=${TEST_WORKERS:-$(nproc)}
+parallel=()
+if [ "$workers" != 0 ]; then
+    parallel=(-n "$workers" --dist load --maxschedchunk 2)
+fi
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "${parallel[@]}" "${selection[@]}" "$@"

@@ -29,7 +29,12 @@ settings.load_profile("suite")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test under tests/integration runs the whole system (real processes, servers, clusters): mark it
-    ``system``, so ``scripts/test.sh --fast`` (``-m "not system"``) leaves it out without a list to keep."""
+    ``system``, so ``scripts/test.sh --fast`` (``-m "not system"``) leaves it out without a list to keep.
+
+    Then the longest first (``slow``, then the rest of ``system``): parallel workers (pytest-xdist) take
+    them at the start, beside the short ones, instead of ending the suite with one long test on one worker
+    while the others idle."""
     for item in items:
         if INTEGRATION in item.path.parents:
             item.add_marker(pytest.mark.system)
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("system") is None))

@@ -273,6 +273,7 @@ async def run_to_end(run: LiveRun, reconciler: dict[str, Any]) -> dict[str, Any]
     return (await ledger.load())[0]
 
 
+@pytest.mark.slow
 async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
     undisturbed = await start_run(tmp_path / "undisturbed", tmp_path)
     try:

@@ -140,44 +140,25 @@ async def test_a_run_whose_data_runs_out_first_ends_after_its_final_evaluation(
     assert finish["reason"] == "data exhausted"
 
 
-async def test_kill_9_of_stage_actors_loses_no_sample(tmp_path: Path, starting_policy: Path) -> None:
-    cfg = _short_run(tmp_path, seed=1, steps=5, checkpoint=starting_policy)
-    run = await LiveRun(
-        tmp_path / "run",
-        cfg,
-        "--set",
-        "bus.ack_wait_s=5.0",
-        "--set",
-        "reconciler.scheduling.rollout_timeout_s=20.0",
-        "--set",
-        "reconciler.scheduling.reward_timeout_s=20.0",
-        "--set",
-        "reconciler.scheduling.group_timeout_s=20.0",
-    ).start()
-    try:
-        for kind in ("rollout", "reward", "grouping"):
-            victims = await run.wait_actors(kind, 1, timeout_s=180)
-            await asyncio.sleep(2.0)
-            os.kill(victims[0]["pid"], signal.SIGKILL)
-        assert await _wait_finished(run, 360) == 0, run.output()
-    finally:
-        await run.stop()
-    assert [r["version"] for r in await _rows(run.run_dir, "train")] == [1, 2, 3, 4, 5]
-    supervisor = (run.run_dir / "logs" / "supervisor.jsonl").read_text()
-    assert supervisor.count('"actor_crashed"') == 3 and supervisor.count('"actor_restarted"') == 3
-    await assert_every_prompt_accounted(run.run_dir, steps=5)
-
-
-async def test_a_rollout_actor_killed_mid_episode_resumes_them_from_their_checkpoints(
+async def test_stage_actors_killed_mid_run_lose_no_sample_and_a_rollout_resumes_from_its_checkpoints(
     tmp_path: Path, starting_policy: Path
 ) -> None:
-    """The real rollout actor's own resume path, end to end: killed while it holds episodes with a turn
-    checkpointed and not finished, its re-issued attempts resume from those checkpoints in rebuilt sandboxes,
-    each finishing a transcript whose beginning is the checkpoint's, and the run trains every version with
-    every prompt accounted."""
-    cfg = _short_run(tmp_path, seed=2, steps=3, checkpoint=starting_policy)
-    run = await LiveRun(tmp_path / "run", cfg, "--set", "bus.ack_wait_s=5.0", "--set", "rollout.agent.max_turns=3",
-                        "--set", "rollout.agent.max_new_tokens_per_turn=96").start()
+    """kill -9 of a rollout, a reward and a grouping actor in one real run: the run trains every version with
+    every prompt accounted, each victim crashed and restarted once. The rollout actor is killed while it holds
+    an episode with a turn checkpointed and not finished: the real rollout's own resume path, end to end, its
+    re-issued attempts resuming from those checkpoints in rebuilt sandboxes, each finishing a transcript whose
+    beginning is the checkpoint's."""
+    steps = 4
+    cfg = _short_run(tmp_path, seed=1, steps=steps, checkpoint=starting_policy)
+    run = await LiveRun(
+        tmp_path / "run", cfg,
+        "--set", "bus.ack_wait_s=5.0",
+        "--set", "reconciler.scheduling.rollout_timeout_s=20.0",
+        "--set", "reconciler.scheduling.reward_timeout_s=20.0",
+        "--set", "reconciler.scheduling.group_timeout_s=20.0",
+        "--set", "rollout.agent.max_turns=3",
+        "--set", "rollout.agent.max_new_tokens_per_turn=96",
+    ).start()
     blobs, kept = run.run_dir / "blobs", tmp_path / "checkpoints-at-the-kill"
     try:
         (victim,) = await run.wait_actors("rollout", 1, timeout_s=180)
@@ -192,10 +173,16 @@ async def test_a_rollout_actor_killed_mid_episode_resumes_them_from_their_checkp
             (kept / c.relative_to(blobs)).parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 shutil.copyfile(c, kept / c.relative_to(blobs))
+        for kind in ("reward", "grouping"):
+            victims = await run.wait_actors(kind, 1, timeout_s=180)
+            await asyncio.sleep(2.0)
+            os.kill(victims[0]["pid"], signal.SIGKILL)
         assert await _wait_finished(run, 360) == 0, run.output()
     finally:
         await run.stop()
-    assert [r["version"] for r in await _rows(run.run_dir, "train")] == [1, 2, 3]
+    assert [r["version"] for r in await _rows(run.run_dir, "train")] == list(range(1, steps + 1))
+    supervisor = (run.run_dir / "logs" / "supervisor.jsonl").read_text()
+    assert supervisor.count('"actor_crashed"') == 3 and supervisor.count('"actor_restarted"') == 3
     # (a replacement may also resume from checkpoints written after the kill: its own, of attempts it redid)
     resumed = [e for e in run_events(run.run_dir, "rollout_resumed") if (kept / e["key"]).exists()]
     assert resumed, "re-issued attempts resumed from the killed actor's checkpoints"
@@ -215,7 +202,7 @@ async def test_a_rollout_actor_killed_mid_episode_resumes_them_from_their_checkp
         assert done.trajectory.num_turns >= checkpoint.trajectory.num_turns
         report = finished[(e["sample_id"], e["attempt"])]
         assert report["num_resumed_turns"] == e["num_turns"] and report["num_resumed_tokens"] > 0
-    await assert_every_prompt_accounted(run.run_dir, steps=3)
+    await assert_every_prompt_accounted(run.run_dir, steps=steps)
 
 
 async def assert_every_prompt_accounted(run_dir: Path, steps: int) -> None:

@@ -179,6 +179,7 @@ drain_timeout_s = 10.0
 WEDGE_BOUND_S = 4 * (1.0 + 5.0) + 10.0
 
 
+@pytest.mark.slow
 async def test_a_rollout_actor_whose_real_engine_wedges_is_replaced_and_the_run_loses_nothing(
         tmp_path: Path, starting_policy: Path) -> None:  # noqa: F811
     cfg = [*_short_run(tmp_path, seed=2, steps=3, checkpoint=starting_policy),

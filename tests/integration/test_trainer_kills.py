@@ -104,6 +104,7 @@ async def _until_replaced(run: LiveRun, kind: str, old_id: str) -> None:
     raise AssertionError(f"{kind} {old_id} was not replaced")
 
 
+@pytest.mark.slow
 async def test_the_trainer_killed_at_each_point_of_its_sequence_and_the_run_still_finishes(tmp_path: Path) -> None:
     ckpt = tmp_path / "policy"
     save_checkpoint(MoETransformer(tiny()).init_weights(0), ckpt)

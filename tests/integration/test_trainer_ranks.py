@@ -41,6 +41,7 @@ async def _at_least(run_dir: Path, steps: int) -> bool:
     return len(await _train_rows(run_dir)) >= steps
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_train_restart_together_after_a_kill_and_train_nothing_twice(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     live = LiveRun(run_dir, REPO / "actors" / "run.toml", "--steps", str(STEPS),

@@ -154,6 +154,7 @@ async def _ours(store: LayerStore, by_id: dict[str, Task], cases: list[tuple[str
     return list(await asyncio.gather(*(grade(task_id, text) for task_id, _, text in cases)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 async def test_the_grader_agrees_with_check_correctness_on_every_completion(
         store: LayerStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
