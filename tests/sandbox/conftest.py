@@ -69,7 +69,10 @@ def _owned_by_sandbox(directory: str) -> list[str]:
 
 
 def _sandbox_mounts() -> list[str]:
-    return sorted(_mount.mounts_under(TEST_ROOT))
+    """This process's sandbox mounts: its stores are ``TEST_ROOT/<pid>-<token>``, and the suite's parallel
+    workers (other processes) mount and unmount theirs under the same root meanwhile."""
+    own = os.path.join(TEST_ROOT, f"{os.getpid()}-")
+    return sorted(m for m in _mount.mounts_under(TEST_ROOT) if m.startswith(own))
 
 
 def host_fingerprint() -> dict[str, object]:
