@@ -47,7 +47,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.episode import EpisodeEnd, Segment, Trajectory
+from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import (
