@@ -18,13 +18,14 @@ type, schema and the field at fault: never a KeyError deep inside a reader.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-import torch
+import numpy as np
 
-from actors.agent.episode import Trajectory
+from actors.agent.trajectory import Trajectory
 from runtime.validation import split_error, strict_shape, value_at
 
 __all__ = [
@@ -137,34 +138,42 @@ def trainer_logprobs_key(sample_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class _TensorWire:
-    """Router choices (int16) on the wire: their shape and raw bytes."""
+class _RouterChoicesWire:
+    """Router choices (`actors.agent.trajectory.Segment.topk_ids_TLK`) on the wire: their shape and their
+    int16 values as little-endian bytes, row-major. Schema 3 wrote them from torch tensors; the bytes are
+    the same."""
 
     shape: tuple[int, ...]
     data: bytes
 
 
-def _encode_tensor(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.to(torch.int16).contiguous()
-        return _TensorWire(tuple(t.shape), t.numpy().tobytes())
+_WIRE_INT16 = np.dtype("<i2")
+
+
+def _encode_array(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype != np.int16:  # a wider type would be cut silently: the producer is wrong
+            raise TypeError(f"router choices are stored as int16; got an array of {obj.dtype}")
+        return _RouterChoicesWire(tuple(int(d) for d in obj.shape), obj.astype(_WIRE_INT16, copy=False).tobytes())
     raise NotImplementedError(f"{type(obj).__name__} has no record form")
 
 
-def _decode_tensor(hint: Any, obj: Any) -> Any:
-    if hint is torch.Tensor:
+def _decode_array(hint: Any, obj: Any) -> Any:
+    if hint is np.ndarray:
         try:
-            wire = msgspec.convert(obj, _TensorWire)
+            wire = msgspec.convert(obj, _RouterChoicesWire)
         except msgspec.ValidationError as e:  # said again as a TypeError: msgspec then adds the path
-            raise TypeError(f"int16 tensor as {{shape, data}}: {e}") from None
-        try:
-            return torch.frombuffer(bytearray(wire.data), dtype=torch.int16).reshape(wire.shape).clone()
-        except (RuntimeError, ValueError) as e:  # bytes that do not fill the shape
-            raise ValueError(f"int16 tensor of shape {list(wire.shape)} from {len(wire.data)} bytes: {e}") from None
+            raise TypeError(f"int16 array as {{shape, data}}: {e}") from None
+        shape = list(wire.shape)
+        if any(d < 0 for d in shape) or 2 * math.prod(shape) != len(wire.data):
+            raise ValueError(f"int16 array of shape {shape} from {len(wire.data)} bytes: needs "
+                             f"{2 * math.prod(shape)} bytes and no negative dimension")
+        # astype copies into a writable array of the machine's int16 (torch.from_numpy takes no other)
+        return np.frombuffer(wire.data, dtype=_WIRE_INT16).astype(np.int16).reshape(shape)
     raise NotImplementedError(f"{hint} has no record form")
 
 
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_tensor)
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_array)
 
 
 class _Head(msgspec.Struct):
@@ -176,11 +185,11 @@ _HEAD = msgspec.msgpack.Decoder(_Head)
 
 @functools.cache
 def _decoders(cls: type) -> tuple[msgspec.msgpack.Decoder, msgspec.msgpack.Decoder]:
-    return msgspec.msgpack.Decoder(strict_shape(cls)), msgspec.msgpack.Decoder(cls, dec_hook=_decode_tensor)
+    return msgspec.msgpack.Decoder(strict_shape(cls)), msgspec.msgpack.Decoder(cls, dec_hook=_decode_array)
 
 
 def encode_record(record: Any) -> bytes:
-    """The msgpack form of a record (tensors as shape and int16 bytes)."""
+    """The msgpack form of a record (router choices as shape and int16 bytes)."""
     return _ENCODER.encode(record)
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import structlog
 import zstandard
 
-from actors.agent.episode import Segment, Trajectory
+from actors.agent.trajectory import Segment, Trajectory
 from actors.records import RECORD_SCHEMA, RecordError, decode_record, encode_record
 from runtime.blob import BlobError
 from sandbox import Environment, LayerStore, SandboxLimits, Snapshot, export_snapshot_bytes, import_snapshot_bytes
@@ -237,7 +237,7 @@ class RolloutCheckpoints:
 
 def _transcript_copy(traj: Trajectory) -> Trajectory:
     """``traj`` as it is now: later turns of the episode append to its current segment's lists and to its
-    chain of segments (a segment's router choices tensor is replaced, never written in place, so it is shared)."""
+    chain of segments (a segment's router choices array is replaced, never written in place, so it is shared)."""
     segments = [dataclasses.replace(
         seg, token_ids=list(seg.token_ids), loss_mask=list(seg.loss_mask),
         behaviour_logprobs=list(seg.behaviour_logprobs), logprob_temperatures=list(seg.logprob_temperatures),

@@ -15,6 +15,9 @@
 - The reconciler's process loads no torch (nor numpy, Ray or Hugging Face's libraries): checked in a fresh
   interpreter doing what ``runtime.actor_process`` does before the actor runs. A frozen reconciler is replaced
   within its lease (issue 32); torch alone took 6-7 s of CPU of the replacement's start.
+- Nor do the reward and grouping processes, the stage base and the records they are built of, or the
+  simulated stages of the integration tests (numpy allowed: the router choices of a record are an int16
+  array): they do no tensor work, and are started and restarted by the hundred.
 
 The layer rules count every import, function-level and TYPE_CHECKING ones included: a layer that needs
 another's names at type-checking time depends on it all the same.
@@ -189,27 +192,54 @@ def test_nothing_reaches_past_the_bus_to_its_nats_client() -> None:
 
 # What an actor process loads before its actor runs (runtime.actor_process._serve), step by step: its entry module
 # with the kind's class, then the run's configuration read as a process of the kind reads it (find_run). Each
-# step prints the heavy modules loaded so far; the default run's file stands for the run's stored configuration.
-_RECONCILER_PROCESS = f"""
+# step prints the forbidden modules loaded so far; the default run's file stands for the run's stored configuration.
+_ACTOR_PROCESS = """
 import json, sys
 from pathlib import Path
-heavy = lambda: sorted(m for m in {HEAVY!r} if m in sys.modules)
+loaded = lambda: sorted(m for m in {forbidden!r} if m in sys.modules)
 import runtime.actor_process
 from runtime.run_config import import_entry
-import_entry("actors.reconciler:ReconcilerActor")
-print(json.dumps(["the reconciler's class", heavy()]), flush=True)
+import_entry({entry!r})
+print(json.dumps(["the {kind}'s class", loaded()]), flush=True)
 from runtime.run_config import load_kind_config
-load_kind_config([Path("actors/run.toml")], "reconciler")
-print(json.dumps(["the run's configuration", heavy()]), flush=True)
+load_kind_config([Path("actors/run.toml")], {kind!r})
+print(json.dumps(["the run's configuration", loaded()]), flush=True)
 """
 
 
-def test_the_reconciler_process_loads_no_torch() -> None:
-    done = subprocess.run([sys.executable, "-c", _RECONCILER_PROCESS], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+def _steps_loading(script: str, num_steps: int) -> list[list]:
+    """The steps of ``script`` (run in a fresh interpreter) that loaded a forbidden module, with those modules."""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     steps = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [step for step, heavy in steps if heavy] == [], f"heavy modules loaded by these steps: {steps}"
-    assert done.returncode == 0 and len(steps) == 2, done.stderr
+    assert done.returncode == 0 and len(steps) == num_steps, done.stderr
+    return [step for step in steps if step[1]]
+
+
+def test_the_reconciler_process_loads_no_torch() -> None:
+    script = _ACTOR_PROCESS.format(forbidden=HEAVY, entry="actors.reconciler:ReconcilerActor", kind="reconciler")
+    assert _steps_loading(script, 2) == [], "heavy modules loaded by these steps"
+
+
+# The stages that do no tensor work: they read and write records (router choices as numpy: numpy is allowed)
+# and are restarted often (kills, health replacements); torch cost each start ~3 s of CPU and ~250 MB.
+NO_TENSOR_WORK = tuple(m for m in HEAVY if m != "numpy")
+
+
+@pytest.mark.parametrize(("entry", "kind"), [("actors.stages.reward:RewardActor", "reward"),
+                                             ("actors.stages.grouping:GroupingActor", "grouping")])
+def test_a_stage_process_without_tensor_work_loads_no_torch(entry: str, kind: str) -> None:
+    script = _ACTOR_PROCESS.format(forbidden=NO_TENSOR_WORK, entry=entry, kind=kind)
+    assert _steps_loading(script, 2) == [], f"the {kind} process loads these"
+
+
+# What those stages are built of, and the simulated stages that most integration tests and benches start by the
+# hundred (tests/integration/sim_stages.py): each imported alone in a fresh interpreter.
+@pytest.mark.parametrize("module", ["actors._stage", "actors.records", "actors.agent.trajectory",
+                                    "actors.stages.evaluator_role", "tests.integration.sim_stages"])
+def test_a_module_without_tensor_work_loads_no_torch(module: str) -> None:
+    script = (f"import json, sys\nimport {module}\n"
+              f"print(json.dumps([{module!r}, sorted(m for m in {NO_TENSOR_WORK!r} if m in sys.modules)]))")
+    assert _steps_loading(script, 1) == [], f"importing {module} loads these"
 
 
 def test_the_checks_see_what_they_check(tmp_path: Path) -> None:

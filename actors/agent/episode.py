@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from actors.agent.config import ASSISTANT, END, TOOL, USER, AgentConfig
+from actors.agent.trajectory import EpisodeEnd, Segment, ToolUse, Trajectory
 from model.chat import TOOL_CLOSE, ToolCall, ToolCallError, find_tool_call, render_tool_call
 from model.generation import Generation
 from model.sampling import SamplingParams
@@ -52,10 +52,6 @@ from model.tokenizer import ByteTokenizer
 from sandbox.tasks import Task
 
 __all__ = [
-    "EpisodeEnd",
-    "Segment",
-    "ToolUse",
-    "Trajectory",
     "reference_episode_text",
     "resume_prompt_text",
     "run_episode",
@@ -69,90 +65,6 @@ CallTool = Callable[[str, dict[str, Any]], Awaitable[tuple[bool, str]]]
 OnTurn = Callable[["Trajectory"], Awaitable[None]]  # after a turn whose tool result is in the transcript
 
 FINAL_ANSWER = "done"
-
-
-class EpisodeEnd(enum.StrEnum):
-    FINAL_ANSWER = "final_answer"
-    TURN_BUDGET = "turn_budget"
-    TOKEN_BUDGET = "token_budget"
-    TIMEOUT = "timeout"
-
-
-@dataclass(frozen=True)
-class ToolUse:
-    name: str
-    ok: bool
-    malformed: bool
-    num_output_tokens: int
-
-
-@dataclass
-class Segment:
-    """One context window of an episode: what the trainer packs as one sequence.
-
-    ``summary_len``: the tokens of the summary the policy wrote at this segment's end (0 for the chain's last
-    segment, which has none)."""
-
-    token_ids: list[int]
-    loss_mask: list[int]
-    behaviour_logprobs: list[float]
-    logprob_temperatures: list[float]  # T of softmax(logits / T) each behaviour log-prob is taken under
-    versions: list[int]  # -1 where the policy did not sample the token
-    topk_ids_TLK: torch.Tensor | None  # router choices used to compute each position (int16)
-    prompt_len: int
-    summary_len: int = 0
-
-    @classmethod
-    def of_prompt(cls, prompt: Sequence[int]) -> Segment:
-        n = len(prompt)
-        return cls(list(prompt), [0] * n, [0.0] * n, [1.0] * n, [-1] * n, None, n)
-
-
-@dataclass
-class Trajectory:
-    """Everything the reward, grouping and trainer stages need from one episode (stored typed, in the
-    records of actors.records: the router choices as int16 bytes): a chain of segments, one without
-    summaries, and the chain's counters (over every segment: the reward's length penalty counts the chain)."""
-
-    segments: list[Segment]
-    end: EpisodeEnd
-    tool_uses: list[ToolUse] = field(default_factory=list)
-    num_turns: int = 0
-    num_tool_call_tokens: int = 0
-    num_tool_output_tokens: int = 0
-    num_final_tokens: int = 0
-    num_thinking_tokens: int = 0
-    num_summary_tokens: int = 0
-    duration_s: float = 0.0
-    generate_s: float = 0.0
-    tools_s: float = 0.0
-
-    @property
-    def num_malformed_calls(self) -> int:
-        return sum(u.malformed for u in self.tool_uses)
-
-    @property
-    def num_summaries(self) -> int:
-        return len(self.segments) - 1  # a summary always starts the next segment
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens over every segment (a summary counts once where written, once in the next prompt)."""
-        return sum(len(s.token_ids) for s in self.segments)
-
-    @property
-    def policy_token_ids(self) -> list[int]:
-        """Every token the policy sampled, in order, over the chain."""
-        return [t for s in self.segments for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
-
-    @property
-    def min_version(self) -> int:
-        sampled = [v for s in self.segments for v in s.versions if v >= 0]
-        return min(sampled) if sampled else 0
-
-    @property
-    def max_version(self) -> int:
-        return max((v for s in self.segments for v in s.versions), default=0)
 
 
 def task_prompt_text(task: Task) -> str:
@@ -308,13 +220,14 @@ def _append_generation(seg: Segment, gen: Generation) -> None:
     seg.behaviour_logprobs += gen.logprobs
     seg.logprob_temperatures += [gen.logprob_temperature] * n
     seg.versions += gen.versions
-    rows = gen.topk_ids_TLK.to(torch.int16)
+    # the stored form (actors.agent.trajectory): an int16 array, a copy (the engine's tensor is its own)
+    rows = gen.topk_ids_TLK.to(device="cpu", dtype=torch.int16).numpy()
     if seg.topk_ids_TLK is None:
-        seg.topk_ids_TLK = rows.clone()
+        seg.topk_ids_TLK = rows.copy()
         return
     # Keep the routing each sampled token was produced with: rows before this turn's prompt end stay,
     # rows from the last prompt position on come from this generation.
-    merged = torch.cat([seg.topk_ids_TLK[: start - 1], rows[start - 1:]], dim=0)
+    merged = np.concatenate([seg.topk_ids_TLK[: start - 1], rows[start - 1:]], axis=0)
     seg.topk_ids_TLK = merged
     assert merged.shape[0] == start + n
 
@@ -326,5 +239,5 @@ def _append_context(seg: Segment, ids: list[int]) -> None:
     seg.logprob_temperatures += [1.0] * len(ids)
     seg.versions += [-1] * len(ids)
     if seg.topk_ids_TLK is not None:
-        pad = torch.full((len(ids), *seg.topk_ids_TLK.shape[1:]), -1, dtype=torch.int16)
-        seg.topk_ids_TLK = torch.cat([seg.topk_ids_TLK, pad], dim=0)
+        pad = np.full((len(ids), *seg.topk_ids_TLK.shape[1:]), -1, dtype=np.int16)
+        seg.topk_ids_TLK = np.concatenate([seg.topk_ids_TLK, pad], axis=0)

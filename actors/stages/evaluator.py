@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgpack
 import structlog
@@ -29,7 +29,8 @@ from actors.config import RLConfig
 from actors.messages import DataExhausted, data_exhausted_subject
 from actors.reconciler.data_exhaustion import why_not_exhausted
 from actors.reconciler.kv_store import KVSlotStore
-from actors.run_end import finish_request, why_not_finished
+from actors.run_end import finish_request
+from actors.stages.evaluator_role import EvaluatorRole
 from actors.stages.scratch import open_sandbox_store
 from actors.task_catalog import TaskCatalog
 from actors.training.evaluation import evaluate, greedy, sampled
@@ -38,9 +39,7 @@ from model.engine import GenerationEngine
 from model.generation import EngineConfig
 from model.tokenizer import ByteTokenizer
 from model.weight_sync import WeightSyncError
-from runtime.actor import Actor
-from runtime.bus import Bus, Inbound
-from runtime.bus_auth import BusAccess
+from runtime.bus import Inbound
 from runtime.codec import Codec
 from runtime.errors import BusError
 from runtime.metrics_log import numbered, read_metrics, write_metrics
@@ -51,10 +50,7 @@ log = structlog.get_logger(__name__)
 __all__ = ["EvaluatorActor"]
 
 
-class EvaluatorActor(Actor):
-    kind = "evaluator"
-    bus_access = BusAccess(publish=("progress.eval", FINISH_SUBJECT),
-                           subscribe=("weights.*", "data_exhausted.*"), kv_read=("slots",))
+class EvaluatorActor(EvaluatorRole):
     Config = RLConfig
     # A refused (or unanswered) finish is asked again by the clock: after the last version no newer one comes
     # to wake the loop. A check out of time or a bus electing a leader clears within seconds; a state that
@@ -168,10 +164,6 @@ class EvaluatorActor(Actor):
         log.error("run_finish_refused", version=version, attempt=self.num_finish_requests, retry_in_s=retry_in,
                   error=error, fix="the supervisor's run_finish_refused event says why; asked again in retry_in_s")
         return retry_in
-
-    @classmethod
-    async def why_not_finished(cls, bus: Bus, blob: Any, run: Any, config: Any, request: dict[str, Any]) -> str | None:
-        return await why_not_finished(bus, blob, run, config, request)
 
     async def _evaluate(self, version: int) -> None:
         e = self.config.eval

@@ -11,22 +11,39 @@ components and advantage, tagged with the group's min/max policy version.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Sequence
 
 import structlog
-import torch
 
 from actors._stage import StageActor, WorkRefused
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import GroupDone, GroupOrder
 from actors.records import GroupRecord, GroupSample, RewardRecord, RolloutRecord
-from model.loss import advantages_dr_grpo
 from runtime.actor import Delivery
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["GroupingActor", "group_advantages"]
+__all__ = ["GroupingActor", "dr_grpo_advantages", "group_advantages"]
+
+
+def dr_grpo_advantages(rewards: Sequence[float]) -> list[float]:
+    """Reward minus the group mean (Dr. GRPO: no division by the group's std), in float64, without torch:
+    the grouping process loads none (tests/test_import_graph.py).
+
+    The mean is `statistics.fmean` (the exactly rounded sum, divided by the count): the same on every
+    machine. torch's float64 sum (``model.loss.advantages_dr_grpo``) adds in an order that depends on the
+    CPU's vector width, so the two agree bit for bit whenever every partial sum is exact in float64 (rewards
+    on a binary grid: 0, 0.25, 1, ...) and otherwise within a few ulps of the mean
+    (tests/actors/test_group_advantages.py). A group whose rewards are all equal gets exactly 0 (not a
+    rounding residue of the mean), so a sample without a learning signal is recognised by ``advantage == 0``.
+    Finite rewards only: `group_advantages` refuses the others.
+    """
+    if len(set(rewards)) <= 1:
+        return [0.0] * len(rewards)
+    mean = statistics.fmean(rewards)
+    return [r - mean for r in rewards]
 
 
 def group_advantages(group_id: str, rewards: Sequence[RewardRecord]) -> list[float]:
@@ -40,7 +57,7 @@ def group_advantages(group_id: str, rewards: Sequence[RewardRecord]) -> list[flo
     if bad:
         raise WorkRefused(f"group {group_id}: non-finite rewards {bad}; the group is not trained. The reward "
                           "actor's components say which term made them (check the reward section's coefficients)")
-    return advantages_dr_grpo(torch.tensor([r.reward for r in rewards], dtype=torch.float64)).tolist()
+    return dr_grpo_advantages([r.reward for r in rewards])
 
 
 class GroupingActor(StageActor):

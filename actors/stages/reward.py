@@ -14,7 +14,7 @@ from __future__ import annotations
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.episode import Trajectory
+from actors.agent.trajectory import Trajectory
 from actors.config import RewardSection
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RewardDone, RewardOrder

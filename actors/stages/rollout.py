@@ -17,8 +17,9 @@ from typing import Any
 import structlog
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.episode import Trajectory, run_episode
+from actors.agent.episode import run_episode
 from actors.agent.policy import load_run_policy
+from actors.agent.trajectory import Trajectory
 from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import RolloutDone, RolloutOrder

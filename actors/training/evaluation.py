@@ -27,7 +27,8 @@ from typing import Any, Protocol
 import structlog
 
 from actors.agent.config import AgentConfig
-from actors.agent.episode import EpisodeEnd, run_episode
+from actors.agent.episode import run_episode
+from actors.agent.trajectory import EpisodeEnd
 from actors.training.pass_at_k import PassAtK, estimate_pass_at_k, reported_ks
 from model.engine import EngineConfig, GenerationEngine
 from model.generation import Generation

@@ -423,7 +423,7 @@ def _aligned(samples: Sequence[GroupSample], num_tokens: int
         mask[offset:offset + n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
         advantages[offset:offset + n] = sample.advantage
         assert t.topk_ids_TLK is not None  # check_trajectories refused a sample without its router choices
-        replay_rows.append(t.topk_ids_TLK[:n].long())
+        replay_rows.append(torch.from_numpy(t.topk_ids_TLK[:n]).long())  # a view of the record's int16, widened
         offset += n
     return behaviour, temperatures, mask, advantages, torch.cat(replay_rows, dim=0)
 

@@ -20,14 +20,8 @@ from typing import Any
 import torch
 
 from actors.agent.config import END, USER, AgentConfig
-from actors.agent.episode import (
-    FINAL_ANSWER,
-    CallTool,
-    Segment,
-    Trajectory,
-    run_episode,
-    summary_request_text,
-)
+from actors.agent.episode import FINAL_ANSWER, CallTool, run_episode, summary_request_text
+from actors.agent.trajectory import Segment, Trajectory
 from model.chat import ToolCall, render_tool_call
 from model.generation import FinishReason, Generation
 from model.sampling import SamplingParams

@@ -18,12 +18,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import zstandard
 
 from actors.agent.config import AgentConfig
-from actors.agent.episode import EpisodeEnd, Segment, Trajectory, reference_episode_text, run_episode
+from actors.agent.episode import reference_episode_text, run_episode
+from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.blob_collector import BlobCollector
 from actors.config import TasksSection
 from actors.rollout_checkpoint import RolloutCheckpoint, RolloutCheckpoints, checkpoint_key, num_policy_tokens
@@ -145,8 +147,8 @@ def _same(a: Trajectory, b: Trajectory) -> None:
         assert x.token_ids == y.token_ids
         assert x.loss_mask == y.loss_mask and x.versions == y.versions
         assert x.behaviour_logprobs == y.behaviour_logprobs and x.logprob_temperatures == y.logprob_temperatures
-        assert x.topk_ids_TLK is not None and y.topk_ids_TLK is not None and torch.equal(x.topk_ids_TLK,
-                                                                                        y.topk_ids_TLK)
+        assert x.topk_ids_TLK is not None and y.topk_ids_TLK is not None and np.array_equal(x.topk_ids_TLK,
+                                                                                           y.topk_ids_TLK)
         assert (x.prompt_len, x.summary_len) == (y.prompt_len, y.summary_len)
     assert (a.end, a.num_turns, a.tool_uses) == (b.end, b.num_turns, b.tool_uses)
     assert (a.num_tool_call_tokens, a.num_tool_output_tokens, a.num_final_tokens, a.num_thinking_tokens,
@@ -317,7 +319,7 @@ def test_a_chain_of_segments_is_checkpointed_and_read_back_whole(tmp_path: Path)
         seg.behaviour_logprobs += [-0.5] * n
         seg.logprob_temperatures += [0.7] * n
         seg.versions += [version] * n
-        seg.topk_ids_TLK = torch.randint(0, 8, (4 + n, 2, 2), dtype=torch.int16)
+        seg.topk_ids_TLK = np.random.default_rng(n).integers(0, 8, (4 + n, 2, 2), dtype=np.int16)
         seg.summary_len = summary_len
         return seg
 

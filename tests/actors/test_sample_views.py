@@ -9,7 +9,7 @@ import numpy
 import pytest
 import zstandard
 
-from actors.agent.episode import EpisodeEnd, Segment, Trajectory
+from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.records import (
     GroupRecord,
     GroupSample,

@@ -34,9 +34,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
-from actors.agent.episode import EpisodeEnd, Segment, ToolUse, Trajectory
+from actors.agent.trajectory import EpisodeEnd, Segment, ToolUse, Trajectory
 from actors.messages import COMPLETION_TYPES, all_order_types
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import (
@@ -161,15 +162,15 @@ def _check(value: Any, hint: Any, path: str) -> Any:
 # --- the peer for records: plain maps, as stored before they were typed ------------------------------
 def _segment_to_dict(s: Segment) -> dict[str, Any]:
     d = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
-    topk = s.topk_ids_TLK.to(torch.int16).contiguous()
-    d["topk_ids_TLK"] = {"shape": list(topk.shape), "data": topk.numpy().tobytes()}
+    topk = s.topk_ids_TLK
+    d["topk_ids_TLK"] = {"shape": list(topk.shape), "data": topk.tobytes()}
     return d
 
 
 def _segment_from_dict(d: dict[str, Any]) -> Segment:
     d = dict(d)
     topk = d["topk_ids_TLK"]
-    d["topk_ids_TLK"] = torch.frombuffer(bytearray(topk["data"]), dtype=torch.int16).reshape(topk["shape"]).clone()
+    d["topk_ids_TLK"] = np.frombuffer(topk["data"], dtype=np.int16).reshape(topk["shape"]).copy()
     return Segment(**d)
 
 
@@ -213,7 +214,7 @@ def trajectory(num_tokens: int, seed: int) -> Trajectory:
         logprob_temperatures=[1.0] * num_tokens,
         versions=[-1] * prompt + [3] * (num_tokens - prompt),
         topk_ids_TLK=torch.randint(0, cfg.num_experts, (num_tokens, cfg.num_hidden_layers, cfg.num_experts_per_tok),
-                                   generator=g, dtype=torch.int16),
+                                   generator=g, dtype=torch.int16).numpy(),
         prompt_len=prompt)], end=EpisodeEnd.FINAL_ANSWER,
         tool_uses=[ToolUse("write_file", True, False, 12)], num_turns=2, num_tool_call_tokens=60,
         num_tool_output_tokens=12, num_final_tokens=5, num_thinking_tokens=40, duration_s=1.5, generate_s=1.2,

@@ -45,7 +45,8 @@ import structlog
 import torch
 
 from actors.agent.config import AgentConfig
-from actors.agent.episode import Trajectory, reference_episode_text, run_episode
+from actors.agent.episode import reference_episode_text, run_episode
+from actors.agent.trajectory import Trajectory
 from actors.config import TasksSection
 from actors.rollout_checkpoint import CapturedCheckpoint, RolloutCheckpoints
 from actors.task_catalog import TaskCatalog

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.agent.episode import EpisodeEnd, Segment, Trajectory
 from actors.agent.policy import load_policy
+from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.config import PolicySection, TrainerSection
 from actors.records import GroupRecord, GroupSample, RewardBreakdown
 from actors.training.learner import Learner
@@ -65,7 +65,7 @@ def batch(model: MoETransformer, seed: int) -> list[GroupRecord]:
             traj = Trajectory([Segment(token_ids=seq, loss_mask=[0] * prompt + [1] * (n - prompt),
                                        behaviour_logprobs=[0.0, *logp[offset:offset + n - 1].tolist()],
                                        logprob_temperatures=[1.0] * n, versions=[-1] * prompt + [0] * (n - prompt),
-                                       topk_ids_TLK=out.topk_ids_TLK[offset:offset + n].to(torch.int16),
+                                       topk_ids_TLK=out.topk_ids_TLK[offset:offset + n].to(torch.int16).numpy(),
                                        prompt_len=prompt)], end=EpisodeEnd.FINAL_ANSWER)
             components = RewardBreakdown(reward, int(reward), 1, 0.0, 0.0, 0, 0.0, reward)
             samples.append(GroupSample(f"s{g}-{i}", reward, components, adv, traj))

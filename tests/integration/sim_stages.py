@@ -47,7 +47,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from actors._stage import StageActor, WorkRefused
-from actors.agent.episode import EpisodeEnd, Segment, Trajectory
+from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.messages import WeightsPublished
 from actors.reconciler.slot import Stage
 from actors.reconciler.work import (
@@ -62,9 +62,9 @@ from actors.reconciler.work import (
 )
 from actors.records import RECORD_SCHEMA
 from actors.rollout_checkpoint import RolloutCheckpoint, RolloutCheckpoints
-from actors.stages.evaluator import EvaluatorActor
+from actors.stages.evaluator_role import EvaluatorRole
 from actors.weights_announcements import weights_run_name
-from runtime.actor import Actor, Delivery
+from runtime.actor import Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 
@@ -515,10 +515,6 @@ class TrainerLedger:
             raise SimError("the trainer ledger changed under this step; retrying the order") from None
 
 
-class SimEvaluatorActor(Actor):
+class SimEvaluatorActor(EvaluatorRole):
     """The evaluator's role without its model: it may ask the supervisor to finish the run, and a finish is
     believed only as the real evaluator's check of the table and the metrics says (actors.run_end)."""
-
-    kind = "evaluator"
-    bus_access = EvaluatorActor.bus_access
-    why_not_finished = EvaluatorActor.why_not_finished

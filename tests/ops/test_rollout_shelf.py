@@ -11,7 +11,7 @@ import numpy
 import zstandard
 from aiohttp.test_utils import TestClient, TestServer
 
-from actors.agent.episode import EpisodeEnd, Segment, Trajectory
+from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.records import (
     GroupRecord,
     GroupSample,

@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from actors.agent.config import END, AgentConfig
-from actors.agent.episode import (
-    EpisodeEnd,
-    Trajectory,
-    resume_prompt_text,
-    run_episode,
-    summary_request_text,
-    task_prompt_text,
-)
+from actors.agent.episode import resume_prompt_text, run_episode, summary_request_text, task_prompt_text
+from actors.agent.trajectory import EpisodeEnd, Trajectory
 from actors.training.reference_chains import LONG_CONTEXT_AGENT, ReferencePolicy, reference_chain
 from model.generation import FinishReason, Generation
 from model.sampling import SamplingParams

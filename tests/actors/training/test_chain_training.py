@@ -8,7 +8,7 @@ import copy
 
 import torch
 
-from actors.agent.episode import EpisodeEnd, Segment, Trajectory
+from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.config import RewardSection, TrainerSection
 from actors.records import GroupRecord, GroupSample, RewardBreakdown
 from actors.stages.reward import compute_reward
@@ -66,7 +66,7 @@ def _segments(model: MoETransformer, n: int, seed: int) -> list[Segment]:
         k = len(ids)
         segments.append(Segment(ids, [0] * 4 + [1] * (k - 4), [0.0, *logp[offset:offset + k - 1].tolist()],
                                 [1.0] * k, [-1] * 4 + [0] * (k - 4),
-                                out.topk_ids_TLK[offset:offset + k].to(torch.int16), 4))
+                                out.topk_ids_TLK[offset:offset + k].to(torch.int16).numpy(), 4))
         offset += k
     return segments
 
@@ -113,7 +113,7 @@ def _flat_aligned(samples: list[GroupSample], num_tokens: int) -> tuple[torch.Te
         temperatures[offset:offset + n - 1] = torch.tensor(t.logprob_temperatures[1:], dtype=torch.float32)
         mask[offset:offset + n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
         advantages[offset:offset + n] = s.advantage
-        rows.append(t.topk_ids_TLK[:n].long())
+        rows.append(torch.from_numpy(t.topk_ids_TLK[:n]).long())
         offset += n
     return behaviour, temperatures, mask, advantages, torch.cat(rows, dim=0)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from actors.agent.config import TOOL, AgentConfig
-from actors.agent.episode import EpisodeEnd, reference_episode_text
+from actors.agent.episode import reference_episode_text
+from actors.agent.trajectory import EpisodeEnd
 from actors.training.evaluation import EpisodeResult, EvalResult, evaluate, greedy, sampled
 from model.config import ModelConfig
 from model.generation import FinishReason, Generation

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from actors.agent.episode import EpisodeEnd, Segment, Trajectory
+from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.config import TrainerSection
 from actors.records import GroupRecord, GroupSample, RewardBreakdown, decode_record, encode_record
 from actors.training.learner import Learner
@@ -51,7 +51,7 @@ def _group(model: MoETransformer, rewards: list[float], seed: int, temperature: 
             behaviour_logprobs=[0.0, *logp_T[offset:offset + n - 1].tolist()],
             logprob_temperatures=[1.0] * prompt + [temperature] * (n - prompt),
             versions=[-1] * prompt + [0] * (n - prompt),
-            topk_ids_TLK=out.topk_ids_TLK[offset:offset + n].to(torch.int16), prompt_len=prompt)],
+            topk_ids_TLK=out.topk_ids_TLK[offset:offset + n].to(torch.int16).numpy(), prompt_len=prompt)],
             end=EpisodeEnd.FINAL_ANSWER)
         components = RewardBreakdown(reward, int(reward == 1.0), 1, 0.0, 0.0, 0, 0.0, reward)
         samples.append(GroupSample(f"s{seed}-{i}", reward, components, adv, trajectory))

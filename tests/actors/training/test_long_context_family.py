@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from actors.agent.episode import EpisodeEnd, run_episode
+from actors.agent.episode import run_episode
+from actors.agent.trajectory import EpisodeEnd
 from actors.config import TasksSection
 from actors.task_catalog import TaskCatalog
 from actors.training.evaluation import evaluate, greedy

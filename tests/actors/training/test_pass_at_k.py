@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from actors.agent.episode import EpisodeEnd
+from actors.agent.trajectory import EpisodeEnd
 from actors.training.evaluation import EpisodeResult, EvalResult
 from actors.training.pass_at_k import estimate_pass_at_k, pass_at_k, reported_ks
 

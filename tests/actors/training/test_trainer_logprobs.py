@@ -9,7 +9,7 @@ import math
 import numpy
 import torch
 
-from actors.agent.episode import EpisodeEnd, Trajectory
+from actors.agent.trajectory import EpisodeEnd, Trajectory
 from actors.config import TrainerSection
 from actors.records import GroupRecord, GroupSample, TrainerLogprobs, decode_record, encode_record
 from actors.training.learner import Learner
