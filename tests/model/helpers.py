@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from model.config import ModelConfig
+from model.engine import EngineConfig, GenerationEngine, SamplingParams
+from model.generation import Generation
 from model.transformer import MoETransformer
 
 
@@ -51,3 +55,28 @@ def hf_dense_model(kind: str, seed: int, **overrides: object):
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
+
+
+def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly ``num_new`` tokens long."""
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([p]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False)
+        out.append(seq[0, len(p):].tolist())
+    return out
+
+
+def engine_greedy(model: MoETransformer, prompts: list[list[int]], num_new: int) -> list[Generation]:
+    """The engine's greedy generations of ``prompts`` side by side (prefill, then batched one-token decode)."""
+
+    async def run() -> list[Generation]:
+        engine = GenerationEngine(model, EngineConfig(max_batch_size=4))
+        await engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=num_new, temperature=0.0)
+            return list(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())

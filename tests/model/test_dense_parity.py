@@ -6,7 +6,6 @@ config.json keys and tensor names are transformers' own, not ours.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -16,9 +15,8 @@ import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import Architecture, Llama3RopeScaling, ModelConfig
-from model.engine import EngineConfig, GenerationEngine, SamplingParams
 from model.errors import ConfigError
-from tests.model.helpers import hf_dense_model, random_prompts
+from tests.model.helpers import engine_greedy, hf_dense_model, hf_greedy, random_prompts
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,25 +93,9 @@ def test_greedy_generation_of_a_dense_llama_matches_transformers(tmp_path: Path)
     hf = _saved(tmp_path, "llama_gqa4_bias_mlpbias_llama3")
     _, ours = load_checkpoint(tmp_path)
     prompts = random_prompts(3, 96, 5, 12, seed=2)
-    new = 20
-    expected = []
-    for p in prompts:
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        expected.append(seq[0, len(p):].tolist())
-
-    async def run() -> list[list[int]]:
-        engine = GenerationEngine(ours.eval(), EngineConfig(max_batch_size=4))
-        await engine.start()
-        try:
-            params = SamplingParams(max_new_tokens=new, temperature=0.0)
-            gens = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        finally:
-            await engine.stop()
-        assert all(g.topk_ids_TLK.shape[1:] == (2, 0) for g in gens)
-        return [list(g.token_ids) for g in gens]
-
-    assert asyncio.run(run()) == expected
+    gens = engine_greedy(ours.eval(), prompts, 20)
+    assert all(g.topk_ids_TLK.shape[1:] == (2, 0) for g in gens)
+    assert [list(g.token_ids) for g in gens] == hf_greedy(hf, prompts, 20)
 
 
 def _dense_dict(architecture: Architecture, **overrides: object) -> dict[str, object]:

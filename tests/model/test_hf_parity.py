@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -11,9 +10,8 @@ import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import ModelConfig
-from model.engine import EngineConfig, GenerationEngine, SamplingParams
 from model.errors import ConfigError
-from tests.model.helpers import random_prompts, seeded_model, small_config
+from tests.model.helpers import engine_greedy, hf_greedy, random_prompts, seeded_model, small_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,24 +77,7 @@ def test_greedy_generation_matches_hf(name: str, tmp_path: Path) -> None:
     config = CONFIGS[name]
     ours, hf = _load_both(config, tmp_path, seed=len(name) + 7)
     prompts = random_prompts(3, config.vocab_size, 5, 12, seed=2)
-    new = 24
-    expected = []
-    for p in prompts:
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        expected.append(seq[0, len(p) :].tolist())
-
-    async def run() -> list[list[int]]:
-        engine = GenerationEngine(ours, EngineConfig(max_batch_size=4))
-        await engine.start()
-        try:
-            params = SamplingParams(max_new_tokens=new, temperature=0.0)
-            gens = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        finally:
-            await engine.stop()
-        return [list(g.token_ids) for g in gens]
-
-    assert asyncio.run(run()) == expected
+    assert [list(g.token_ids) for g in engine_greedy(ours, prompts, 24)] == hf_greedy(hf, prompts, 24)
 
 
 def test_bf16_error_comparable_to_hf(tmp_path: Path) -> None:
