@@ -43,7 +43,6 @@ from model.transformer import ModelOutput, MoETransformer
 __all__ = [
     "PolicyLossConfig",
     "PolicyLossMetrics",
-    "advantages_dr_grpo",
     "packed_logprobs",
     "policy_loss",
     "sft_forward_backward",
@@ -130,25 +129,6 @@ def token_entropy(
     ``scored_T`` are taken at T = 1, as in `token_logprobs`."""
     logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T, scored_T))
     return -(logp.exp() * logp).sum(dim=-1)
-
-
-def advantages_dr_grpo(rewards_G: torch.Tensor) -> torch.Tensor:
-    """Reward minus the group mean (Dr. GRPO: no division by the group's std).
-
-    A group whose rewards are all equal gets exactly 0 (not a rounding residue of the mean), so callers
-    can recognise samples without a learning signal by ``advantage == 0``.
-
-    Raises:
-        ValueError: a reward is NaN or infinite, naming its index (no advantage means anything then, and
-            ``[-inf, -inf]`` must not pass for a group without signal).
-    """
-    rewards = rewards_G if rewards_G.dtype == torch.float64 else rewards_G.float()
-    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(f"non-finite rewards at group indices {bad}: {[float(rewards[i]) for i in bad]}")
-    if rewards.numel() and bool((rewards == rewards[0]).all()):
-        return torch.zeros_like(rewards)
-    return rewards - rewards.mean()
 
 
 def packed_logprobs(

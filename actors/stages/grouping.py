@@ -33,7 +33,7 @@ def dr_grpo_advantages(rewards: Sequence[float]) -> list[float]:
     the grouping process loads none (tests/test_import_graph.py).
 
     The mean is `statistics.fmean` (the exactly rounded sum, divided by the count): the same on every
-    machine. torch's float64 sum (``model.loss.advantages_dr_grpo``) adds in an order that depends on the
+    machine. torch's float64 sum (what grouping used before) adds in an order that depends on the
     CPU's vector width, so the two agree bit for bit whenever every partial sum is exact in float64 (rewards
     on a binary grid: 0, 0.25, 1, ...) and otherwise within a few ulps of the mean
     (tests/actors/test_group_advantages.py). A group whose rewards are all equal gets exactly 0 (not a

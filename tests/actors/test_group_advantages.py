@@ -1,7 +1,7 @@
 """The grouping stage's advantages: Dr. GRPO's of finite rewards; a group with a NaN or infinite reward is
 refused, naming its samples (``[-inf, -inf]`` passed as a group without signal: issue 31). Computed without
-torch (the grouping process loads none), they are torch's (``model.loss.advantages_dr_grpo``, what grouping
-stored before) bit for bit wherever torch's float64 sum is exact, and within its rounding elsewhere."""
+torch (the grouping process loads none), they are torch's (`_torch`, what grouping stored before) bit for
+bit wherever torch's float64 sum is exact, and within its rounding elsewhere."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from actors._stage import WorkRefused
 from actors.records import RewardBreakdown, RewardRecord
 from actors.stages.grouping import dr_grpo_advantages, group_advantages
-from model.loss import advantages_dr_grpo
 
 
 def _rewards(values: list[float]) -> list[RewardRecord]:
@@ -31,6 +30,8 @@ def test_finite_rewards_get_dr_grpo_advantages() -> None:
 
 @pytest.mark.parametrize(("values", "named"), [
     ([-math.inf, -math.inf], ["s0", "s1"]),
+    ([math.inf, math.inf], ["s0", "s1"]),
+    ([0.5, -math.inf], ["s1"]),
     ([1.0, math.nan, 0.0], ["s1"]),
     ([0.0, 1.0, math.inf], ["s2"]),
 ])
@@ -44,7 +45,16 @@ def test_a_group_with_a_non_finite_reward_is_refused_naming_the_samples(values: 
 
 
 def _torch(rewards: list[float]) -> list[float]:
-    return advantages_dr_grpo(torch.tensor(rewards, dtype=torch.float64)).tolist()
+    """The independent reference: Dr. GRPO in torch float64 as grouping computed it before it loaded no torch
+    (all-equal rewards exactly 0)."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    return (torch.zeros_like(r) if bool((r == r[0]).all()) else r - r.mean()).tolist()
+
+
+def test_advantages_are_mean_centred_without_std_scaling() -> None:
+    adv = dr_grpo_advantages([1.0, 0.0, 0.0, 3.0])
+    assert adv == [0.0, -1.0, -1.0, 2.0]
+    assert dr_grpo_advantages([10.0, 0.0, 0.0, 30.0]) == pytest.approx([a * 10 for a in adv])
 
 
 def _bits(values: list[float]) -> list[str]:

@@ -34,9 +34,9 @@ from actors.agent.policy import load_policy
 from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.config import PolicySection, TrainerSection
 from actors.records import GroupRecord, GroupSample, RewardBreakdown
+from actors.stages.grouping import dr_grpo_advantages
 from actors.training.learner import Learner
 from actors.training.ranks import RankGroup, RankLayout
-from model.loss import advantages_dr_grpo
 from model.packing import pack_sequences
 from model.sampling import tempered_logprobs
 from model.transformer import MoETransformer
@@ -58,7 +58,7 @@ def batch(model: MoETransformer, seed: int) -> list[GroupRecord]:
             out = model(packed.input_ids_T, seq_lens=packed.seq_lens)
         logp = tempered_logprobs(out.logits, torch.ones(packed.num_tokens)).gather(1, packed.targets_T[:, None])[:, 0]
         rewards = [float(rng.random() < 0.5) for _ in lens]
-        advantages = advantages_dr_grpo(torch.tensor(rewards, dtype=torch.float64)).tolist()
+        advantages = dr_grpo_advantages(rewards)
         samples, offset = [], 0
         for i, (seq, reward, adv) in enumerate(zip(ids, rewards, advantages, strict=True)):
             n, prompt = len(seq), 60

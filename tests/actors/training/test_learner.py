@@ -17,12 +17,12 @@ import torch
 from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.config import TrainerSection
 from actors.records import GroupRecord, GroupSample, RewardBreakdown, decode_record, encode_record
+from actors.stages.grouping import dr_grpo_advantages
 from actors.training.learner import Learner
 from actors.training.lr_schedule import LRSchedule
 from actors.training.step_guard import NonFiniteWeights
 from low_precision import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
-from model.loss import advantages_dr_grpo
 from model.packing import pack_sequences
 from model.sampling import tempered_logprobs
 from model.transformer import MoETransformer
@@ -42,7 +42,7 @@ def _group(model: MoETransformer, rewards: list[float], seed: int, temperature: 
         out = model(batch.input_ids_T, seq_lens=batch.seq_lens)
     temps_T = torch.full((batch.num_tokens,), temperature)
     logp_T = tempered_logprobs(out.logits, temps_T).gather(1, batch.targets_T[:, None])[:, 0]
-    advantages = advantages_dr_grpo(torch.tensor(rewards, dtype=torch.float64)).tolist()
+    advantages = dr_grpo_advantages(rewards)
     samples, offset = [], 0
     for i, (ids, reward, adv) in enumerate(zip(prompts, rewards, advantages, strict=True)):
         n, prompt = len(ids), 4
@@ -103,7 +103,7 @@ def test_the_ratio_statistics_report_an_off_policy_batch() -> None:
 
 def test_advantages_of_equal_rewards_are_exactly_zero() -> None:
     # 0.1 * 3 / 3 is not 0.1 in floating point: the residue must not count as a signal.
-    assert advantages_dr_grpo(torch.tensor([0.1, 0.1, 0.1], dtype=torch.float64)).tolist() == [0.0, 0.0, 0.0]
+    assert dr_grpo_advantages([0.1, 0.1, 0.1]) == [0.0, 0.0, 0.0]
 
 
 def test_samples_without_signal_are_skipped_and_the_update_is_the_same() -> None:
