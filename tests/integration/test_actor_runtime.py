@@ -117,9 +117,13 @@ async def test_hot_swap_under_load_loses_and_duplicates_nothing(tmp_path: Path, 
         await _collect(run, "test.handled", handled)
         keys = [f"s{i}" for i in range(1000)]
 
-        async def paced() -> None:  # keep messages flowing for the whole swap (~3 s)
-            for i in range(0, len(keys), 50):
-                await _publish(run, keys[i:i + 50], sleep_s=0.02)
+        # messages flow while the swap runs (~3 s quiet, far longer on a loaded machine); the last 100 go
+        # out once it has returned, so the new generation always has work of its own
+        during, after = keys[:900], keys[900:]
+
+        async def paced() -> None:
+            for i in range(0, len(during), 50):
+                await _publish(run, during[i:i + 50], sleep_s=0.02)
                 await asyncio.sleep(0.15)
 
         publisher = asyncio.create_task(paced())
@@ -131,6 +135,7 @@ async def test_hot_swap_under_load_loses_and_duplicates_nothing(tmp_path: Path, 
                                        text=True, timeout=120)
         assert swap.returncode == 0, swap.stderr
         await publisher
+        await _publish(run, after, sleep_s=0.02)
         report = __import__("json").loads(swap.stdout)
 
         async def all_done() -> bool:

@@ -22,11 +22,24 @@ from runtime.bus import Bus
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.registry import registration_key
 from runtime.run_config import load_run_config
+from runtime.run_state import RECORD_KEY, RUN_BUCKET, RunRecord
 from runtime.rundir import RunInfo
 from runtime.up import _publish_live_defaults
 from tests.integration.harness import nats_bus
 
 pytestmark = pytest.mark.timeout(120)
+
+
+async def _a_run_on(server: NatsServer, run_dir: Path) -> None:
+    """What ``runtime.up`` leaves for the ops commands: the run's record on its bus, then its run.json."""
+    info = RunInfo(str(run_dir), server.url, "", "", os.getpid(), time.time())
+    bus = await Bus.connect(server.url, name="test")
+    try:
+        await bus.ensure_base()
+        await bus.kv_create(RUN_BUCKET, RECORD_KEY, RunRecord(info.run, "test", "", "", time.time()).to_bytes())
+    finally:
+        await bus.close()
+    info.write()
 
 
 def _actor(bus: Bus, kind: str = "counter") -> Actor:
@@ -109,7 +122,7 @@ async def test_reconciler_naks_a_completion_its_broken_core_did_not_record() -> 
 
 async def test_status_reports_a_malformed_registry_entry_beside_the_others(tmp_path: Path) -> None:
     async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
-        RunInfo(str(tmp_path), server.url, "", "", os.getpid(), time.time()).write()
+        await _a_run_on(server, tmp_path)
         bus = await Bus.connect(server.url, name="test")
         try:
             kv = await bus.kv("actors")
@@ -156,7 +169,7 @@ async def test_config_list_shows_a_malformed_value_beside_the_others(tmp_path: P
     from ops import config as ops_config
 
     async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
-        RunInfo(str(tmp_path), server.url, "", "", os.getpid(), time.time()).write()
+        await _a_run_on(server, tmp_path)
         assert await ops_config._items(tmp_path) == {}  # nothing set: an empty listing, not NoKeysError
         bus = await Bus.connect(server.url, name="test")
         try:
