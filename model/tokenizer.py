@@ -117,7 +117,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` loaded with the `tokenizers` library (real checkpoints, ChatML template)."""
+    """A `tokenizer.json` loaded with the `tokenizers` library (a pretrained checkpoint's; its chat template is
+    `model.chat_template.JinjaChatTemplate`)."""
 
     def __init__(self, path: str | Path, end_token: str = "<|im_end|>") -> None:
         from tokenizers import Tokenizer as _Tok
@@ -132,7 +133,6 @@ class HFTokenizer:
         if end_id is None:
             raise CheckpointError(f"{file}: end token {end_token!r} is not in the vocabulary")
         self._end_id = end_id
-        self.template = ChatTemplate.chatml()
 
     @property
     def vocab_size(self) -> int:

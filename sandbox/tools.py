@@ -22,7 +22,7 @@ from sandbox import _safepath
 from sandbox.env import Environment
 from sandbox.errors import SandboxError
 
-__all__ = ["TOOL_NAMES", "ToolBox", "ToolResult"]
+__all__ = ["TOOL_NAMES", "ToolBox", "ToolResult", "tool_schemas"]
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +52,39 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "run": {"command": ((str,), True), "timeout_s": ((int, float), False)},
 }
 TOOL_NAMES = tuple(_SCHEMAS)
+
+# what a pretrained policy is told about each tool (the tiny policy learns them from examples)
+_DESCRIPTIONS: dict[str, tuple[str, dict[str, str]]] = {
+    "read_file": ("Read a text file of the workspace, optionally only lines start_line..end_line (1-based).",
+                  {"path": "file path relative to the workspace", "start_line": "first line", "end_line": "last line"}),
+    "write_file": ("Create or replace a file of the workspace with the given content.",
+                   {"path": "file path relative to the workspace", "content": "the whole new text of the file"}),
+    "edit": ("Replace the one occurrence of `old` in a file by `new`.",
+             {"path": "file path relative to the workspace", "old": "text to find (exactly once)",
+              "new": "replacement text"}),
+    "list_dir": ("List a directory of the workspace.", {"path": "directory path (default: the workspace root)"}),
+    "grep": ("Search files for a regular expression.",
+             {"pattern": "the regular expression", "path": "where to search", "include": "file glob to search"}),
+    "run": ("Run a shell command in the workspace and return its output and exit code.",
+            {"command": "the shell command", "timeout_s": "seconds before it is killed"}),
+}
+_JSON_TYPES = {str: "string", int: "integer", float: "number"}
+
+
+def tool_schemas() -> list[dict[str, Any]]:
+    """The tools as JSON schemas in the function-calling form chat templates read (``{"type": "function",
+    "function": {"name", "description", "parameters"}}``)."""
+    schemas = []
+    for name, args in _SCHEMAS.items():
+        description, arg_descriptions = _DESCRIPTIONS[name]
+        properties: dict[str, Any] = {}
+        for arg, (types, _) in args.items():
+            kinds = [_JSON_TYPES[t] for t in types]
+            properties[arg] = {"type": kinds[0] if len(kinds) == 1 else kinds, "description": arg_descriptions[arg]}
+        required = [arg for arg, (_, needed) in args.items() if needed]
+        schemas.append({"type": "function", "function": {"name": name, "description": description, "parameters": {
+            "type": "object", "properties": properties, "required": required}}})
+    return schemas
 
 
 def _validate(name: str, args: Any) -> dict[str, Any]:

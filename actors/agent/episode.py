@@ -1,11 +1,15 @@
 """The agent loop: one episode of the policy working on a task in a sandbox through tools.
 
 This module is the single definition of what an episode looks like on the token level; rollouts,
-held-out evaluation and the supervised starting policy all use it, so they can never drift apart.
+held-out evaluation and the supervised starting policy all use it, so they can never drift apart. The
+policy's `actors.agent.dialect` renders the turns (token in, token out: what the policy sampled is never
+re-encoded); in the tiny policy's compact dialect an episode reads
 
     <|user|>{task prompt}<|end|><|assistant|>{turn}[<|end|><|tool|>{result}<|end|><|assistant|>{turn}...]
 
-A turn is generated until ``</tool>`` or the end token. A turn with a tool call gets the tool's
+and in a pretrained checkpoint's, its own chat template with ``<tool_call>`` calls.
+
+A turn is generated until the tool call's closing tag or the end token. A turn with a tool call gets the tool's
 result (never an exception: malformed calls get the parse error as their result) and another turn;
 a turn without one is the final answer. The episode also ends on the turn budget, the token budget
 or the wall-clock timeout. Tokens the policy sampled carry loss mask 1, their behaviour log-prob and the
@@ -16,7 +20,8 @@ tokens carry mask 0 (and temperature 1).
 Self-summarization (``agent.summarize_at_tokens`` > 0) makes an episode a chain of segments. When, after a
 tool result, a segment's context plus the next turn's allowance would pass the threshold (and fewer than
 ``agent.max_summaries`` summaries were written), the tool result is followed by the summary request
-instead of the next turn, and the policy writes a summary of at most ``agent.summary_max_tokens`` tokens:
+instead of the next turn, and the policy writes a summary of at most ``agent.summary_max_tokens`` tokens
+(in the compact dialect):
 
     ...<|end|><|tool|>{result}<|end|><|user|>{summary_prompt}<|end|><|assistant|>{summary}<|end|>
 
@@ -44,11 +49,11 @@ import numpy as np
 import torch
 
 from actors.agent.config import ASSISTANT, END, TOOL, USER, AgentConfig
+from actors.agent.dialect import Dialect
 from actors.agent.trajectory import EpisodeEnd, Segment, ToolUse, Trajectory
-from model.chat import TOOL_CLOSE, ToolCall, ToolCallError, find_tool_call, render_tool_call
+from model.chat import ToolCall, ToolCallError, render_tool_call
 from model.generation import Generation
 from model.sampling import SamplingParams
-from model.tokenizer import ByteTokenizer
 from sandbox.tasks import Task
 
 __all__ = [
@@ -99,7 +104,7 @@ def reference_episode_text(task: Task) -> list[tuple[str, bool]]:
             (f"{FINAL_ANSWER}{END}", True)]
 
 
-async def run_episode(task: Task, generate: Generate, call_tool: CallTool, tokenizer: ByteTokenizer,
+async def run_episode(task: Task, generate: Generate, call_tool: CallTool, dialect: Dialect,
                       config: AgentConfig, sampling: SamplingParams, *, start: Trajectory | None = None,
                       on_turn: OnTurn | None = None) -> Trajectory:
     """Runs one episode (a chain of segments); the budget and timeout ends are normal outcomes, not errors.
@@ -115,11 +120,10 @@ async def run_episode(task: Task, generate: Generate, call_tool: CallTool, token
     """
     started = time.monotonic()
     if start is None:
-        traj = Trajectory([Segment.of_prompt(tokenizer.encode(task_prompt_text(task)))], EpisodeEnd.TURN_BUDGET)
+        traj = Trajectory([Segment.of_prompt(dialect.prompt_ids(task.prompt))], EpisodeEnd.TURN_BUDGET)
     else:
         traj = start
     earlier_s = traj.duration_s
-    end_id = tokenizer.end_token_id
 
     async def turn_done(t: Trajectory) -> None:
         t.duration_s = earlier_s + time.monotonic() - started
@@ -128,32 +132,32 @@ async def run_episode(task: Task, generate: Generate, call_tool: CallTool, token
 
     try:
         async with asyncio.timeout(max(0.0, config.episode_timeout_s - earlier_s)):
-            traj.end = await _turns(task, generate, call_tool, tokenizer, config, sampling, traj, end_id, turn_done)
+            traj.end = await _turns(task, generate, call_tool, dialect, config, sampling, traj, turn_done)
     except TimeoutError:
         traj.end = EpisodeEnd.TIMEOUT
     traj.duration_s = earlier_s + time.monotonic() - started
     return traj
 
 
-async def _turns(task: Task, generate: Generate, call_tool: CallTool, tokenizer: ByteTokenizer,
-                 config: AgentConfig, sampling: SamplingParams, traj: Trajectory, end_id: int,
-                 turn_done: OnTurn) -> EpisodeEnd:
+async def _turns(task: Task, generate: Generate, call_tool: CallTool, dialect: Dialect, config: AgentConfig,
+                 sampling: SamplingParams, traj: Trajectory, turn_done: OnTurn) -> EpisodeEnd:
+    tokenizer, end_id = dialect.tokenizer, dialect.end_id
     while traj.num_turns < config.max_turns:
         seg = traj.segments[-1]
         budget = min(config.max_new_tokens_per_turn, config.max_total_tokens - len(seg.token_ids))
         if budget <= 0:
             return EpisodeEnd.TOKEN_BUDGET
         params = dataclasses.replace(sampling, max_new_tokens=budget, stop_token_ids=(end_id,),
-                                     stop_strings=(TOOL_CLOSE,))
+                                     stop_strings=dialect.stop_strings)
         gen = await _generate(generate, seg, params, traj)
         traj.num_turns += 1
-        text = tokenizer.decode(gen.token_ids)
-        found = find_tool_call(text)
+        text = tokenizer.decode(gen.token_ids)  # to find the call only: the transcript keeps the sampled ids
+        found = dialect.find_tool_call(text)
         if found is None:
             traj.num_final_tokens += len(gen.token_ids)
             return EpisodeEnd.FINAL_ANSWER if gen.token_ids and gen.token_ids[-1] == end_id else (
                 EpisodeEnd.TOKEN_BUDGET)
-        call_start = text.find("<tool>")
+        call_start = dialect.call_start(text)
         num_thinking = len(tokenizer.encode(text[:call_start]))
         traj.num_thinking_tokens += num_thinking
         traj.num_tool_call_tokens += len(gen.token_ids) - num_thinking
@@ -161,9 +165,8 @@ async def _turns(task: Task, generate: Generate, call_tool: CallTool, tokenizer:
         ok, output = await _use_tool(found, call_tool)
         traj.tools_s += time.monotonic() - t0
         output = output[: config.tool_output_max_chars]
-        suffix = tokenizer.encode(f"{END}{TOOL}{output}{END}{ASSISTANT}")
-        if gen.token_ids and gen.token_ids[-1] == end_id:
-            suffix = suffix[1:]  # the policy already closed its turn
+        closed = bool(gen.token_ids) and gen.token_ids[-1] == end_id
+        suffix = dialect.tool_result_ids(output, closed=closed)
         num_output = len(tokenizer.encode(output))
         traj.tool_uses.append(ToolUse(getattr(found, "name", ""), ok, isinstance(found, ToolCallError), num_output))
         traj.num_tool_output_tokens += num_output
@@ -173,28 +176,28 @@ async def _turns(task: Task, generate: Generate, call_tool: CallTool, tokenizer:
             if not last_turn:  # a checkpoint after the last turn would never be resumed
                 await turn_done(traj)
             continue
-        _append_context(seg, suffix[:-1] + tokenizer.encode(summary_request_text(config)))  # ASSISTANT is last
-        if not await _summarize(task, generate, tokenizer, config, sampling, traj, end_id):
+        _append_context(seg, dialect.tool_result_ids(output, closed=closed, then_ask=config.summary_prompt))
+        if not await _summarize(task, generate, dialect, config, sampling, traj):
             return EpisodeEnd.TOKEN_BUDGET
         await turn_done(traj)
     return EpisodeEnd.TURN_BUDGET
 
 
-async def _summarize(task: Task, generate: Generate, tokenizer: ByteTokenizer, config: AgentConfig,
-                     sampling: SamplingParams, traj: Trajectory, end_id: int) -> bool:
+async def _summarize(task: Task, generate: Generate, dialect: Dialect, config: AgentConfig,
+                     sampling: SamplingParams, traj: Trajectory) -> bool:
     """The policy's summary at the end of the last segment, and the next segment started from it; False when
     the window has no room left for one (the chain ends on its token budget)."""
     seg = traj.segments[-1]
     budget = min(config.summary_max_tokens, config.max_total_tokens - len(seg.token_ids))
     if budget <= 0:
         return False
+    end_id = dialect.end_id
     params = dataclasses.replace(sampling, max_new_tokens=budget, stop_token_ids=(end_id,), stop_strings=())
     gen = await _generate(generate, seg, params, traj)
     seg.summary_len = len(gen.token_ids)
     traj.num_summary_tokens += len(gen.token_ids)
     summary = gen.token_ids[:-1] if gen.token_ids and gen.token_ids[-1] == end_id else gen.token_ids
-    before, after = resume_prompt_text(task, "\x00", config).split("\x00")
-    traj.segments.append(Segment.of_prompt(tokenizer.encode(before) + list(summary) + tokenizer.encode(after)))
+    traj.segments.append(Segment.of_prompt(dialect.resume_prompt_ids(task.prompt, config.summary_header, summary)))
     return True
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import structlog
 
+from actors.agent.dialect import Dialect, load_dialect
 from actors.config import PolicySection
 from low_precision.experts import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
@@ -20,7 +21,8 @@ from runtime.build_once import BUILDS_PREFIX, build_once
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["checkpoint_dir", "load_policy", "load_run_policy", "run_checkpoint_dir", "use_training_precision"]
+__all__ = ["checkpoint_dir", "load_policy", "load_run_dialect", "load_run_policy", "run_checkpoint_dir",
+           "use_training_precision"]
 
 _PRECISION = {"reference": ExpertsPrecision.REFERENCE, "emulated": ExpertsPrecision.EMULATED,
               "triton": ExpertsPrecision.TRITON}
@@ -56,6 +58,11 @@ async def load_run_policy(ctx: ActorContext, section: PolicySection, *, training
     """`load_policy` of the run's starting checkpoint (`run_checkpoint_dir`), for an actor."""
     path = await run_checkpoint_dir(ctx, section)
     return await asyncio.to_thread(load_policy, section, training=training, path=path)
+
+
+async def load_run_dialect(ctx: ActorContext, section: PolicySection) -> Dialect:
+    """How episodes speak to the run's policy (`actors.agent.dialect.load_dialect` of its checkpoint)."""
+    return await asyncio.to_thread(load_dialect, await run_checkpoint_dir(ctx, section))
 
 
 def load_policy(section: PolicySection, *, training: bool = False, path: Path | None = None) -> MoETransformer:

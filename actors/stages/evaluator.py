@@ -23,7 +23,7 @@ from typing import ClassVar
 import msgpack
 import structlog
 
-from actors.agent.policy import load_run_policy
+from actors.agent.policy import load_run_dialect, load_run_policy
 from actors.agent.weights_follower import WeightsFollower
 from actors.config import RLConfig
 from actors.messages import DataExhausted, data_exhausted_subject
@@ -37,7 +37,6 @@ from actors.training.evaluation import evaluate, greedy, sampled
 from actors.weights_announcements import weights_run_name
 from model.engine import GenerationEngine
 from model.generation import EngineConfig
-from model.tokenizer import ByteTokenizer
 from model.weight_sync import WeightSyncError
 from runtime.bus import Inbound
 from runtime.codec import Codec
@@ -61,11 +60,11 @@ class EvaluatorActor(EvaluatorRole):
     async def setup(self) -> None:
         catalog = TaskCatalog.build(self.config.tasks)
         self.tasks, self.train_source = catalog.heldout, catalog
-        self.tokenizer = ByteTokenizer()
         self.run_name = weights_run_name(self.ctx)
-        self.engine = GenerationEngine(await load_run_policy(self.ctx, self.config.policy),
-                                       EngineConfig(max_batch_size=self.config.eval.concurrency),
-                                       detokenize=self.tokenizer.decode)
+        policy = await load_run_policy(self.ctx, self.config.policy)
+        self.dialect = await load_run_dialect(self.ctx, self.config.policy)
+        self.engine = GenerationEngine(policy, EngineConfig(max_batch_size=self.config.eval.concurrency),
+                                       detokenize=self.dialect.tokenizer.decode)
         await self.engine.start()
         self.exit_stack.push_async_callback(self.engine.stop)
         self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
@@ -169,7 +168,7 @@ class EvaluatorActor(EvaluatorRole):
         e = self.config.eval
         sampling = greedy() if e.temperature == 0 else sampled(e.temperature)
         result = await evaluate(self.engine, self.tasks, sampling=sampling, agent_config=self.config.rollout.agent,
-                                concurrency=e.concurrency, store=self.store, tokenizer=self.tokenizer,
+                                concurrency=e.concurrency, store=self.store, dialect=self.dialect,
                                 samples_per_task=e.samples_per_task)
         summary = result.summary()
         row = {"kind": "eval", "time": time.time(), "version": version, "temperature": e.temperature, **summary}

@@ -18,7 +18,7 @@ import structlog
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent.episode import run_episode
-from actors.agent.policy import load_run_policy
+from actors.agent.policy import load_run_dialect, load_run_policy
 from actors.agent.trajectory import Trajectory
 from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
@@ -38,7 +38,6 @@ from model.engine import EngineStatus, GenerationEngine
 from model.errors import EngineError, EngineStateError
 from model.generation import EngineConfig, Generation, KVPolicy
 from model.sampling import SamplingParams
-from model.tokenizer import ByteTokenizer
 from runtime.actor import Delivery
 from runtime.blob import BlobError
 from runtime.bus_auth import BusAccess
@@ -59,11 +58,11 @@ class RolloutActor(StageActor):
     async def setup(self) -> None:
         cfg = self.config
         self.tasks = TaskCatalog.build(cfg.tasks)
-        self.tokenizer = ByteTokenizer()
         self.run_name = weights_run_name(self.ctx)
         policy = await load_run_policy(self.ctx, cfg.policy)  # may build the starting policy once
+        self.dialect = await load_run_dialect(self.ctx, cfg.policy)
         self.engine = GenerationEngine(policy, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
-                                       detokenize=self.tokenizer.decode)
+                                       detokenize=self.dialect.tokenizer.decode)
         await self.engine.start()
         self.exit_stack.push_async_callback(self.engine.stop)
         self.store = open_sandbox_store(self.kind, self.ctx.run_dir, self.exit_stack)
@@ -131,7 +130,7 @@ class RolloutActor(StageActor):
             start = resume.checkpoint.trajectory if resume.checkpoint else None
             # counted now: the episode takes the checkpoint's transcript over and appends to it
             num_resumed_turns, num_resumed = resume.num_turns, num_policy_tokens(start) if start else 0
-            traj = await run_episode(task, self._generate, call_tool, self.tokenizer, r.agent, sampling,
+            traj = await run_episode(task, self._generate, call_tool, self.dialect, r.agent, sampling,
                                      start=start, on_turn=on_turn)
             workspace, violation = _export_workspace(env)
         finally:

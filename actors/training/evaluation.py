@@ -27,13 +27,13 @@ from typing import Any, Protocol
 import structlog
 
 from actors.agent.config import AgentConfig
+from actors.agent.dialect import Dialect
 from actors.agent.episode import run_episode
 from actors.agent.trajectory import EpisodeEnd
 from actors.training.pass_at_k import PassAtK, estimate_pass_at_k, reported_ks
 from model.engine import EngineConfig, GenerationEngine
 from model.generation import Generation
 from model.sampling import SamplingParams
-from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
 from sandbox.env import Environment
 from sandbox.layers import LayerStore
@@ -189,7 +189,7 @@ async def _one_episode(
     sample: int,
     sampling: SamplingParams,
     agent_config: AgentConfig,
-    tokenizer: ByteTokenizer,
+    dialect: Dialect,
 ) -> EpisodeResult:
     env = Environment.create(store, task.files, task.limits)
     try:
@@ -199,7 +199,7 @@ async def _one_episode(
             result = await tools.call(name, args)
             return result.ok, result.text
 
-        traj = await run_episode(task, engine.generate, call_tool, tokenizer, agent_config, sampling)
+        traj = await run_episode(task, engine.generate, call_tool, dialect, agent_config, sampling)
         outcome = await score(env, task)
     finally:
         env.close()
@@ -213,7 +213,7 @@ async def _one_episode(
         end=traj.end,
         num_tokens=traj.num_tokens,
         num_tool_calls=len(traj.tool_uses),
-        final_text=tokenizer.decode(generated)[-200:],
+        final_text=dialect.tokenizer.decode(generated)[-200:],
         num_summaries=traj.num_summaries,
         num_summary_tokens=traj.num_summary_tokens,
     )
@@ -228,21 +228,21 @@ async def evaluate(
     concurrency: int = 32,
     samples_per_task: int = 1,
     store: LayerStore | None = None,
-    tokenizer: ByteTokenizer | None = None,
+    dialect: Dialect | None = None,
     engine_config: EngineConfig | None = None,
 ) -> EvalResult:
     """Run and grade `samples_per_task` episodes of every task.
 
     Args:
         policy: a model (a private `GenerationEngine` is started and stopped here) or a running engine
-            (used as is; a `GenerationEngine` must have been built with `detokenize` for the `</tool>` stop).
+            (used as is; a `GenerationEngine` must have been built with `detokenize` for the tool-call stop).
         tasks: the tasks to evaluate (normally `generate_tasks(..., split="heldout")`).
         sampling: decoding settings; a sampled (temperature > 0) run seeds each episode from `sampling.seed`.
         agent_config: episode budgets (default `AgentConfig()`).
         concurrency: episodes in flight at once (they share the engine's batch).
         samples_per_task: episodes per task; pass@1 is their mean pass rate.
         store: the sandbox layer store (default: one opened and closed here).
-        tokenizer: the policy's tokenizer (default `ByteTokenizer`).
+        dialect: how episodes speak to the policy (default: the tiny policy's, `Dialect.compact`).
         engine_config: for the private engine (default: batch size = `concurrency`).
 
     Raises:
@@ -253,7 +253,7 @@ async def evaluate(
     if concurrency < 1 or samples_per_task < 1:
         raise ValueError(f"concurrency={concurrency} and samples_per_task={samples_per_task} must be >= 1")
     agent_config = agent_config or AgentConfig()
-    tokenizer = tokenizer or ByteTokenizer()
+    dialect = dialect or Dialect.compact()
     started = time.monotonic()
     async with AsyncExitStack() as stack:
         if store is None:
@@ -264,7 +264,7 @@ async def evaluate(
             engine = policy
         else:
             private = GenerationEngine(
-                policy, engine_config or EngineConfig(max_batch_size=concurrency), detokenize=tokenizer.decode
+                policy, engine_config or EngineConfig(max_batch_size=concurrency), detokenize=dialect.tokenizer.decode
             )
             await private.start()
             stack.push_async_callback(private.stop)
@@ -274,7 +274,7 @@ async def evaluate(
         async def guarded(index: int, task: Task, sample: int) -> EpisodeResult:
             async with gate:
                 params = _episode_sampling(sampling, index, sample, samples_per_task)
-                return await _one_episode(engine, store, task, sample, params, agent_config, tokenizer)
+                return await _one_episode(engine, store, task, sample, params, agent_config, dialect)
 
         async with asyncio.TaskGroup() as group:
             futures = [

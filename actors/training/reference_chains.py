@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from actors.agent.config import END, USER, AgentConfig
+from actors.agent.dialect import Dialect
 from actors.agent.episode import FINAL_ANSWER, CallTool, run_episode, summary_request_text
 from actors.agent.trajectory import Segment, Trajectory
 from model.chat import ToolCall, render_tool_call
@@ -44,7 +45,7 @@ def reference_chain(task: Task, config: AgentConfig = LONG_CONTEXT_AGENT) -> Tra
     """The chain of a perfect agent on the long-context ``task`` under ``config`` (blocking); the tools'
     answers are computed from the task's files (a test checks they are the sandbox's, token for token)."""
     return asyncio.run(run_episode(task, ReferencePolicy(task, config).generate, _simulated_tools(task),
-                                   ByteTokenizer(), config, SamplingParams(temperature=0.0)))
+                                   Dialect.compact(), config, SamplingParams(temperature=0.0)))
 
 
 class ReferencePolicy:

@@ -24,6 +24,7 @@ import torch
 import zstandard
 
 from actors.agent.config import AgentConfig
+from actors.agent.dialect import Dialect
 from actors.agent.episode import reference_episode_text, run_episode
 from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.blob_collector import BlobCollector
@@ -124,8 +125,8 @@ async def _attempt(checkpoints: RolloutCheckpoints, store: LayerStore, task: Tas
 
         sampling = SamplingParams(temperature=1.0, seed=seed)
         try:
-            traj = await run_episode(task, ScriptedPolicy().generate, _tool_caller(env), TOKENIZER, CONFIG, sampling,
-                                     start=start, on_turn=on_turn)
+            traj = await run_episode(task, ScriptedPolicy().generate, _tool_caller(env), Dialect.compact(), CONFIG,
+                                     sampling, start=start, on_turn=on_turn)
         except Interrupted:
             return None, {}
         files = {}
@@ -284,7 +285,7 @@ def test_a_resumed_episode_on_a_fresh_engine_samples_what_the_uninterrupted_one_
                 if traj.num_turns == stop_after_turns:
                     raise Interrupted
             try:
-                return await run_episode(task, policy(engine), _tool_caller(env), TOKENIZER, agent,
+                return await run_episode(task, policy(engine), _tool_caller(env), Dialect.compact(), agent,
                                          SamplingParams(temperature=1.0, seed=seed), start=start, on_turn=on_turn)
             except Interrupted:
                 return None

@@ -45,6 +45,7 @@ import structlog
 import torch
 
 from actors.agent.config import AgentConfig
+from actors.agent.dialect import Dialect
 from actors.agent.episode import reference_episode_text, run_episode
 from actors.agent.trajectory import Trajectory
 from actors.config import TasksSection
@@ -115,7 +116,7 @@ async def _episode(engine: GenerationEngine, store: LayerStore, blob: Any, recor
             record.turn_ends.append(time.perf_counter())
 
         record.turn_ends.append(time.perf_counter())
-        traj = await run_episode(record.task, generate, call_tool, TOKENIZER, agent,
+        traj = await run_episode(record.task, generate, call_tool, Dialect.compact(), agent,
                                  SamplingParams(temperature=1.0, seed=index), on_turn=on_turn)
         record.turn_ends.append(time.perf_counter())
         record.num_summaries = traj.num_summaries

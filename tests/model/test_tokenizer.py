@@ -94,8 +94,5 @@ def test_hf_tokenizer_json_loading(tmp_path: Path) -> None:
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == inner.token_to_id("<|im_start|>") and ids[-1] == tok.end_token_id
     assert "hi" in tok.decode(ids).replace(" ", "")
-    assert render_conversation([ChatMessage(Role.USER, "hi")], template=tok.template) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    )
     with pytest.raises(CheckpointError, match="not found"):
         HFTokenizer(tmp_path / "missing")

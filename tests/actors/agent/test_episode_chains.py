@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from actors.agent.config import END, AgentConfig
+from actors.agent.dialect import Dialect
 from actors.agent.episode import resume_prompt_text, run_episode, summary_request_text, task_prompt_text
 from actors.agent.trajectory import EpisodeEnd, Trajectory
 from actors.training.reference_chains import LONG_CONTEXT_AGENT, ReferencePolicy, reference_chain
@@ -31,7 +32,7 @@ def _run(task: Task, policy: ReferencePolicy | object, config: AgentConfig) -> T
             return True, task.files[args["path"]]
         return True, f"wrote {len(args['content'].encode())} bytes to {args['path']}"
 
-    return asyncio.run(run_episode(task, policy.generate, call_tool, TOKENIZER, config,  # type: ignore[attr-defined]
+    return asyncio.run(run_episode(task, policy.generate, call_tool, Dialect.compact(), config,  # type: ignore[attr-defined]
                                    SamplingParams(temperature=0.0)))
 
 

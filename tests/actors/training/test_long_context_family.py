@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from actors.agent.dialect import Dialect
 from actors.agent.episode import run_episode
 from actors.agent.trajectory import EpisodeEnd
 from actors.config import TasksSection
@@ -84,8 +85,8 @@ async def test_a_reference_chain_is_what_the_real_tools_give_token_for_token(sto
                 result = await tools.call(name, args)
                 return result.ok, result.text
 
-            real = await run_episode(task, ReferencePolicy(task).generate, call_tool, tokenizer, LONG_CONTEXT_AGENT,
-                                     SamplingParams(temperature=0.0))
+            real = await run_episode(task, ReferencePolicy(task).generate, call_tool, Dialect.compact(),
+                                     LONG_CONTEXT_AGENT, SamplingParams(temperature=0.0))
         simulated = await asyncio.to_thread(reference_chain, task)
         assert [s.token_ids for s in real.segments] == [s.token_ids for s in simulated.segments]
         assert [s.loss_mask for s in real.segments] == [s.loss_mask for s in simulated.segments]
