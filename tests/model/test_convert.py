@@ -250,3 +250,29 @@ def test_the_command_line_converts_and_reports_refusals(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "model.convert", str(tmp_path / "none.gguf"), str(tmp_path / "x")],
                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert bad.returncode == 2 and "none.gguf: no such file" in bad.stderr
+
+
+def test_smollm2_episodes_are_rendered_token_for_token_as_transformers_renders_the_conversation(
+        smollm2, gguf_tokenizer) -> None:
+    """The dialect's prompt, and its tokens between turns, are the ids transformers gives the same conversation
+    (SmolLM2's template has no tool section: the tools are in the system turn; results are tool turns)."""
+    from actors.agent.dialect import Dialect
+
+    _, out = smollm2
+    dialect = Dialect.from_checkpoint(out)
+    assert dialect.tools == () and "<tool_call>" in dialect.system and dialect.end_id == 2
+    system = {"role": "system", "content": dialect.system}
+    user = {"role": "user", "content": "Write a function that reverses a string."}
+
+    def ids(conversation: list[dict], generation_prompt: bool) -> list[int]:
+        text = gguf_tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt)
+        return gguf_tokenizer(text, add_special_tokens=False).input_ids
+
+    prompt = ids([system, user], True)
+    assert dialect.prompt_ids(user["content"]) == prompt
+    reply = '<tool_call>{"name": "write_file", "arguments": {"path": "s.py", "content": "x"}}</tool_call>'
+    reply_ids = gguf_tokenizer(reply, add_special_tokens=False).input_ids
+    turn = [*[system, user], {"role": "assistant", "content": reply}, {"role": "tool", "content": "wrote 1 bytes"}]
+    expected = ids(turn, True)
+    assert prompt + reply_ids + dialect.tool_result_ids("wrote 1 bytes", closed=False) == expected
+    assert prompt + reply_ids + [dialect.end_id] + dialect.tool_result_ids("wrote 1 bytes", closed=True) == expected
