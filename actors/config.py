@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.agent.config import AgentConfig
+from actors.pretrained_policy import PretrainedRecipe
 from actors.reconciler.scheduling import SchedulingConfig
 from actors.task_sources import EVAL_ONLY_FAMILIES, TRAIN_FAMILIES, count_family
 from actors.training.lr_schedule import LRSchedule
@@ -30,8 +31,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PolicySection:
-    checkpoint: str = ""  # a local HF-layout directory; empty: the built-in starting policy
-    cache_dir: Path = Path("runs/_cache")  # where the built-in starting policy is built once and kept
+    checkpoint: str = ""  # a local HF-layout directory; empty: `pretrained`, else the built-in starting policy
+    # a pinned pretrained checkpoint (actors.pretrained_policy: smollm2-135m-instruct), fetched and converted
+    # once for the run; with upcycle_experts > 0 upcycled to an MoE of that many experts (model.upcycle)
+    pretrained: str = ""
+    upcycle_experts: int = fixed(0, within=Range(0, 512))
+    upcycle_top_k: int = fixed(2, within=Range(1, 512))
+    upcycle_noise: float = fixed(0.0, within=Range(0.0, 1.0))  # std of the noise on each expert's copy
+    upcycle_seed: int = fixed(0, within=Range(0, 2**63 - 1))
+    cache_dir: Path = Path("runs/_cache")  # where a built starting policy is kept (built once, here or fetched)
     experts_precision: str = "reference"  # reference | emulated | triton (low_precision/)
     # where the rollout engine, the evaluator and the trainer compute: auto (CUDA when the process was
     # given a GPU, else the CPU) | cpu | cuda | cuda:N
@@ -40,6 +48,18 @@ class PolicySection:
     def __post_init__(self) -> None:
         check_ranges(self, "policy")
         check_device_spec(self.device)
+        if self.checkpoint and self.pretrained:
+            raise ValueError(f"policy.checkpoint={self.checkpoint!r} and policy.pretrained={self.pretrained!r}: "
+                             "a run starts from one policy; set one of them")
+        if self.upcycle_experts and not self.pretrained:
+            raise ValueError("policy.upcycle_experts upcycles policy.pretrained; set it (or upcycle your checkpoint "
+                             "with python -m model.upcycle and pass it as policy.checkpoint)")
+        if self.pretrained:
+            self.pretrained_recipe()  # an unknown name or a top-k past the experts fails at load, not mid-run
+
+    def pretrained_recipe(self) -> PretrainedRecipe:
+        return PretrainedRecipe(self.pretrained, self.upcycle_experts, self.upcycle_top_k, self.upcycle_noise,
+                                self.upcycle_seed)
         if self.experts_precision not in ("reference", "emulated", "triton"):
             raise ValueError(f"experts_precision={self.experts_precision!r}: use reference, emulated or triton")
 

@@ -17,9 +17,11 @@ process wins; renewed every third of ``lease_s``).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from runtime.run_state import RUN_BUCKET
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["BUILDS_PREFIX", "BuildFailed", "BuildSettings", "build_once", "claim_key"]
+__all__ = ["BUILDS_PREFIX", "BuildFailed", "BuildSettings", "build_locally", "build_once", "claim_key"]
 
 BUILDS_PREFIX = "builds"
 
@@ -115,3 +117,26 @@ async def _build(store: BlobStore, name: str, build: Callable[[Path], object], d
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     log.info("build_stored", name=name, owner=owner, build_s=round(time.monotonic() - started, 2))
     return path
+
+
+def build_locally(cache_dir: Path, name: str, build: Callable[[Path], object], done: Callable[[Path], bool]) -> Path:
+    """``cache_dir/name``, built here by ``build`` unless ``done`` finds it finished: outside a run (benchmarks,
+    the command line, tests), where no bus decides who builds. Under a file lock, so concurrent callers on
+    this machine build once; in a temporary folder renamed into place, so an interrupted build leaves
+    nothing that looks finished."""
+    target = cache_dir / name
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done(target):
+            return target
+        log.info("build_started", name=name, owner=f"pid {os.getpid()}")
+        tmp = Path(tempfile.mkdtemp(prefix=f".building-{name}-", dir=cache_dir))
+        try:
+            build(tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -5,12 +5,14 @@ the trainer's copy computes its experts in ``policy.experts_precision``."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
 from actors.agent.dialect import Dialect, load_dialect
 from actors.config import PolicySection
+from actors.pretrained_policy import build_pretrained, ensure_pretrained, find_pretrained
 from low_precision.experts import ExpertsPrecision, make_experts_fn
 from model.checkpoint import load_checkpoint
 from model.device import resolve_device
@@ -29,29 +31,44 @@ _PRECISION = {"reference": ExpertsPrecision.REFERENCE, "emulated": ExpertsPrecis
 
 
 def checkpoint_dir(section: PolicySection) -> Path:
+    """The policy's checkpoint outside a run (benchmarks, scripts): built into ``cache_dir`` if missing."""
     if section.checkpoint:
         return Path(section.checkpoint)
+    if section.pretrained:
+        return ensure_pretrained(section.cache_dir, section.pretrained_recipe())
     from actors.training.starting_policy import ensure_starting_policy  # builds it on the first run only
 
     return ensure_starting_policy(section.cache_dir)
 
 
 async def run_checkpoint_dir(ctx: ActorContext, section: PolicySection) -> Path:
-    """The run's starting checkpoint for an actor: ``policy.checkpoint``; else the built-in starting
-    policy from this machine (its cache, or the copy shipped with the code), else from the run's blob
+    """The run's starting checkpoint for an actor: ``policy.checkpoint``; else ``policy.pretrained`` (from this
+    machine's cache, else from the run's blob store, else built now once for the whole run); else the built-in
+    starting policy from this machine (its cache, or the copy shipped with the code), else from the run's blob
     store, else built now, once for the whole run (the other processes wait for it)."""
     if section.checkpoint:
         return Path(section.checkpoint)
+    cache = Path(section.cache_dir)
+    if section.pretrained:
+        pretrained = section.pretrained_recipe()
+        return await _built_for_the_run(ctx, find_pretrained(cache, pretrained), pretrained.build_name(),
+                                        lambda out: build_pretrained(out, pretrained, cache), cache)
     from actors.training.starting_policy import build_starting_policy, default_recipe, find_starting_policy
 
     recipe = default_recipe()
-    found, name = find_starting_policy(section.cache_dir, recipe)
-    if found is not None:
-        if found.parent == Path(section.cache_dir) and not await tree_exists(ctx.blob, f"{BUILDS_PREFIX}/{name}"):
-            await put_tree(ctx.blob, found, f"{BUILDS_PREFIX}/{name}")  # built here before: other machines fetch it
-        return found
-    return await build_once(ctx.bus, ctx.blob, name, lambda out: build_starting_policy(out, recipe),
-                            Path(section.cache_dir), owner=ctx.identity.actor_id)
+    found, name = find_starting_policy(cache, recipe)
+    return await _built_for_the_run(ctx, found, name, lambda out: build_starting_policy(out, recipe), cache)
+
+
+async def _built_for_the_run(ctx: ActorContext, found: Path | None, name: str, build: Callable[[Path], object],
+                             cache: Path) -> Path:
+    """``found`` (a build on this machine; one in ``cache`` is also stored for the other machines to fetch),
+    else the run's build ``name``, fetched or built once (`runtime.build_once`)."""
+    if found is None:
+        return await build_once(ctx.bus, ctx.blob, name, build, cache, owner=ctx.identity.actor_id)
+    if found.parent == cache and not await tree_exists(ctx.blob, f"{BUILDS_PREFIX}/{name}"):
+        await put_tree(ctx.blob, found, f"{BUILDS_PREFIX}/{name}")  # built here before: other machines fetch it
+    return found
 
 
 async def load_run_policy(ctx: ActorContext, section: PolicySection, *, training: bool = False) -> MoETransformer:

@@ -35,12 +35,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,6 +55,7 @@ from model.config import ModelConfig, tiny
 from model.pretrain import PretrainConfig, Segment, pretrain
 from model.tokenizer import ByteTokenizer
 from model.transformer import MoETransformer
+from runtime.build_once import build_locally
 from sandbox.long_context_tasks import generate_long_context_tasks
 from sandbox.task_generator import generate_tasks
 from sandbox.tasks import Task
@@ -314,27 +312,11 @@ def ensure_starting_policy(
     (a temporary directory renamed into place, under a file lock, so concurrent callers build once).
     """
     recipe = recipe or default_recipe()
-    recipe_hash = recipe.recipe_hash()
-    cache = Path(cache_dir)
     found, name = find_starting_policy(cache_dir, recipe, shipped_dir=shipped_dir)
     if found is not None:
         return found
-    target = cache / name
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".starting-policy.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _matches(target, recipe_hash):
-            return target
-        log.info("starting_policy_building", directory=str(target), recipe_hash=recipe_hash[:16])
-        tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
-        try:
-            build_starting_policy(tmp, recipe)
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_locally(Path(cache_dir), name, lambda out: build_starting_policy(out, recipe),
+                         lambda path: _matches(path, recipe.recipe_hash()))
 
 
 @dataclasses.dataclass(frozen=True)
