@@ -21,8 +21,12 @@ per-expert names for any MoE architecture (the trainer's shards and weight updat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
@@ -40,6 +44,7 @@ __all__ = [
     "load_checkpoint",
     "load_state_into",
     "save_checkpoint",
+    "staged_directory",
     "to_hf_state_dict",
     "write_checkpoint",
 ]
@@ -179,6 +184,29 @@ def write_checkpoint(
     (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
     log.info("checkpoint_saved", directory=str(path), num_tensors=len(out))
     return path
+
+
+@contextlib.contextmanager
+def staged_directory(out_dir: str | Path) -> Iterator[Path]:
+    """A temporary sibling of `out_dir` to write a checkpoint into, renamed to `out_dir` when the block succeeds.
+
+    The directory appears whole or not at all: a crash or an error never leaves a half-written checkpoint
+    that a later run would use (the temporary directory is removed instead).
+
+    Raises:
+        CheckpointError: `out_dir` already exists.
+    """
+    out = Path(out_dir)
+    if out.exists():
+        raise CheckpointError(f"{out} already exists; remove it or pick another output directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is shared like any other
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename; a failure's leftovers otherwise
 
 
 def save_checkpoint(model: MoETransformer, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
