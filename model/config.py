@@ -22,7 +22,7 @@ from typing import Any
 
 from model.errors import ConfigError
 
-__all__ = ["Architecture", "Llama3RopeScaling", "ModelConfig", "medium_100m", "tiny"]
+__all__ = ["Architecture", "Llama3RopeScaling", "ModelConfig", "Upcycling", "medium_100m", "tiny"]
 
 BYTE_VOCAB_SIZE = 264  # 256 bytes + 8 special tokens, see model.tokenizer.ByteTokenizer
 
@@ -75,6 +75,36 @@ class Llama3RopeScaling:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class Upcycling:
+    """How a MoE checkpoint was made from a dense one (`model.upcycle`), kept in its config.json as provenance.
+
+    It does not change the function the checkpoint computes (the weights say everything); it is recorded so
+    that a run started from an upcycled policy can say how its experts were initialised and reproduce them.
+
+    Args:
+        dense_architecture: the architecture of the dense checkpoint (`llama` or `qwen3`).
+        expert_noise_std: std of the Gaussian noise added to every expert weight (0: exact copies).
+        router_std: std of the router's Gaussian init.
+        seed: seed of the generator both were drawn from.
+    """
+
+    dense_architecture: str
+    expert_noise_std: float
+    router_std: float
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.dense_architecture not in (Architecture.LLAMA, Architecture.QWEN3):
+            raise ConfigError(f"upcycling.dense_architecture={self.dense_architecture!r} must be 'llama' or 'qwen3'")
+        for name in ("expert_noise_std", "router_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+                raise ConfigError(f"upcycling.{name}={value!r} must be a finite number >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"upcycling.seed={self.seed!r} must be an integer >= 0")
+
+
 def _positive(name: str, value: int | float) -> None:
     if value <= 0:
         raise ConfigError(f"ModelConfig.{name} must be > 0, got {value!r}")
@@ -87,7 +117,8 @@ class ModelConfig:
     `moe_intermediate_size`, `num_experts`, `num_experts_per_tok` and `norm_topk_prob` describe the MoE
     block (`qwen3_moe`, `mixtral`); `intermediate_size` and `mlp_bias` the dense MLP (`qwen3`, `llama`).
     Mixtral has one MLP width (its config.json `intermediate_size` is the experts'), so for it
-    `intermediate_size` must equal `moe_intermediate_size`.
+    `intermediate_size` must equal `moe_intermediate_size`. `upcycling` records how a MoE checkpoint was
+    made from a dense one (None otherwise).
     """
 
     vocab_size: int = BYTE_VOCAB_SIZE
@@ -113,6 +144,7 @@ class ModelConfig:
     architecture: Architecture = Architecture.QWEN3_MOE
     mlp_bias: bool = False  # llama only: biases on gate/up/down projections
     rope_scaling: Llama3RopeScaling | None = None
+    upcycling: Upcycling | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
@@ -174,6 +206,9 @@ class ModelConfig:
             )
         if self.mlp_bias and self.architecture is not Architecture.LLAMA:
             raise ConfigError(f"mlp_bias=True is a llama option; {self.architecture.value} MLPs have no biases")
+        if self.upcycling is not None:
+            raise ConfigError(f"architecture={self.architecture.value!r} is dense but upcycling={self.upcycling}; "
+                              "only a MoE checkpoint is upcycled")
 
     @property
     def num_kv_groups(self) -> int:
@@ -261,12 +296,12 @@ _INERT = {
     Architecture.QWEN3: _COMMON_INERT | {"sliding_window", "max_window_layers"},
     Architecture.LLAMA: _COMMON_INERT | {"pretraining_tp"},
 }
-# Keys read by a helper below rather than copied into a field.
+# Keys read by a helper below rather than copied into a field (`upcycling`: this project's own, see Upcycling).
 _SPECIAL = {
     Architecture.QWEN3_MOE: frozenset({"num_experts", "num_local_experts", "rope_theta", "rope_scaling",
-                                       "rope_parameters", "layer_types"}),
+                                       "rope_parameters", "layer_types", "upcycling"}),
     Architecture.MIXTRAL: frozenset({"num_experts", "num_local_experts", "intermediate_size", "rope_theta",
-                                     "rope_scaling", "rope_parameters"}),
+                                     "rope_scaling", "rope_parameters", "upcycling"}),
     Architecture.QWEN3: frozenset({"rope_theta", "rope_scaling", "rope_parameters", "layer_types"}),
     Architecture.LLAMA: frozenset({"rope_theta", "rope_scaling", "rope_parameters"}),
 }
@@ -303,6 +338,7 @@ def _read_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     kwargs["architecture"] = arch
     if arch.is_moe:
         kwargs.update(_hf_experts(raw))
+        kwargs.update(_hf_upcycling(raw))
     else:
         kwargs.update(num_experts=0, num_experts_per_tok=0)
     if arch is Architecture.MIXTRAL:
@@ -322,6 +358,8 @@ def _read_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
 def _write_hf_config(config: ModelConfig) -> dict[str, Any]:
     arch = config.architecture
     out: dict[str, Any] = {k: getattr(config, k) for k in sorted(_FIELDS[arch])}
+    if config.upcycling is not None:
+        out["upcycling"] = dataclasses.asdict(config.upcycling)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta,
@@ -346,6 +384,18 @@ def _hf_experts(raw: dict[str, Any]) -> dict[str, Any]:
     if len(set(names.values())) > 1:
         raise ConfigError(f"config.json gives two expert counts {names}; they must agree")
     return {"num_experts": next(iter(names.values()))} if names else {}
+
+
+def _hf_upcycling(raw: dict[str, Any]) -> dict[str, Any]:
+    """The `upcycling` record (exactly Upcycling's fields) or nothing."""
+    record = raw.get("upcycling")
+    if record is None:
+        return {}
+    names = {f.name for f in dataclasses.fields(Upcycling)}
+    if not isinstance(record, dict) or set(record) != names:
+        keys = sorted(record) if isinstance(record, dict) else record
+        raise ConfigError(f"config.json upcycling={keys!r} must be a mapping of exactly {sorted(names)}")
+    return {"upcycling": Upcycling(**record)}
 
 
 def _rope_entry(key: str, rope: Any) -> tuple[float | None, Llama3RopeScaling | None]:
