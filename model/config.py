@@ -1,15 +1,17 @@
-"""Model configuration with Hugging Face field names (Qwen3-MoE, Qwen3, Llama), and presets.
+"""Model configuration with Hugging Face field names (Qwen3-MoE, Mixtral, Qwen3, Llama), and presets.
 
 `ModelConfig` round-trips through a checkpoint's config.json (`from_hf_dict` / `to_hf_dict`, implemented
-in `model._hf_config`). Reading is closed-world: every key of config.json is read into a field, checked
+at the end of this module). Reading is closed-world: every key of config.json is read into a field, checked
 against the one value this implementation supports, or known not to change the model's function; any
 other key is refused with an error naming it, so a checkpoint never loads as a different model than the
 one that was saved.
 
-Three architectures share one decoder (`model.transformer`): `qwen3_moe` (every layer a MoE block, q/k
-RMSNorm), `qwen3` (dense SwiGLU MLP, q/k RMSNorm) and `llama` (dense SwiGLU MLP, no q/k norm). A dense
+Four architectures share one decoder (`model.transformer`): `qwen3_moe` (every layer a MoE block, q/k
+RMSNorm), `mixtral` (every layer a MoE block, Llama attention: no q/k norm, no biases, top-k gates always
+renormalised), `qwen3` (dense SwiGLU MLP, q/k RMSNorm) and `llama` (dense SwiGLU MLP, no q/k norm). A dense
 architecture has no experts: its `num_experts` and `num_experts_per_tok` are 0, so the router capture of
-a forward is (T, L, 0).
+a forward is (T, L, 0). Mixtral exists here as the MoE a Llama upcycles into (`model.upcycle`): Qwen3-MoE's
+q/k norm would change a Llama's function.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from model.errors import ConfigError
 
-__all__ = ["Architecture", "Llama3RopeScaling", "ModelConfig", "medium_100m", "tiny"]
+__all__ = ["Architecture", "Llama3RopeScaling", "ModelConfig", "Upcycling", "medium_100m", "tiny"]
 
 BYTE_VOCAB_SIZE = 264  # 256 bytes + 8 special tokens, see model.tokenizer.ByteTokenizer
 
@@ -29,21 +31,23 @@ class Architecture(enum.StrEnum):
     """The transformers `model_type` a configuration is written and read as."""
 
     QWEN3_MOE = "qwen3_moe"
+    MIXTRAL = "mixtral"
     QWEN3 = "qwen3"
     LLAMA = "llama"
 
     @property
     def is_moe(self) -> bool:
-        return self is Architecture.QWEN3_MOE
+        return self in (Architecture.QWEN3_MOE, Architecture.MIXTRAL)
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 normalises every query and key head (RMSNorm over Hd) before RoPE; Llama does not."""
-        return self is not Architecture.LLAMA
+        """Qwen3 normalises every query and key head (RMSNorm over Hd) before RoPE; Llama and Mixtral do not."""
+        return self in (Architecture.QWEN3_MOE, Architecture.QWEN3)
 
     @property
     def hf_class(self) -> str:
-        return {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[self]
+        return {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "llama": "LlamaForCausalLM"}[self]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,36 @@ class Llama3RopeScaling:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class Upcycling:
+    """How a MoE checkpoint was made from a dense one (`model.upcycle`), kept in its config.json as provenance.
+
+    It does not change the function the checkpoint computes (the weights say everything); it is recorded so
+    that a run started from an upcycled policy can say how its experts were initialised and reproduce them.
+
+    Args:
+        dense_architecture: the architecture of the dense checkpoint (`llama` or `qwen3`).
+        expert_noise_std: std of the Gaussian noise added to every expert weight (0: exact copies).
+        router_std: std of the router's Gaussian init.
+        seed: seed of the generator both were drawn from.
+    """
+
+    dense_architecture: str
+    expert_noise_std: float
+    router_std: float
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.dense_architecture not in (Architecture.LLAMA, Architecture.QWEN3):
+            raise ConfigError(f"upcycling.dense_architecture={self.dense_architecture!r} must be 'llama' or 'qwen3'")
+        for name in ("expert_noise_std", "router_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+                raise ConfigError(f"upcycling.{name}={value!r} must be a finite number >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"upcycling.seed={self.seed!r} must be an integer >= 0")
+
+
 def _positive(name: str, value: int | float) -> None:
     if value <= 0:
         raise ConfigError(f"ModelConfig.{name} must be > 0, got {value!r}")
@@ -81,7 +115,10 @@ class ModelConfig:
     """Shape and numerics of the decoder. Field names and meanings follow transformers' configs.
 
     `moe_intermediate_size`, `num_experts`, `num_experts_per_tok` and `norm_topk_prob` describe the MoE
-    block (`qwen3_moe`); `intermediate_size` and `mlp_bias` the dense MLP (`qwen3`, `llama`).
+    block (`qwen3_moe`, `mixtral`); `intermediate_size` and `mlp_bias` the dense MLP (`qwen3`, `llama`).
+    Mixtral has one MLP width (its config.json `intermediate_size` is the experts'), so for it
+    `intermediate_size` must equal `moe_intermediate_size`. `upcycling` records how a MoE checkpoint was
+    made from a dense one (None otherwise).
     """
 
     vocab_size: int = BYTE_VOCAB_SIZE
@@ -107,6 +144,7 @@ class ModelConfig:
     architecture: Architecture = Architecture.QWEN3_MOE
     mlp_bias: bool = False  # llama only: biases on gate/up/down projections
     rope_scaling: Llama3RopeScaling | None = None
+    upcycling: Upcycling | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
@@ -143,7 +181,21 @@ class ModelConfig:
                 "lower top-k or add experts"
             )
         if self.mlp_bias:
-            raise ConfigError("mlp_bias=True is a llama option; qwen3_moe experts have no biases")
+            raise ConfigError(f"mlp_bias=True is a llama option; {self.architecture.value} experts have no biases")
+        if self.architecture is Architecture.MIXTRAL:
+            self._check_mixtral()
+
+    def _check_mixtral(self) -> None:
+        if self.attention_bias:
+            raise ConfigError("attention_bias=True is not a mixtral option: its q/k/v/o projections have no biases")
+        if not self.norm_topk_prob:
+            raise ConfigError("norm_topk_prob=False is not a mixtral option: mixtral always renormalises its top-k "
+                              "gates; use qwen3_moe for raw gates")
+        if self.intermediate_size != self.moe_intermediate_size:
+            raise ConfigError(
+                f"mixtral has one MLP width but intermediate_size={self.intermediate_size} != "
+                f"moe_intermediate_size={self.moe_intermediate_size}; pass the expert width for both"
+            )
 
     def _check_dense(self) -> None:
         _positive("intermediate_size", self.intermediate_size)
@@ -154,6 +206,9 @@ class ModelConfig:
             )
         if self.mlp_bias and self.architecture is not Architecture.LLAMA:
             raise ConfigError(f"mlp_bias=True is a llama option; {self.architecture.value} MLPs have no biases")
+        if self.upcycling is not None:
+            raise ConfigError(f"architecture={self.architecture.value!r} is dense but upcycling={self.upcycling}; "
+                              "only a MoE checkpoint is upcycled")
 
     @property
     def num_kv_groups(self) -> int:
@@ -208,6 +263,8 @@ _COMMON_FIELDS = frozenset({
 })
 _FIELDS = {
     Architecture.QWEN3_MOE: _COMMON_FIELDS | {"moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob"},
+    # Mixtral's q/k/v/o have no biases (no attention_bias key); its intermediate_size is the experts' width.
+    Architecture.MIXTRAL: (_COMMON_FIELDS - {"attention_bias", "intermediate_size"}) | {"num_experts_per_tok"},
     Architecture.QWEN3: _COMMON_FIELDS,
     Architecture.LLAMA: _COMMON_FIELDS | {"mlp_bias"},
 }
@@ -218,6 +275,8 @@ _COMMON_CHECKED: dict[str, Any] = {
 _CHECKED = {
     Architecture.QWEN3_MOE: _COMMON_CHECKED | {"use_sliding_window": False, "mlp_only_layers": [],
                                                "decoder_sparse_step": 1},
+    # Mixtral's window is on whenever sliding_window is set; its router jitter multiplies the MoE input in training.
+    Architecture.MIXTRAL: _COMMON_CHECKED | {"sliding_window": None, "router_jitter_noise": 0.0},
     Architecture.QWEN3: _COMMON_CHECKED | {"use_sliding_window": False},
     Architecture.LLAMA: _COMMON_CHECKED,
 }
@@ -233,16 +292,21 @@ _COMMON_INERT = frozenset({
 _INERT = {
     Architecture.QWEN3_MOE: _COMMON_INERT | {"output_router_logits", "router_aux_loss_coef", "sliding_window",
                                              "max_window_layers"},
+    Architecture.MIXTRAL: _COMMON_INERT | {"output_router_logits", "router_aux_loss_coef"},
     Architecture.QWEN3: _COMMON_INERT | {"sliding_window", "max_window_layers"},
     Architecture.LLAMA: _COMMON_INERT | {"pretraining_tp"},
 }
-# Keys read by a helper below rather than copied into a field.
+# Keys read by a helper below rather than copied into a field (`upcycling`: this project's own, see Upcycling).
 _SPECIAL = {
     Architecture.QWEN3_MOE: frozenset({"num_experts", "num_local_experts", "rope_theta", "rope_scaling",
-                                       "rope_parameters", "layer_types"}),
+                                       "rope_parameters", "layer_types", "upcycling"}),
+    Architecture.MIXTRAL: frozenset({"num_experts", "num_local_experts", "intermediate_size", "rope_theta",
+                                     "rope_scaling", "rope_parameters", "upcycling"}),
     Architecture.QWEN3: frozenset({"rope_theta", "rope_scaling", "rope_parameters", "layer_types"}),
     Architecture.LLAMA: frozenset({"rope_theta", "rope_scaling", "rope_parameters"}),
 }
+# RoPE base when config.json gives none (transformers' `default_theta` of the config class).
+_DEFAULT_THETA = {Architecture.MIXTRAL: 1e6}
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -274,8 +338,15 @@ def _read_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     kwargs["architecture"] = arch
     if arch.is_moe:
         kwargs.update(_hf_experts(raw))
+        kwargs.update(_hf_upcycling(raw))
     else:
         kwargs.update(num_experts=0, num_experts_per_tok=0)
+    if arch is Architecture.MIXTRAL:
+        if raw.get("intermediate_size") is None:
+            raise ConfigError("mixtral config.json lacks intermediate_size (the experts' width)")
+        kwargs.update(intermediate_size=raw["intermediate_size"], moe_intermediate_size=raw["intermediate_size"])
+    if arch in _DEFAULT_THETA:
+        kwargs["rope_theta"] = _DEFAULT_THETA[arch]
     kwargs.update(_hf_rope(raw))
     if kwargs.get("head_dim") is None:
         kwargs["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
@@ -287,6 +358,8 @@ def _read_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
 def _write_hf_config(config: ModelConfig) -> dict[str, Any]:
     arch = config.architecture
     out: dict[str, Any] = {k: getattr(config, k) for k in sorted(_FIELDS[arch])}
+    if config.upcycling is not None:
+        out["upcycling"] = dataclasses.asdict(config.upcycling)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta,
@@ -295,9 +368,12 @@ def _write_hf_config(config: ModelConfig) -> dict[str, Any]:
         architectures=[arch.hf_class], model_type=arch.value, hidden_act="silu", attention_dropout=0.0,
         rope_theta=config.rope_theta, rope_scaling=None, rope_parameters=rope, torch_dtype="float32",
     )
-    if arch.is_moe:
+    if arch is Architecture.MIXTRAL:
+        out.update(intermediate_size=config.moe_intermediate_size, num_local_experts=config.num_experts,
+                   sliding_window=None, router_jitter_noise=0.0)
+    elif arch.is_moe:
         out.update(num_experts=config.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
-    if arch is not Architecture.LLAMA:
+    if arch in (Architecture.QWEN3_MOE, Architecture.QWEN3):
         out.update(use_sliding_window=False, sliding_window=None)
     return out
 
@@ -308,6 +384,18 @@ def _hf_experts(raw: dict[str, Any]) -> dict[str, Any]:
     if len(set(names.values())) > 1:
         raise ConfigError(f"config.json gives two expert counts {names}; they must agree")
     return {"num_experts": next(iter(names.values()))} if names else {}
+
+
+def _hf_upcycling(raw: dict[str, Any]) -> dict[str, Any]:
+    """The `upcycling` record (exactly Upcycling's fields) or nothing."""
+    record = raw.get("upcycling")
+    if record is None:
+        return {}
+    names = {f.name for f in dataclasses.fields(Upcycling)}
+    if not isinstance(record, dict) or set(record) != names:
+        keys = sorted(record) if isinstance(record, dict) else record
+        raise ConfigError(f"config.json upcycling={keys!r} must be a mapping of exactly {sorted(names)}")
+    return {"upcycling": Upcycling(**record)}
 
 
 def _rope_entry(key: str, rope: Any) -> tuple[float | None, Llama3RopeScaling | None]:

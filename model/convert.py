@@ -16,18 +16,17 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import structlog
 import torch
 
-from model.checkpoint import load_checkpoint, to_hf_state_dict, write_checkpoint
+from model.checkpoint import load_checkpoint, staged_directory, to_hf_state_dict, write_checkpoint
 from model.errors import CheckpointError, ModelError
 from model.gguf_checkpoint import read_gguf
 from model.gguf_tokenizer import build_tokenizer, tokenizer_config
 
-__all__ = ["TOKENIZER_FILES", "convert", "main"]
+__all__ = ["TOKENIZER_FILES", "convert", "copy_tokenizer", "main"]
 
 log = structlog.get_logger(__name__)
 
@@ -54,14 +53,20 @@ def _from_gguf(source: Path, out: Path, dtype: torch.dtype) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(checkpoint.metadata), indent=2))
 
 
-def _from_hf_dir(source: Path, out: Path, dtype: torch.dtype) -> None:
-    config, model = load_checkpoint(source, dtype=torch.float32)
-    write_checkpoint(config, to_hf_state_dict(model), out, dtype)
+def copy_tokenizer(source: Path, out: Path) -> list[str]:
+    """Copy the tokenizer files (and chat template) an HF checkpoint directory has, unchanged; returns their names."""
     copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
     for name in copied:
         shutil.copyfile(source / name, out / name)
     if "tokenizer.json" not in copied:
-        log.warning("convert_without_tokenizer", source=str(source), reason="the source has no tokenizer.json")
+        log.warning("checkpoint_without_tokenizer", source=str(source), reason="the source has no tokenizer.json")
+    return copied
+
+
+def _from_hf_dir(source: Path, out: Path, dtype: torch.dtype) -> None:
+    config, model = load_checkpoint(source, dtype=torch.float32)
+    write_checkpoint(config, to_hf_state_dict(model), out, dtype)
+    copy_tokenizer(source, out)
 
 
 def convert(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -75,21 +80,13 @@ def convert(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.
     src, out = Path(source), Path(out_dir)
     if not src.exists():
         raise CheckpointError(f"{src}: no such file or directory")
-    if out.exists():
-        raise CheckpointError(f"{out} already exists; remove it or pick another output directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    try:
+    with staged_directory(out) as tmp:
         if src.is_dir():
             _from_hf_dir(src, tmp, dtype)
         elif _is_gguf(src):
             _from_gguf(src, tmp, dtype)
         else:
             raise CheckpointError(f"{src}: neither a GGUF file (magic {_GGUF_MAGIC!r}) nor a checkpoint directory")
-        tmp.chmod(0o755)  # mkdtemp makes it private; a converted checkpoint is shared like any other
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename; a failure's leftovers otherwise
     log.info("checkpoint_converted", source=str(src), out=str(out))
     return out
 

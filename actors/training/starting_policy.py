@@ -154,7 +154,7 @@ def _all_of_split(split: str, seed: int, difficulties: Sequence[int] | None) -> 
 # ModelConfig fields added after recipes were first hashed, each with a default that computes what a model
 # had before it existed: hashed only when set otherwise, so adding such a field keeps every recipe's hash
 # (and the shipped starting policy) valid.
-_MODEL_FIELDS_HASHED_WHEN_SET = ("architecture", "mlp_bias", "rope_scaling")
+_MODEL_FIELDS_HASHED_WHEN_SET = ("architecture", "mlp_bias", "rope_scaling", "upcycling")
 
 
 def _jsonable(recipe: StartingPolicyRecipe) -> dict[str, Any]:
