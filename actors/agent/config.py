@@ -29,9 +29,17 @@ class AgentConfig:
     summary_max_tokens: int = fixed(64, within=Range(1, 1_000_000))
     summary_prompt: str = "Summarize your progress."  # the request after the tool result
     summary_header: str = "Notes: "  # before the summary in the next segment's prompt
+    # A workspace file (e.g. "solution.py") that a final answer's last fenced code block is written to, as a
+    # benchmark harness takes a chat model's completion from its answer; "" leaves answers as text. Tool calls
+    # still write files as they always do.
+    answer_file: str = ""
 
     def __post_init__(self) -> None:
         check_ranges(self, "agent")
+        parts = self.answer_file.split("/")
+        if self.answer_file and (self.answer_file.startswith("/") or any(p in ("", ".", "..") for p in parts)):
+            raise ConfigError(f"agent.answer_file={self.answer_file!r} must be a relative path inside the workspace "
+                              "(no '..', no empty parts), such as 'solution.py'")
         for name in ("summary_prompt", "summary_header"):
             text = getattr(self, name)
             if not isinstance(text, str) or any(t in text for t in (USER, ASSISTANT, TOOL, END)):

@@ -47,13 +47,21 @@ _SENTINEL = "\x00turn\x00"  # no template or tool output holds it (checked on ev
 
 
 def tool_instructions(syntax: ToolCallSyntax, tools: Sequence[dict[str, Any]]) -> str:
-    """The system turn that teaches a template without a tool section the tools and the call format."""
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    """The system turn that teaches a template without a tool section the tools and the call format: one
+    line a tool, ``name(arg: type, [optional: type]): description`` (a small model reads every token of it
+    in every prompt, so not the whole JSON schema)."""
+    lines = []
+    for tool in tools:
+        spec = tool["function"]
+        props, required = spec["parameters"]["properties"], set(spec["parameters"]["required"])
+        kinds = {a: "|".join(p["type"]) if isinstance(p["type"], list) else p["type"] for a, p in props.items()}
+        args = ", ".join(f"{a}: {k}" if a in required else f"[{a}: {k}]" for a, k in kinds.items())
+        lines.append(f"- {spec['name']}({args}): {spec['description']}")
     example = json.dumps({"name": "write_file", syntax.args_key: {"path": "solution.py", "content": "..."}})
     return ("You are a coding agent working in a sandboxed workspace. You may call one tool per turn; its "
             f"result comes back in the next turn. To call a tool, write {syntax.open}JSON{syntax.close} with "
             f"the tool's name and {syntax.args_key}, for example:\n{syntax.open}{example}{syntax.close}\n"
-            f"When you are done, answer without a tool call.\nThe tools:\n{listing}")
+            "When you are done, answer without a tool call.\nThe tools:\n" + "\n".join(lines))
 
 
 @dataclass(frozen=True)

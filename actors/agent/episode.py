@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -57,6 +58,7 @@ from model.sampling import SamplingParams
 from sandbox.tasks import Task
 
 __all__ = [
+    "last_code_block",
     "reference_episode_text",
     "resume_prompt_text",
     "run_episode",
@@ -70,6 +72,13 @@ CallTool = Callable[[str, dict[str, Any]], Awaitable[tuple[bool, str]]]
 OnTurn = Callable[["Trajectory"], Awaitable[None]]  # after a turn whose tool result is in the transcript
 
 FINAL_ANSWER = "done"
+_CODE_BLOCK = re.compile(r"```[ \t]*[A-Za-z0-9_+-]*[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def last_code_block(text: str) -> str | None:
+    """The body of the last fenced code block (```python ... ```) in ``text``; None when it has none."""
+    blocks = _CODE_BLOCK.findall(text)
+    return blocks[-1] if blocks else None
 
 
 def task_prompt_text(task: Task) -> str:
@@ -155,6 +164,8 @@ async def _turns(task: Task, generate: Generate, call_tool: CallTool, dialect: D
         found = dialect.find_tool_call(text)
         if found is None:
             traj.num_final_tokens += len(gen.token_ids)
+            if config.answer_file and (code := last_code_block(text)) is not None:
+                await call_tool("write_file", {"path": config.answer_file, "content": code})
             return EpisodeEnd.FINAL_ANSWER if gen.token_ids and gen.token_ids[-1] == end_id else (
                 EpisodeEnd.TOKEN_BUDGET)
         call_start = dialect.call_start(text)

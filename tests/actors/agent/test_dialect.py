@@ -23,6 +23,7 @@ from model.errors import CheckpointError
 from model.generation import FinishReason, Generation
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer
+from runtime.errors import ConfigError
 from sandbox.tasks import Task
 from sandbox.tools import TOOL_NAMES, tool_schemas
 
@@ -204,3 +205,25 @@ def test_a_checkpoint_without_what_a_dialect_needs_is_refused_by_name(tmp_path: 
         Dialect.from_checkpoint(directory)
     with pytest.raises(TemplateRenderError, match="unknown role tool"):
         JinjaChatTemplate(NO_TOOL_ROLE_TEMPLATE).render([ChatMessage(Role.TOOL, "x")], True)
+
+
+def test_a_final_answers_code_block_becomes_the_answer_file_when_asked(tmp_path: Path) -> None:
+    dialect = Dialect.from_checkpoint(_checkpoint(tmp_path, PLAIN_TEMPLATE))
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    answer = " Here:\n```python\ndef f(x):\n    return x\n```\nand a note\n```\nnot code\n```</s>"
+    task = Task("t", "Write f.", test_command="true")
+    for answer_file, expected in [("solution.py", [("write_file", {"path": "solution.py", "content": "not code\n"})]),
+                                  ("", [])]:
+        calls: list[tuple[str, dict]] = []
+
+        async def record(name: str, args: dict) -> tuple[bool, str]:
+            calls.append((name, args))  # noqa: B023 (awaited within this iteration)
+            return True, "ok"
+
+        policy = ScriptedPolicy(tok, [answer], dialect.end_id)
+        config = AgentConfig(answer_file=answer_file, max_total_tokens=8000)
+        traj = asyncio.run(run_episode(task, policy.generate, record, dialect, config, SamplingParams(temperature=1.0)))
+        assert traj.end is EpisodeEnd.FINAL_ANSWER and traj.tool_uses == [] and calls == expected
+        assert traj.policy_token_ids == policy.sampled[0], "the answer's tokens are trained as sampled either way"
+    with pytest.raises(ConfigError, match="relative path inside the workspace"):
+        AgentConfig(answer_file="../x.py")
