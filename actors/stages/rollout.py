@@ -191,7 +191,7 @@ class RolloutActor(StageActor):
 
     async def probe(self) -> None:
         """Health: the engine decodes one token now (a dead or wedged engine fails it, the process alive)."""
-        generation = await self._generate(self.tokenizer.encode("ok"),
+        generation = await self._generate(self.dialect.tokenizer.encode("ok"),
                                           SamplingParams(max_new_tokens=1, temperature=0))
         if len(generation.token_ids) != 1:
             raise RuntimeError(f"the engine decoded {len(generation.token_ids)} tokens for one asked")
