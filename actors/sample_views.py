@@ -1,5 +1,6 @@
 """How the dashboard's rollout viewer sees the RL trainer's samples (``dashboard.sample_views`` in the run
-file names `sample_views`): one stored record in, one JSON-ready view per sample out.
+file names `run_sample_views`, which gives `sample_views` with the run's policy's tokenizer): one stored record
+in, one JSON-ready view per sample out.
 
 A group record (`group_sample_views`) gives each sample's whole view: its tokens as runs of consecutive tokens
 that share a policy version and a loss mask (decoded together, so a character split over byte tokens reads
@@ -21,22 +22,47 @@ from __future__ import annotations
 import base64
 import codecs
 import dataclasses
+import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import numpy
 import zstandard
 
 from actors.records import GroupRecord, TrainerLogprobs, decode_record, trainer_logprobs_key
-from model.tokenizer import ByteTokenizer
+from model.tokenizer import ByteTokenizer, Tokenizer
 
-_TOKENIZER = ByteTokenizer()
+_BYTES = ByteTokenizer()
 SEGMENT_BREAK = "\n[context summarized: a new segment]\n"
 PIECE_SEPARATOR = "\x1f"  # between the tokens' texts of a trained run (a token's own \x1f shows as "\u241f")
 _TRAINER_SUFFIX = trainer_logprobs_key("").removeprefix("samples/")  # "/trainer-logprobs"
 
 
-def sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
+def run_sample_views(config: Any) -> Callable[[str, bytes], list[dict[str, Any]]]:
+    """`sample_views` decoding with the tokenizer of the run's policy (``config``: the run's `actors.config.RLConfig`):
+    the tiny policy's bytes, or a pretrained checkpoint's tokenizer.json (``policy.checkpoint``, or
+    ``policy.pretrained`` as built in ``policy.cache_dir`` on this machine).
+
+    Raises:
+        FileNotFoundError: the pretrained policy is not built on this machine yet (its tokenizer is unknown).
+    """
+    from actors.agent.dialect import load_dialect  # the tokenizers library: only where a view is made
+    from actors.pretrained_policy import find_pretrained
+
+    policy = config.policy
+    directory = policy.checkpoint
+    if policy.pretrained:
+        found = find_pretrained(policy.cache_dir, policy.pretrained_recipe())
+        if found is None:
+            raise FileNotFoundError(f"policy.pretrained={policy.pretrained!r} is not built under {policy.cache_dir} "
+                                    "on this machine: the rollout viewer cannot decode its tokens")
+        directory = str(found)
+    tokenizer = load_dialect(directory).tokenizer if directory else _BYTES
+    return functools.partial(sample_views, tokenizer=tokenizer)
+
+
+def sample_views(key: str, stored: bytes, tokenizer: Tokenizer = _BYTES) -> list[dict[str, Any]]:
     """The views a stored record gives: whole ones from a group record, the trainer's log-probs of a sample
     from its `TrainerLogprobs` (the dashboard adds those to the sample's kept view).
 
@@ -45,7 +71,7 @@ def sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
     """
     if key.endswith(_TRAINER_SUFFIX):
         return trainer_logprob_views(key, stored)
-    return group_sample_views(key, stored)
+    return group_sample_views(key, stored, tokenizer)
 
 
 def trainer_logprob_views(key: str, stored: bytes) -> list[dict[str, Any]]:
@@ -62,7 +88,7 @@ def _decompress(key: str, stored: bytes) -> bytes:
         raise ValueError(f"record {key!r} does not decompress: {e}") from None
 
 
-def group_sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
+def group_sample_views(key: str, stored: bytes, tokenizer: Tokenizer = _BYTES) -> list[dict[str, Any]]:
     """The views of the samples of the group record stored (zstd-compressed) at ``key``.
 
     Raises:
@@ -85,15 +111,17 @@ def group_sample_views(key: str, stored: bytes) -> list[dict[str, Any]]:
             "tool_uses": [dataclasses.asdict(u) for u in t.tool_uses],
             "tokens": [run for i, seg in enumerate(t.segments)
                        for run in ([[SEGMENT_BREAK, -1, 0, 0.0, 0]] if i else [])
-                       + _runs(seg.token_ids, seg.versions, seg.loss_mask, seg.behaviour_logprobs)],
+                       + _runs(seg.token_ids, seg.versions, seg.loss_mask, seg.behaviour_logprobs, tokenizer)],
             "behaviour_logprobs": [_float32_base64(seg.behaviour_logprobs) for seg in t.segments],
         })
     return views
 
 
-def _runs(token_ids: list[int], versions: list[int], mask: list[int], logprobs: list[float]) -> list[list[Any]]:
+def _runs(token_ids: list[int], versions: list[int], mask: list[int], logprobs: list[float],
+          tokenizer: Tokenizer) -> list[list[Any]]:
     """[text, version, trained (0/1), mean behaviour log-prob, number of tokens, the tokens' texts (trained
-    runs but ASCII ones, whose tokens are their characters; "" otherwise)] per run of tokens alike."""
+    runs but byte-tokenized ASCII ones, whose tokens are their characters; "" otherwise)] per run of tokens alike."""
+    by_bytes = isinstance(tokenizer, ByteTokenizer)
     rows = zip(token_ids, versions, mask, logprobs, strict=False)
     runs = []
     for (version, trained), run in itertools.groupby(rows, key=lambda r: (r[1], r[2])):
@@ -101,20 +129,24 @@ def _runs(token_ids: list[int], versions: list[int], mask: list[int], logprobs: 
         ids = [r[0] for r in run]
         mean = sum(r[3] for r in run) / len(run) if trained else 0.0
         # an ASCII run's tokens are its characters, one each: the page splits its text (less to keep)
-        pieces = PIECE_SEPARATOR.join(_pieces(ids)) if trained and not all(0 <= i < 128 for i in ids) else ""
-        runs.append([_TOKENIZER.decode(ids), version, int(trained), mean, len(run), pieces])
+        ascii_bytes = by_bytes and all(0 <= i < 128 for i in ids)
+        pieces = PIECE_SEPARATOR.join(_pieces(ids, tokenizer)) if trained and not ascii_bytes else ""
+        runs.append([tokenizer.decode(ids), version, int(trained), mean, len(run), pieces])
     return runs
 
 
-def _pieces(token_ids: list[int]) -> list[str]:
-    """Each token's own text: a byte token adds what it completes of a UTF-8 character, a special token its name."""
+def _pieces(token_ids: list[int], tokenizer: Tokenizer) -> list[str]:
+    """Each token's own text: a byte token adds what it completes of a UTF-8 character, a special token its name;
+    a subword token its decoding."""
+    if not isinstance(tokenizer, ByteTokenizer):
+        return [tokenizer.decode([token]).replace(PIECE_SEPARATOR, "\u241f") for token in token_ids]
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     pieces = []
     for token in token_ids:
         if 0 <= token < 256:
             piece = utf8.decode(bytes([token]))
         else:
-            piece = utf8.decode(b"", final=True) + _TOKENIZER.decode([token])
+            piece = utf8.decode(b"", final=True) + tokenizer.decode([token])
             utf8.reset()
         pieces.append(piece.replace(PIECE_SEPARATOR, "\u241f"))
     return pieces

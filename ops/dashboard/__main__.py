@@ -31,9 +31,10 @@ CONNECT_TIMEOUT_S = 3.0
 async def serve(run_dir: Path, host: str, port: int, sample_s: float) -> None:
     view = RunView(run_dir.name)
     info = RunInfo.read(run_dir)
-    settings = load_run_config([run_dir / CONFIG_FILE]).runtime.dashboard
+    config = load_run_config([run_dir / CONFIG_FILE])
+    settings = config.runtime.dashboard
     async with open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None) as blob:
-        samples = sample_fetcher(settings, blob)
+        samples = sample_fetcher(settings, blob, config.app)
         shelf = samples.shelf if samples else None
         bus, reason = await connect_or_none(run_dir, "ops-dashboard", CONNECT_TIMEOUT_S)
         if bus is None:

@@ -34,9 +34,10 @@ class DashboardActor(Actor):
 
     async def setup(self) -> None:
         run_dir = Path(self.ctx.run_dir)
-        self.settings_ = load_run_config([run_dir / CONFIG_FILE]).runtime.dashboard
+        config = load_run_config([run_dir / CONFIG_FILE])
+        self.settings_ = config.runtime.dashboard
         self.view = RunView(self.ctx.run.name if self.ctx.run else run_dir.name)
-        self.samples = sample_fetcher(self.settings_, self.ctx.blob)
+        self.samples = sample_fetcher(self.settings_, self.ctx.blob, config.app)
         app = build_app(self.view, lambda key, raw: set_live_key(self.bus, run_dir, key, raw),
                         lambda: scrape(self.bus, self.view.run_name), self.samples.shelf if self.samples else None)
         self.server = await self._listen(app)

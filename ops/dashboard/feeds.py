@@ -46,11 +46,12 @@ def load_event_files(run_dir: Path, view: RunView, samples: SampleFetcher | None
     return count
 
 
-def sample_fetcher(settings: DashboardSection, blob: BlobStore | None) -> SampleFetcher | None:
-    """The rollout viewer's feed, if the run names the application's ``dashboard.sample_views``."""
+def sample_fetcher(settings: DashboardSection, blob: BlobStore | None, app_config: object) -> SampleFetcher | None:
+    """The rollout viewer's feed, if the run names the application's ``dashboard.sample_views`` (called with the
+    run's application configuration ``app_config``: the views depend on the run, its policy's tokenizer)."""
     if not settings.sample_views or blob is None:
         return None
-    views: SampleViews = import_entry(settings.sample_views)  # type: ignore[assignment]
+    views: SampleViews = import_entry(settings.sample_views)(app_config)  # type: ignore[operator]
     limits = ShelfLimits(settings.keep_last_groups, settings.groups_per_version, settings.max_versions)
     return SampleFetcher(blob, views, RolloutShelf(limits))
 

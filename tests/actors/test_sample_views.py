@@ -87,3 +87,29 @@ def test_the_trainers_log_probs_of_a_sample_become_a_partial_view() -> None:
     assert [d[1:] for d in decoded] == [[1.5, -0.25], [-2.0]] and all(math.isnan(d[0]) for d in decoded)
     with pytest.raises(ValueError, match="TrainerLogprobs"):  # a group record where its key says log-probs
         sample_views(key, _record())
+
+
+def test_a_pretrained_policys_samples_are_decoded_with_its_own_tokenizer(tmp_path) -> None:
+    from actors.config import PolicySection, RLConfig
+    from actors.sample_views import run_sample_views
+    from tests.actors.agent.test_dialect import PLAIN_TEMPLATE, _checkpoint
+
+    directory = _checkpoint(tmp_path / "policy", PLAIN_TEMPLATE)
+    from model.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(directory, end_token="</s>")
+    prompt, answer = tok.encode("User: hi\nAssistant:"), tok.encode(" done</s>")
+    ids, n, k = prompt + answer, len(prompt) + len(answer), len(answer)
+    trajectory = Trajectory([Segment(token_ids=ids, loss_mask=[0] * (n - k) + [1] * k,
+                                     behaviour_logprobs=[0.0] * n, logprob_temperatures=[1.0] * n,
+                                     versions=[-1] * (n - k) + [0] * k, topk_ids_TLK=None, prompt_len=n - k)],
+                            end=EpisodeEnd.FINAL_ANSWER)
+    sample = GroupSample("s1", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5, trajectory, ())
+    stored = zstandard.ZstdCompressor().compress(encode_record(GroupRecord("g1", "p1", 0, 0, 0.0, (sample,))))
+    views = run_sample_views(RLConfig(policy=PolicySection(checkpoint=str(directory))))
+    (view,) = views("groups/g1/a0", stored)
+    assert [run[0] for run in view["tokens"]] == ["User: hi\nAssistant:", " done</s>"]
+    assert view["tokens"][1][5].split(PIECE_SEPARATOR) == [tok.decode([t]) for t in answer] == [" ", "done", "</s>"]
+    assert run_sample_views(RLConfig())("groups/g1/a0", _record())[0]["tokens"][0][0] == "ab", "the tiny policy: bytes"
+    with pytest.raises(FileNotFoundError, match="not built under"):
+        run_sample_views(RLConfig(policy=PolicySection(pretrained="smollm2-135m-instruct", cache_dir=tmp_path)))
