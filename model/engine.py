@@ -90,6 +90,8 @@ class GenerationEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stepping = False  # a step runs in the worker thread
+        self._stepped: asyncio.Event | None = None  # set (and replaced) at the end of every step
         self._newest_version = version  # newest version accepted by update_weights (maybe not yet applied)
 
     @property
@@ -124,6 +126,7 @@ class GenerationEngine:
         """Start the background step loop."""
         self._require(EngineStatus.CREATED, "start")
         self._wake = asyncio.Event()
+        self._stepped = asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name="generation-engine")
         self._status = EngineStatus.RUNNING
         log.info("engine_started", version=self.version, max_batch_size=self._core.config.max_batch_size)
@@ -142,7 +145,36 @@ class GenerationEngine:
             self._fail_outstanding(EngineStateError("engine stopped before the request finished"))
             if self._status is not EngineStatus.FAILED:
                 self._status = EngineStatus.STOPPED
+            if self._stepped is not None:
+                self._stepped.set()  # a liveness check waiting for a step that will not come
             log.info("engine_stopped", status=self._status.value)
+
+    async def check_alive(self, prompt_ids: Sequence[int]) -> None:
+        """Liveness, as a health probe wants it: with work in hand, the end of the step in progress or the next
+        (a wedged step never ends; a new request would wait behind every queued prefill, which on a large
+        policy takes longer than any probe's bound); idle, one token of ``prompt_ids`` decoded now (the whole
+        path, as a new request takes it).
+
+        Raises:
+            EngineError: the engine failed (a step raised), or decoded other than the one token asked.
+            EngineStateError: the engine is not running.
+        """
+        self._require(EngineStatus.RUNNING, "check liveness")
+        if self._stepping or self._inbox or self._core.has_work:
+            assert self._stepped is not None
+            await self._stepped.wait()
+            if self._status is EngineStatus.FAILED:
+                raise EngineError("the engine failed: its last step raised")
+            self._require(EngineStatus.RUNNING, "check liveness")  # stopped while we waited
+            return
+        generation = await self.generate(prompt_ids, SamplingParams(max_new_tokens=1, temperature=0.0))
+        if len(generation.token_ids) != 1:
+            raise EngineError(f"the engine decoded {len(generation.token_ids)} tokens for one asked")
+
+    def _end_step(self) -> None:
+        assert self._stepped is not None
+        stepped, self._stepped = self._stepped, asyncio.Event()
+        stepped.set()
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Generation:
         """Generate one completion; batched with every other concurrent call."""
@@ -219,16 +251,21 @@ class GenerationEngine:
                 await self._wake.wait()
                 continue
             requests, cancelled, updates = self._take_inputs()
+            self._stepping = True
             try:
                 finished = await asyncio.to_thread(self._step, requests, cancelled, updates)
             except Exception as exc:
                 log.exception("engine_step_failed")
                 self._status = EngineStatus.FAILED
+                self._end_step()
                 for update in updates:
                     if not update.done.done():
                         update.done.set_exception(EngineError(f"engine step failed: {exc!r}"))
                 self._fail_outstanding(EngineError(f"engine step failed: {exc!r}"))
                 return
+            finally:
+                self._stepping = False
+            self._end_step()
             for update in updates:
                 if not update.done.done():  # the caller may have stopped waiting
                     update.done.set_result(None)

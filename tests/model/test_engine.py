@@ -9,7 +9,7 @@ import torch
 
 from model.attention import AttentionBatch
 from model.engine import EngineConfig, EngineStatus, FinishReason, GenerationEngine, SamplingParams
-from model.errors import CheckpointError, EngineStateError
+from model.errors import CheckpointError, EngineError, EngineStateError
 from model.kv_cache import KVCache
 from model.tokenizer import ByteTokenizer
 from tests.model.helpers import random_prompts, seeded_model, small_config
@@ -262,3 +262,39 @@ def test_duplicate_update_is_refused_while_the_first_is_being_applied() -> None:
             await engine.stop()
 
     asyncio.run(run())
+
+
+def test_check_alive_waits_for_a_step_when_busy_decodes_when_idle_and_fails_with_the_engine() -> None:
+    model = seeded_model(CONFIG, seed=4)
+
+    async def scenario() -> None:
+        engine = GenerationEngine(model, EngineConfig(max_batch_size=2))
+        await engine.start()
+        try:
+            steps = engine.stats().num_steps
+            await engine.check_alive([1, 2, 3])  # idle: one token decoded, one step
+            assert engine.stats().num_steps == steps + 1
+            # busy, with more requests than slots: answered at the end of a step, not behind the queue
+            work = [asyncio.ensure_future(engine.generate([5, 6, 7], SamplingParams(max_new_tokens=40, seed=i)))
+                    for i in range(4)]
+            await asyncio.sleep(0)
+            before = engine.stats().num_steps
+            await engine.check_alive([1, 2, 3])
+            assert engine.stats().num_steps <= before + 2, "the step in progress, or the next one"
+            assert not any(w.done() for w in work), "answered long before the queue behind it drained"
+            await asyncio.gather(*work)
+
+            def broken_step(*args: object) -> list:
+                raise RuntimeError("device lost")
+
+            engine._step = broken_step  # type: ignore[method-assign]
+            failing = asyncio.ensure_future(engine.generate([5, 6], SamplingParams(max_new_tokens=4)))
+            await asyncio.sleep(0)
+            with pytest.raises(EngineError, match="failed"):
+                await engine.check_alive([1, 2, 3])
+            with pytest.raises(EngineError):
+                await failing
+        finally:
+            await engine.stop()
+
+    asyncio.run(scenario())
