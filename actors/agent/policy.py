@@ -23,7 +23,7 @@ from runtime.build_once import BUILDS_PREFIX, build_once
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["checkpoint_dir", "load_policy", "load_run_dialect", "load_run_policy", "run_checkpoint_dir",
+__all__ = ["checkpoint_dir", "load_policy", "load_run_policy", "load_run_policy_and_dialect", "run_checkpoint_dir",
            "use_training_precision"]
 
 _PRECISION = {"reference": ExpertsPrecision.REFERENCE, "emulated": ExpertsPrecision.EMULATED,
@@ -77,9 +77,12 @@ async def load_run_policy(ctx: ActorContext, section: PolicySection, *, training
     return await asyncio.to_thread(load_policy, section, training=training, path=path)
 
 
-async def load_run_dialect(ctx: ActorContext, section: PolicySection) -> Dialect:
-    """How episodes speak to the run's policy (`actors.agent.dialect.load_dialect` of its checkpoint)."""
-    return await asyncio.to_thread(load_dialect, await run_checkpoint_dir(ctx, section))
+async def load_run_policy_and_dialect(ctx: ActorContext, section: PolicySection) -> tuple[MoETransformer, Dialect]:
+    """The run's policy for generation (`load_run_policy`) and how episodes speak to it
+    (`actors.agent.dialect.load_dialect`), both from the one starting checkpoint, found once."""
+    path = await run_checkpoint_dir(ctx, section)
+    model = await asyncio.to_thread(load_policy, section, path=path)
+    return model, await asyncio.to_thread(load_dialect, path)
 
 
 def load_policy(section: PolicySection, *, training: bool = False, path: Path | None = None) -> MoETransformer:

@@ -23,7 +23,7 @@ from typing import ClassVar
 import msgpack
 import structlog
 
-from actors.agent.policy import load_run_dialect, load_run_policy
+from actors.agent.policy import load_run_policy_and_dialect
 from actors.agent.weights_follower import WeightsFollower
 from actors.config import RLConfig
 from actors.messages import DataExhausted, data_exhausted_subject
@@ -61,8 +61,7 @@ class EvaluatorActor(EvaluatorRole):
         catalog = TaskCatalog.build(self.config.tasks)
         self.tasks, self.train_source = catalog.heldout, catalog
         self.run_name = weights_run_name(self.ctx)
-        policy = await load_run_policy(self.ctx, self.config.policy)
-        self.dialect = await load_run_dialect(self.ctx, self.config.policy)
+        policy, self.dialect = await load_run_policy_and_dialect(self.ctx, self.config.policy)
         self.engine = GenerationEngine(policy, EngineConfig(max_batch_size=self.config.eval.concurrency),
                                        detokenize=self.dialect.tokenizer.decode)
         await self.engine.start()

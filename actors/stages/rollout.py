@@ -18,7 +18,7 @@ import structlog
 
 from actors._stage import StageActor, WorkRefused
 from actors.agent.episode import run_episode
-from actors.agent.policy import load_run_dialect, load_run_policy
+from actors.agent.policy import load_run_policy_and_dialect
 from actors.agent.trajectory import Trajectory
 from actors.agent.weights_follower import WeightsFollower, WeightsUnavailable
 from actors.reconciler.slot import Stage
@@ -59,8 +59,8 @@ class RolloutActor(StageActor):
         cfg = self.config
         self.tasks = TaskCatalog.build(cfg.tasks)
         self.run_name = weights_run_name(self.ctx)
-        policy = await load_run_policy(self.ctx, cfg.policy)  # may build the starting policy once
-        self.dialect = await load_run_dialect(self.ctx, cfg.policy)
+        # may build the starting policy once
+        policy, self.dialect = await load_run_policy_and_dialect(self.ctx, cfg.policy)
         self.engine = GenerationEngine(policy, EngineConfig(max_batch_size=cfg.rollout.max_batch_size),
                                        detokenize=self.dialect.tokenizer.decode)
         await self.engine.start()
