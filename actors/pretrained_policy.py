@@ -82,9 +82,8 @@ def find_pretrained(cache_dir: str | os.PathLike[str], recipe: PretrainedRecipe)
 
 def build_pretrained(out_dir: Path, recipe: PretrainedRecipe, cache_dir: str | os.PathLike[str]) -> None:
     """Fills ``out_dir``: the pinned file fetched (into ``cache_dir``), converted, upcycled if asked; the card last."""
-    from model.upcycle import upcycle
-
     from model.convert import convert  # torch and gguf: only where a policy is built
+    from model.upcycle import upcycle
 
     gguf = fetch(recipe.asset, cache_dir)
     log.info("pretrained_building", name=recipe.name, experts=recipe.experts, top_k=recipe.top_k)
