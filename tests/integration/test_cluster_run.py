@@ -158,8 +158,12 @@ async def test_a_cluster_server_killed_mid_run_stalls_training_no_longer_than_th
         assert election_s > 0, "the servers logged no leader election after the kill"
         # the stall is the election plus the clients' reconnection and the stages' next round trip
         assert stall_s <= election_s + 5.0, (stall_s, election_s)
-    moved = [e for e in run_events(run_dir, "bus_reconnected") if e.get("server")]
-    assert moved, "the clients of the killed servers reconnected to another member"
+    # the clients of the killed servers (which clients those were is the draw of nats-py's shuffled server
+    # list: on a loaded machine a kill can find none) each reconnected, to a member it names
+    lost = {e["client"] for e in run_events(run_dir, "bus_disconnected")}
+    moved = {e["client"] for e in run_events(run_dir, "bus_reconnected") if e.get("server")}
+    assert lost <= moved, f"clients that lost their server and never reconnected: {lost - moved}"
+    print(f"{len(lost)} clients lost their server and reconnected to another member")
     crashes = [c for c in run_events(run_dir, "actor_crashed") if "error" in c]  # the processes' own words
     assert not crashes, f"an actor did not ride out the election: {[(c['kind'], c['error'][-300:]) for c in crashes]}"
     unavailable = run_events(run_dir, "consumer_unavailable")

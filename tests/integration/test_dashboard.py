@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,40 +21,20 @@ import numpy
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from ops.dashboard.prometheus import DOCUMENTED
 from runtime.metrics_log import read_run_metrics
+from tests.browser import browser, console_errors  # noqa: F401 - the fixture
 from tests.integration.harness import REPO, LiveRun, run_events
 from tests.integration.test_e2e import _short_run, starting_policy  # noqa: F401 - the fixture
 from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 LIVE_STEPS = 300  # within the dataset's batches (no run_steps_exceed_dataset warning)
 SECTIONS = ("training", "throughput", "pipeline", "rollouts", "actors", "config", "events")
-
-
-@pytest.fixture
-def browser() -> Iterator[webdriver.Chrome]:
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.fail("chromium and chromedriver are needed: run scripts/bootstrap.sh (Debian: chromium chromium-driver)")
-    options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,2400"):
-        options.add_argument(arg)
-    options.binary_location = CHROMIUM
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def _screenshot(driver: webdriver.Chrome, tmp_path: Path, name: str) -> Path:
@@ -66,12 +45,6 @@ def _screenshot(driver: webdriver.Chrome, tmp_path: Path, name: str) -> Path:
         Path(keep).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(keep) / path.name)
     return path
-
-
-def _console_errors(driver: webdriver.Chrome, refused: str = "/api/config - Failed to load resource: "
-                    "the server responded with a status of 400") -> list[dict[str, Any]]:
-    """SEVERE console entries, less Chrome's note of the 400 the test provoked on purpose (a refused value)."""
-    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and refused not in e["message"]]
 
 
 def _points(driver: webdriver.Chrome, chart: str) -> int:
@@ -265,7 +238,7 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         Select(browser.find_element(By.ID, "event-level")).select_by_visible_text("info")
         assert browser.find_elements(By.CSS_SELECTOR, "#event-table tbody tr"), "info events listed again"
         _screenshot(browser, tmp_path, "dashboard-running")
-        assert _console_errors(browser) == []
+        assert console_errors(browser) == []
     finally:
         await run.stop()  # drains every actor: what was trained is in the run's files
     trained = [r["version"] for r in await read_run_metrics(run.run_dir, kind="train")]
@@ -286,7 +259,7 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         snapshot = json.loads(browser.execute_script("return JSON.stringify(window.dashboard.state.train)"))
         assert [r["version"] for r in snapshot] == trained, "the same curve as the run's metrics"
         _screenshot(browser, tmp_path, "dashboard-finished")
-        assert _console_errors(browser) == []
+        assert console_errors(browser) == []
     finally:
         served.terminate()
         served.wait(10)

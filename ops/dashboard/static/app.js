@@ -37,8 +37,20 @@ function seriesOf(spec) {
   return [...keys].sort().map(k => [k, k]);
 }
 
+// uPlot's tick loop never ends on a range that is flat up to float noise (a ratio of 1 ± 2e-7: leeoniya/uPlot#1084
+// leaves such a range to the caller), and throws "Invalid array length" once memory runs out: widen it first.
+function safeRange(u, min, max) {
+  if (min === null || max === null || !Number.isFinite(min) || !Number.isFinite(max)) return [0, 1];
+  const magnitude = Math.max(Math.abs(min), Math.abs(max));
+  if (max - min <= magnitude * 1e-6) {
+    const pad = magnitude > 0 ? magnitude * 0.1 : 1;
+    return [min - pad, max + pad];
+  }
+  return uPlot.rangeNum(min, max, 0.1, true);
+}
+
 function chartData(spec) {
-  const rows = spec.rows(), series = seriesOf(spec);
+  const rows = spec.rows().filter(r => num(r[spec.x]) !== null), series = seriesOf(spec);
   let xs = rows.map(r => num(r[spec.x]));
   const columns = series.map(([f]) => rows.map(r => num(r[f])));
   if (spec.extra) {  // another row list on the same x (held-out evaluations at some versions)
@@ -59,7 +71,9 @@ function draw(id) {
   if (charts[id] && charts[id].key === key) { charts[id].plot.setData(data); return; }
   if (charts[id]) charts[id].plot.destroy();
   const opts = {
-    width: 420, height: 200, scales: { x: { time: !!spec.time } },
+    width: 420, height: 200,
+    scales: { x: spec.time ? { time: true } : { time: false, range: safeRange }, y: { range: safeRange },
+              ...(spec.twoAxes ? { y2: { range: safeRange } } : {}) },
     series: [{ label: spec.x }, ...series.map(([, label], i) => ({
       label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
       points: { show: data[0].length < 60 }, scale: spec.twoAxes && i === 1 ? "y2" : "y" }))],
