@@ -20,6 +20,7 @@ from runtime.bus_auth import SUPERVISOR
 from runtime.events import parse_event
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.rundir import RunInfo
+from tests.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,20 +98,22 @@ class LiveRun:
 
     async def wait_actors_in(self, kind: str, state: str, n: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Waits until n actors of kind are registered in ``state``."""
-        assert self.bus is not None
-        kv = await self.bus.kv("actors")
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            running = []
-            for key in await _keys(kv):
-                entry = await kv.get(key)
-                info = msgpack.unpackb(entry.value, raw=False) if entry.value else {}
-                if info.get("kind") == kind and info.get("state") == state:
-                    running.append(info)
-            if len(running) >= n:
-                return running
-            await asyncio.sleep(0.1)
-        raise TimeoutError(f"{n} running {kind} actors not seen within {timeout_s}s")
+        bus = self.bus
+        assert bus is not None
+
+        async def in_state() -> list[dict[str, Any]] | None:
+            found = []
+            for key in await bus.kv_keys("actors"):
+                entry = await bus.kv_get("actors", key)
+                info = msgpack.unpackb(entry.value, raw=False) if entry is not None and entry.value else {}
+                if info.get("kind") == kind and info.get("state") == state:  # None: deregistered since the listing
+                    found.append(info)
+            return found if len(found) >= n else None
+
+        try:
+            return await until(in_state, timeout_s, f"{n} {kind} actors {state}")
+        except AssertionError as e:
+            raise TimeoutError(str(e)) from None
 
     async def stop(self, timeout_s: float = 60.0) -> int:
         if self.bus is not None:
@@ -130,13 +133,6 @@ class LiveRun:
         denied = run_events(self.run_dir, "bus_permission_denied")
         assert not denied, f"the bus refused the run's own actors: {[(d.get('role'), d['error']) for d in denied]}"
         return self.proc.returncode
-
-
-async def _keys(kv: Any) -> list[str]:
-    try:
-        return await kv.keys()
-    except Exception:  # NoKeysError when empty
-        return []
 
 
 def descendants(pid: int) -> set[int]:
