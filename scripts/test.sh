@@ -2,6 +2,7 @@
 # The test suite: bootstrap if needed, lint, then every test; the 20 slowest are listed at the end.
 #   scripts/test.sh           everything (CI and the README's command)
 #   scripts/test.sh --fast    unit and property tests only: no test that runs the whole system (marker `system`)
+#                             and none of a minute or more (marker `slow`)
 # Tests run on parallel workers (pytest-xdist, one per core; TEST_WORKERS overrides, 0 runs them in this
 # process), fed two at a time in the order tests/conftest.py gives (the longest first). Other arguments go
 # to pytest.
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 selection=()
 if [ "${1:-}" = "--fast" ]; then
     shift
-    selection=(-m "not system")
+    selection=(-m "not system and not slow")
 fi
 bash scripts/bootstrap.sh
 .venv/bin/ruff check .

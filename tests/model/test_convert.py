@@ -66,6 +66,7 @@ def gguf_tokenizer(smollm2: tuple[Path, Path]):
     return transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
+@pytest.mark.slow  # the real SmolLM2 fetched, converted and read again by transformers
 def test_smollm2_logits_match_transformers_loading_the_same_gguf(smollm2, gguf_tokenizer) -> None:
     gguf, out = smollm2
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -85,6 +86,7 @@ def test_smollm2_logits_match_transformers_loading_the_same_gguf(smollm2, gguf_t
     assert float(refs[0].abs().max()) > 5  # real logits, not an all-zero model agreeing with another
 
 
+@pytest.mark.slow  # the real SmolLM2 fetched, converted and read again by transformers
 def test_smollm2_tokenizer_ids_equal_transformers_from_the_gguf(smollm2, gguf_tokenizer) -> None:
     _, out = smollm2
     ours = HFTokenizer(out)  # the policy's tokenizer over our tokenizer.json
@@ -99,6 +101,7 @@ def test_smollm2_tokenizer_ids_equal_transformers_from_the_gguf(smollm2, gguf_to
     assert via_transformers.special_tokens_map == gguf_tokenizer.special_tokens_map
 
 
+@pytest.mark.slow  # the real SmolLM2 fetched, converted and read again by transformers
 def test_smollm2_chat_template_renders_as_transformers_renders_it(smollm2, gguf_tokenizer) -> None:
     gguf, out = smollm2
     template = GGUFReader(gguf).fields["tokenizer.chat_template"].contents()
