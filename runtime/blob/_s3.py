@@ -1,12 +1,12 @@
 """s3:// backend on boto3, run in worker threads so the event loop never blocks.
 
-One retry policy, bounded by ``max_attempts`` attempts in all: botocore's standard retry mode retries
-each request (throttling, HTTP 500/502/503/504, connection errors, with its own jittered backoff),
-and :meth:`S3BlobStore._call` is the one bounded layer above it, for what botocore does not retry
-(a 429 under a code botocore does not know, a response body cut short while it is read): it counts
-the attempts botocore made (``RetryAttempts``) against the same budget, so no request is tried more
-than ``max_attempts`` times, and then raises :class:`BlobUnavailable` (marked ``retried``: callers
-above must not retry again). Non-transient errors (access denied, missing bucket) are never retried.
+One retry policy, bounded by ``max_attempts`` attempts in all: :meth:`S3BlobStore._call` retries every
+transient failure of a request (throttling, HTTP 429 and 5xx, connection errors, a response body cut
+short while it is read) with the store's own backoff (``backoff_base_s`` doubling up to ``backoff_max_s``,
+jittered), and botocore retries nothing (its standard mode would sleep its own backoff, 1 s doubling to
+20 s, which no setting of the store could shorten). After ``max_attempts`` attempts it raises
+:class:`BlobUnavailable` (marked ``retried``: callers above must not retry again). Non-transient errors
+(access denied, missing bucket) are never retried.
 S3 makes single PUTs and completed multipart uploads visible atomically; an aborted or unfinished
 multipart upload is never visible.
 """
@@ -69,8 +69,7 @@ _TRANSIENT_BOTOCORE = (
 
 
 class BodyCutShort(Exception):
-    """A response body failed while it was read: after botocore's retries, so only the layer above
-    can retry it (the request is made again)."""
+    """A response body failed while it was read: the request is made again."""
 
 
 def read_body(response: dict[str, Any]) -> bytes:
@@ -90,16 +89,6 @@ def is_transient(exc: BaseException) -> bool:
         code = exc.response.get("Error", {}).get("Code", "")
         return status >= 500 or status == 429 or code in _TRANSIENT_CODES
     return False
-
-
-def _attempts_made(exc: BaseException, budget: int) -> int:
-    """How many attempts of the budget one call spent: botocore counts its retries of a request it
-    answered (``RetryAttempts``); a connection error it raises has used every attempt it had."""
-    if isinstance(exc, BodyCutShort):
-        return 1
-    if isinstance(exc, botocore.exceptions.ClientError):
-        return 1 + int(exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0))
-    return budget
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -130,7 +119,7 @@ class S3BlobStore(BlobStore):
             style = "path"
         client_config = botocore.config.Config(
             region_name=config.s3_region,
-            retries={"total_max_attempts": config.max_attempts, "mode": "standard"},
+            retries={"total_max_attempts": 1, "mode": "standard"},  # `_call` retries, with the store's backoff
             connect_timeout=config.connect_timeout_s,
             read_timeout=config.read_timeout_s,
             max_pool_connections=config.max_pool_connections,
@@ -153,7 +142,7 @@ class S3BlobStore(BlobStore):
             except Exception as exc:
                 if not is_transient(exc):
                     raise
-                used += _attempts_made(exc, budget)
+                used += 1
                 if used >= budget:
                     raise BlobUnavailable(
                         f"s3 {op} of {key!r} in {self.url} failed {used} times with transient errors, "

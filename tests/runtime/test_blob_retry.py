@@ -73,13 +73,13 @@ async def test_weight_sync_does_not_stack_retries_on_s3(moto: MotoServer, proxy:
     async with open_store(f"s3://{bucket}", s3_endpoint=proxy.endpoint, max_attempts=3,
                           backoff_base_s=0.001) as store:
         before = proxy.num_requests
-        proxy.fail_next(100)  # 503 SlowDown on every request: botocore's standard mode retries it
+        proxy.fail_next(100)  # 503 SlowDown on every request: the store retries it
         with pytest.raises(BlobUnavailable, match="failed 3 times"):
             await Retry(5, 0.001, 0.01).run("put", "k", lambda: store.put("k", b"x"))
         assert proxy.num_requests - before == 3, "max_attempts requests in all, not 3 x 5"
         proxy.clear()
         before = proxy.num_requests
-        proxy.fail_next(2, status=429, code="TooManyRequests")  # a code botocore does not retry: the layer above
+        proxy.fail_next(2, status=429, code="TooManyRequests")  # a code botocore would not know: retried all the same
         await store.put("k", b"x")
         assert proxy.num_requests - before == 3
     proxy.clear()
