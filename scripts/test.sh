@@ -3,7 +3,7 @@
 #   scripts/test.sh           everything (CI and the README's command)
 #   scripts/test.sh --fast    unit and property tests only: no test that runs the whole system (marker `system`)
 #                             and none of a minute or more (marker `slow`)
-# Tests run on parallel workers (pytest-xdist, one per core; TEST_WORKERS overrides, 0 runs them in this
+# Tests run on parallel workers (pytest-xdist, one per core and one more; TEST_WORKERS overrides, 0 runs them in this
 # process), fed two at a time in the order tests/conftest.py gives (the longest first). Other arguments go
 # to pytest.
 set -euo pipefail
@@ -15,7 +15,7 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 bash scripts/bootstrap.sh
 .venv/bin/ruff check .
-workers=${TEST_WORKERS:-$(nproc)}
+workers=${TEST_WORKERS:-$(($(nproc) + 1))}  # one more than the cores: most system tests wait on processes
 parallel=()
 if [ "$workers" != 0 ]; then
     parallel=(-n "$workers" --dist load --maxschedchunk 2)

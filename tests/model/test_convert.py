@@ -255,6 +255,7 @@ def test_the_command_line_converts_and_reports_refusals(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "none.gguf: no such file" in bad.stderr
 
 
+@pytest.mark.slow  # the real SmolLM2 fetched, converted and read again by transformers
 def test_smollm2_episodes_are_rendered_token_for_token_as_transformers_renders_the_conversation(
         smollm2, gguf_tokenizer) -> None:
     """The dialect's prompt, and its tokens between turns, are the ids transformers gives the same conversation
