@@ -48,6 +48,8 @@ class PolicySection:
     def __post_init__(self) -> None:
         check_ranges(self, "policy")
         check_device_spec(self.device)
+        if self.experts_precision not in ("reference", "emulated", "triton"):
+            raise ValueError(f"policy.experts_precision={self.experts_precision!r}: use reference, emulated or triton")
         if self.checkpoint and self.pretrained:
             raise ValueError(f"policy.checkpoint={self.checkpoint!r} and policy.pretrained={self.pretrained!r}: "
                              "a run starts from one policy; set one of them")
@@ -60,8 +62,6 @@ class PolicySection:
     def pretrained_recipe(self) -> PretrainedRecipe:
         return PretrainedRecipe(self.pretrained, self.upcycle_experts, self.upcycle_top_k, self.upcycle_noise,
                                 self.upcycle_seed)
-        if self.experts_precision not in ("reference", "emulated", "triton"):
-            raise ValueError(f"experts_precision={self.experts_precision!r}: use reference, emulated or triton")
 
 
 @dataclass(frozen=True)

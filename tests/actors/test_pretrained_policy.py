@@ -36,6 +36,7 @@ def test_a_recipe_names_its_build_and_a_build_counts_only_with_its_card(tmp_path
     ({"pretrained": NAME, "upcycle_experts": 2, "upcycle_top_k": 3}, "upcycle_top_k=3 must lie in"),
     ({"upcycle_experts": 4}, "upcycles policy.pretrained"),
     ({"pretrained": NAME, "checkpoint": "/x"}, "a run starts from one policy"),
+    ({"experts_precision": "fp4"}, "policy.experts_precision='fp4': use reference, emulated or triton"),
 ])
 def test_a_policy_section_that_cannot_be_built_is_refused_by_name(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
