@@ -68,8 +68,8 @@ class Range:
         return not (self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi))
 
     def __str__(self) -> str:
-        lo = "-inf" if self.lo is None else f"{self.lo:g}"
-        hi = "inf" if self.hi is None else f"{self.hi:g}"
+        lo = "-inf" if self.lo is None else _exact(self.lo)
+        hi = "inf" if self.hi is None else _exact(self.hi)
         left = "(" if self.lo_open or self.lo is None else "["
         right = ")" if self.hi_open or self.hi is None else "]"
         return f"{left}{lo}, {hi}{right}"
@@ -80,6 +80,11 @@ class Range:
         for v in values:
             if v is not None and not isinstance(v, bool) and v not in self:
                 raise ConfigError(f"config key {key!r} = {value!r} is outside its range {self}")
+
+
+def _exact(bound: float) -> str:
+    """A range's end as written: whole numbers in full (2**63 - 1, not 9.22337e+18), others shortest."""
+    return str(int(bound)) if float(bound).is_integer() else repr(float(bound))
 
 
 def check_ranges(config: Any, section: str) -> None:
