@@ -1,14 +1,14 @@
 """Which parts of the documentation site are generated, and writing or checking them.
 
 Two kinds: whole pages (the configuration and event references), and regions of hand-written pages (one per
-kept measurement, on the performance page unless moved), between
+kept measurement, on the measurements page unless moved), between
 
     <!-- generated: NAME -->
     ...
     <!-- end generated: NAME -->
 
 so prose can sit around the tables. A measurement with no region anywhere gets one at the end of
-docs/performance.md when the pages are written, and makes the check fail until then.
+docs/reference/measurements.md when the pages are written, and makes the check fail until then.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ops.docs import config_reference, event_reference, measurements
 __all__ = ["DOCS", "PERFORMANCE_PAGE", "Outcome", "generate", "region_names"]
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-PERFORMANCE_PAGE = "performance.md"  # where a measurement's region goes first
+PERFORMANCE_PAGE = "reference/measurements.md"  # where a measurement's region goes first
 _REGION = re.compile(r"<!-- generated: (?P<name>[^>]+?) -->\n(?P<body>.*?)<!-- end generated: (?P=name) -->",
                      re.DOTALL)
 _MEASUREMENT = "measurement "  # a region's name: "measurement lifecycle_bus_rules"

@@ -38,6 +38,7 @@ def test_records_become_rows_and_a_long_series_a_summary() -> None:
 def write_docs(docs: Path, page: str) -> None:
     (docs / "measurements").mkdir(parents=True)
     (docs / "measurements" / "one.json").write_text(json.dumps({"bench": "one", "rate": 3}))
+    (docs / PERFORMANCE_PAGE).parent.mkdir(parents=True, exist_ok=True)
     (docs / PERFORMANCE_PAGE).write_text(page)
 
 
