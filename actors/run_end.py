@@ -1,7 +1,7 @@
 """Whether the RL run has really ended: the check behind the evaluator's ``ctl.supervisor.finish``.
 
 Finishing ends the run for good, so the supervisor believes the request only when the durable state agrees
-(issue 31: a finish sent at version 2 of 10, with no final evaluation, ended a run as finished). The
+(a finish sent at version 2 of 10, with no final evaluation, must not end a run as finished). The
 request names the version whose evaluation ends the run; the reconciler's table (``slots``, which only the
 reconciler writes) must show that version trained and it the last, by the step budget (``run.steps``) or
 by the data having run out (`why_data_not_run_out`, the check a ``data_exhausted`` claim gets: the dataset

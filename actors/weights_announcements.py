@@ -3,8 +3,8 @@ version is announced on, and whether an announcement names a version the store h
 
 Apart from their follower (`actors.agent.weights_follower`, which loads versions into an engine) and the
 policy's loading (`actors.agent.policy`), both of which need torch: the reconciler follows the trainer's
-version from these announcements and runs no model, and imports none (issue 32: its replacement must start
-within its lease).
+version from these announcements and runs no model, and imports none (its replacement must start within
+its lease).
 """
 
 from __future__ import annotations

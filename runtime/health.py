@@ -81,8 +81,8 @@ async def watch(bus: Bus, kind: str, actor_id: str, cfg: HealthSection,
     """Checks ``actor_id`` (of ``kind``) until it is unhealthy (the verdict is returned); cancel to stop.
 
     Liveness and readiness keep their own clocks: a probe may take ``probe_timeout_s`` (60 s), and a frozen
-    process must not go unnoticed behind it (issue 32: pings waited behind the probe in flight, and a frozen
-    actor was found only by the probe, 95 s later). ``unanswered_s`` (the kind's bound, e.g. the reconciler's
+    process must not go unnoticed behind it (pings that waited behind the probe in flight would find a frozen
+    actor only when the probe timed out, 95 s later). ``unanswered_s`` (the kind's bound, e.g. the reconciler's
     lease): no ping answered for that long is unhealthy, however few or many pings that was (``max_failures``
     does not apply); pings then go every quarter of it, so that the bound is kept within a ping's interval."""
     if not await _until_running(bus, kind, actor_id, cfg.start_grace_s):

@@ -3,7 +3,7 @@ stream sequence (transport-free; `runtime.bus.Bus.kv_watch` and `Bus.follow` do 
 
 Why no consumer: whoever may create a consumer on a stream may give it any deliver subject, and the
 server does not check that subject against the creator's permissions: a role that reads a bucket could
-have the server publish the bucket's records into ``weights.<run>`` or any other subject (issue 31). So
+have the server publish the bucket's records into ``weights.<run>`` or any other subject. So
 the supervisor gives each bucket's stream a republish rule, ``$KV.<bucket>.>`` to ``kvwatch.<bucket>.>``
 (`runtime.bus_auth.kv_watch_subject`; the event log LOG likewise, ``log.>`` to ``follow.log.>``), which
 the stream's readers may subscribe to and no role may publish to (the server's own republish is not

@@ -350,8 +350,8 @@ def load_kind_config(files: Iterable[Path], kind: str) -> RunConfig:
     Only that kind's class is imported when it has a ``Config``: the whole was checked by `load_run_config`
     when the run started (every kind's class, the process counts, one shared schema), and the files are
     that check's output. Importing every other kind's code would make each process load what the heaviest
-    kind needs: the reconciler imported torch for the trainer's sake, and its replacement after a freeze
-    started seconds later for it (issue 32). A kind without a ``Config`` gets the run's shared schema,
+    kind needs: the reconciler would import torch for the trainer's sake, and its replacement after a freeze
+    would start seconds later for it. A kind without a ``Config`` gets the run's shared schema,
     found as `load_run_config` finds it.
 
     Raises:

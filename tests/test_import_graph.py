@@ -14,7 +14,7 @@
   reason; an entry that no longer imports nats fails, so the list stays true.
 - The reconciler's process loads no torch (nor numpy, Ray or Hugging Face's libraries): checked in a fresh
   interpreter doing what ``runtime.actor_process`` does before the actor runs. A frozen reconciler is replaced
-  within its lease (issue 32); torch alone took 6-7 s of CPU of the replacement's start.
+  within its lease; torch alone takes 6-7 s of CPU of a replacement's start.
 - Nor do the reward and grouping processes, the stage base and the records they are built of, or the
   simulated stages of the integration tests (numpy allowed: the router choices of a record are an int16
   array): they do no tensor work, and are started and restarted by the hundred.

@@ -2,9 +2,9 @@
 
 The tests and ``python -m`` run with the repository first on ``sys.path``, so a top-level package of
 ours named like another distribution's module hides that module from every library that imports it.
-That happened once: transformers 5.25 began to depend on Hugging Face's ``kernels`` distribution and to
-import ``kernels.CUDAProperties`` when it loads a model; our package was then called ``kernels``, so every
-transformers model failed to load (CI on a fresh install, 21 failures) while an older environment passed.
+For example, transformers 5.25 depends on Hugging Face's ``kernels`` distribution and imports
+``kernels.CUDAProperties`` when it loads a model: a package of ours called ``kernels`` makes every
+transformers model fail to load on a fresh install, while an older environment passes.
 Every package the install made is checked, so a new dependency that brings a clashing name fails here,
 on the machine that installed it, naming both sides.
 """

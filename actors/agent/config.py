@@ -2,7 +2,7 @@
 
 Apart from the episode (`actors.agent.episode`, which runs the policy) so that the run's configuration
 (`actors.config`), which every actor process reads, imports no torch: the reconciler runs no model, and
-a replacement for a frozen one must start within its lease (issue 32).
+a replacement for a frozen one must start within its lease.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The reconciler's claim on the slot table (fencing): one writer at a time, whatever the processes believe.
 
-A reconciler replaced while frozen (issue 32: SIGSTOPped, found by its unanswered pings, a new one started)
+A reconciler replaced while frozen (SIGSTOPped, say: found by its unanswered pings, and a new one started)
 may wake up. Its next writes must not land, nor anything it does on its old view of the table. So each
 reconciler takes the table over when it starts: the ``fence`` entry of the ``slots`` bucket, naming it and
 one epoch more than its predecessor's, written with compare-and-set. That write moves the bucket's last

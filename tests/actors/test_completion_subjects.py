@@ -1,6 +1,6 @@
 """A completion (or heartbeat) is believed only on its own stage's subject: the server lets only a stage's role
 publish on ``done.<stage>`` and ``heartbeat.<stage>``, so a report of another stage's work arriving there is a
-role speaking for work it was never given (issue 31: a stolen token moved a slot, dropped a batch and jumped the
+role speaking for work it was never given (with a stolen token it could move a slot, drop a batch and jump the
 trainer's version, all from ``done.rollout``)."""
 
 from __future__ import annotations

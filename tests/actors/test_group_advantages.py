@@ -1,6 +1,6 @@
 """The grouping stage's advantages: Dr. GRPO's of finite rewards; a group with a NaN or infinite reward is
-refused, naming its samples (``[-inf, -inf]`` passed as a group without signal: issue 31). Computed without
-torch (the grouping process loads none), they are torch's (`_torch`, what grouping stored before) bit for
+refused, naming its samples (``[-inf, -inf]`` must not pass as a group without signal). Computed without
+torch (the grouping process loads none), they are torch's (`_torch`, the same computation in torch) bit for
 bit wherever torch's float64 sum is exact, and within its rounding elsewhere."""
 
 from __future__ import annotations

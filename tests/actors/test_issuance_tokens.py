@@ -65,7 +65,7 @@ async def test_forged_completion_of_every_stage_is_rejected(kind: type) -> None:
 
 
 async def test_train_done_with_a_future_attempt_does_not_free_the_batch() -> None:
-    """The issue's spoof: done.train for the batch in training with attempt 50 marked it trained."""
+    """A spoof: done.train for the batch in training with attempt 50 must not mark it trained."""
     _, resumed, world = await start(num_prompts=4)
     core = resumed.lifecycle
     batch = await _until(core, world, TrainOrder)

@@ -39,7 +39,7 @@ async def _signal(bus: FakeBus, msg: WeightsPublished) -> None:
 
 
 async def test_weights_announcement_of_a_version_the_store_lacks_is_rejected(tmp_path: Path) -> None:
-    """The issue's spoof: ``weights.<run>`` announcing version 10^9 stalled the run for good."""
+    """A spoof: ``weights.<run>`` announcing version 10^9 must not stall the run for good."""
     states = versions_of_model(3)
     bus = FakeBus()
     async with open_store(f"file://{tmp_path}") as store, contextlib.AsyncExitStack() as stack:
@@ -72,7 +72,7 @@ async def test_weights_announcement_of_a_version_the_store_lacks_is_rejected(tmp
 
 
 async def test_data_exhausted_is_believed_only_as_the_reconcilers_table_says() -> None:
-    """The issue's spoof: ``data_exhausted.<run>`` naming version 2 ended a 15-step run as finished."""
+    """A spoof: ``data_exhausted.<run>`` naming version 2 must not end a 15-step run as finished."""
     more = ListTaskSource.numbered(40)
     fresh = await Lifecycle.resume(early := _store(), more, config(), 0.0, num_rollout_actors=4)
     assert fresh.orders
@@ -111,7 +111,7 @@ def _entry(**changes) -> bytes:
 
 
 def test_registry_entries_must_be_complete_and_their_own() -> None:
-    """The issue's spoof: an entry shaped like a registration counted as a rollout actor."""
+    """A spoof: an entry shaped like a registration must not count as a rollout actor."""
     key = registration_key("rollout", "rollout-1-abcd")
     assert decode_registration(key, _entry())["state"] == "running"
     bad = {
@@ -215,10 +215,10 @@ async def test_the_evaluator_asks_to_finish_naming_its_evaluated_last_version_an
 
 async def test_a_finish_short_of_the_step_budget_is_believed_only_once_the_dataset_cursor_ran_out(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review of issue 31's check (actors.run_end): below ``run.steps`` a finish was believed from a table with no
-    batch, no live slot and the version its own, without the dataset cursor. A run's start looks just so (no meta
-    record reads as version 0, whose eval row is written at once), and so does the end of an epoch that is not the
-    last. Now a finish short of the budget gets the ``data_exhausted`` claim's check."""
+    """The run-end check (actors.run_end) below ``run.steps``: a table with no batch, no live slot and the version
+    its own is not enough without the dataset cursor. A run's start looks just so (no meta record reads as
+    version 0, whose eval row is written at once), and so does the end of an epoch that is not the last. So a
+    finish short of the budget gets the ``data_exhausted`` claim's check."""
     from actors import run_end
     from actors.config import ReconcilerSection, RLConfig, TasksSection
     from actors.task_catalog import TaskCatalog
@@ -238,7 +238,7 @@ async def test_a_finish_short_of_the_step_budget_is_believed_only_once_the_datas
             no_bus: Any = None  # the table is the in-memory store above
             return await run_end.why_not_finished(no_bus, blob, RunSection(steps=10), app, request)
 
-        assert "no cursor or meta record" in (await why(0) or "")  # the reviewer's case: before the first admission
+        assert "no cursor or meta record" in (await why(0) or "")  # a run's start: before the first admission
         resumed = await Lifecycle.resume(store, TaskCatalog.build(one_epoch.tasks), config(), 0.0,
                                          num_rollout_actors=4)
         core, world = resumed.lifecycle, World()

@@ -158,7 +158,7 @@ def test_a_purged_entry_without_a_lease_is_lost_at_once() -> None:
 
 
 def test_no_entry_is_believed_past_the_run_s_longest_lease() -> None:
-    """Issue 31: an entry written by hand to last (no lease, or one of 10^9 s, kept by ``Nats-TTL: never``,
+    """A forgery: an entry written by hand to last (no lease, or one of 10^9 s, kept by ``Nats-TTL: never``,
     which the bus's max age spares) is held to the run's longest lease (the bucket's max age) and judged
     lost once unrenewed that long; a genuine shorter lease keeps its own length."""
     view = RegistryView(lease_bound_s=30.0)

@@ -6,11 +6,10 @@ record of 8 such samples), at the default run's sizes (a 640-token episode, the 
 choices).
 
 Peers, in the same process, on the same objects:
-- wire messages: msgpack + the hand-written dataclass validator the codec had before msgspec (kept here,
-  as it was, caches of type hints and fields included);
-- records: the path records had before they were typed: msgpack of plain maps on write, and on read
-  msgpack then ``Trajectory.from_dict`` (the reward actor's) or nothing at all (grouping and the trainer
-  indexed the maps): no validation.
+- wire messages: msgpack + a hand-written dataclass validator (kept here whole, caches of type hints
+  and fields included);
+- records untyped: msgpack of plain maps on write, and on read msgpack then ``Trajectory.from_dict`` (for
+  the reward actor) or nothing at all (grouping and the trainer indexing the maps): no validation.
 
 Prints one JSON line: microseconds per encode and decode for each message and peer, and the ratios
 (peer / msgspec: above 1 means msgspec is faster). Medians over repeats, the peers' trials interleaved.
@@ -55,7 +54,7 @@ from model.config import ModelConfig
 from runtime.codec import SCHEMA_VERSION, Codec
 
 
-# --- the peer: the codec's hand-written validator as it was before msgspec ---------------------------
+# --- the peer: a hand-written validator, without msgspec ---------------------------------------------
 class HandCodec:
     """msgpack envelope and body, validated field by field against the dataclass's type hints."""
 
@@ -159,7 +158,7 @@ def _check(value: Any, hint: Any, path: str) -> Any:
     raise ValueError(f"{path}: unsupported field type {hint}")
 
 
-# --- the peer for records: plain maps, as stored before they were typed ------------------------------
+# --- the peer for records: plain maps, untyped -------------------------------------------------------
 def _segment_to_dict(s: Segment) -> dict[str, Any]:
     d = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
     topk = s.topk_ids_TLK

@@ -11,8 +11,8 @@ pipeline) once per mode and trial, the modes interleaved so that both see the sa
 - closed: ``actors.dashboard.count = 0``.
 
 Once the trainer has published ``--warmup-versions`` versions, for ``--window-s`` seconds: samples/s (rollouts
-finished, from the reconciler's own slot transitions) and each process's CPU seconds (/proc). The bar
-(issue 21): the dashboard costs <= 2% of samples/s. On a shared 2-core machine two runs one after the other
+finished, from the reconciler's own slot transitions) and each process's CPU seconds (/proc). The bar:
+the dashboard costs <= 2% of samples/s. On a shared 2-core machine two runs one after the other
 differ by more than that, so the robust figures beside the ratio are the dashboard process's CPU: its share
 of the run's CPU in the open run, and its share of the machine's capacity (CPU seconds over window x cores:
 what a run that fills the machine gives up to it, an upper bound of its cost in samples/s when the run is

@@ -32,7 +32,7 @@ The encoding threads run at ``--worker-nice`` (default: the publisher's, 10) and
 SCHED_IDLE (``--sched-idle``), so they take CPU the step leaves idle first. Under ``nice -n 19`` the
 whole process is already at 19 and only ``--sched-idle`` still lowers the workers.
 
-Prints ONE JSON line, with the 1-minute load average at start and end. Goals (issue 8): ratio >= 30
+Prints ONE JSON line, with the 1-minute load average at start and end. Goals: ratio >= 30
 at lr 1e-6 (against raw safetensors), encode >= 1 GB/s on 2 cores, slowdown <= 5%.
 
     .venv/bin/python -m tests.bench.weight_sync            # ~100.7M params, ~5 minutes on 2 quiet cores

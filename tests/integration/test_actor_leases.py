@@ -334,8 +334,8 @@ REFUSED = ("reconciler_store_write_failed", "reconciler_tick_not_recorded", "rec
 
 
 async def test_a_frozen_reconciler_is_replaced_within_its_lease_and_one_that_wakes_is_fenced(tmp_path: Path) -> None:
-    """Issue 32 (item 3), on the default run's reconciler settings (its lease and its spare, read from
-    actors/run.toml). The reconciler, the one actor every sample waits on, SIGSTOPped: its pings go unanswered;
+    """On the default run's reconciler settings (its lease and its spare, read from actors/run.toml). The
+    reconciler, the one actor every sample waits on, SIGSTOPped: its pings go unanswered;
     within its lease plus 5 s the supervisor finds it unhealthy, its replacement takes the slot table over (a new
     epoch of the fence), and it is continued at once. The supervisor kills it right after starting the next spare:
     either the kill lands first, or it wakes in between and is fenced (its writes refused). Either way none of its
@@ -345,9 +345,9 @@ async def test_a_frozen_reconciler_is_replaced_within_its_lease_and_one_that_wak
     takes the table over, is SIGSTOPped at once (wherever it is in its takeover), is replaced (the supervised one
     it fenced exits, a spare takes the table back) and continued only once its lease ran out, as a frozen one is:
     it is fenced and exits non-zero, and the holder's writes after it are never refused. Every group is trained
-    once. At 912b409 the continued stray crashed (AttributeError: its status read a core not yet built) instead
-    of being fenced, and with no spare and torch imported the replacement came 16.0 to 23.8 s after the freeze on
-    2 cores at load 6 to 8 (12.1 s at load 2)."""
+    once. The continued stray must be fenced, not crash (its status reading a core not yet built, say); and with
+    no spare and torch imported, the replacement came 16.0 to 23.8 s after the freeze on 2 cores at load 6 to 8
+    (12.1 s at load 2): past the bound."""
     spec = _default_reconciler_spec()
     num_prompts = 12  # work left when the stray exits (its lease, 10 s, runs out first): the holder writes after it
     run = await _start(tmp_path, 3.0, f"actors.reconciler.standby={spec.standby}",

@@ -219,7 +219,7 @@ async def test_a_remote_bus_over_tls(tmp_path: Path) -> None:
             assert await run.stop() == 0
 
 
-# --- issue 31: a role's JetStream rights are its subject permissions' ----------------------------------
+# --- a role's JetStream rights are its subject permissions' --------------------------------------------
 
 DEFAULT_RUN = DEFAULT_RUN_FILE
 _VIOLATION = re.compile(r'Permissions Violation for Publish to "([^"]+)"', re.IGNORECASE)
@@ -273,8 +273,8 @@ def _allowed(role: str, cls: type, subject: str, streams: dict[str, str]) -> boo
 async def test_actor_roles_get_no_jetstream_rights_but_their_own_pull_consumers_and_reads(tmp_path: Path) -> None:
     """Every JetStream API subject, with every actor role of the default run: the server refuses all but
     binding to and fetching from its own queues' consumers (made by the supervisor) and reading its buckets.
-    On main, every role could create and update its queues' streams and consumers (STREAM.UPDATE: capture
-    other roles' subjects, republish into any) and create buckets."""
+    Otherwise a role could create and update its queues' streams and consumers (STREAM.UPDATE: capture other
+    roles' subjects, republish into any) and create buckets."""
     rt = load_run_config([DEFAULT_RUN]).runtime
     async with default_run_bus(tmp_path) as (admin, info):
         streams = {s.name: "x" for s in await admin.stream_states()}
@@ -307,9 +307,9 @@ async def test_actor_roles_get_no_jetstream_rights_but_their_own_pull_consumers_
 
 
 async def test_a_role_cannot_reconfigure_its_own_queue_stream(tmp_path: Path) -> None:
-    """The tester's STREAM.UPDATE of the rollout role's own work queue: capturing ``heartbeat.>`` and
+    """A STREAM.UPDATE of the rollout role's own work queue: capturing ``heartbeat.>`` and
     ``ctl.>``, and a republish into ``$KV.slots`` and ``ctl.supervisor.stop``. Refused; the stream unchanged.
-    On main the server applied each update."""
+    Unrefused, the server would apply each update."""
     async with default_run_bus(tmp_path) as (admin, info):
         before = await admin.js.stream_info("Q_WORK_ROLLOUT")
         async with connect_as(info, "rollout") as rollout:
@@ -330,8 +330,8 @@ async def test_no_actor_role_creates_a_consumer_on_a_bucket_or_the_event_log(tmp
     named with a filter) and DURABLE.CREATE are refused, among them a push consumer delivering the stream's
     messages into ``weights.<run>`` (the server does not check a deliver subject against its creator's
     permissions); none is made and nothing arrives there. A KV watch and a follow of the log need none
-    (runtime.kv_watch). On main every role that read a bucket could make one (a KV watch was an ordered push
-    consumer), and so could the dashboard on LOG (ops.tail's follow), and ``weights.r1`` got the records."""
+    (runtime.kv_watch). A role allowed one (a KV watch as an ordered push consumer, ops.tail's follow on LOG)
+    could have ``weights.r1`` get the records."""
     rt = load_run_config([DEFAULT_RUN]).runtime
     async with default_run_bus(tmp_path) as (admin, info):
         await admin.kv_put("run", "build.x", b"the attacker's bytes")  # what would be delivered
@@ -377,8 +377,7 @@ async def test_no_actor_role_creates_a_consumer_on_a_bucket_or_the_event_log(tmp
 async def test_a_buckets_records_reach_its_readers_from_its_stream_only(tmp_path: Path) -> None:
     """What a KV watch reads: the bucket's stream republishes each record into ``kvwatch.<bucket>.<key>``,
     with its stream and sequence; a reader of the bucket subscribes there; no role publishes there (every
-    actor role, the operator, and the supervisor too), so only the stream's records arrive. On main no
-    stream republished and no role could subscribe there."""
+    actor role, the operator, and the supervisor too), so only the stream's records arrive."""
     rt = load_run_config([DEFAULT_RUN]).runtime
     async with default_run_bus(tmp_path) as (admin, info):
         received: list[tuple[str, bytes, str | None]] = []
@@ -413,8 +412,8 @@ async def test_a_consumer_delivering_into_a_subscribed_subject_is_refused_by_the
     """A push consumer the rollout role tries to make on a bucket it reads (the ``run`` bucket, whose
     ``build.>`` keys it writes), delivering into ``weights.<run>``: the server refuses to make it
     (`test_no_actor_role_creates_a_consumer_on_a_bucket`), and the subscriber of ``weights.*`` would refuse
-    what a stream delivered (a push consumer's delivery, a republished record) and say so. On main the
-    reconciler's weights handler got the attacker's bytes."""
+    what a stream delivered (a push consumer's delivery, a republished record) and say so: the reconciler's
+    weights handler never gets the attacker's bytes."""
     async with default_run_bus(tmp_path) as (_, info):
         reconciler = await Bus.connect(info.nats_url, "reconciler", **info.bus_options("reconciler"))
         received: list[bytes] = []
@@ -443,8 +442,8 @@ async def test_a_consumer_delivering_into_a_subscribed_subject_is_refused_by_the
 
 async def test_a_reply_goes_only_to_the_requesters_inbox(tmp_path: Path) -> None:
     """A heartbeat whose reply-to names the supervisor's inbox, or a control subject: the answering side
-    refuses to answer (``reply_refused``). On main the reconciler answered into the supervisor's inbox and
-    would have answered into ``ctl.supervisor.stop``."""
+    refuses to answer (``reply_refused``): the reconciler must answer neither into the supervisor's inbox nor
+    into ``ctl.supervisor.stop``."""
     async with default_run_bus(tmp_path) as (admin, info):
         reconciler = await Bus.connect(info.nats_url, "reconciler", **info.bus_options("reconciler"))
         answered: list[bool] = []
@@ -471,15 +470,15 @@ async def test_a_reply_goes_only_to_the_requesters_inbox(tmp_path: Path) -> None
             await reconciler.close()
 
 
-# --- issue 32: the run's credentials --------------------------------------------------------------------
+# --- the run's credentials ------------------------------------------------------------------------------
 
 
 async def test_the_credentials_directory_deleted_mid_run_is_written_again_and_the_run_finishes(
         tmp_path: Path) -> None:
     """An operator deletes ``<run dir>/credentials`` mid-run and an actor is killed: the supervisor starts its
     replacement with the credentials it holds, writes the directory again (``credentials_restored``),
-    ``ops.status`` works, and the run trains every prompt. On main the replacement could not sign in
-    (``actor_crashed`` with an empty reason), the run failed, and ops.status exited 2."""
+    ``ops.status`` works, and the run trains every prompt. Started from the deleted directory, the replacement
+    could not sign in (``actor_crashed`` with an empty reason), the run would fail, and ops.status exit 2."""
     run_dir = tmp_path / "run"
     SimConfig(rollout=StageSim(median_s=0.1, sigma=0.3, max_s=0.5), train=StageSim(median_s=0.5, sigma=0.1),
               seed=3).write(run_dir)
@@ -525,7 +524,7 @@ async def test_the_credentials_directory_deleted_mid_run_is_written_again_and_th
 async def test_resuming_by_id_without_the_credentials_says_which_are_missing(tmp_path: Path) -> None:
     """``--resume RUN --set bus.url=... --set storage.url=...`` against a bus that takes credentials, with
     none given: one configuration error naming the missing credentials and where they are expected, exit 2,
-    at once. On main: nats-py's raw ``Authorization Violation`` warnings, again and again."""
+    at once, not nats-py's raw ``Authorization Violation`` warnings, again and again."""
     config = write_config(tmp_path / "run.toml", COUNTER_RUN)
     users = generate_credentials(tmp_path / "credentials", bus_roles(load_run_config([config]).runtime))
     async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats", users=tuple(users))) as server:
@@ -546,7 +545,7 @@ async def test_a_registry_entry_written_to_last_is_judged_lost_by_the_reconciler
     """A complete rollout entry written by hand with ``Nats-TTL: never`` (which the server's max age spares, as
     it spares handover records) and a claimed lease of 10^9 s: the reconciler holds it to the run's longest
     lease (the bucket's max age), takes the actor for lost once unrenewed that long, and deletes the entry.
-    On main it was believed for good: counted among the rollout actors, never lost."""
+    Believed, it would count among the rollout actors for good, never lost."""
     run_dir = tmp_path / "run"
     SimConfig(rollout=StageSim(median_s=0.1, sigma=0.3, max_s=0.5), seed=7).write(run_dir)
     config = write_config(tmp_path / "run.toml", sim_run_toml(num_prompts=400, num_slots=8, group_size=2,
@@ -581,8 +580,8 @@ async def test_a_registry_entry_written_to_last_is_judged_lost_by_the_reconciler
 async def test_a_registry_entry_written_by_hand_is_removed_by_the_server_within_the_lease(tmp_path: Path) -> None:
     """A complete registry entry of the role's own kind written by hand (no TTL, or a TTL far longer than
     any lease): the server removes it once the run's longest lease has passed, as it removes the entry of
-    an actor that stopped renewing; a handover record written by the runtime outlives that bound. On main
-    the forged entry was still there 23 s later (and counted as a live actor)."""
+    an actor that stopped renewing; a handover record written by the runtime outlives that bound. A forged
+    entry must not stay on (and count as a live actor)."""
     config = write_config(tmp_path / "run.toml", COUNTER_RUN)  # one kind, the default lease: 10 s
     run = await LiveRun(tmp_path / "run", config).start()
     try:

@@ -299,7 +299,7 @@ async def test_fuzzing_every_subject_of_a_live_run(tmp_path: Path) -> None:
             # forge completions of the work in flight now, its key and attempt right, its token not; first,
             # while the run surely has work in flight (the fuzzing that follows may outlast the run)
             assert await forge_live_work(run, clients, Fuzzer(seed=12, run_name="")) > 0, "work was in flight"
-            # issue 31: other stages' completions, with the real (stolen) tokens, on done.rollout
+            # other stages' completions, with the real (stolen) tokens, on done.rollout
             cross_stage = await forge_across_stages(run, clients)
             sent = await fuzz(clients, Fuzzer(seed=11, run_name=run.info.run), actors)
             assert sum(sent.values()) >= NUM_MESSAGES
@@ -360,7 +360,7 @@ async def forge_live_work(run: LiveRun, clients: dict[str, RoleClient], f: Fuzze
 
 
 async def forge_across_stages(run: LiveRun, clients: dict[str, RoleClient]) -> int:
-    """Issue 31's forgeries, sent as the rollout role (which may publish only on ``done.rollout``) with the
+    """Cross-stage forgeries, sent as the rollout role (which may publish only on ``done.rollout``) with the
     tokens the table really issued (read from the ``slots`` bucket: a stolen token): a `RewardDone` of a sample
     in reward, and a `StageFailed(train)` and a `TrainDone` naming the version two ahead, of the batch in
     training. Each must be refused for its subject, whatever its token. Returns how many were sent."""

@@ -249,7 +249,7 @@ async def test_an_actor_dying_during_an_outage_is_restarted_when_the_bus_is_back
 async def test_ops_tail_follows_across_a_server_restart(tmp_path: Path) -> None:
     """ops.tail --follow reads the LOG stream (`Bus.follow`: direct gets, then what LOG republishes), renewed
     on reconnect from the next sequence, so events after the restart arrive within seconds (an ordered
-    consumer, which it used to be, was reset by nats-py itself only after missing heartbeats, ~20 s)."""
+    consumer would be reset by nats-py itself only after missing heartbeats, ~20 s)."""
     from tests.integration.test_tail import LiveTail
 
     run_dir = tmp_path / "run"

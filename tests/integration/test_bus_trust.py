@@ -1,4 +1,4 @@
-"""The issue's spoofs against a live run (real reconciler, simulated stages, real nats-server with auth).
+"""Spoofed bus messages against a live run (real reconciler, simulated stages, real nats-server with auth).
 
 Each attack is made three ways where they differ: with no credentials (the server refuses the
 connection), with another role's credentials (the server refuses the subject), and with the right

@@ -49,7 +49,7 @@ async def test_a_failed_engine_fails_its_actor_and_the_order_is_done_by_the_repl
         prompt = TaskCatalog.build(TasksSection(num_train=8, num_heldout=4, difficulties=(1,))).prompt_id(0)
         order = RolloutOrder("s0", 1, prompt, "g0", 0, 0)
         await run.bus.publish_durable("work.rollout", await Codec(all_order_types()).encode(order))
-        (raw,) = await sub.fetch(1, timeout=180)  # bounded: the old code never answers
+        (raw,) = await sub.fetch(1, timeout=180)  # bounded: an actor that kept the order would never answer
         await raw.ack()
         done = await Codec(COMPLETION_TYPES).decode(raw.data)
         assert isinstance(done, RolloutDone) and done.sample_id == "s0" and done.attempt == 1

@@ -29,8 +29,8 @@ async def test_a_watch_sees_the_current_records_then_each_change_in_order_and_ma
         tmp_path: Path) -> None:
     """The reconciler role watches the registry (``actors``, a lease bucket): the current records (a deleted key's
     marker included) in stream order, then None, then a put, a delete, a purge and a lease that ran out (the
-    server's marker), in the order they were stored; the bucket's stream has no consumer meanwhile. On main the
-    watch was an ordered consumer the role made on KV_actors."""
+    server's marker), in the order they were stored; the bucket's stream has no consumer meanwhile (the role
+    makes none on KV_actors)."""
     async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "reconciler") as reconciler:
         await admin.kv_put("actors", "reg.rollout.a", b"1", ttl_s=60)
         await admin.kv_put("actors", "reg.rollout.b", b"2", ttl_s=60)
@@ -72,7 +72,7 @@ async def test_no_change_is_lost_or_repeated_when_writes_race_the_snapshot(tmp_p
     evaluator role start one after another while it writes (each after the next 50 writes). Each watch shows
     every key's records from the one its snapshot held on, each once and in order (no loss, no repeat), and
     ends in the bucket's final state, without starting again and without a consumer; and writes were made
-    while watches subscribed and read (the race). On main the watches were consumers on KV_config."""
+    while watches subscribed and read (the race). No watch is a consumer on KV_config."""
     rng = random.Random(7)
     async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "evaluator") as evaluator:
         history: dict[str, list[tuple[int, bytes, bool]]] = {}  # key -> (revision, value, deleted), as written
@@ -134,8 +134,7 @@ async def test_a_change_lost_on_the_way_is_noticed_and_the_bucket_read_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reconciler role's watch of ``config`` loses the record of a put (its subscription drops it): the
     next record the stream republishes (another key's) is not the next sequence, the watch says
-    ``kv_watch_gap``, reads the bucket again (its current records, then None) and goes on. On main the watch
-    had no such subscription."""
+    ``kv_watch_gap``, reads the bucket again (its current records, then None) and goes on."""
     async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "reconciler") as reconciler:
         await admin.kv_put("config", "a", b"0")
         dropping = lose_first_message(monkeypatch, reconciler, "kvwatch.", "kvwatch.config.a")

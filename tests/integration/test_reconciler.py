@@ -123,7 +123,7 @@ async def test_a_second_reconciler_fences_the_first(tmp_path: Path) -> None:
 
 
 async def test_a_reconciler_that_wakes_after_a_takeover_writes_nothing_and_fails(tmp_path: Path) -> None:
-    """Issue 32: a frozen reconciler is replaced; if it wakes (a kill that did not land), none of its writes may
+    """A frozen reconciler is replaced; if it wakes (a kill that did not land), none of its writes may
     land. Two real reconcilers on one real table: the second takes it over while the first does nothing (as
     if frozen); the first's next calls are refused, it is fenced (failing: drained, then it exits) and the
     table holds only the second's writes."""

@@ -1,10 +1,10 @@
-"""Issue 31: the evaluator's role sent ``ctl.supervisor.finish`` at version 2 of 10, with no final evaluation, and
-the run ended as finished. A finish is believed only when the durable state agrees: the version it names
+"""A spoof: the evaluator's role sending ``ctl.supervisor.finish`` at version 2 of 10, with no final evaluation,
+must not end the run as finished. A finish is believed only when the durable state agrees: the version it names
 trained (the reconciler's table), the last one (``run.steps``, or the data run out), its evaluation stored.
 
 A live simulated run (real supervisor, real reconciler, real nats-server with auth) and the evaluator's real
 check behind a model-less evaluator kind (`SimEvaluatorActor`); the requests are sent with the evaluator's
-credentials, as the issue's tester did."""
+credentials, as whoever holds them could."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ async def test_a_finish_is_believed_only_when_the_table_and_the_metrics_agree(tm
 
             await until(lambda: _at_least(trained_version, 2), 120, "version 2 trained")
             refusals = [
-                (await finish(by="spoof", reason="spoof", version=2), "short of run.steps=10"),  # the issue's
+                (await finish(by="spoof", reason="spoof", version=2), "short of run.steps=10"),  # the spoof above
                 (await finish(by="spoof", reason="spoof"), "names no version"),
                 (await finish(by="spoof", reason="spoof", version=True), "names no version"),
                 (await finish(by="spoof", reason="steps", version=STEPS), "is not trained"),

@@ -3,7 +3,7 @@
 Every RL actor for real (runtime.up with the default run's actors, a tiny policy, sandboxed rewards), the
 run's store on a real tmpfs of its own. Once a version is trained the tmpfs is filled but for a few MiB (the
 small records go on a while, the trainer's next checkpoint meets the full disk mid-stream, then every writer) for
-`FULL_S` seconds (the issue's 60 s, shortened: the writers meet the full store within a second or two, and
+`FULL_S` seconds (an outage of 60 s, shortened: the writers meet the full store within a second or two, and
 what follows does not depend on how long it lasted below ``blob max_full_s``), then freed. The run says so
 (``storage_full`` once per process, with the path and the free space), trains again within 30 s of the
 space returning, finishes by itself with every group trained once, no sample or group lost, no restart.

@@ -36,7 +36,7 @@ async def test_a_follow_reads_the_log_from_a_point_then_live_without_a_consumer(
     """Five stored events, then a follow from "all" (each with how many are left) and from a time between the
     third and the fourth; five more events once both read the stored ones: each gets its part once and in
     order, the live ones too. A follow from "new" gets only what was stored after it began. LOG has no
-    consumer meanwhile. On main each follow was an ordered consumer on LOG."""
+    consumer meanwhile."""
     async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "dashboard") as dashboard:
         for i in range(5):
             await admin.publish_durable(f"log.rollout.{'info' if i % 2 else 'error'}", b"%d" % i)
@@ -76,8 +76,8 @@ async def test_a_follow_reads_the_log_from_a_point_then_live_without_a_consumer(
 
 async def test_no_message_is_lost_or_repeated_when_writes_race_the_catch_up(tmp_path: Path) -> None:
     """One writer puts 400 events into the log back to back; 8 follows from "all" start one after another while
-    it writes (each after the next 50): each gets every event once, in order, without reading again. On main
-    the follows were consumers on LOG."""
+    it writes (each after the next 50): each gets every event once, in order, without reading again, and
+    without a consumer on LOG."""
     async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "dashboard") as dashboard:
         started = [asyncio.Event() for _ in range(8)]
         reads: list[list[StreamMessage]] = [[] for _ in started]
@@ -108,7 +108,7 @@ async def test_a_message_lost_on_the_way_is_noticed_and_read_again_from_the_stre
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A live follow loses one republished event (its subscription drops it): the next one it receives is not
     the next sequence, the follow says ``stream_follow_gap`` and reads the stream again from the message after
-    the last it delivered: every event once, in order. On main the follow had no such subscription."""
+    the last it delivered: every event once, in order."""
     async with default_run_bus(tmp_path) as (admin, info), bus_as(info, "dashboard") as dashboard:
         dropping = lose_first_message(monkeypatch, dashboard, "follow.", "follow.log.a.info")
         await admin.publish_durable("log.a.info", b"0")

@@ -103,7 +103,7 @@ def test_launchers_reject_bad_inputs() -> None:
 def _non_finite_rows(dtype: torch.dtype) -> torch.Tensor:
     """Rows of ones with one NaN / +inf / -inf at various places, an all-NaN row, and ordinary rows."""
     x = torch.cat([torch.ones(6, 64), mixed_values(4, 64, 7)])
-    x[0, 5] = float("nan")  # the issue's case: Triton gave amax 1.0 and the NaN element -1.0
+    x[0, 5] = float("nan")  # a NaN the kernel must not drop (else amax 1.0 and the NaN element -1.0)
     x[1, 63] = float("inf")
     x[2, 0] = float("-inf")
     x[3, 31] = float("nan")

@@ -1,6 +1,6 @@
 """A sign-in the bus refuses: on the first connect, one BusAuthRefused naming the credentials (nats-py's own
 errors are not repeated); on a reconnect later (credentials rotated, a server restarted with other users), an
-error event naming the cause and the fix each time it is refused, where it used to go by silently.
+error event naming the cause and the fix each time it is refused, never silently.
 
 nats-py's client is replaced by a double that reports its errors as nats-py does, through ``error_cb``."""
 

@@ -1,4 +1,4 @@
-"""Liveness and readiness keep their own clocks (issue 32, item 5): while the kind's probe is in flight (it may
+"""Liveness and readiness keep their own clocks: while the kind's probe is in flight (it may
 take 60 s), pings go on, so a process that freezes meanwhile is found by them, not by the probe's timeout. And a
 kind's bound on unanswered pings (the reconciler's lease) holds however few pings fit in it.
 

@@ -10,7 +10,7 @@ from runtime.bus import is_reply_inbox
 @pytest.mark.parametrize(("reply", "requester", "answered"), [
     ("_INBOX_rollout.nuid.1", None, True),
     ("_INBOX_rollout.nuid.1", "rollout", True),
-    ("_INBOX_supervisor.nuid.1", "rollout", False),  # another role's inbox: the tester's heartbeat
+    ("_INBOX_supervisor.nuid.1", "rollout", False),  # another role's inbox: a heartbeat spoofing its reply-to
     ("_INBOX.nuid.1", "rollout", True),  # a bus without authentication: no role to tell
     ("ctl.supervisor.stop", None, False),  # a control subject, under allow_responses
     ("$KV.slots.meta", None, False),

@@ -76,8 +76,8 @@ _CRASHING = '[actors.crashing]\nentry = "tests.integration.workers:CrashingActor
 
 
 def test_a_process_of_one_kind_imports_no_other_kinds_code(tmp_path: Path) -> None:
-    """An actor process reads the run's configuration with its own kind's class alone (issue 32: the reconciler
-    imported torch for the trainer's sake): another kind's entry, here one that cannot be imported at all, is
+    """An actor process reads the run's configuration with its own kind's class alone (or the reconciler
+    would import torch for the trainer's sake): another kind's entry, here one that cannot be imported at all, is
     never imported; the whole run file was checked when the run started (load_run_config refuses it)."""
     import pytest
 

@@ -1,7 +1,7 @@
 """Every fd a sandboxed command uses has one owner that closes it once, on either event loop.
 
-Issue 13's evaluator crash (EBADF closing a command's pidfd): under uvloop, the actors' loop,
-``connect_read_pipe``/``connect_write_pipe`` closed each command's stdout, stderr and stdin twice
+The fault guarded against, an evaluator crash (EBADF closing a command's pidfd): under uvloop, the actors'
+loop, ``connect_read_pipe``/``connect_write_pipe`` close each command's stdout, stderr and stdin twice
 (libuv, then the pipe's file object); a second close that lands on a number another thread was
 just given closes that thread's fd: Popen's error pipe in a spawner thread, a command's pidfd, a
 socket. The workload (`tests.sandbox._fd_workload`) runs in its own process so that it can run

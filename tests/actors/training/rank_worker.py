@@ -142,7 +142,7 @@ def plan_main(rank: int, world_size: int, rendezvous: str, out_dir: str) -> None
 
 
 def edge_batch(model: MoETransformer, scenario: str) -> list[GroupRecord]:
-    """One group of two samples with a signal, for more ranks than samples (issue 31). ``nan-forward-<i>``:
+    """One group of two samples with a signal, for more ranks than samples. ``nan-forward-<i>``:
     sample i's last trained token is scored at a temperature that is positive but divides its logits into
     inf (its forward is NaN); ``untrained-share``: sample 1 trains no token (the rank given it has none)."""
     group = _group(model, [1.0, 0.0], seed=2)

@@ -102,7 +102,7 @@ def test_a_non_finite_log_prob_in_a_later_segment_names_the_chain() -> None:
 
 
 def _flat_aligned(samples: list[GroupSample], num_tokens: int) -> tuple[torch.Tensor, ...]:
-    """The learner's alignment as it was before chains (one flat token list per trajectory), for comparison."""
+    """The flat alignment (one flat token list per trajectory, no chains), for comparison."""
     behaviour, temperatures = torch.zeros(num_tokens), torch.ones(num_tokens)
     mask, advantages = torch.zeros(num_tokens, dtype=torch.bool), torch.zeros(num_tokens)
     rows, offset = [], 0

@@ -255,7 +255,7 @@ def _with_rewards(group: GroupRecord, rewards: list[float], advantages: list[flo
 
 
 @pytest.mark.parametrize(("rewards", "advantages", "named"), [
-    # all equal: advantage 0, a group without signal, left out of the forward (issue 31: it was applied)
+    # all equal: advantage 0, a group without signal, left out of the forward: its rewards are checked all the same
     ([-math.inf, -math.inf], [0.0, 0.0], {"s3-0", "s3-1"}),
     ([math.inf, math.inf, math.inf], [0.0, 0.0, 0.0], {"s3-0", "s3-1", "s3-2"}),
     ([1.0, math.nan, 0.0], [math.nan] * 3, {"s3-0", "s3-1", "s3-2"}),  # NaN spreads to every advantage
@@ -284,8 +284,8 @@ def _untrained_index(group: GroupRecord, sample: int) -> int:
     ("behaviour_logprobs", math.inf), ("behaviour_logprobs", math.nan), ("behaviour_logprobs", 3.0),
 ])
 def test_an_unusable_value_on_an_untrained_token_is_refused_naming_the_sample(field: str, value: float) -> None:
-    # A tool output's (or prompt's) temperature of 0 made log_softmax(z / 0) NaN at a position the loss never
-    # used, and NaN * 0 took the whole gradient (issue 31): a value no producer writes there is a bad record.
+    # A tool output's (or prompt's) temperature of 0 would make log_softmax(z / 0) NaN at a position the loss never
+    # uses, and NaN * 0 would take the whole gradient: a value no producer writes there is a bad record.
     model = seeded_model(small_config(), seed=1)
     learner = Learner(copy.deepcopy(model), TrainerSection(lr=1e-3))
     groups = [_group(model, [1.0, 0.0, 0.5, 0.0], seed=2)]

@@ -8,7 +8,7 @@ over other row sets), so:
 
 - gradients (after the reduction and clipping): max |g_N - g_1| <= 2e-6 * max |g_1| per tensor
   (measured: 6.9e-7 at worst, the same for DP and EP, replay on and off).
-- parameters: max |theta_N - theta_1| <= 1e-6 * max |theta_1| (the issue's bar) *plus* what Adam makes of
+- parameters: max |theta_N - theta_1| <= 1e-6 * max |theta_1| (the required bar) *plus* what Adam makes of
   the gradient difference: its first update is lr * g / (|g| + eps), whose change is at most
   lr * |dg| / eps per element. For |g| >> eps that term is negligible; for the ~1,500 elements whose
   gradient is below eps = 1e-8 (|g| ~ 1e-9, where summation order moves g by ~0.5%) Adam turns a 2e-11
