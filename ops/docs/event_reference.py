@@ -12,6 +12,7 @@ names a reader can find.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from ops.docs.markdown import code, table
 
-__all__ = ["PACKAGES", "PAGE", "Emit", "UnreadableEvent", "emits", "render", "scan_module"]
+__all__ = ["PACKAGES", "PAGE", "Emit", "UnreadableEvent", "anchor", "emits", "render", "scan_module"]
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("actors", "runtime", "ops", "sandbox", "model", "low_precision")  # the product, not its tests
@@ -189,8 +190,13 @@ def _default_of(function: Function, parameter: str) -> ast.expr | None:
     return None
 
 
+def anchor(event: str) -> str:
+    """The id of an event's row on the page (and of its section on the troubleshooting page): its name."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", event)
+
+
 def render(found: list[Emit] | None = None) -> str:
-    """The page's text: one row per event name, sorted."""
+    """The page's text: one row per event name, sorted, each with an anchor (``events.md#actor_crashed``)."""
     found = emits() if found is None else found
     by_event: dict[str, list[Emit]] = defaultdict(list)
     for emit in found:
@@ -201,8 +207,8 @@ def render(found: list[Emit] | None = None) -> str:
         levels = sorted({e.level for e in sites}, key=SEVERITY.index)
         modules = sorted({e.module for e in sites})
         fields = sorted({f for e in sites for f in e.fields})
-        rows.append([code(event), ", ".join(levels), ", ".join(code(m) for m in modules),
-                     ", ".join(code(f) for f in fields)])
+        rows.append([f'<span id="{anchor(event)}"></span>{code(event)}', ", ".join(levels),
+                     ", ".join(code(m) for m in modules), ", ".join(code(f) for f in fields)])
     packages = ", ".join(f"{code(p + '/')}" for p in PACKAGES)
     return "\n".join([
         "# Event reference\n",

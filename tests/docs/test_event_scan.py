@@ -58,9 +58,9 @@ def test_an_event_name_the_scan_cannot_read_is_an_error_naming_the_line(name: st
         scan(source)
 
 
-def test_the_page_has_one_sorted_row_per_event() -> None:
+def test_the_page_has_one_sorted_row_per_event_each_with_its_anchor() -> None:
     page = render([Emit("b_event", "info", "pkg.b", 3, ("x",)), Emit("a_event", "error", "pkg.a", 9, ()),
                    Emit("b_event", "warning", "pkg.a", 4, ("y",))])
-    rows = [line for line in page.splitlines() if line.startswith("| `")]
-    assert rows == ["| `a_event` | error | `pkg.a` |   |",
-                    "| `b_event` | info, warning | `pkg.a`, `pkg.b` | `x`, `y` |"]
+    rows = [line for line in page.splitlines() if line.startswith('| <span id="')]
+    assert rows == ['| <span id="a_event"></span>`a_event` | error | `pkg.a` |   |',
+                    '| <span id="b_event"></span>`b_event` | info, warning | `pkg.a`, `pkg.b` | `x`, `y` |']

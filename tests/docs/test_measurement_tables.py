@@ -44,19 +44,19 @@ def write_docs(docs: Path, page: str) -> None:
 
 def test_a_new_measurement_makes_the_check_fail_until_written_then_it_passes(tmp_path: Path) -> None:
     write_docs(tmp_path, "# Performance\n\nProse.\n")
-    assert generate(tmp_path, check=True, whole_pages={}).stale != []
+    assert generate(tmp_path, check=True, whole_pages={}, regions={}).stale != []
     assert (tmp_path / PERFORMANCE_PAGE).read_text() == "# Performance\n\nProse.\n"  # the check writes nothing
-    generate(tmp_path, whole_pages={})
+    generate(tmp_path, whole_pages={}, regions={})
     text = (tmp_path / PERFORMANCE_PAGE).read_text()
     assert region_names(text) == ["measurement one"] and text.startswith("# Performance\n\nProse.\n")
-    assert generate(tmp_path, check=True, whole_pages={}).stale == []
+    assert generate(tmp_path, check=True, whole_pages={}, regions={}).stale == []
     # A region moved to another page, with prose around it, stays there and stays current
     (tmp_path / "other.md").write_text(f"Before.\n\n{text.split('Prose.')[1].strip()}\n\nAfter.\n")
     (tmp_path / PERFORMANCE_PAGE).write_text("# Performance\n")
     (tmp_path / "measurements" / "one.json").write_text(json.dumps({"bench": "one", "rate": 4}))
-    assert generate(tmp_path, check=True, whole_pages={}).stale == ["other.md: a generated region differs from "
-                                                                     "what its generator writes"]
-    generate(tmp_path, whole_pages={})
+    assert generate(tmp_path, check=True, whole_pages={}, regions={}).stale == [
+        "other.md: a generated region differs from what its generator writes"]
+    generate(tmp_path, whole_pages={}, regions={})
     assert "| `rate` | 4 |" in (tmp_path / "other.md").read_text()
     assert (tmp_path / PERFORMANCE_PAGE).read_text() == "# Performance\n"
 
@@ -64,15 +64,15 @@ def test_a_new_measurement_makes_the_check_fail_until_written_then_it_passes(tmp
 def test_a_region_naming_no_measurement_is_an_error(tmp_path: Path) -> None:
     write_docs(tmp_path, "<!-- generated: measurement gone -->\n\nold\n\n<!-- end generated: measurement gone -->\n")
     with pytest.raises(ValueError, match="measurement gone"):
-        generate(tmp_path, check=True, whole_pages={})
+        generate(tmp_path, check=True, whole_pages={}, regions={})
 
 
 def test_a_whole_page_is_compared_and_written(tmp_path: Path) -> None:
     write_docs(tmp_path, "")
-    generate(tmp_path, whole_pages={})
+    generate(tmp_path, whole_pages={}, regions={})
     pages = {"reference/x.md": lambda: "# X\n"}
-    assert generate(tmp_path, check=True, whole_pages=pages).stale == ["reference/x.md: differs from what its "
-                                                                      "generator writes"]
-    generate(tmp_path, whole_pages=pages)
+    assert generate(tmp_path, check=True, whole_pages=pages, regions={}).stale == [
+        "reference/x.md: differs from what its generator writes"]
+    generate(tmp_path, whole_pages=pages, regions={})
     assert (tmp_path / "reference" / "x.md").read_text() == "# X\n"
-    assert generate(tmp_path, check=True, whole_pages=pages).stale == []
+    assert generate(tmp_path, check=True, whole_pages=pages, regions={}).stale == []
