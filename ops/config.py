@@ -23,7 +23,7 @@ from runtime.rundir import CONFIG_FILE
 
 
 def validate(run_dir: Path, key: str, raw_value: str) -> Any:
-    cfg = load_run_config([run_dir / CONFIG_FILE])
+    cfg = load_run_config([run_dir / CONFIG_FILE], import_actors=False)  # the schema alone, no actor's torch
     if cfg.app is None:
         raise ConfigError("this run has no live configuration (no actor declares a Config)")
     _, value = config_mod.parse_override(f"{key}={raw_value}")

@@ -108,30 +108,33 @@ class Resumed:
 def resolve_config(args: argparse.Namespace, default_config: Sequence[Path] = ()) -> tuple[RunConfig, Resumed | None]:
     """The run's configuration: the resumed run's saved one, else ``--config`` files, else ``default_config``.
 
-    A run resumed by its id reads its configuration from its blob store, found through its bus.
+    A run resumed by its id reads its configuration from its blob store, found through its bus. Only printed
+    (``--print-config``), it is resolved without importing the actor classes where ``run.config_schema`` names
+    the schema (`load_run_config`): they would bring torch for nothing.
 
     Raises:
         ConfigError: a file is missing or invalid, there is no run file at all, or the run is not found.
     """
     overrides = list(args.overrides)
+    import_actors = not args.print_config
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
     if args.resume and Path(args.resume).is_dir():
         run_dir = Path(args.resume).resolve()
         resumed = Resumed(RunInfo.read(run_dir).run, run_dir)
-        return load_run_config([run_dir / CONFIG_FILE], overrides), resumed
+        return load_run_config([run_dir / CONFIG_FILE], overrides, import_actors=import_actors), resumed
     if args.resume:
         run_id = check_run_id(str(args.resume))
         text = uvloop.run(fetch_run_config(run_id, overrides))
         with tempfile.TemporaryDirectory() as tmp:
             saved = Path(tmp) / CONFIG_FILE
             saved.write_text(text)
-            return load_run_config([saved], overrides), Resumed(run_id, None)
+            return load_run_config([saved], overrides, import_actors=import_actors), Resumed(run_id, None)
     files = list(args.config or default_config)
     if not files:
         raise ConfigError("no run file: pass --config FILE (a TOML file whose [actors.<kind>] sections name the "
                           "entry points), or start the application's launcher, e.g. python -m actors")
-    return load_run_config(files, overrides), None
+    return load_run_config(files, overrides, import_actors=import_actors), None
 
 
 async def fetch_run_config(run_id: str, overrides: Sequence[str]) -> str:

@@ -34,3 +34,19 @@ def test_an_explicit_run_file_replaces_the_launchers_default(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     assert "[actors.counter]" in done.stdout
     assert "[actors.rollout]" not in done.stdout
+
+
+def test_print_config_imports_no_actor_code() -> None:
+    """The default run file names its schema (run.config_schema): printing it imports actors.config, not the actor
+    classes, whose torch took 2 s of CPU on a quiet machine and 4 to 14 s on a loaded one (issue 30)."""
+    probe = ("import io, sys, contextlib\n"
+             "from actors.__main__ import DEFAULT_RUN_FILE\n"
+             "from runtime.up import main\n"
+             "from tests.test_import_graph import HEAVY\n"
+             "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+             "    assert main(['--print-config'], default_config=[DEFAULT_RUN_FILE]) == 0\n"
+             "assert '[actors.rollout]' in out.getvalue()\n"
+             "print(sorted(m for m in HEAVY if m in sys.modules))\n")
+    done = run("-c", probe)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"--print-config imported {done.stdout.strip()}"
