@@ -43,6 +43,7 @@ __all__ = [
     "field_at",
     "fixed",
     "is_live",
+    "key_note",
     "live",
     "live_items",
     "load",
@@ -105,6 +106,16 @@ def fixed(default: Any, *, within: Range, **kwargs: Any) -> Any:
 
 def is_live(schema: type, dotted_key: str) -> bool:
     return bool(field_at(schema, dotted_key).metadata.get("live", False))
+
+
+def key_note(f: dataclasses.Field[Any]) -> str:
+    """What a key's field says of it beyond its value: ``live`` (it may change while a run goes on) and the
+    values it accepts (``[0, 4]``), e.g. ``live, [0, 4]``; "" for a fixed key without a range."""
+    within = f.metadata.get("range")
+    return ", ".join(([LIVE] if f.metadata.get("live", False) else []) + ([str(within)] if within else []))
+
+
+LIVE = "live"  # key_note's mark of a live key
 
 
 def field_at(schema: type, dotted_key: str) -> dataclasses.Field[Any]:

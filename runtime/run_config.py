@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,6 +292,18 @@ class RunConfig:
             tree.update(config_mod.to_dict(self.app))
         return tree
 
+    def field(self, key: str) -> dataclasses.Field[Any]:
+        """The field a dotted key names, in the runtime's sections or the application's.
+
+        Raises:
+            ConfigError: no such key (naming the nearest one).
+        """
+        if key.split(".", 1)[0] in RUNTIME_SECTIONS:
+            return config_mod.field_at(RuntimeConfig, key)
+        if self.app_schema is None:
+            raise ConfigError(f"config key {key!r} is unknown: no actor of this run has a Config")
+        return config_mod.field_at(self.app_schema, key)
+
 
 def import_entry(entry: str, what: str = "actor entry") -> type:
     module_name, _, attr = entry.partition(":")
@@ -432,6 +445,50 @@ def runtime_from_overrides(overrides: Iterable[str]) -> RuntimeConfig:
             config_mod.field_at(RuntimeConfig, key)
             config_mod.set_path(tree, key, value)
     return config_mod.build(RuntimeConfig, tree)
+
+
+ANNOTATION_HEADER = """\
+# The run's resolved configuration. A key's comment says what it accepts: [a, b] includes its ends, (a, b) leaves
+# them out; "live": it may change while the run goes on (python -m ops.config set KEY VALUE), every other key is
+# fixed at start. What each key means: docs/reference/configuration.md (python -m ops.config get KEY on a run).
+
+"""
+
+
+def annotated_toml(cfg: RunConfig) -> str:
+    """`dump_toml` of ``cfg`` (what --print-config prints) with each key's range and live mark as a comment at the
+    end of its line (`runtime.config.key_note`): TOML all the same, read back as the plain text is."""
+    lines = []
+    table: list[str] = []
+    for line in dump_toml(cfg.to_toml_tree()).splitlines():
+        if line.startswith("["):
+            table = _dotted(line)
+        elif line and not line[0].isspace() and (note := _note(cfg, [*table, *_dotted(line.split(" = ", 1)[0])])):
+            line = f"{line}  # {note}"  # after the value, or after the "[" of an array written over lines
+        lines.append(line)
+    return ANNOTATION_HEADER + "\n".join(lines) + "\n"
+
+
+def _dotted(text: str) -> list[str]:
+    """The parts of a TOML key or table header as tomli-w writes it (``actors.rollout``, ``"a b".c``); [] if not one."""
+    try:
+        node: Any = tomllib.loads(text if text.startswith("[") else f"{text} = 0")
+    except tomllib.TOMLDecodeError:
+        return []
+    parts = []
+    while isinstance(node, dict) and len(node) == 1:
+        part, node = next(iter(node.items()))
+        parts.append(part)
+    return parts
+
+
+def _note(cfg: RunConfig, parts: list[str]) -> str:
+    if not parts:
+        return ""
+    try:
+        return config_mod.key_note(cfg.field(".".join(parts)))
+    except ConfigError:  # a key of a table of values (placement.resources): no field of its own
+        return ""
 
 
 def dump_toml(tree: dict[str, Any]) -> str:

@@ -56,6 +56,7 @@ from runtime.placement import PlacementError
 from runtime.run_config import (
     RunConfig,
     RuntimeConfig,
+    annotated_toml,
     dump_toml,
     import_entry,
     load_run_config,
@@ -92,7 +93,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m runtime.up") -> ar
     p.add_argument("--run-dir", type=Path, help="use this (new) directory for the run (or for the resumed run's "
                                                 "cache and logs, when resumed by id)")
     p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N: stop after N steps")
-    p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved configuration, each key's range and live mark beside it, and exit")
     p.add_argument("--quiet", action="store_true", help="no progress display on the terminal")
     return p.parse_args(argv)
 
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
         print(f"configuration error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(dump_toml(cfg.to_toml_tree()), end="")
+        print(annotated_toml(cfg), end="")
         return 0
     try:
         run_id, run_dir = _run_dir_for(cfg, resumed, args.run_dir)

@@ -138,3 +138,19 @@ def test_the_saved_configuration_names_its_schema_and_a_wrong_name_is_refused(tm
     source.write_text(_COUNTER + '[run]\nconfig_schema = "runtime.run_config:RunSection"\n')
     with pytest.raises(ConfigError, match=re.escape("the run's actor classes share tests.integration.workers:Counter")):
         load_run_config([source])
+
+
+def test_the_printed_configuration_marks_each_keys_range_and_liveness(tmp_path: Path) -> None:
+    """--print-config's text: each key's range and live mark at the end of its line, TOML read back as dump_toml's."""
+    from runtime.run_config import annotated_toml
+
+    source = tmp_path / "run.toml"
+    source.write_text(_COUNTER + "[actors.counter.placement.resources]\nsandbox = 1.0\n")
+    cfg = load_run_config([source])
+    text = annotated_toml(cfg)
+    assert tomllib.loads(text) == tomllib.loads(dump_toml(cfg.to_toml_tree()))
+    lines = text.splitlines()
+    assert "delay_scale = 1.0  # live" in lines  # live, no range
+    assert 'note = "fixed"' in lines  # fixed, no range: nothing to say
+    assert "count = 1  # [0, 10000]" in lines and "server_restart_window_s = 60.0  # (0, 86400]" in lines
+    assert "sandbox = 1.0" in lines  # a key of a table of values has no field of its own

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,6 +26,10 @@ def test_the_rl_launcher_runs_its_default_run_file() -> None:
     for kind in ("reconciler", "rollout", "reward", "grouping", "trainer", "evaluator"):
         assert f"[actors.{kind}]" in done.stdout
     assert 'entry = "actors.stages.rollout:RolloutActor"' in done.stdout
+    # each key with what it accepts and whether it is live, beside a pointer to what it means; TOML all the same
+    assert "temperature = 1.0  # live, [0, 4]\n" in done.stdout and "steps = 70  # [0, 1e+08]\n" in done.stdout
+    assert "docs/reference/configuration.md" in done.stdout
+    assert tomllib.loads(done.stdout)["rollout"]["temperature"] == 1.0
 
 
 def test_an_explicit_run_file_replaces_the_launchers_default(tmp_path: Path) -> None:
