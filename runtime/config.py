@@ -41,6 +41,7 @@ __all__ = [
     "build",
     "check_ranges",
     "field_at",
+    "field_is_live",
     "fixed",
     "is_live",
     "key_note",
@@ -105,14 +106,18 @@ def fixed(default: Any, *, within: Range, **kwargs: Any) -> Any:
 
 
 def is_live(schema: type, dotted_key: str) -> bool:
-    return bool(field_at(schema, dotted_key).metadata.get("live", False))
+    return field_is_live(field_at(schema, dotted_key))
+
+
+def field_is_live(f: dataclasses.Field[Any]) -> bool:
+    return bool(f.metadata.get("live", False))
 
 
 def key_note(f: dataclasses.Field[Any]) -> str:
     """What a key's field says of it beyond its value: ``live`` (it may change while a run goes on) and the
     values it accepts (``[0, 4]``), e.g. ``live, [0, 4]``; "" for a fixed key without a range."""
     within = f.metadata.get("range")
-    return ", ".join(([LIVE] if f.metadata.get("live", False) else []) + ([str(within)] if within else []))
+    return ", ".join(([LIVE] if field_is_live(f) else []) + ([str(within)] if within else []))
 
 
 LIVE = "live"  # key_note's mark of a live key
