@@ -64,20 +64,24 @@ from runtime.run_config import (
 )
 from runtime.run_state import (
     RUN_BUCKET,
+    Outcome,
     RunConflict,
     RunRecord,
+    RunState,
     check_run_id,
     find_run,
     new_run_id,
     publish_run,
+    publish_run_state,
 )
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
-from runtime.supervisor import Outcome, Supervisor, open_backend
+from runtime.supervisor import Supervisor, open_backend
 from runtime.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 
 PROGRESS_SUBJECT = "progress"
+BUS_END_TIMEOUT_S = 5.0  # recording the run's end; a bus that does not take it by then is down
 
 
 def parse_args(argv: list[str] | None, prog: str = "python -m runtime.up") -> argparse.Namespace:
@@ -186,6 +190,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         stack.push_async_callback(store.close)
         record = RunRecord(run_id, rt.run.name, storage_url, rt.storage.s3_endpoint, time.time())
         await publish_run(bus, store, record, dump_toml(cfg.to_toml_tree()), resumed=resumed)
+        await publish_run_state(bus, RunState(Outcome.RUNNING, at=time.time()))
         await _publish_live_defaults(bus, cfg, resumed)
         backend = open_backend(rt, run_dir)  # a Ray head or cluster connection (blocking: nothing runs yet)
         stack.push_async_callback(backend.close)
@@ -212,6 +217,8 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                 guard.cancel()
                 if watchdog is not None:
                     watchdog.cancel()
+        # after the forwarder's last flush: a follower that sees the end has had every event before it sent
+        await _record_end(bus, RunState(outcome, supervisor.failure or "", time.time()))
         if supervisor.failure:
             print(f"run failed: {supervisor.failure}", file=sys.stderr, flush=True)
         elif terminal is not None:
@@ -268,6 +275,17 @@ async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | Nats
         if terminal is not None:
             print(f"\nbus lost: {reason}", file=terminal, flush=True)
         supervisor.request_stop(Outcome.FAILED, reason)
+
+
+async def _record_end(bus: Bus, state: RunState) -> None:
+    """Records how the run ended, for whoever follows it (ops.tail ends with it); a bus that is down (a run
+    failed for losing it) gets BUS_END_TIMEOUT_S, and the run's exit says the outcome all the same."""
+    try:
+        async with asyncio.timeout(BUS_END_TIMEOUT_S):
+            await publish_run_state(bus, state)
+    except (OSError, TimeoutError) as e:  # BusError included
+        log.warning("run_end_not_recorded", outcome=state.outcome.value, error=repr(e),
+                    consequence="a follower of the run (ops.tail) does not end by itself")
 
 
 async def _quietly(step: Any) -> None:
