@@ -76,9 +76,12 @@ def started_value(cfg: RunConfig, key: str) -> Any:
         ConfigError: no such key (naming the nearest), or it names a section, not a value.
     """
     cfg.field(key)
-    node: Any = cfg.to_toml_tree()
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
+    node: Any = cfg.to_toml_tree()  # every field, unset ones as None: a part not in it is a table the run lacks
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"config key {key!r}: the run has no {'.'.join(parts[:i + 1])!r}")
+        node = node[part]
     if isinstance(node, dict):
         raise ConfigError(f"config key {key!r} is a section, not a value: name one of its keys "
                           "(python -m actors --print-config shows them)")

@@ -50,6 +50,8 @@ def test_a_mistyped_key_is_answered_with_the_nearest_in_full(run_dir: Path,
         assert "did you mean 'rollout.temperature'?" in capsys.readouterr().err
     assert ops_config.main(["get", "rollout", str(run_dir)]) == 2
     assert "is a section, not a value" in capsys.readouterr().err
+    assert ops_config.main(["get", "actors.nope.count", str(run_dir)]) == 2
+    assert "the run has no 'actors.nope'" in capsys.readouterr().err
 
 
 def test_reading_the_runs_configuration_imports_no_actor_code(run_dir: Path) -> None:
