@@ -55,13 +55,12 @@ class Malformed(str):
 
 @dataclass(frozen=True)
 class Reading:
-    """One key as ``get`` says it: its value, what it accepts, and where the value was read."""
+    """One key as ``get`` says it: its value and what it accepts."""
 
     key: str
     value: Any  # None: unset (TOML has no null: the saved configuration leaves it out)
     live: bool
     note: str  # runtime.config.key_note: "live, [0, 4]", "[1, 10]" or ""
-    source: str  # "bus": the value the run's actors apply now; "start": the run's saved configuration
 
     def line(self) -> str:
         """``rollout.temperature = 0.7  # live, [0, 4]``; a fixed key says so (``# fixed, [1, 10]``)."""
@@ -97,7 +96,7 @@ async def read_key(run_dir: Path, key: str) -> tuple[Reading, str]:
     """
     cfg = saved_config(run_dir)
     f = cfg.field(key)
-    reading = Reading(key, started_value(cfg, key), config_mod.field_is_live(f), config_mod.key_note(f), "start")
+    reading = Reading(key, started_value(cfg, key), config_mod.field_is_live(f), config_mod.key_note(f))
     if not reading.live:
         return reading, ""
     bus, why = await connect_or_none(run_dir, "ops-config", CONNECT_TIMEOUT_S)
@@ -109,7 +108,7 @@ async def read_key(run_dir: Path, key: str) -> tuple[Reading, str]:
         await bus.close()
     if entry is None:  # never written to the bucket: the run seeds every live key at start, so not yet
         return reading, f"the run's bus holds no value of {key} yet"
-    return Reading(key, _decoded(entry.value), True, reading.note, "bus"), ""
+    return Reading(key, _decoded(entry.value), True, reading.note), ""
 
 
 async def _set(run_dir: Path, key: str, value: Any) -> None:

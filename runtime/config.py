@@ -105,6 +105,9 @@ def fixed(default: Any, *, within: Range, **kwargs: Any) -> Any:
     return dataclasses.field(default=default, metadata={"range": within}, **kwargs)
 
 
+LIVE = "live"  # key_note's mark of a live key
+
+
 def is_live(schema: type, dotted_key: str) -> bool:
     return field_is_live(field_at(schema, dotted_key))
 
@@ -118,9 +121,6 @@ def key_note(f: dataclasses.Field[Any]) -> str:
     values it accepts (``[0, 4]``), e.g. ``live, [0, 4]``; "" for a fixed key without a range."""
     within = f.metadata.get("range")
     return ", ".join(([LIVE] if field_is_live(f) else []) + ([str(within)] if within else []))
-
-
-LIVE = "live"  # key_note's mark of a live key
 
 
 def field_at(schema: type, dotted_key: str) -> dataclasses.Field[Any]:
