@@ -1,8 +1,10 @@
 """Follow or replay a run's event log: ``python -m ops.tail [RUN_DIR] [filters]``.
 
-Live: an ordered push consumer on the run's LOG stream (``log.>``); new events by default, or from a
-past time (``--since 10m``, ``--since 2026-01-02T03:04:05Z``) or from the start. Offline (``--files``,
-or automatically when the bus does not answer): the JSONL files under RUN_DIR/logs, merged by time.
+Live: the run's LOG stream (``log.>``); new events by default, or from a past time (``--since 10m``,
+``--since 2026-01-02T03:04:05Z``) or from the start. Following ends with the run: once its ``runtime.up``
+records how it ended (the run bucket's ``state``, watched), the events still on their way are shown, then the
+outcome (on stderr) and the exit status: 0 finished or stopped, 1 failed. Offline (``--files``, or
+automatically when the bus does not answer): the JSONL files under RUN_DIR/logs, merged by time.
 Filters combine with AND; repeated ``--actor``/``--event``/``--where`` values of one flag combine
 with OR (``--where``: AND). Output is one readable line per event (coloured on a terminal), or the
 raw JSON line with ``--json`` for jq. Times are UTC; a timestamp without a zone is read as UTC.
@@ -24,7 +26,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -32,11 +34,14 @@ from ops._client import connect_or_none, fail, resolve_run_dir
 from runtime.bus import Bus, FollowStart
 from runtime.errors import ConfigError
 from runtime.events import LEVELS, parse_event
+from runtime.run_state import Outcome, RunState, run_ended
+
+T = TypeVar("T")
 
 IDENTITY_KEYS = ("time", "level", "event", "kind", "actor")
 CONNECT_TIMEOUT_S = 3.0  # a run that does not answer within this is read from its files
 SKEW_MARGIN_S = 5.0  # the stream's clock may lag an actor's: ask the server from a little earlier
-CATCH_UP_IDLE_S = 1.0  # --no-follow on the bus: stop when nothing more arrives within this
+CATCH_UP_IDLE_S = 1.0  # --no-follow on the bus, or a run that ended: stop when nothing more arrives within this
 STOP_GRACE_S = 15.0  # Ctrl-C: the tail's own cleanup (the follow's unsubscribe, Bus.close) gets this long
 
 _RELATIVE = re.compile(r"^(?:(\d+(?:\.\d+)?)([smhd]))+$")
@@ -166,30 +171,65 @@ def read_files(paths: Iterable[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
         yield line, event
 
 
+class LogReader:
+    """Events from the LOG stream: new ones, from ``start`` or from the beginning, each given to ``show``.
+
+    Following, it reads until `wind_down` (the run ended), then until nothing has arrived for
+    ``CATCH_UP_IDLE_S`` (what was sent before the end; a bus going down with the run sends nothing more); not
+    following, until it has what the stream holds (or nothing arrives for that long)."""
+
+    def __init__(self, bus: Bus, start: datetime | None, from_start: bool, follow: bool,
+                 show: Callable[[str, dict[str, Any]], None]) -> None:
+        self.bus = bus
+        self.where: FollowStart = "new"
+        if from_start:
+            self.where = "all"
+        elif start is not None:
+            self.where = start - timedelta(seconds=SKEW_MARGIN_S)
+        self.follow = follow
+        self.show = show
+        self._idle_s: float | None = None if follow else CATCH_UP_IDLE_S
+        self._waiting: asyncio.Timeout | None = None  # the wait for the next event, while one is waited for
+
+    def wind_down(self) -> None:
+        """The run has ended: read on until nothing arrives for ``CATCH_UP_IDLE_S``, the wait under way included."""
+        self._idle_s = CATCH_UP_IDLE_S
+        if self._waiting is not None and self._waiting.when() is None:
+            self._waiting.reschedule(asyncio.get_running_loop().time() + CATCH_UP_IDLE_S)
+
+    async def run(self) -> None:
+        messages = aiter(self.bus.follow("log.>", self.where))  # renewed after a bus outage, from where it stopped
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._idle_s) as self._waiting:
+                        msg = await anext(messages)
+                except TimeoutError:
+                    return
+                finally:
+                    self._waiting = None
+                line = msg.data.decode(errors="replace")
+                if (event := parse_event(line)) is not None:
+                    self.show(line, event)
+                if not self.follow and msg.num_pending == 0:
+                    return
+        finally:
+            await messages.aclose()  # type: ignore[attr-defined]
+
+
 async def read_bus(
     bus: Bus, start: datetime | None, from_start: bool, follow: bool, show: Callable[[str, dict[str, Any]], None]
-) -> None:
-    """Events from the LOG stream: new ones, from ``start`` or from the beginning; ``show`` each."""
-    where: FollowStart = "new"
-    if from_start:
-        where = "all"
-    elif start is not None:
-        where = start - timedelta(seconds=SKEW_MARGIN_S)
-    messages = aiter(bus.follow("log.>", where))  # renewed after a bus outage, from where it stopped
-    try:
-        while True:
-            try:
-                async with asyncio.timeout(None if follow else CATCH_UP_IDLE_S):
-                    msg = await anext(messages)
-            except TimeoutError:
-                return
-            line = msg.data.decode(errors="replace")
-            if (event := parse_event(line)) is not None:
-                show(line, event)
-            if not follow and msg.num_pending == 0:
-                return
-    finally:
-        await messages.aclose()  # type: ignore[attr-defined]
+) -> RunState | None:
+    """Events from the LOG stream (`LogReader`); following, until the run ends: returns how it ended."""
+    reader = LogReader(bus, start, from_start, follow, show)
+    if not follow:
+        await reader.run()
+        return None
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(reader.run())
+        ended = await run_ended(bus)
+        reader.wind_down()
+    return ended
 
 
 # --- command ---------------------------------------------------------------------------------------
@@ -251,7 +291,8 @@ async def _connect_or_none(run_dir: Path) -> Bus | None:
 
 async def tail(
     args: argparse.Namespace, run_dir: Path, show: Callable[[str, dict[str, Any]], None], since: datetime | None
-) -> None:
+) -> RunState | None:
+    """Shows the run's events; following its bus, returns how the run ended (None: not following it)."""
     bus = None if args.files else await _connect_or_none(run_dir)
     if bus is None:
         files = sorted((run_dir / "logs").glob("*.jsonl"))
@@ -259,14 +300,22 @@ async def tail(
             print(f"ops.tail: no event logs (*.jsonl) under {run_dir / 'logs'}", file=sys.stderr)
         for line, event in read_files(files):
             show(line, event)
-        return
+        return None
     try:
-        await read_bus(bus, since, args.from_start, not args.no_follow, show)
+        return await read_bus(bus, since, args.from_start, not args.no_follow, show)
     finally:
         await bus.close()
 
 
-async def until_interrupted(work: Awaitable[None]) -> None:
+def say_end(run_dir: Path, state: RunState) -> int:
+    """The run's outcome on stderr (stdout carries its events, JSON for jq with --json); the exit status of
+    runtime.up for it: 1 failed, else 0."""
+    failure = f": {state.failure}" if state.failure else ""
+    print(f"ops.tail: run {run_dir} {state.outcome.value}{failure}", file=sys.stderr, flush=True)
+    return 1 if state.outcome is Outcome.FAILED else 0
+
+
+async def until_interrupted(work: Awaitable[T]) -> T:
     """``work``, cancelled by Ctrl-C (SIGINT) or SIGTERM; if it has not ended ``STOP_GRACE_S`` later, the
     process exits anyway (130). A cancellation can be lost inside the NATS client (nats-py's flush
     swallows CancelledError), which left a tail following after Ctrl-C."""
@@ -284,7 +333,7 @@ async def until_interrupted(work: Awaitable[None]) -> None:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupt)
-    await work
+    return await work
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,13 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{run_dir} is not a directory; pass a run directory made by python -m runtime.up")
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     try:
-        asyncio.run(until_interrupted(tail(args, run_dir, make_printer(filt, args.json, color), filt.since)))
+        ended = asyncio.run(until_interrupted(tail(args, run_dir, make_printer(filt, args.json, color), filt.since)))
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
     except BrokenPipeError:  # piped into head: the reader is gone, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
-    return 0
+    return 0 if ended is None else say_end(run_dir, ended)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from runtime.kv_watch import Admission, KVEntry, WatchCursor, entry_of, subject_
 
 log = structlog.get_logger(__name__)
 
-KV_BUCKETS = ("slots", "config", "actors", "run")  # run: the run's record (runtime.run_state)
+KV_BUCKETS = ("slots", "config", "actors", "run")  # run: the run's record and state (runtime.run_state)
 # Buckets whose keys are leases: each write may carry a TTL (`Bus.kv_put`'s ``ttl_s``), and the server
 # removes a key whose TTL ran out, leaving a delete marker that watchers see (nats-server >= 2.11).
 LEASE_BUCKETS = frozenset({"actors"})

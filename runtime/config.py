@@ -17,6 +17,7 @@ rollouts in flight where the class says 8).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import tomllib
@@ -40,8 +41,10 @@ __all__ = [
     "build",
     "check_ranges",
     "field_at",
+    "field_is_live",
     "fixed",
     "is_live",
+    "key_note",
     "live",
     "live_items",
     "load",
@@ -107,29 +110,72 @@ def fixed(default: Any, *, within: Range, **kwargs: Any) -> Any:
     return dataclasses.field(default=default, metadata={"range": within}, **kwargs)
 
 
+LIVE = "live"  # key_note's mark of a live key
+
+
 def is_live(schema: type, dotted_key: str) -> bool:
-    return bool(field_at(schema, dotted_key).metadata.get("live", False))
+    return field_is_live(field_at(schema, dotted_key))
+
+
+def field_is_live(f: dataclasses.Field[Any]) -> bool:
+    return bool(f.metadata.get("live", False))
+
+
+def key_note(f: dataclasses.Field[Any]) -> str:
+    """What a key's field says of it beyond its value: ``live`` (it may change while a run goes on) and the
+    values it accepts (``[0, 4]``), e.g. ``live, [0, 4]``; "" for a fixed key without a range."""
+    within = f.metadata.get("range")
+    return ", ".join(([LIVE] if field_is_live(f) else []) + ([str(within)] if within else []))
 
 
 def field_at(schema: type, dotted_key: str) -> dataclasses.Field[Any]:
-    """The dataclass field a dotted key names, or ConfigError naming the key."""
+    """The dataclass field a dotted key names, or ConfigError naming the key (and the nearest valid one).
+
+    A table of sections (``actors: dict[str, ActorSpec]``) takes any name as its next part: ``actors.rollout.count``
+    is ActorSpec's ``count``."""
     parts = dotted_key.split(".")
     cls: Any = schema
-    for i, part in enumerate(parts):
+    i = 0
+    while True:
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        part = parts[i]
         if part not in fields:
+            if mended := _mended(cls, part, parts[i + 1:]):
+                full = ".".join([*parts[:i], mended])
+                raise ConfigError(f"config key {dotted_key!r} is unknown; did you mean {full!r}?")
             raise ConfigError(_unknown(".".join(parts[: i + 1]), fields))
         f = fields[part]
         if i == len(parts) - 1:
             return f
-        cls = typing.get_type_hints(cls)[part]
-        if not dataclasses.is_dataclass(cls):
+        hint = typing.get_type_hints(cls)[part]
+        if typing.get_origin(hint) is dict and _is_section(typing.get_args(hint)[-1]):
+            if i + 1 == len(parts) - 1:  # names one table of the map (actors.rollout): its field is the map's
+                return f
+            hint, i = typing.get_args(hint)[-1], i + 1
+        if not dataclasses.is_dataclass(hint):
             raise ConfigError(f"config key {'.'.join(parts[: i + 1])!r} is a value, not a section")
-    raise AssertionError("unreachable")
+        cls, i = hint, i + 1
+
+
+def _mended(cls: Any, part: str, rest: list[str]) -> str:
+    """``part.<rest>`` with ``part`` replaced by a near field of ``cls`` under which ``rest`` is a valid key (a
+    mistyped section: ``rolout.temperature`` is ``rollout.temperature``), else ""."""
+    if not rest:
+        return ""
+    for name in difflib.get_close_matches(part, [f.name for f in dataclasses.fields(cls)], n=3):
+        try:
+            field_at(cls, ".".join([name, *rest]))
+        except ConfigError:
+            continue
+        return ".".join([name, *rest])
+    return ""
 
 
 def _unknown(key: str, fields: Mapping[str, Any]) -> str:
-    return f"config key {key!r} is unknown{did_you_mean(key.rsplit('.', 1)[-1], fields)}"
+    """``key`` is unknown, with the nearest key of its section named in full (what ``--set`` and ``ops.config
+    set`` take: ``rollout.temperature``, not ``temperature``)."""
+    within, _, name = key.rpartition(".")
+    return f"config key {key!r} is unknown{did_you_mean(name, fields, within)}"
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -7,7 +7,9 @@ shared ``Config`` dataclass validates. All actor kinds of one run share that one
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,11 @@ class RunSection:
     seed: int = fixed(0, within=Range(0, 2**63 - 1))
     # 0: until stopped; the application decides what a step is and reports finish
     steps: int = fixed(0, within=Range(0, 100_000_000))
+    # The application's configuration class (the Config its actor classes share) as package.module:Class; empty:
+    # found by importing every actor class. A run's start imports them all and checks they agree with it; the
+    # configuration saved with the run names it, so that what only reads a configuration (ops.config, --print-config
+    # of a run file that names it) imports that one module, not every actor's code (torch: seconds of CPU).
+    config_schema: str = ""
 
     def __post_init__(self) -> None:
         check_ranges(self, "run")
@@ -285,14 +292,38 @@ class RunConfig:
             tree.update(config_mod.to_dict(self.app))
         return tree
 
+    def field(self, key: str) -> dataclasses.Field[Any]:
+        """The field a dotted key names, in the runtime's sections or the application's.
 
-def import_entry(entry: str) -> type:
+        Raises:
+            ConfigError: no such key (naming the nearest one).
+        """
+        if key.split(".", 1)[0] in RUNTIME_SECTIONS:
+            return config_mod.field_at(RuntimeConfig, key)
+        if self.app_schema is None:
+            raise ConfigError(f"config key {key!r} is unknown: no actor of this run has a Config")
+        return config_mod.field_at(self.app_schema, key)
+
+
+def import_entry(entry: str, what: str = "actor entry") -> type:
     module_name, _, attr = entry.partition(":")
     try:
         module = importlib.import_module(module_name)
         return getattr(module, attr)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"actor entry {entry!r} cannot be imported: {e}") from e
+        raise ConfigError(f"{what} {entry!r} cannot be imported: {e}") from e
+
+
+def schema_entry(schema: type) -> str:
+    """``schema`` as ``run.config_schema`` names it: package.module:Class."""
+    return f"{schema.__module__}:{schema.__qualname__}"
+
+
+def _named_schema(entry: str) -> type:
+    schema = import_entry(entry, "run.config_schema")
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        raise ConfigError(f"run.config_schema = {entry!r} is not a configuration class (a dataclass)")
+    return schema
 
 
 def check_process_counts(specs: dict[str, ActorSpec]) -> None:
@@ -316,7 +347,18 @@ def app_schema_of(specs: dict[str, ActorSpec]) -> type | None:
     return next(iter(schemas), None)
 
 
-def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -> RunConfig:
+def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = (), *,
+                    import_actors: bool = True) -> RunConfig:
+    """The run's configuration from its files and ``key=value`` overrides, every key validated.
+
+    ``import_actors``: import every actor class, check the process counts they allow and that they share one
+    ``Config`` (``run.config_schema``, when set, must be it); what starts or resumes a run does. False, for what
+    only reads a configuration (--print-config, ops.config): the schema ``run.config_schema`` names is imported
+    alone, when it names one (a run's saved configuration always does).
+
+    Raises:
+        ConfigError: a key is unknown or its value invalid, or an actor class or the schema does not import.
+    """
     tree = config_mod.read_files(files)
     runtime_tree = {k: v for k, v in tree.items() if k in RUNTIME_SECTIONS}
     app_tree = {k: v for k, v in tree.items() if k not in RUNTIME_SECTIONS}
@@ -330,8 +372,9 @@ def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -
         else:
             app_overrides.append((key, value))
     runtime = config_mod.build(RuntimeConfig, runtime_tree)
-    check_process_counts(runtime.actors)
-    schema = app_schema_of(runtime.actors)
+    if import_actors:
+        check_process_counts(runtime.actors)
+    runtime, schema = _with_schema(runtime, None if import_actors else runtime.run.config_schema)
     if schema is None:
         if app_tree or app_overrides:
             keys = sorted(app_tree) + [k for k, _ in app_overrides]
@@ -343,6 +386,27 @@ def load_run_config(files: Iterable[Path] = (), overrides: Iterable[str] = ()) -
     return RunConfig(runtime, config_mod.build(schema, app_tree), schema)
 
 
+def _with_schema(runtime: RuntimeConfig, known: type | str | None) -> tuple[RuntimeConfig, type | None]:
+    """The application's schema, and ``runtime`` naming it in ``run.config_schema`` (saved so, a reader of the
+    saved configuration imports the schema alone): ``known`` (a class, or one named as package.module:Class),
+    else the ``Config`` the actor classes share, every one imported (a ``run.config_schema`` set must be it)."""
+    if isinstance(known, str) and known:
+        schema: type | None = _named_schema(known)
+    elif isinstance(known, type):
+        schema = known
+    else:
+        schema = app_schema_of(runtime.actors)
+        named = runtime.run.config_schema
+        if named and _named_schema(named) is not schema:
+            found = "none" if schema is None else schema_entry(schema)
+            raise ConfigError(f"run.config_schema = {named!r}, but the run's actor classes share {found}: "
+                              "name theirs, or leave it empty")
+    if schema is None:
+        return runtime, None
+    run = dataclasses.replace(runtime.run, config_schema=schema_entry(schema))
+    return dataclasses.replace(runtime, run=run), schema
+
+
 def load_kind_config(files: Iterable[Path], kind: str) -> RunConfig:
     """A run's resolved configuration as a process of ``kind`` needs it (`runtime.actor_process`): the
     runtime's sections, and the application's built with ``kind``'s own ``Config``.
@@ -351,8 +415,8 @@ def load_kind_config(files: Iterable[Path], kind: str) -> RunConfig:
     when the run started (every kind's class, the process counts, one shared schema), and the files are
     that check's output. Importing every other kind's code would make each process load what the heaviest
     kind needs: the reconciler would import torch for the trainer's sake, and its replacement after a freeze
-    would start seconds later for it. A kind without a ``Config`` gets the run's shared schema,
-    found as `load_run_config` finds it.
+    would start seconds later for it. A kind without a ``Config`` gets the run's shared schema: the one
+    ``run.config_schema`` names (as the saved configuration does), else found as `load_run_config` finds it.
 
     Raises:
         ConfigError: the run has no kind ``kind``, or the files do not read as a run's configuration.
@@ -362,7 +426,7 @@ def load_kind_config(files: Iterable[Path], kind: str) -> RunConfig:
     spec = runtime.actors.get(kind)
     if spec is None:
         raise ConfigError(f"the run has no actor kind {kind!r}; it has {sorted(runtime.actors)}")
-    schema = import_entry(spec.entry).Config or app_schema_of(runtime.actors)
+    runtime, schema = _with_schema(runtime, import_entry(spec.entry).Config or runtime.run.config_schema)
     app_tree = {k: v for k, v in tree.items() if k not in RUNTIME_SECTIONS}
     return RunConfig(runtime, None if schema is None else config_mod.build(schema, app_tree), schema)
 
@@ -381,6 +445,50 @@ def runtime_from_overrides(overrides: Iterable[str]) -> RuntimeConfig:
             config_mod.field_at(RuntimeConfig, key)
             config_mod.set_path(tree, key, value)
     return config_mod.build(RuntimeConfig, tree)
+
+
+ANNOTATION_HEADER = """\
+# The run's resolved configuration. A key's comment says what it accepts: [a, b] includes its ends, (a, b) leaves
+# them out; "live": it may change while the run goes on (python -m ops.config set KEY VALUE), every other key is
+# fixed at start. What each key means: docs/reference/configuration.md (python -m ops.config get KEY on a run).
+
+"""
+
+
+def annotated_toml(cfg: RunConfig) -> str:
+    """`dump_toml` of ``cfg`` (what --print-config prints) with each key's range and live mark as a comment at the
+    end of its line (`runtime.config.key_note`): TOML all the same, read back as the plain text is."""
+    lines = []
+    table: list[str] = []
+    for line in dump_toml(cfg.to_toml_tree()).splitlines():
+        if line.startswith("["):
+            table = _dotted(line)
+        elif line and not line[0].isspace() and (note := _note(cfg, [*table, *_dotted(line.split(" = ", 1)[0])])):
+            line = f"{line}  # {note}"  # after the value, or after the "[" of an array written over lines
+        lines.append(line)
+    return ANNOTATION_HEADER + "\n".join(lines) + "\n"
+
+
+def _dotted(text: str) -> list[str]:
+    """The parts of a TOML key or table header as tomli-w writes it (``actors.rollout``, ``"a b".c``); [] if not one."""
+    try:
+        node: Any = tomllib.loads(text if text.startswith("[") else f"{text} = 0")
+    except tomllib.TOMLDecodeError:
+        return []
+    parts = []
+    while isinstance(node, dict) and len(node) == 1:
+        part, node = next(iter(node.items()))
+        parts.append(part)
+    return parts
+
+
+def _note(cfg: RunConfig, parts: list[str]) -> str:
+    if not parts:
+        return ""
+    try:
+        return config_mod.key_note(cfg.field(".".join(parts)))
+    except ConfigError:  # a key of a table of values (placement.resources): no field of its own
+        return ""
 
 
 def dump_toml(tree: dict[str, Any]) -> str:

@@ -10,16 +10,23 @@ from the bus and storage URLs.
 
 One bus carries one run (its streams and buckets are not named per run): a run started on a bus that
 already holds another run's record is refused, so two runs never share a slot table.
+
+How the run stands is beside its record, under ``state``: ``runtime.up`` writes ``running`` when it starts (or
+resumes) the run and how it ended (finished, stopped, failed) once every actor has stopped and their events
+are on the bus. A follower of the run (``ops.tail``) watches that key to end with the run (`run_ended`).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import structlog
 
 from runtime.blob import BlobNotFound, BlobStore, open_store
 from runtime.bus import Bus
@@ -31,20 +38,28 @@ __all__ = [
     "RECORD_BLOB",
     "RECORD_KEY",
     "RUN_BUCKET",
+    "STATE_KEY",
+    "Outcome",
     "RunConflict",
     "RunNotFound",
     "RunRecord",
+    "RunState",
     "check_run_id",
     "find_run",
     "new_run_id",
     "publish_run",
+    "publish_run_state",
     "read_run_config",
     "read_run_record",
+    "run_ended",
     "verify_store",
 ]
 
+log = structlog.get_logger(__name__)
+
 RUN_BUCKET = "run"
 RECORD_KEY = "record"
+STATE_KEY = "state"
 RECORD_BLOB = "run/record.json"
 CONFIG_BLOB = "run/config.toml"
 RECORD_SCHEMA = 1
@@ -98,6 +113,70 @@ class RunRecord:
             raise ConfigError(f"the run record in {where} has schema {record.schema}; this code reads "
                               f"{RECORD_SCHEMA}: resume with the code that started the run")
         return record
+
+
+class Outcome(enum.Enum):
+    """How a run stands: running, or how it ended (`runtime.supervisor.Supervisor.run`'s result)."""
+
+    RUNNING = "running"
+    FINISHED = "finished"  # the application said the run is done
+    STOPPED = "stopped"  # an operator stopped it (signal or ctl)
+    FAILED = "failed"  # restart intensity exceeded, a start failed, the bus or the run's lease lost
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The run's state as its ``runtime.up`` last recorded it (`STATE_KEY` in `RUN_BUCKET`)."""
+
+    outcome: Outcome
+    failure: str = ""  # why it failed
+    at: float = 0.0  # when it was recorded (time.time())
+    schema: int = RECORD_SCHEMA
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not Outcome.RUNNING
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({**asdict(self), "outcome": self.outcome.value}, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> RunState:
+        try:
+            fields: dict[str, Any] = json.loads(data)
+            state = cls(**{**fields, "outcome": Outcome(fields["outcome"])})
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"the run state in {where} is corrupt ({e!r})") from None
+        if state.schema != RECORD_SCHEMA:
+            raise ConfigError(f"the run state in {where} has schema {state.schema}; this code reads {RECORD_SCHEMA}")
+        return state
+
+
+async def publish_run_state(bus: Bus, state: RunState) -> None:
+    """Records how the run stands (runtime.up: running at its start, its outcome at its end)."""
+    await bus.kv_put(RUN_BUCKET, STATE_KEY, state.to_bytes())
+
+
+async def run_ended(bus: Bus) -> RunState:
+    """The run's end, once its ``runtime.up`` records it (at once if it has): a watch of the state key, no polling.
+    A run started by a version that recorded no state never ends here; nor does one whose ``runtime.up`` was
+    killed (nothing records its end)."""
+    where = f"the bus bucket {RUN_BUCKET!r}"
+    watch = aiter(bus.kv_watch(RUN_BUCKET, STATE_KEY))
+    try:
+        async for entry in watch:
+            if entry is None or entry.deleted:  # the end of what is stored, or a removed key: wait on
+                continue
+            try:
+                state = RunState.from_bytes(entry.value, where)
+            except ConfigError as e:  # a later record may be readable: say so and wait on
+                log.error("run_state_unreadable", error=str(e), revision=entry.revision)
+                continue
+            if state.ended:
+                return state
+    finally:
+        await watch.aclose()  # type: ignore[attr-defined]
+    raise AssertionError("unreachable: a KV watch never ends")
 
 
 async def read_run_record(bus: Bus) -> RunRecord | None:

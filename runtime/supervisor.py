@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import os
 import signal
 import time
@@ -44,6 +43,7 @@ from runtime.local_backend import LocalBackend
 from runtime.placement import PlacedProcess, PlacementBackend, PlacementError, UnplacedProcess, actor_launch
 from runtime.registry import registration_key
 from runtime.run_config import RuntimeConfig, import_entry
+from runtime.run_state import Outcome
 
 log = structlog.get_logger(__name__)
 
@@ -52,13 +52,6 @@ FINISH_SUBJECT = f"{SUPERVISOR_SUBJECT}.finish"  # ends the run as finished: bel
 FINISH_CHECK_TIMEOUT_S = 30.0  # reading the state a finish is checked against (a table, one blob)
 BUS_STEP_TIMEOUT_S = 5.0  # one registry write of the supervisor's; past it the bus is taken as down
 ACTIVATE_TIMEOUT_S = 2.0  # a ready standby answers at once; one that does not is still loading
-
-
-class Outcome(enum.Enum):
-    RUNNING = "running"
-    FINISHED = "finished"  # the application said the run is done
-    STOPPED = "stopped"  # an operator stopped it (signal or ctl)
-    FAILED = "failed"  # restart intensity exceeded, or a start failed
 
 
 @dataclass

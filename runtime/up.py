@@ -56,6 +56,7 @@ from runtime.placement import PlacementError
 from runtime.run_config import (
     RunConfig,
     RuntimeConfig,
+    annotated_toml,
     dump_toml,
     import_entry,
     load_run_config,
@@ -63,20 +64,24 @@ from runtime.run_config import (
 )
 from runtime.run_state import (
     RUN_BUCKET,
+    Outcome,
     RunConflict,
     RunRecord,
+    RunState,
     check_run_id,
     find_run,
     new_run_id,
     publish_run,
+    publish_run_state,
 )
 from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
-from runtime.supervisor import Outcome, Supervisor, open_backend
+from runtime.supervisor import Supervisor, open_backend
 from runtime.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 
 PROGRESS_SUBJECT = "progress"
+BUS_END_TIMEOUT_S = 5.0  # recording the run's end; a bus that does not take it by then is down
 
 
 def parse_args(argv: list[str] | None, prog: str = "python -m runtime.up") -> argparse.Namespace:
@@ -92,7 +97,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m runtime.up") -> ar
     p.add_argument("--run-dir", type=Path, help="use this (new) directory for the run (or for the resumed run's "
                                                 "cache and logs, when resumed by id)")
     p.add_argument("--steps", type=int, help="shorthand for --set run.steps=N: stop after N steps")
-    p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved configuration, each key's range and live mark beside it, and exit")
     p.add_argument("--quiet", action="store_true", help="no progress display on the terminal")
     return p.parse_args(argv)
 
@@ -108,30 +114,33 @@ class Resumed:
 def resolve_config(args: argparse.Namespace, default_config: Sequence[Path] = ()) -> tuple[RunConfig, Resumed | None]:
     """The run's configuration: the resumed run's saved one, else ``--config`` files, else ``default_config``.
 
-    A run resumed by its id reads its configuration from its blob store, found through its bus.
+    A run resumed by its id reads its configuration from its blob store, found through its bus. Only printed
+    (``--print-config``), it is resolved without importing the actor classes where ``run.config_schema`` names
+    the schema (`load_run_config`): they would bring torch for nothing.
 
     Raises:
         ConfigError: a file is missing or invalid, there is no run file at all, or the run is not found.
     """
     overrides = list(args.overrides)
+    import_actors = not args.print_config
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
     if args.resume and Path(args.resume).is_dir():
         run_dir = Path(args.resume).resolve()
         resumed = Resumed(RunInfo.read(run_dir).run, run_dir)
-        return load_run_config([run_dir / CONFIG_FILE], overrides), resumed
+        return load_run_config([run_dir / CONFIG_FILE], overrides, import_actors=import_actors), resumed
     if args.resume:
         run_id = check_run_id(str(args.resume))
         text = uvloop.run(fetch_run_config(run_id, overrides))
         with tempfile.TemporaryDirectory() as tmp:
             saved = Path(tmp) / CONFIG_FILE
             saved.write_text(text)
-            return load_run_config([saved], overrides), Resumed(run_id, None)
+            return load_run_config([saved], overrides, import_actors=import_actors), Resumed(run_id, None)
     files = list(args.config or default_config)
     if not files:
         raise ConfigError("no run file: pass --config FILE (a TOML file whose [actors.<kind>] sections name the "
                           "entry points), or start the application's launcher, e.g. python -m actors")
-    return load_run_config(files, overrides), None
+    return load_run_config(files, overrides, import_actors=import_actors), None
 
 
 async def fetch_run_config(run_id: str, overrides: Sequence[str]) -> str:
@@ -181,6 +190,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         stack.push_async_callback(store.close)
         record = RunRecord(run_id, rt.run.name, storage_url, rt.storage.s3_endpoint, time.time())
         await publish_run(bus, store, record, dump_toml(cfg.to_toml_tree()), resumed=resumed)
+        await publish_run_state(bus, RunState(Outcome.RUNNING, at=time.time()))
         await _publish_live_defaults(bus, cfg, resumed)
         backend = open_backend(rt, run_dir)  # a Ray head or cluster connection (blocking: nothing runs yet)
         stack.push_async_callback(backend.close)
@@ -207,6 +217,8 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                 guard.cancel()
                 if watchdog is not None:
                     watchdog.cancel()
+        # after the forwarder's last flush: a follower that sees the end has had every event before it sent
+        await _record_end(bus, RunState(outcome, supervisor.failure or "", time.time()))
         if supervisor.failure:
             print(f"run failed: {supervisor.failure}", file=sys.stderr, flush=True)
         elif terminal is not None:
@@ -263,6 +275,17 @@ async def _guard_bus(supervisor: Supervisor, bus: Bus, server: NatsServer | Nats
         if terminal is not None:
             print(f"\nbus lost: {reason}", file=terminal, flush=True)
         supervisor.request_stop(Outcome.FAILED, reason)
+
+
+async def _record_end(bus: Bus, state: RunState) -> None:
+    """Records how the run ended, for whoever follows it (ops.tail ends with it); a bus that is down (a run
+    failed for losing it) gets BUS_END_TIMEOUT_S, and the run's exit says the outcome all the same."""
+    try:
+        async with asyncio.timeout(BUS_END_TIMEOUT_S):
+            await publish_run_state(bus, state)
+    except (OSError, TimeoutError) as e:  # BusError included
+        log.warning("run_end_not_recorded", outcome=state.outcome.value, error=repr(e),
+                    consequence="a follower of the run (ops.tail) does not end by itself")
 
 
 async def _quietly(step: Any) -> None:
@@ -363,7 +386,7 @@ def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
         print(f"configuration error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(dump_toml(cfg.to_toml_tree()), end="")
+        print(annotated_toml(cfg), end="")
         return 0
     try:
         run_id, run_dir = _run_dir_for(cfg, resumed, args.run_dir)

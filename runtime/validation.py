@@ -78,11 +78,18 @@ def _without_none(hint: Any) -> Any:
     return hint
 
 
-def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """``; did you mean 'x'?`` for the nearest choice, else the valid choices."""
+def did_you_mean(name: str, choices: Iterable[str], within: str = "") -> str:
+    """``; did you mean 'x'?`` for the nearest choice, else the valid choices.
+
+    ``within``: the dotted section ``name`` is a key of; the suggestion names the key in full
+    (``rollout.temperature``), which is what ``--set`` and ``ops.config set`` take, while the nearness is
+    judged on the last part alone (a shared prefix would make any key of the section look near)."""
     choices = sorted(choices)
     close = difflib.get_close_matches(name, choices, n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; valid keys here: {', '.join(choices)}"
+    if close:
+        key = f"{within}.{close[0]}" if within else close[0]
+        return f"; did you mean {key!r}?"
+    return f"; valid keys here: {', '.join(choices)}"
 
 
 def strict_shape(hint: Any) -> Any:

@@ -166,9 +166,13 @@ class EvaluatorActor(EvaluatorRole):
     async def _evaluate(self, version: int) -> None:
         e = self.config.eval
         sampling = greedy() if e.temperature == 0 else sampled(e.temperature)
+
+        async def on_progress(num_graded: int, num_episodes: int) -> None:
+            await self._publish_progress(version, num_graded, num_episodes)
+
         result = await evaluate(self.engine, self.tasks, sampling=sampling, agent_config=self.config.rollout.agent,
                                 concurrency=e.concurrency, store=self.store, dialect=self.dialect,
-                                samples_per_task=e.samples_per_task)
+                                samples_per_task=e.samples_per_task, on_progress=on_progress)
         summary = result.summary()
         row = {"kind": "eval", "time": time.time(), "version": version, "temperature": e.temperature, **summary}
         await write_metrics(self.ctx.blob, "eval", numbered(row["version"]), row)
@@ -177,3 +181,12 @@ class EvaluatorActor(EvaluatorRole):
         progress = {"heldout_pass@1": round(summary["pass_at_1"], 3), "eval_version": version}
         await self.bus.publish("progress.eval", msgpack.packb(progress, use_bin_type=True))
 
+    async def _publish_progress(self, version: int, num_graded: int, num_episodes: int) -> None:
+        """How far the evaluation of ``version`` is, on the run's progress line (``eval=v8 120/344``) and as an
+        event: the final one takes minutes, and the line would otherwise sit at the last step meanwhile."""
+        log.info("evaluation_progress", version=version, num_graded=num_graded, num_episodes=num_episodes)
+        progress = {"eval": f"v{version} {num_graded}/{num_episodes}"}
+        try:
+            await self.bus.publish("progress.eval", msgpack.packb(progress, use_bin_type=True))
+        except BusError as e:  # a line not shown is no reason to fail the evaluation it is about
+            log.warning("evaluation_progress_not_published", version=version, error=str(e))

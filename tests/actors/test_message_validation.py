@@ -177,6 +177,32 @@ async def test_the_evaluator_ends_the_run_only_on_a_confirmed_claim() -> None:
     assert evaluator.exhausted_at == core.trainer_version == 2 and rechecks == [True]
 
 
+async def test_the_evaluator_shows_how_far_its_evaluation_is_on_the_progress_line() -> None:
+    """Issue 30: the run's progress line sat at its last step for the 2.7 minutes of the final evaluation. Each
+    progress report (actors.training.evaluation.progress_due) goes to ``progress.eval`` as ``eval=v8 120/344`` and
+    to the log; a bus that refuses the line does not fail the evaluation it is about."""
+    from actors.stages.evaluator import EvaluatorActor
+    from runtime.errors import BusError
+
+    published: list[tuple[str, dict]] = []
+
+    async def publish(subject: str, data: bytes) -> None:
+        published.append((subject, msgpack.unpackb(data, raw=False)))
+
+    async def refuse(subject: str, data: bytes) -> None:
+        raise BusError("publish on progress.eval: connection closed")
+
+    showing: Any = SimpleNamespace(bus=SimpleNamespace(publish=publish))
+    refused: Any = SimpleNamespace(bus=SimpleNamespace(publish=refuse))
+    with capture_logs() as logs:
+        await EvaluatorActor._publish_progress(showing, 8, 120, 344)
+        await EvaluatorActor._publish_progress(refused, 8, 137, 344)
+    assert published == [("progress.eval", {"eval": "v8 120/344"})]
+    said = [(e["event"], e.get("num_graded")) for e in logs]
+    assert said == [("evaluation_progress", 120), ("evaluation_progress", 137),
+                    ("evaluation_progress_not_published", None)]
+
+
 async def test_a_stage_refuses_an_order_whose_blob_key_leaves_the_store(tmp_path: Path) -> None:
     """An order naming a key outside the store is refused for good (reported), not retried until poisoned."""
     from actors._stage import StageActor, WorkRefused

@@ -273,6 +273,10 @@ async def test_live_config_reaches_every_actor_within_a_second(tmp_path: Path, c
             await asyncio.sleep(0.02)
         assert len(seen) == 3 and max(seen.values()) < 1.0, seen
         assert {a["pid"] for a in await run.wait_actors("counter", 3)} == {a["pid"] for a in actors}, "no restart"
+        got = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "ops.config", "get",
+                                                       "counter.delay_scale", str(run.run_dir)],
+                                      cwd=REPO, capture_output=True, text=True)
+        assert (got.returncode, got.stdout, got.stderr) == (0, "counter.delay_scale = 0.25  # live\n", ""), got
         bad = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "ops.config", "set",
                                                        "counter.note", '"x"', str(run.run_dir)],
                                       cwd=REPO, capture_output=True, text=True)

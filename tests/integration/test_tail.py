@@ -208,8 +208,16 @@ async def test_replay_from_a_past_time(run: LiveRun) -> None:
     relative = await tail_events(run, "--since", "10m", "--event", "config_changed")
     assert sorted(e["new"] for e in relative) == [0.3, 0.3, 0.4, 0.4]
 
-    # The same replay from the files once the run is down: the tail says so and falls back.
+    # A follower ends with the run, by itself: the events sent before the end (the supervisor's), then the outcome.
+    follower = await LiveTail.start(run, "--from-start")
+    await follower.next_event(30)  # replayed: it is on the bus, following
     assert await run.stop() == 0
+    out, err = await asyncio.wait_for(follower.proc.communicate(), 30)
+    assert follower.proc.returncode == 0, err.decode()
+    assert err.decode().endswith(f"ops.tail: run {run.run_dir} stopped\n"), err.decode()
+    assert "supervisor_stopped" in [json.loads(line)["event"] for line in out.decode().splitlines()]
+
+    # The same replay from the files once the run is down: the tail says so and falls back.
     offline = await asyncio.to_thread(
         tail_sync, run, "--json", "--since", between.isoformat(), "--event", "config_changed"
     )

@@ -101,3 +101,56 @@ def test_a_kind_without_a_config_gets_the_runs_shared_one(tmp_path: Path) -> Non
     source = tmp_path / "config.toml"
     source.write_text(_COUNTER + _CRASHING + '[counter]\nnote = "n"\n')
     assert load_kind_config([source], "crashing") == load_run_config([source]) == load_kind_config([source], "counter")
+
+
+def test_a_reader_of_a_configuration_imports_the_schema_alone(tmp_path: Path) -> None:
+    """--print-config and ops.config read a configuration without importing the actor classes (the RL ones bring
+    torch: seconds of CPU per call, issue 30): the schema ``run.config_schema`` names is imported alone, here beside
+    a kind whose entry cannot be imported at all; a run's start imports every class (and refuses that one)."""
+    import pytest
+
+    from runtime.errors import ConfigError
+
+    source = tmp_path / "run.toml"
+    source.write_text(_COUNTER + '[actors.other]\nentry = "tests.no_such_module:Thing"\n[counter]\nnote = "n"\n'
+                      '[run]\nconfig_schema = "tests.integration.workers:CounterConfig"\n')
+    with pytest.raises(ConfigError, match="no_such_module"):
+        load_run_config([source])
+    cfg = load_run_config([source], import_actors=False)
+    assert cfg.app.counter.note == "n" and cfg.app_schema.__name__ == "CounterConfig"
+
+
+def test_the_saved_configuration_names_its_schema_and_a_wrong_name_is_refused(tmp_path: Path) -> None:
+    import re
+
+    import pytest
+
+    from runtime.errors import ConfigError
+    from runtime.run_config import load_kind_config
+
+    source = tmp_path / "run.toml"
+    source.write_text(_COUNTER + _CRASHING)
+    cfg = load_run_config([source])
+    assert cfg.runtime.run.config_schema == "tests.integration.workers:CounterConfig"
+    saved = tmp_path / "config.toml"
+    saved.write_text(dump_toml(cfg.to_toml_tree()))
+    assert load_run_config([saved], import_actors=False) == cfg == load_kind_config([saved], "crashing")
+    source.write_text(_COUNTER + '[run]\nconfig_schema = "runtime.run_config:RunSection"\n')
+    with pytest.raises(ConfigError, match=re.escape("the run's actor classes share tests.integration.workers:Counter")):
+        load_run_config([source])
+
+
+def test_the_printed_configuration_marks_each_keys_range_and_liveness(tmp_path: Path) -> None:
+    """--print-config's text: each key's range and live mark at the end of its line, TOML read back as dump_toml's."""
+    from runtime.run_config import annotated_toml
+
+    source = tmp_path / "run.toml"
+    source.write_text(_COUNTER + "[actors.counter.placement.resources]\nsandbox = 1.0\n")
+    cfg = load_run_config([source])
+    text = annotated_toml(cfg)
+    assert tomllib.loads(text) == tomllib.loads(dump_toml(cfg.to_toml_tree()))
+    lines = text.splitlines()
+    assert "delay_scale = 1.0  # live" in lines  # live, no range
+    assert 'note = "fixed"' in lines  # fixed, no range: nothing to say
+    assert "count = 1  # [0, 10000]" in lines and "server_restart_window_s = 60.0  # (0, 86400]" in lines
+    assert "sandbox = 1.0" in lines  # a key of a table of values has no field of its own

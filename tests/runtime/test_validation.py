@@ -58,3 +58,4 @@ def test_paths_resolve_to_their_type_and_value() -> None:
     assert value_at(GOOD, "listed[0].x") == 4 and value_at(GOOD, "listed[9].x") is None
     assert did_you_mean("mnay", ["many", "maybe"]) == "; did you mean 'many'?"
     assert did_you_mean("zzz", ["b", "a"]) == "; valid keys here: a, b"
+    assert did_you_mean("mnay", ["many", "maybe"], "tree") == "; did you mean 'tree.many'?"
