@@ -198,9 +198,11 @@ class TrainerActor(StageActor):
                 log.error("weights_ahead_of_checkpoint", version=version, newest_published=published[-1],
                           fix="trainer.checkpoint_every = 1 keeps every announced version in a checkpoint")
         if not await self._collective(self.ranks.broadcast_plan, version in published):
-            # killed between its checkpoint and the manifest: publish it again
-            log.warning("weights_republishing", version=version, rank=self.layout.rank,
-                        newest_published=published[-1] if published else None)
+            if version == 0:  # the starting policy (no checkpoint yet): its first publication, at every fresh start
+                log.info("weights_publishing_starting_policy", version=version, rank=self.layout.rank)
+            else:  # killed between its checkpoint and the manifest: publish it again
+                log.warning("weights_republishing", version=version, rank=self.layout.rank,
+                            newest_published=published[-1] if published else None)
             await self._announce_when_durable(self._submit_weights())
             return
         if self.layout.rank == 0:
