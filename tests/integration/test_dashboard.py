@@ -256,6 +256,8 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         assert line.startswith("dashboard  http://"), f"ops.dashboard's first line: {line!r}"
         browser.get(line.split()[1])
         WebDriverWait(browser, 60).until(lambda d: _points(d, "chart-reward") >= len(trained))
+        (ended,) = run_events(run.run_dir, "supervisor_stopped")  # "stopped" here: the test stopped it
+        assert _text(browser, "#connection") == ended["outcome"], "how the run ended, not live"
         snapshot = json.loads(browser.execute_script("return JSON.stringify(window.dashboard.state.train)"))
         assert [r["version"] for r in snapshot] == trained, "the same curve as the run's metrics"
         _screenshot(browser, tmp_path, "dashboard-finished")
