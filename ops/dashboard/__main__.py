@@ -51,7 +51,7 @@ async def serve(run_dir: Path, host: str, port: int, sample_s: float) -> None:
             app = build_app(view, shelf=shelf)
         else:
             app = build_app(view, lambda key, raw: set_live_key(bus, run_dir, key, raw),
-                            lambda: scrape(bus, view.run_name), shelf)
+                            lambda: scrape(bus, info.run, config.runtime.run.name), shelf)
         server = WebServer(app, host, port)
         print(f"dashboard  {await server.start()}", flush=True)
         try:
