@@ -277,9 +277,11 @@ class Supervisor:
             await asyncio.wait({checks})  # not cancelled with it by `_retire`: that ends the checks, not this task
         finally:
             checks.cancel()  # this task cancelled (the process exited): its checks end with it
-        if checks.cancelled() or ap.retiring or self._stop.is_set() or ap.actor_id not in self.procs:
+        if checks.cancelled():  # ended by `_retire`
             return
         verdict = checks.result()
+        if ap.retiring or self._stop.is_set() or ap.actor_id not in self.procs:
+            return
         num_recent = self._count_restart(ap)
         log.error("actor_unhealthy", actor_kind=ap.kind, actor_id=ap.actor_id, pid=ap.pid, check=verdict.check,
                   reason=verdict.reason, limit_s=verdict.limit_s, num_recent_restarts=num_recent)
