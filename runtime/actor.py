@@ -251,10 +251,11 @@ class Actor:
         actor that died) or a drain request. ``run`` follows either way (a drained standby just stops)."""
         self._expect(ActorState.STARTING)
         self.state = ActorState.STANDBY
-        await self._register()
-        self._log.info("actor_standing_by", pid=self.identity.pid, host=self.identity.host)
+        # listening before the entry says standby: the health checks ping from then on (runtime.health)
         ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
         try:
+            await self._register()
+            self._log.info("actor_standing_by", pid=self.identity.pid, host=self.identity.host)
             async with asyncio.TaskGroup() as tg:
                 lease = tg.create_task(self._renew_lease())
                 await self._unless_drained(self._activated.wait())
