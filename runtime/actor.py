@@ -5,9 +5,10 @@
 An actor kind declares the queues it consumes, the message types it accepts, and (optionally) the
 configuration dataclass of its section. The base feeds at most ``max_concurrency`` handlers from the
 queue's durable pull consumer (shared by every actor of the kind), acks after success, naks with
-exponential backoff on failure, heartbeats ``in_progress`` while a handler runs, and dead-letters
-messages it cannot decode. Drain = stop fetching, finish in-flight handlers and every task they
-started, ack, flush, hand over state, stop (docs/ARCHITECTURE.md, "Actor lifecycle").
+exponential backoff on failure, heartbeats ``in_progress`` while a handler runs, acks (at info) work its
+handler drops on purpose (`runtime.errors.WorkDropped`), and dead-letters messages it cannot decode.
+Drain = stop fetching, finish in-flight handlers and every task they started, ack, flush, hand over
+state, stop (docs/ARCHITECTURE.md, "Actor lifecycle").
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from runtime.backoff import doubling
 from runtime.bus import Bus, BusLimits, Inbound, Queue, WorkMessage
 from runtime.bus_auth import BusAccess, control_subject
 from runtime.codec import Codec, Message
-from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError
+from runtime.errors import ActorFailed, ConfigError, LifecycleError, MessageError, WorkDropped
 from runtime.registry import handover_key, registration_key
 from runtime.work_timing import WorkTiming
 
@@ -250,10 +251,11 @@ class Actor:
         actor that died) or a drain request. ``run`` follows either way (a drained standby just stops)."""
         self._expect(ActorState.STARTING)
         self.state = ActorState.STANDBY
-        await self._register()
-        self._log.info("actor_standing_by", pid=self.identity.pid, host=self.identity.host)
+        # listening before the entry says standby: the health checks ping from then on (runtime.health)
         ctl = await self.bus.subscribe(control_subject(self.identity.kind, self.identity.actor_id), self._on_ctl)
         try:
+            await self._register()
+            self._log.info("actor_standing_by", pid=self.identity.pid, host=self.identity.host)
             async with asyncio.TaskGroup() as tg:
                 lease = tg.create_task(self._renew_lease())
                 await self._unless_drained(self._activated.wait())
@@ -436,7 +438,10 @@ class Actor:
                         finally:
                             beat.cancel()
             except Exception as e:  # a failing handler never kills the actor: nak and retry later
-                await self._failed(q, raw, type(msg).__name__, e, outages_before)
+                if isinstance(dropped := _leaf(e), WorkDropped):
+                    await self._dropped(q, raw, type(msg).__name__, dropped)
+                else:
+                    await self._failed(q, raw, type(msg).__name__, e, outages_before)
                 return
             if await self._settle(raw, "ack"):
                 self.num_handled += 1
@@ -465,6 +470,14 @@ class Actor:
         self._log.warning("handler_failed", queue=q.name, msg_type=msg_type, error=repr(error),
                           num_delivered=num_delivered, retry_in_s=delay, during_bus_outage=during_outage)
         await self._settle(raw, "nak", delay=delay)
+
+    async def _dropped(self, q: Queue, raw: WorkMessage, msg_type: str, why: WorkDropped) -> None:
+        """Work the run no longer wants (`WorkDropped`: expected, e.g. at the end of a run): acked at once, not
+        retried until it is dead-lettered as an error, since nothing about it is wrong; whoever ordered it keeps
+        its own record of it."""
+        self._log.info("work_dropped", queue=q.name, msg_type=msg_type, reason=str(why), subject=raw.subject,
+                       num_delivered=raw.num_delivered)
+        await self._settle(raw, "ack")
 
     async def _settle(self, raw: WorkMessage, verb: str, **kwargs: Any) -> bool:
         """Ack or nak; with the bus down the server redelivers after ``ack_wait`` (at-least-once), so a

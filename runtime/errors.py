@@ -30,6 +30,13 @@ class MessageError(ValueError):
         self.detail = detail
 
 
+class WorkDropped(RuntimeError):
+    """A handler's word that its message is work the run no longer wants done (the trainer is past the run's step
+    budget): the base acks it and says so at info (``work_dropped``); not a failure to retry, nor a dead letter,
+    which is for what nobody can handle. Whoever ordered the work keeps its own record of it (the reconciler's
+    table) and orders it again if it is ever wanted (a resumed run)."""
+
+
 class ConfigError(ValueError):
     """A configuration key is unknown, malformed or out of range; the message names the key."""
 

@@ -23,7 +23,9 @@ what does not exit, so that it is replaced too, and says why. Checks, on a clock
 is not a fault; a stuck actor is unhealthy at once). A process is first given ``start_grace_s`` to
 answer at all: loading a model takes a while, and an actor that never answers in that time is unhealthy
 too. Every decision is an event: ``health_check_failed`` per failure, ``health_check_recovered`` when a
-check passes again after failing, ``actor_unhealthy`` once.
+check passes again after failing, ``actor_unhealthy`` once. Checks end when the supervisor retires the actor
+(swap, stop, finish: `Supervisor._retire`, bounded by its drain timeout, TERM and KILL): one leaving on purpose
+stops answering before it exits, which is no failure.
 """
 
 from __future__ import annotations

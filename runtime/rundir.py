@@ -21,6 +21,7 @@ from runtime.errors import ConfigError
 
 RUN_INFO = "run.json"
 CONFIG_FILE = "config.toml"
+SUPERVISOR_LOG = "logs/supervisor.jsonl"  # runtime.up's events: how each start of the run here ended
 
 
 @dataclass(frozen=True)

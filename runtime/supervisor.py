@@ -61,7 +61,8 @@ class ActorProcess:
     proc: PlacedProcess
     started_at: float = field(default_factory=time.time)
     retiring: bool = False  # drained on purpose (swap, stop, unhealthy): its exit is not a crash
-    health: asyncio.Task[None] | None = None  # its health checks (runtime.health), while it runs
+    health: asyncio.Task[None] | None = None  # its health checks (runtime.health) and what a verdict sets off
+    checks: asyncio.Task[health.Verdict] | None = None  # the checks alone: they end when it is retired
     standby: bool = False  # a warm spare, not consuming until activated
     rank: int = 0  # its rank in its kind's process group (actors.<kind>.ranks > 1), kept across restarts
 
@@ -263,7 +264,15 @@ class Supervisor:
         (capacity comes back as soon as it can), then it is killed at once if it answers nothing or its
         work never ends, else drained, signalled, killed as on a stop. Its work in hand goes back to the
         queue when it dies unacknowledged, or is re-issued when its lease lapses."""
-        verdict = await health.watch(self.bus, ap.kind, ap.actor_id, self.config.health, self._unanswered_s[ap.kind])
+        ap.checks = checks = asyncio.create_task(
+            health.watch(self.bus, ap.kind, ap.actor_id, self.config.health, self._unanswered_s[ap.kind]))
+        try:
+            await asyncio.wait({checks})  # not cancelled with it by `_retire`: that ends the checks, not this task
+        finally:
+            checks.cancel()  # this task cancelled (the process exited): its checks end with it
+        if checks.cancelled():  # ended by `_retire`
+            return
+        verdict = checks.result()
         if ap.retiring or self._stop.is_set() or ap.actor_id not in self.procs:
             return
         num_recent = self._count_restart(ap)
@@ -320,6 +329,12 @@ class Supervisor:
     async def _retire(self, ap: ActorProcess) -> None:
         """Drain, then TERM, then KILL: whatever it takes, the process is gone when this returns."""
         ap.retiring = True
+        # Its health checks end here: on its way out it stops answering pings before its process exits, and each
+        # unanswered one was a failed liveness check (a warning) with nothing for a person to do; this retirement
+        # has its own bounds (drain timeout, TERM, KILL), and a verdict on a retiring actor was ignored anyway.
+        if ap.checks is not None:
+            ap.checks.cancel()
+            await asyncio.wait({ap.checks})  # ended before the drain request: no ping of theirs meets it leaving
         sup = self.config.supervisor
         drain_timeout = self.config.actors[ap.kind].drain_timeout_s
         try:

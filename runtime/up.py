@@ -74,7 +74,7 @@ from runtime.run_state import (
     publish_run,
     publish_run_state,
 )
-from runtime.rundir import CONFIG_FILE, RunInfo, new_run_dir
+from runtime.rundir import CONFIG_FILE, SUPERVISOR_LOG, RunInfo, new_run_dir
 from runtime.supervisor import Supervisor, open_backend
 from runtime.watchdog import Watchdog
 
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
     storage = dataclasses.replace(cfg.runtime.storage, url=cfg.runtime.storage.url or (run_dir / "blobs").as_uri())
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, storage=storage))
     (run_dir / CONFIG_FILE).write_text(dump_toml(cfg.to_toml_tree()))  # this machine's copy
-    event_log = EventLog(run_dir / "logs" / "supervisor.jsonl", "supervisor", "supervisor", cfg.runtime.log)
+    event_log = EventLog(run_dir / SUPERVISOR_LOG, "supervisor", "supervisor", cfg.runtime.log)
     event_log.install()
     terminal = None if args.quiet else sys.stdout
     try:

@@ -83,6 +83,7 @@ from runtime.actor_launch import RANK_ENV, WORLD_SIZE_ENV
 from runtime.blob import BlobError, BlobNotFound
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
+from runtime.errors import WorkDropped
 from runtime.gather import gather_or_cancel
 from runtime.metrics_log import metrics_key, numbered, write_metrics
 
@@ -101,8 +102,9 @@ def _on_device(device: torch.device, fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-class StepBudgetReached(RuntimeError):
-    """The run trained its ``run.steps``; further batches stay queued for a resumed run."""
+class StepBudgetReached(WorkDropped):
+    """The run trained its ``run.steps``: a further batch is the expected end of a run, dropped here (acked, at
+    info); the reconciler keeps it in its table and a resumed run with more steps issues it again."""
 
 
 PENDING_ROW = "trainer/pending-train-row.json"  # in the store: the last step's row until it is in the metrics
@@ -196,9 +198,11 @@ class TrainerActor(StageActor):
                 log.error("weights_ahead_of_checkpoint", version=version, newest_published=published[-1],
                           fix="trainer.checkpoint_every = 1 keeps every announced version in a checkpoint")
         if not await self._collective(self.ranks.broadcast_plan, version in published):
-            # killed between its checkpoint and the manifest: publish it again
-            log.warning("weights_republishing", version=version, rank=self.layout.rank,
-                        newest_published=published[-1] if published else None)
+            if version == 0:  # the starting policy (no checkpoint yet): its first publication, at every fresh start
+                log.info("weights_publishing_starting_policy", version=version, rank=self.layout.rank)
+            else:  # killed between its checkpoint and the manifest: publish it again
+                log.warning("weights_republishing", version=version, rank=self.layout.rank,
+                            newest_published=published[-1] if published else None)
             await self._announce_when_durable(self._submit_weights())
             return
         if self.layout.rank == 0:
@@ -279,8 +283,9 @@ class TrainerActor(StageActor):
             raise WorkRefused(f"batch {order.batch_id} names groups already trained {sorted(trained)}: "
                               "a group trains at most once")
         steps = self.ctx.run_steps
-        if steps and learner.version >= steps:  # nak: the batch waits for a resumed run with more steps
-            raise StepBudgetReached(f"the run's step budget ({steps}) is reached; batch {order.batch_id} waits")
+        if steps and learner.version >= steps:
+            raise StepBudgetReached(f"the run's step budget ({steps}) is reached; batch {order.batch_id} is left "
+                                    "to a resumed run with more steps")
         if learner.version > order.deadline_version:
             raise WorkRefused(f"trainer is at version {learner.version}, past the batch's deadline "
                               f"{order.deadline_version}: training it would exceed the staleness bound")

@@ -1,7 +1,9 @@
 """``python -m ops.dashboard [RUN_DIR] [--host H] [--port P]``: the dashboard of a live or finished run.
 
 Live when the run's bus answers (the same live views as the run's own dashboard actor, as the operator);
-otherwise the run's event files, read once (curves and events; no actors, slot table or live keys).
+otherwise the run's event files, read once (curves and events; no actors, slot table or live keys). A run
+whose supervisor said it ended (finished, stopped, failed) is served from its files at once, its bus not
+asked: the page says how it ended.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import structlog
 
 from ops._client import connect_or_none, fail, resolve_run_dir
-from ops.dashboard.feeds import feed_live, load_event_files, sample_fetcher, set_live_key
+from ops.dashboard.feeds import feed_live, load_event_files, run_end, sample_fetcher, set_live_key
 from ops.dashboard.model import RunView
 from ops.dashboard.prometheus import scrape
 from ops.dashboard.server import WebServer, build_app
@@ -36,15 +38,20 @@ async def serve(run_dir: Path, host: str, port: int, sample_s: float) -> None:
     async with open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None) as blob:
         samples = sample_fetcher(settings, blob, config.app)
         shelf = samples.shelf if samples else None
-        bus, reason = await connect_or_none(run_dir, "ops-dashboard", CONNECT_TIMEOUT_S)
+        end = run_end(run_dir, info.started_at)
+        bus, reason = (None, "") if end is not None else await connect_or_none(run_dir, "ops-dashboard",
+                                                                              CONNECT_TIMEOUT_S)
         if bus is None:
+            view.live, view.ended = False, end.outcome if end is not None else None
             num_events = load_event_files(run_dir, view, samples)
-            print(f"ops.dashboard: the run's bus does not answer ({reason}); showing the {num_events} events "
-                  f"under {run_dir / 'logs'} (not live)", file=sys.stderr)
+            why = (f"run {info.run} {end.outcome} at {end.at:%Y-%m-%d %H:%M:%S}Z" if end is not None else
+                   f"the run's bus does not answer ({reason})")
+            print(f"ops.dashboard: {why}; showing the {num_events} events under {run_dir / 'logs'} (not live)",
+                  file=sys.stderr)
             app = build_app(view, shelf=shelf)
         else:
             app = build_app(view, lambda key, raw: set_live_key(bus, run_dir, key, raw),
-                            lambda: scrape(bus, view.run_name), shelf)
+                            lambda: scrape(bus, info.run, config.runtime.run.name), shelf)
         server = WebServer(app, host, port)
         print(f"dashboard  {await server.start()}", flush=True)
         try:

@@ -39,7 +39,8 @@ class DashboardActor(Actor):
         self.view = RunView(self.ctx.run.name if self.ctx.run else run_dir.name)
         self.samples = sample_fetcher(self.settings_, self.ctx.blob, config.app)
         app = build_app(self.view, lambda key, raw: set_live_key(self.bus, run_dir, key, raw),
-                        lambda: scrape(self.bus, self.view.run_name), self.samples.shelf if self.samples else None)
+                        lambda: scrape(self.bus, self.ctx.run_id, self.view.run_name),
+                        self.samples.shelf if self.samples else None)
         self.server = await self._listen(app)
         self.exit_stack.push_async_callback(self.server.stop)
         self._log.info("dashboard_serving", url=self.server.url)

@@ -4,7 +4,8 @@ Live (the run's bus answers): the event log replayed from its start and then fol
 `runtime.bus.Bus.follow`, which survives bus outages), the live configuration watched in its KV bucket, and a
 status sample (registry, reconciler and trainer status) every ``sample_s``: the slot table and the
 actors are state, not events, so a chart of them over time is a series of samples. Offline (a finished
-run, or one whose bus does not answer): the event files under RUN_DIR/logs, read once.
+run, or one whose bus does not answer): the event files under RUN_DIR/logs, read once; a run whose supervisor
+said it stopped (`run_end`) is not asked for its bus at all.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import msgpack
@@ -21,12 +24,14 @@ from ops import config as ops_config
 from ops import status as ops_status
 from ops.dashboard.model import RunView
 from ops.dashboard.rollouts import RolloutShelf, SampleView, ShelfLimits
-from ops.tail import read_files
+from ops.tail import event_time, read_files
+from runtime.actor import raise_if_cancelled
 from runtime.blob import BlobStore
 from runtime.bus import Bus
 from runtime.errors import BusError
 from runtime.events import parse_event
 from runtime.run_config import DashboardSection, import_entry
+from runtime.rundir import SUPERVISOR_LOG
 
 log = structlog.get_logger()
 
@@ -44,6 +49,27 @@ def load_event_files(run_dir: Path, view: RunView, samples: SampleFetcher | None
             samples.notice(event)
         count += 1
     return count
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a run's start ended, as its supervisor said (``supervisor_stopped``)."""
+
+    outcome: str  # finished, stopped or failed (runtime.supervisor.Outcome)
+    at: datetime
+
+
+def run_end(run_dir: Path, started_at: float) -> RunEnd | None:
+    """How the run's latest start from ``run_dir`` (at ``started_at``, from its run.json) ended, read from its
+    supervisor's events; None while it has not said so (it runs, or it was killed). A stop before ``started_at``
+    is an earlier start's: the run was resumed here since."""
+    path = run_dir / SUPERVISOR_LOG
+    end = None
+    for _, event in read_files([path]) if path.is_file() else ():
+        if (event.get("event") == "supervisor_stopped" and (at := event_time(event)) is not None
+                and at.timestamp() >= started_at):
+            end = RunEnd(str(event.get("outcome")), at)
+    return end
 
 
 def sample_fetcher(settings: DashboardSection, blob: BlobStore | None, app_config: object) -> SampleFetcher | None:
@@ -167,6 +193,9 @@ async def sample_status(bus: Bus, view: RunView, sample_s: float) -> None:
             status = await ops_status.snapshot(bus)
         except BusError as e:
             status = {"actors": [], "unanswered": [{"id": "registry", "error": str(e)}]}
+        # a drain meets a request in flight at nearly every tick: one that swallowed the cancellation left this loop
+        # sampling on, and the dashboard actor never stopped
+        raise_if_cancelled()
         view.set_status(status, time.time())
         # a sampling clock, not a wait for a condition: the next sample is due sample_s after this one
         await asyncio.sleep(max(0.0, sample_s - (time.monotonic() - started)))

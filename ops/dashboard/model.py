@@ -64,6 +64,8 @@ class RunView:
     def __init__(self, run_name: str, limits: Limits = Limits()) -> None:
         self.run_name = run_name
         self.limits = limits
+        self.live = True  # fed by the run's bus; False: read from its files
+        self.ended: str | None = None  # read from its files: how it ended (finished, stopped, failed), if it said
         self.train: collections.deque[dict[str, Any]] = collections.deque(maxlen=limits.train_rows)
         self.eval: collections.deque[dict[str, Any]] = collections.deque(maxlen=limits.eval_rows)
         # events as their JSON lines: the page parses them; the dashboard parses only those it folds
@@ -163,6 +165,8 @@ class RunView:
         """Everything a freshly opened page needs, JSON-ready."""
         return {
             "run": self.run_name,
+            "live": self.live,
+            "ended": self.ended,
             "train": list(self.train),
             "eval": list(self.eval),
             "events": list(self.events),

@@ -1,4 +1,8 @@
-"""One Prometheus scrape target for a whole run: every live actor's metrics, labelled run, kind, actor.
+"""One Prometheus scrape target for a whole run: every live actor's metrics, labelled run, run_name, kind, actor.
+
+``run`` is the run's id (runtime.run_state: unique, stable across resumes), so that two runs scraped into one
+Prometheus never share a series; ``run_name`` is its configured name (``run.name``, "default" unless set), which
+runs share.
 
 A scrape asks each registered actor for its metrics on the bus (``ctl.<kind>.<id>.metrics``, all at once, each
 within a deadline), adds the labels, merges the families and answers in the text format. An actor that
@@ -38,6 +42,7 @@ DOCUMENTED = {
     "asyncrl_reconciler_lifecycle_lag_histogram": "trained samples per lag (label key)",
     "asyncrl_trainer_version": "the trainer's policy version",
 }
+LABELS = ("run", "run_name", "kind", "actor")  # on every series: the run's id and name, the actor's kind and id
 SCRAPE_TIMEOUT_S = 2.0
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -59,17 +64,18 @@ class _Merged(Collector):
         return self._families
 
 
-async def scrape(bus: Bus, run_name: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> bytes:
-    """Every registered, running actor's metrics, merged, in the Prometheus text format."""
+async def scrape(bus: Bus, run_id: str, run_name: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> bytes:
+    """Every registered, running actor's metrics, merged, in the Prometheus text format, labelled ``run`` (the
+    run's id) and ``run_name``."""
     actors, _ = await ops_status.registered(bus)
     actors = [a for a in actors if a.get("state") in ("running", "draining")]
     texts = await asyncio.gather(*(_actor_metrics(bus, a["kind"], a["id"], timeout_s) for a in actors))
     merged: dict[str, Metric] = {}
     up = GaugeMetricFamily("asyncrl_scrape_up", "1 if the actor answered this scrape in time, else 0.",
-                           labels=["run", "kind", "actor"])
+                           labels=list(LABELS))
     for actor, text in zip(actors, texts, strict=True):
-        labels = {"run": run_name, "kind": actor["kind"], "actor": actor["id"]}
-        up.add_metric([run_name, actor["kind"], actor["id"]], 0.0 if text is None else 1.0)
+        labels = dict(zip(LABELS, (run_id, run_name, actor["kind"], actor["id"]), strict=True))
+        up.add_metric(list(labels.values()), 0.0 if text is None else 1.0)
         for family in text_string_to_metric_families(text or ""):
             into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             for sample in family.samples:

@@ -7,7 +7,7 @@
     GET  /api/samples/ID   one kept sample whole: its tokens, versions, loss mask, reward, tests, group, and its
                            behaviour and (once trained) trainer log-probs per token
     POST /api/config       {"key": "...", "value": "..."}: a live key, validated as ``ops.config set`` does
-    GET  /metrics          every actor's Prometheus metrics, labelled run, kind, actor (live runs)
+    GET  /metrics          every actor's Prometheus metrics, labelled run (its id), run_name, kind, actor (live runs)
     GET  /healthz          200 while the server runs
 
 The stream is event-driven: an update is sent when the run produces it. A browser that cannot keep up

@@ -24,7 +24,7 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from ops.dashboard.prometheus import DOCUMENTED
+from ops.dashboard.prometheus import DOCUMENTED, LABELS
 from runtime.metrics_log import read_run_metrics
 from tests.browser import browser, console_errors  # noqa: F401 - the fixture
 from tests.integration.harness import REPO, LiveRun, run_events
@@ -221,7 +221,9 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
 
         first_scrape = await until(scrape_of_every_kind, 60, f"a scrape answered by every kind of {every_kind}")
         assert set(DOCUMENTED) <= set(first_scrape), set(DOCUMENTED) - set(first_scrape)
-        assert all({"run", "kind", "actor"} <= set(s.labels) for f in first_scrape.values() for s in f.samples)
+        assert all(set(LABELS) <= set(s.labels) for f in first_scrape.values() for s in f.samples)
+        # the run's id, not its name ("default", as every other run's): two runs' series never collide
+        assert {s.labels["run"] for f in first_scrape.values() for s in f.samples} == {run.info.run}
         trained = _trained_samples(first_scrape)
 
         async def counter_moved() -> bool:  # each scrape is a fresh reading of the run
@@ -256,6 +258,8 @@ async def test_dashboard_live_in_a_browser(tmp_path: Path, starting_policy: Path
         assert line.startswith("dashboard  http://"), f"ops.dashboard's first line: {line!r}"
         browser.get(line.split()[1])
         WebDriverWait(browser, 60).until(lambda d: _points(d, "chart-reward") >= len(trained))
+        (ended,) = run_events(run.run_dir, "supervisor_stopped")  # "stopped" here: the test stopped it
+        assert _text(browser, "#connection") == ended["outcome"], "how the run ended, not live"
         snapshot = json.loads(browser.execute_script("return JSON.stringify(window.dashboard.state.train)"))
         assert [r["version"] for r in snapshot] == trained, "the same curve as the run's metrics"
         _screenshot(browser, tmp_path, "dashboard-finished")

@@ -82,6 +82,8 @@ async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) 
     train = await _rows(run.run_dir, "train")
     evals = await _rows(run.run_dir, "eval")
     assert [r["version"] for r in train] == [1, 2, 3, 4], "versions advanced one per step"
+    # the end of a healthy run needs nobody: orders past the step budget are dropped (work_dropped, info)
+    assert [e["detail"] for e in run_events(run.run_dir, "message_dead_lettered")] == []
     assert {e["version"] for e in evals} >= {0, 4}, "held-out evaluation at the start and at the end"
     assert any(r["num_versions_in_batch"] >= 2 for r in train), "samples of 2+ policy versions trained together"
     assert max(r["lag_max"] for r in train) <= 2, "lag within eta"

@@ -400,7 +400,13 @@ function load(snapshot) {
 function connect() {
   const badge = document.getElementById("connection");
   const source = new EventSource("/api/stream");
-  source.addEventListener("snapshot", m => { load(JSON.parse(m.data)); badge.textContent = "live"; badge.className = "badge live"; });
+  source.addEventListener("snapshot", m => {
+    const snapshot = JSON.parse(m.data);
+    load(snapshot);
+    // a run served from its files: how it ended (its supervisor's outcome), or "not live" if it never said
+    badge.textContent = snapshot.live ? "live" : (snapshot.ended || "not live");
+    badge.className = snapshot.live ? "badge live" : "badge offline";
+  });
   source.addEventListener("updates", m => { for (const u of JSON.parse(m.data)) apply(u); });
   source.addEventListener("closing", () => { badge.textContent = "dashboard stopped"; badge.className = "badge offline"; });
   source.onerror = () => { badge.textContent = "reconnecting"; badge.className = "badge lost"; };  // EventSource retries
