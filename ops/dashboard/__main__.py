@@ -33,7 +33,7 @@ CONNECT_TIMEOUT_S = 3.0
 async def serve(run_dir: Path, host: str, port: int, sample_s: float) -> None:
     view = RunView(run_dir.name)
     info = RunInfo.read(run_dir)
-    config = load_run_config([run_dir / CONFIG_FILE])
+    config = load_run_config([run_dir / CONFIG_FILE], import_actors=False)  # no actor code (torch) to import
     settings = config.runtime.dashboard
     async with open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None) as blob:
         samples = sample_fetcher(settings, blob, config.app)

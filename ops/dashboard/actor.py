@@ -34,7 +34,7 @@ class DashboardActor(Actor):
 
     async def setup(self) -> None:
         run_dir = Path(self.ctx.run_dir)
-        config = load_run_config([run_dir / CONFIG_FILE])
+        config = load_run_config([run_dir / CONFIG_FILE], import_actors=False)  # no actor code (torch) to import
         self.settings_ = config.runtime.dashboard
         self.view = RunView(self.ctx.run.name if self.ctx.run else run_dir.name)
         self.samples = sample_fetcher(self.settings_, self.ctx.blob, config.app)
