@@ -2,7 +2,7 @@
 # The test suite: bootstrap if needed, lint, then every test; the 20 slowest are listed at the end.
 #   scripts/test.sh           everything (CI and the README's command)
 #   scripts/test.sh --fast    unit and property tests only: no test that runs the whole system (marker `system`)
-#                             and none of a minute or more (marker `slow`)
+#                             and none of half a minute or more (marker `slow`)
 # Tests run on parallel workers (pytest-xdist, one per core and one more; TEST_WORKERS overrides, 0 runs them in this
 # process), fed two at a time in the order tests/conftest.py gives (the longest first). Other arguments go
 # to pytest.
