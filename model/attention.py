@@ -12,6 +12,7 @@ are attended in one batched call (queries of a KV group stacked as G rows), long
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ class AttentionBatch:
     position_ids_T: torch.Tensor
     cache: KVCache | None = None
     slots: tuple[int, ...] = ()
+    starts: tuple[int, ...] = ()  # first packed row of each sequence
     # derived for the batched one-token path (empty without a cache)
     decode_seqs: tuple[int, ...] = ()
     decode_rows_B: torch.Tensor | None = None
@@ -41,12 +43,9 @@ class AttentionBatch:
     decode_mask_B11L: torch.Tensor | None = None
 
     @property
-    def starts(self) -> list[int]:
-        out, acc = [], 0
-        for n in self.seq_lens:
-            out.append(acc)
-            acc += n
-        return out
+    def all_decode(self) -> bool:
+        """Every sequence feeds one token after a cached prefix: the rows are the decode batch, in order."""
+        return len(self.decode_seqs) == len(self.seq_lens)
 
     @classmethod
     def packed(cls, seq_lens: list[int] | tuple[int, ...], device: torch.device | str = "cpu") -> AttentionBatch:
@@ -56,24 +55,31 @@ class AttentionBatch:
             seq_lens=tuple(int(n) for n in seq_lens),
             past_lens=(0,) * len(seq_lens),
             position_ids_T=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=device),
+            starts=_starts(seq_lens),
         )
 
     @classmethod
     def cached(cls, cache: KVCache, slots: list[int], past_lens: list[int], seq_lens: list[int]) -> AttentionBatch:
-        """Generation layout: sequence i continues slot `slots[i]` after `past_lens[i]` cached positions."""
+        """Generation layout: sequence i continues slot `slots[i]` after `past_lens[i]` cached positions.
+
+        Built once per step from Python lists; a decode-only step (the common one) makes four small tensors.
+        """
         device = cache.k[0].device
         cache.ensure_capacity(max(p + n for p, n in zip(past_lens, seq_lens, strict=True)))
-        pairs = list(zip(past_lens, seq_lens, strict=True))
-        positions = torch.cat([torch.arange(p, p + n, device=device) for p, n in pairs])
-        decode = tuple(i for i, (p, n) in enumerate(pairs) if n == 1 and p > 0)
+        starts = _starts(seq_lens)
+        decode = tuple(i for i, (p, n) in enumerate(zip(past_lens, seq_lens, strict=True)) if n == 1 and p > 0)
+        all_decode = len(decode) == len(seq_lens)
+        if all_decode:  # one token per sequence, at position past_len
+            positions = torch.tensor(past_lens, device=device)
+        else:
+            spans = zip(past_lens, seq_lens, strict=True)
+            positions = torch.cat([torch.arange(p, p + n, device=device) for p, n in spans])
         extra: dict[str, object] = {}
         if decode:
-            starts = torch.tensor(seq_lens, device=device).cumsum(0) - torch.tensor(seq_lens, device=device)
-            idx = torch.tensor(decode, device=device)
-            pos_B = torch.tensor([past_lens[i] for i in decode], device=device)
-            max_len = int(pos_B.max()) + 1
+            pos_B = positions if all_decode else torch.tensor([past_lens[i] for i in decode], device=device)
+            max_len = max(past_lens[i] for i in decode) + 1
             extra = {
-                "decode_rows_B": starts[idx],
+                "decode_rows_B": None if all_decode else torch.tensor([starts[i] for i in decode], device=device),
                 "decode_slots_B": torch.tensor([slots[i] for i in decode], device=device),
                 "decode_pos_B": pos_B,
                 "decode_mask_B11L": (torch.arange(max_len, device=device) <= pos_B[:, None])[:, None, None, :],
@@ -84,9 +90,14 @@ class AttentionBatch:
             position_ids_T=positions,
             cache=cache,
             slots=tuple(slots),
+            starts=starts,
             decode_seqs=decode,
             **extra,  # type: ignore[arg-type]
         )
+
+
+def _starts(seq_lens: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(itertools.accumulate(seq_lens, initial=0))[:-1]
 
 
 def _sdpa_runs(q_THHd: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
@@ -126,11 +137,12 @@ class Attention(nn.Module):
         self.k_norm: nn.Module = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else nn.Identity()
 
     def forward(
-        self, x_TD: torch.Tensor, cos_THd: torch.Tensor, sin_THd: torch.Tensor, batch: AttentionBatch
+        self, x_TD: torch.Tensor, cos_T1Hd: torch.Tensor, sin_T1Hd: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
+        """`cos_T1Hd`, `sin_T1Hd`: the rotary tables of `RotaryEmbedding.forward` (sin sign-folded)."""
         t = x_TD.shape[0]
-        q = apply_rotary(self.q_norm(self.q_proj(x_TD).view(t, self.num_heads, self.head_dim)), cos_THd, sin_THd)
-        k = apply_rotary(self.k_norm(self.k_proj(x_TD).view(t, self.num_kv_heads, self.head_dim)), cos_THd, sin_THd)
+        q = apply_rotary(self.q_norm(self.q_proj(x_TD).view(t, self.num_heads, self.head_dim)), cos_T1Hd, sin_T1Hd)
+        k = apply_rotary(self.k_norm(self.k_proj(x_TD).view(t, self.num_kv_heads, self.head_dim)), cos_T1Hd, sin_T1Hd)
         v = self.v_proj(x_TD).view(t, self.num_kv_heads, self.head_dim)
         if batch.cache is None:
             o = _sdpa_runs(q, k, v, batch.seq_lens)
@@ -139,6 +151,8 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        if batch.all_decode:  # the rows are the decode batch: no gathering or scattering of rows
+            return self._decode(q, k, v, batch)
         cache, layer = batch.cache, self.layer_idx
         assert cache is not None
         o = torch.empty_like(q)
@@ -160,17 +174,19 @@ class Attention(nn.Module):
             )
             o[sl] = out[0].transpose(0, 1)
         if batch.decode_seqs:
-            o[batch.decode_rows_B] = self._decode(q, k, v, batch)
+            rows = batch.decode_rows_B
+            assert rows is not None
+            o[rows] = self._decode(q[rows], k[rows], v[rows], batch)
         return o
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """One new token per decode sequence (q, k, v hold just those rows): write its key/value, attend."""
         cache, layer = batch.cache, self.layer_idx
-        assert cache is not None and batch.decode_rows_B is not None and batch.decode_mask_B11L is not None
-        rows = batch.decode_rows_B
-        cache.write_tokens(layer, batch.decode_slots_B, batch.decode_pos_B, k[rows], v[rows])
+        assert cache is not None and batch.decode_slots_B is not None and batch.decode_mask_B11L is not None
+        cache.write_tokens(layer, batch.decode_slots_B, batch.decode_pos_B, k, v)
         slots = [batch.slots[i] for i in batch.decode_seqs]
         keys, vals = cache.read(layer, slots, batch.decode_slots_B, batch.decode_mask_B11L.shape[-1])
-        b, groups = rows.shape[0], self.num_heads // self.num_kv_heads
-        q_BHkvGHd = q[rows].view(b, self.num_kv_heads, groups, self.head_dim)
+        b, groups = q.shape[0], self.num_heads // self.num_kv_heads
+        q_BHkvGHd = q.view(b, self.num_kv_heads, groups, self.head_dim)
         out = F.scaled_dot_product_attention(q_BHkvGHd, keys, vals, attn_mask=batch.decode_mask_B11L)
         return out.reshape(b, self.num_heads, self.head_dim)
