@@ -100,18 +100,17 @@ def reference_experts_forward(
         w_gate, w_up = w_gate_EFD.unbind(0), w_up_EFD.unbind(0)
     w_down = w_down_EDF.unbind(0)
     outs: list[torch.Tensor] = []
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
+    # split, not slicing: a slice's backward fills a zero buffer the size of x_SD per expert and adds them
+    # up (E full-size fills per layer); split's backward is one concatenation.
+    for e, xs_ND in enumerate(x_SD.split(counts)):
+        if xs_ND.shape[0] == 0:
             continue
-        xs_ND = x_SD[start : start + n]
         if fuse:
-            gu_N2F = F.linear(xs_ND, w_gu[e])
-            h_NF = F.silu(gu_N2F[:, :f]) * gu_N2F[:, f:]
+            gate_NF, up_NF = F.linear(xs_ND, w_gu[e]).split(f, dim=1)
+            h_NF = F.silu(gate_NF) * up_NF
         else:
             h_NF = F.silu(F.linear(xs_ND, w_gate[e])) * F.linear(xs_ND, w_up[e])
         outs.append(F.linear(h_NF, w_down[e]))
-        start += n
     if not outs:
         return torch.zeros_like(x_TD)
     # combine: back to (token, slot) order, weight by the gates, sum the K slots of each token
