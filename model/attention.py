@@ -35,12 +35,16 @@ class AttentionBatch:
     cache: KVCache | None = None
     slots: tuple[int, ...] = ()
     starts: tuple[int, ...] = ()  # first packed row of each sequence
+    # sequences feeding several tokens, in runs attended with one call each (empty without a cache)
+    prefill_runs: tuple[PrefillRun, ...] = ()
     # derived for the batched one-token path (empty without a cache)
     decode_seqs: tuple[int, ...] = ()
+    decode_slots: tuple[int, ...] = ()
+    decode_len: int = 0  # keys attended: the longest decode sequence's prefix + 1
     decode_rows_B: torch.Tensor | None = None
     decode_slots_B: torch.Tensor | None = None
     decode_pos_B: torch.Tensor | None = None
-    decode_mask_B11L: torch.Tensor | None = None
+    decode_mask_B11L: torch.Tensor | None = None  # None: every row attends to all decode_len keys
 
     @property
     def all_decode(self) -> bool:
@@ -76,13 +80,20 @@ class AttentionBatch:
             positions = torch.cat([torch.arange(p, p + n, device=device) for p, n in spans])
         extra: dict[str, object] = {}
         if decode:
-            pos_B = positions if all_decode else torch.tensor([past_lens[i] for i in decode], device=device)
-            max_len = max(past_lens[i] for i in decode) + 1
+            pasts = [past_lens[i] for i in decode]
+            pos_B = positions if all_decode else torch.tensor(pasts, device=device)
+            max_len = max(pasts) + 1
+            # equal prefixes (the usual batch of equal prompts): no mask, the same numbers, a faster kernel
+            ragged = min(pasts) + 1 < max_len
             extra = {
+                "decode_slots": tuple(slots[i] for i in decode),
+                "decode_len": max_len,
                 "decode_rows_B": None if all_decode else torch.tensor([starts[i] for i in decode], device=device),
                 "decode_slots_B": torch.tensor([slots[i] for i in decode], device=device),
                 "decode_pos_B": pos_B,
-                "decode_mask_B11L": (torch.arange(max_len, device=device) <= pos_B[:, None])[:, None, None, :],
+                "decode_mask_B11L": (
+                    (torch.arange(max_len, device=device) <= pos_B[:, None])[:, None, None, :] if ragged else None
+                ),
             }
         return cls(
             seq_lens=tuple(seq_lens),
@@ -91,9 +102,46 @@ class AttentionBatch:
             cache=cache,
             slots=tuple(slots),
             starts=starts,
+            prefill_runs=_prefill_runs(starts, seq_lens, past_lens, slots, set(decode)),
             decode_seqs=decode,
             **extra,  # type: ignore[arg-type]
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRun:
+    """`num_seqs` packed sequences of `seq_len` tokens from row `start`, in slots `first_slot`, `first_slot` + 1,
+    ..., each after `past` cached positions."""
+
+    start: int
+    num_seqs: int
+    seq_len: int
+    first_slot: int
+    past: int
+
+
+def _prefill_runs(
+    starts: tuple[int, ...], seq_lens: list[int], past_lens: list[int], slots: list[int], decode: set[int]
+) -> tuple[PrefillRun, ...]:
+    """Group the multi-token sequences: fresh ones (no cached prefix) of equal length in consecutive slots
+    share a run (one cache write and one attention call per layer); any other is a run of its own."""
+    runs: list[PrefillRun] = []
+    for i, (start, n, past, slot) in enumerate(zip(starts, seq_lens, past_lens, slots, strict=True)):
+        if i in decode:
+            continue
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and past == 0
+            and last.past == 0
+            and n == last.seq_len
+            and start == last.start + last.num_seqs * n
+            and slot == last.first_slot + last.num_seqs
+        ):
+            runs[-1] = dataclasses.replace(last, num_seqs=last.num_seqs + 1)
+        else:
+            runs.append(PrefillRun(start, 1, n, slot, past))
+    return tuple(runs)
 
 
 def _starts(seq_lens: list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -156,16 +204,14 @@ class Attention(nn.Module):
         cache, layer = batch.cache, self.layer_idx
         assert cache is not None
         o = torch.empty_like(q)
-        decode = set(batch.decode_seqs)
-        for i, start in enumerate(batch.starts):
-            if i in decode:
-                continue
-            n, past, slot = batch.seq_lens[i], batch.past_lens[i], batch.slots[i]
-            sl = slice(start, start + n)
-            cache.write_span(layer, slot, past, k[sl], v[sl])
+        for run in batch.prefill_runs:
+            m, n, past = run.num_seqs, run.seq_len, run.past
+            sl = slice(run.start, run.start + m * n)
+            cache.write_spans(layer, run.first_slot, m, past, k[sl], v[sl])
             if past == 0:
-                o[sl] = _sdpa_runs(q[sl], k[sl], v[sl], (n,))
+                o[sl] = _sdpa_runs(q[sl], k[sl], v[sl], (n,) * m)
                 continue
+            slot = run.first_slot
             keys, vals = cache.read(layer, [slot], torch.tensor([slot], device=q.device), past + n)
             positions = torch.arange(past + n, device=q.device)
             mask = positions[None, :] <= positions[past:, None]
@@ -182,10 +228,9 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """One new token per decode sequence (q, k, v hold just those rows): write its key/value, attend."""
         cache, layer = batch.cache, self.layer_idx
-        assert cache is not None and batch.decode_slots_B is not None and batch.decode_mask_B11L is not None
+        assert cache is not None and batch.decode_slots_B is not None and batch.decode_pos_B is not None
         cache.write_tokens(layer, batch.decode_slots_B, batch.decode_pos_B, k, v)
-        slots = [batch.slots[i] for i in batch.decode_seqs]
-        keys, vals = cache.read(layer, slots, batch.decode_slots_B, batch.decode_mask_B11L.shape[-1])
+        keys, vals = cache.read(layer, batch.decode_slots, batch.decode_slots_B, batch.decode_len)
         b, groups = q.shape[0], self.num_heads // self.num_kv_heads
         q_BHkvGHd = q.view(b, self.num_kv_heads, groups, self.head_dim)
         out = F.scaled_dot_product_attention(q_BHkvGHd, keys, vals, attn_mask=batch.decode_mask_B11L)
