@@ -186,9 +186,9 @@ class EngineCore:
         self.num_prefill_tokens += sum(n for n in lens if n > 1)
         layout = AttentionBatch.cached(
             self.cache,
-            [r.slot for r in batch],  # type: ignore[misc]
+            [r.slot for r in batch],
             [r.num_cached for r in batch],
-            lens,
+            lens,  # type: ignore[misc]
         )
         device = self.cache.k[0].device
         ids_T = torch.tensor([t for f in feed for t in f], device=device)

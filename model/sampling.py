@@ -111,7 +111,7 @@ def sample_tokens(
     if any(sampled):
         logp_BV = _nucleus(tempered_BV, temps, [p.top_p for p in params])
         draws = zip(generators, sampled, strict=True)
-        u_B = torch.tensor([float(torch.rand((), generator=g)) if s else 0.0 for g, s in draws])
+        u_B = torch.tensor([float(torch.rand((), generator=g)) if s else 0.0 for g, s in draws], dtype=torch.float32)
         cdf_BV = logp_BV.exp().cumsum(-1)
         drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
         drawn_B = drawn_B.clamp(max=logits_BV.shape[1] - 1)
