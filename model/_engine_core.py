@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,7 +43,8 @@ class Request:
     params: SamplingParams
     generator: torch.Generator
     max_len: int
-    topk_ids_TLK: torch.Tensor
+    # expert ids of positions [0, num_cached), as views of each step's (rows, L, K) output, in order
+    topk_chunks: list[torch.Tensor] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     swaps: list[WeightSwap] = dataclasses.field(default_factory=list)
@@ -105,10 +107,8 @@ class EngineCore:
             raise ValueError("stop_strings need the engine to be built with a detokenize function")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seed_gen))
         max_len = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
-        cfg = self.model.config
-        topk = torch.full((max_len, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, dtype=torch.int16)
         self._next_id += 1
-        return Request(self._next_id, prompt, len(prompt), params, torch.Generator().manual_seed(seed), max_len, topk)
+        return Request(self._next_id, prompt, len(prompt), params, torch.Generator().manual_seed(seed), max_len)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -162,8 +162,10 @@ class EngineCore:
 
     def _check_kv(self, req: Request) -> None:
         assert req.slot is not None
+        if not req.num_cached or req.kept_stale_kv:
+            return
         versions = self.cache.versions(req.slot)
-        if req.num_cached and versions != {self.version} and not req.kept_stale_kv:
+        if versions != {self.version}:
             raise EngineError(
                 f"request {req.request_id}: KV slot holds versions {sorted(versions)} but the model is at "
                 f"version {self.version} and no KEEP policy was recorded; refusing to attend over stale KV"
@@ -188,19 +190,21 @@ class EngineCore:
             [r.num_cached for r in batch],
             lens,  # type: ignore[misc]
         )
-        ids_T = torch.tensor([t for f in feed for t in f], device=self.cache.k[0].device)
-        rows = torch.tensor(lens).cumsum(0) - 1
+        device = self.cache.k[0].device
+        ids_T = torch.tensor([t for f in feed for t in f], device=device)
+        # logits of each sequence's last row only (every row already is one when each feeds one token)
+        rows = None if len(ids_T) == len(batch) else torch.tensor(list(itertools.accumulate(lens)), device=device) - 1
         with torch.inference_mode():
-            out = self.model(ids_T, batch=layout, logits_rows=rows.to(ids_T.device))
+            out = self.model(ids_T, batch=layout, logits_rows=rows)
         tokens, logprobs = sample_tokens(
             out.logits.float().cpu(), [r.params for r in batch], [r.generator for r in batch]
         )
         topk = out.topk_ids_TLK.to(device="cpu", dtype=torch.int16)
         finished: list[tuple[int, Generation]] = []
-        start = 0
-        for req, n, token, lp in zip(batch, lens, tokens, logprobs, strict=True):
-            req.topk_ids_TLK[req.num_cached : req.num_cached + n] = topk[start : start + n]
-            start += n
+        for req, start, n, token, lp in zip(batch, layout.starts, lens, tokens, logprobs, strict=True):
+            if req.num_cached == 0:  # (re)computed from position 0: earlier rows are superseded
+                req.topk_chunks.clear()
+            req.topk_chunks.append(topk[start : start + n])
             assert req.slot is not None
             self.cache.mark_written(req.slot, self.version)
             req.num_cached += n
@@ -240,11 +244,20 @@ class EngineCore:
             token_ids=tuple(req.tokens[req.num_prompt :]),
             logprobs=tuple(req.logprobs),
             versions=tuple(req.versions),
-            topk_ids_TLK=req.topk_ids_TLK[: len(req.tokens)].clone(),
+            topk_ids_TLK=self._topk_rows(req),
             finish_reason=reason,
             swaps=tuple(req.swaps),
             logprob_temperature=logprob_temperature(req.params),
         )
+
+    def _topk_rows(self, req: Request) -> torch.Tensor:
+        """(P + N, L, K) expert ids of every position; -1 rows for positions never fed (the last one)."""
+        cfg = self.model.config
+        rows = torch.full((len(req.tokens), cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, dtype=torch.int16)
+        if req.topk_chunks:
+            fed = torch.cat(req.topk_chunks)
+            rows[: len(fed)] = fed
+        return rows
 
     def run_until_done(self) -> list[tuple[int, Generation]]:
         """Step until nothing is waiting or running (synchronous use: tests, benchmarks, scripts)."""

@@ -2,8 +2,9 @@
 
 Many coroutines call `await engine.generate(prompt_ids, params)`; one background loop owned by the engine
 batches them. Each iteration hands the loop's inbox (new requests, cancellations, weight updates) to
-`EngineCore.step` running in a worker thread (`asyncio.to_thread`), one step at a time, so the event loop
-stays responsive while the model runs. Weight updates are applied between two steps: the pause is the
+`EngineCore.step` running in the engine's own worker thread (`model.step_thread`, with
+`EngineConfig.intra_op_threads` intra-op threads), one step at a time, so the event loop stays responsive
+while the model runs. Weight updates are applied between two steps: the pause is the
 parameter copy. Each running sequence then follows the update's `KVPolicy` (recorded in its
 `Generation.swaps`), and the core refuses to attend over KV of another version unless KEEP was chosen.
 
@@ -14,6 +15,8 @@ Lifecycle: CREATED --start()--> RUNNING --stop()--> STOPPED (idempotent; wrong-s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import dataclasses
 import enum
 from collections.abc import Callable, Sequence
@@ -26,6 +29,7 @@ from model.checkpoint import checked_state
 from model.errors import EngineError, EngineStateError
 from model.generation import EngineConfig, FinishReason, Generation, KVPolicy, WeightSwap
 from model.sampling import SamplingParams
+from model.step_thread import step_executor
 from model.transformer import MoETransformer
 
 __all__ = [
@@ -89,6 +93,7 @@ class GenerationEngine:
         self._futures: dict[int, asyncio.Future[Generation]] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # the step thread, from start()
         self._stopping = False
         self._stepping = False  # a step runs in the worker thread
         self._stepped: asyncio.Event | None = None  # set (and replaced) at the end of every step
@@ -127,6 +132,7 @@ class GenerationEngine:
         self._require(EngineStatus.CREATED, "start")
         self._wake = asyncio.Event()
         self._stepped = asyncio.Event()
+        self._executor = step_executor(self._core.config.intra_op_threads)
         self._task = asyncio.create_task(self._loop(), name="generation-engine")
         self._status = EngineStatus.RUNNING
         log.info("engine_started", version=self.version, max_batch_size=self._core.config.max_batch_size)
@@ -145,6 +151,8 @@ class GenerationEngine:
             self._fail_outstanding(EngineStateError("engine stopped before the request finished"))
             if self._status is not EngineStatus.FAILED:
                 self._status = EngineStatus.STOPPED
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)  # no step is left: the loop has ended
             if self._stepped is not None:
                 self._stepped.set()  # a liveness check waiting for a step that will not come
             log.info("engine_stopped", status=self._status.value)
@@ -244,7 +252,8 @@ class GenerationEngine:
         return core.step()
 
     async def _loop(self) -> None:
-        assert self._wake is not None
+        assert self._wake is not None and self._executor is not None
+        loop = asyncio.get_running_loop()
         while not self._stopping:
             if not (self._inbox or self._cancelled or self._updates or self._core.has_work):
                 self._wake.clear()
@@ -253,7 +262,8 @@ class GenerationEngine:
             requests, cancelled, updates = self._take_inputs()
             self._stepping = True
             try:
-                finished = await asyncio.to_thread(self._step, requests, cancelled, updates)
+                run = contextvars.copy_context().run  # as asyncio.to_thread: the step logs with our context
+                finished = await loop.run_in_executor(self._executor, run, self._step, requests, cancelled, updates)
             except Exception as exc:
                 log.exception("engine_step_failed")
                 self._status = EngineStatus.FAILED

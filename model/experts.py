@@ -10,7 +10,9 @@ Every MoE block calls its experts through an `ExpertsFn`:
 
 `reference_experts_forward` is the plain torch definition (the numerics every low-precision variant in
 `low_precision/` is measured against). It groups tokens by expert with a stable sort, so one token's result does
-not depend on which other tokens share the batch.
+not depend on which other tokens share the batch. Without autograd (generation, scoring) it runs each
+projection of all experts as one `grouped_mm` call, which on CPU does the same per-expert matmuls as the
+loop, bit for bit, minus ~3 Python-level calls per expert per layer (the bulk of a decode step's overhead).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def reference_experts_forward(
     """Plain torch SwiGLU experts; differentiable in x, the weights and the gates."""
     num_experts = w_gate_EFD.shape[0]
     num_tokens, top_k = topk_ids_TK.shape
+    if _grouped_mm_applies(x_TD, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
+        return _grouped_experts_no_grad(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
     order_S, _, counts = sort_by_expert(topk_ids_TK, num_experts)
     inverse_S = torch.empty_like(order_S)
     inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
@@ -89,27 +93,69 @@ def reference_experts_forward(
     # Unbind once: indexing w[e] per expert would make backward build E full-size gradient buffers.
     # With enough rows per expert, one (2F, D) matmul for gate and up beats two (F, D) ones, even after
     # paying for the concatenated copy of the weights.
-    fuse = order_S.numel() >= _FUSE_ROWS_PER_EXPERT * num_experts
+    fuse = _fuse_gate_up(order_S.numel(), num_experts)
     if fuse:
         w_gu = torch.cat([w_gate_EFD, w_up_EFD], dim=1).unbind(0)
     else:
         w_gate, w_up = w_gate_EFD.unbind(0), w_up_EFD.unbind(0)
     w_down = w_down_EDF.unbind(0)
     outs: list[torch.Tensor] = []
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
+    # split, not slicing: a slice's backward fills a zero buffer the size of x_SD per expert and adds them
+    # up (E full-size fills per layer); split's backward is one concatenation.
+    for e, xs_ND in enumerate(x_SD.split(counts)):
+        if xs_ND.shape[0] == 0:
             continue
-        xs_ND = x_SD[start : start + n]
         if fuse:
-            gu_N2F = F.linear(xs_ND, w_gu[e])
-            h_NF = F.silu(gu_N2F[:, :f]) * gu_N2F[:, f:]
+            gate_NF, up_NF = F.linear(xs_ND, w_gu[e]).split(f, dim=1)
+            h_NF = F.silu(gate_NF) * up_NF
         else:
             h_NF = F.silu(F.linear(xs_ND, w_gate[e])) * F.linear(xs_ND, w_up[e])
         outs.append(F.linear(h_NF, w_down[e]))
-        start += n
     if not outs:
         return torch.zeros_like(x_TD)
     # combine: back to (token, slot) order, weight by the gates, sum the K slots of each token
     y_TKD = _PermuteRows.apply(torch.cat(outs), inverse_S, order_S).view(num_tokens, top_k, -1)
+    return (y_TKD * topk_weights_TK.to(x_TD.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def _fuse_gate_up(num_rows: int, num_experts: int) -> bool:
+    """With enough rows per expert, one (2F, D) matmul for gate and up beats two (F, D) ones."""
+    return num_rows >= _FUSE_ROWS_PER_EXPERT * num_experts
+
+
+def _grouped_mm_applies(*tensors: torch.Tensor) -> bool:
+    """No gradient wanted, and a CPU `grouped_mm` (its CPU kernel has no backward for our transposed weights;
+    on other devices the kernels round differently from the per-expert loop)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return hasattr(F, "grouped_mm") and all(t.device.type == "cpu" for t in tensors)
+
+
+def _grouped_experts_no_grad(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w_gate_EFD: torch.Tensor,
+    w_up_EFD: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+) -> torch.Tensor:
+    """`reference_experts_forward` without autograd, bit for bit: same sort, same per-expert matmuls (grouped)."""
+    num_experts, f = w_gate_EFD.shape[0], w_gate_EFD.shape[1]
+    num_tokens, top_k = topk_ids_TK.shape
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(x_TD)
+    flat_S = topk_ids_TK.reshape(-1)
+    order_S = torch.argsort(flat_S, stable=True)
+    # grouped_mm's group ends: row offsets where each expert's rows stop (empty experts repeat an offset)
+    ends_E = torch.bincount(flat_S, minlength=num_experts).cumsum(0, dtype=torch.int32)
+    x_SD = x_TD.index_select(0, order_S // top_k)
+    if _fuse_gate_up(order_S.numel(), num_experts):
+        gu_S2F = F.grouped_mm(x_SD, torch.cat([w_gate_EFD, w_up_EFD], dim=1).transpose(1, 2), offs=ends_E)
+        h_SF = F.silu(gu_S2F[:, :f]) * gu_S2F[:, f:]
+    else:
+        gate_SF = F.grouped_mm(x_SD, w_gate_EFD.transpose(1, 2), offs=ends_E)
+        h_SF = F.silu(gate_SF) * F.grouped_mm(x_SD, w_up_EFD.transpose(1, 2), offs=ends_E)
+    y_SD = F.grouped_mm(h_SF, w_down_EDF.transpose(1, 2), offs=ends_E)
+    # combine: back to (token, slot) order, weight by the gates, sum the K slots of each token
+    y_TKD = torch.empty_like(y_SD).index_copy_(0, order_S, y_SD).view(num_tokens, top_k, -1)
     return (y_TKD * topk_weights_TK.to(x_TD.dtype).unsqueeze(-1)).sum(dim=1)

@@ -43,6 +43,10 @@ class EngineConfig:
         max_seq_len: prompt + completion limit; None uses the model's max_position_embeddings.
         kv_initial_capacity: positions allocated per slot up front (grows by doubling).
         seed: seeds the generator that picks seeds for requests without one.
+        intra_op_threads: intra-op (OpenMP/MKL) threads of the thread that runs the steps; None keeps the
+            process's count. One by default: a second OpenMP team beside the event loop thread's makes
+            libgomp throttle both, and every small matmul of a decode step then pays a cross-core wake
+            (model.step_thread has the measurements).
     """
 
     max_batch_size: int = 32
@@ -50,11 +54,14 @@ class EngineConfig:
     max_seq_len: int | None = None
     kv_initial_capacity: int = 256
     seed: int = 0
+    intra_op_threads: int | None = 1
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_prefill_tokens", "kv_initial_capacity"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.intra_op_threads is not None and self.intra_op_threads <= 0:
+            raise ConfigError(f"EngineConfig.intra_op_threads must be > 0 or None, got {self.intra_op_threads}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ConfigError(f"EngineConfig.max_seq_len must be >= 2, got {self.max_seq_len}")
 

@@ -10,6 +10,8 @@ attend over entries from another version unless the sequence's swap policy expli
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from model.errors import EngineError
@@ -92,9 +94,17 @@ class KVCache:
 
     def write_span(self, layer: int, slot: int, start: int, k_NHkvHd: torch.Tensor, v: torch.Tensor) -> None:
         """Store keys/values of positions [start, start + N) of one slot."""
-        end = start + k_NHkvHd.shape[0]
-        self.k[layer][slot, :, start:end] = k_NHkvHd.transpose(0, 1)
-        self.v[layer][slot, :, start:end] = v.transpose(0, 1)
+        self.write_spans(layer, slot, 1, start, k_NHkvHd, v)
+
+    def write_spans(
+        self, layer: int, first_slot: int, num_slots: int, start: int, k_MNHkvHd: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store keys/values of positions [start, start + N) of slots first_slot .. first_slot + M - 1, given
+        packed back to back (M * N rows)."""
+        m, end = num_slots, start + k_MNHkvHd.shape[0] // num_slots
+        for store, new in ((self.k, k_MNHkvHd), (self.v, v)):
+            rows_MNHkvHd = new.view(m, -1, *new.shape[1:])
+            store[layer][first_slot : first_slot + m, :, start:end] = rows_MNHkvHd.transpose(1, 2)
 
     def write_tokens(
         self, layer: int, slots_B: torch.Tensor, pos_B: torch.Tensor, k_BHkvHd: torch.Tensor, v: torch.Tensor
@@ -104,11 +114,11 @@ class KVCache:
         self.v[layer][slots_B, :, pos_B] = v
 
     def read(
-        self, layer: int, slots: list[int], slots_B: torch.Tensor, length: int
+        self, layer: int, slots: Sequence[int], slots_B: torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values (B, Hkv, length, Hd) of the given slots; a view when the slots are contiguous."""
         lo = slots[0]
-        if slots == list(range(lo, lo + len(slots))):
+        if slots[-1] - lo == len(slots) - 1 and list(slots) == list(range(lo, lo + len(slots))):
             return self.k[layer][lo : lo + len(slots), :, :length], self.v[layer][lo : lo + len(slots), :, :length]
         return (
             self.k[layer][:, :, :length].index_select(0, slots_B),

@@ -57,13 +57,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids_T: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables `apply_rotary` takes: cos and sign-folded sin, (T, 1, Hd) to broadcast over heads.
+
+        Rotate-half is x * cos + [-x2, x1] * sin; the minus sign moves onto the first half of sin here, once per
+        forward, rather than onto x in every layer for q and for k (negation is exact: same numbers).
+        """
         freqs_TR = position_ids_T[:, None].float() * self.inv_freq.to(position_ids_T.device)
         emb_THd = torch.cat((freqs_TR, freqs_TR), dim=-1)
-        return emb_THd.cos().to(dtype), emb_THd.sin().to(dtype)
+        sin_THd = emb_THd.sin().to(dtype)
+        half = sin_THd.shape[-1] // 2
+        signed_sin_THd = torch.cat((-sin_THd[:, :half], sin_THd[:, half:]), dim=-1)
+        return emb_THd.cos().to(dtype)[:, None, :], signed_sin_THd[:, None, :]
 
 
-def apply_rotary(x_THHd: torch.Tensor, cos_THd: torch.Tensor, sin_THd: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on (T, heads, Hd) with per-token cos/sin of shape (T, Hd)."""
-    half = x_THHd.shape[-1] // 2
-    rotated = torch.cat((-x_THHd[..., half:], x_THHd[..., :half]), dim=-1)
-    return x_THHd * cos_THd[:, None, :] + rotated * sin_THd[:, None, :]
+def apply_rotary(x_THHd: torch.Tensor, cos_T1Hd: torch.Tensor, signed_sin_T1Hd: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on (T, heads, Hd) with the tables of `RotaryEmbedding.forward`: x * cos + [x2, x1] * sin."""
+    return x_THHd * cos_T1Hd + x_THHd.roll(x_THHd.shape[-1] // 2, dims=-1) * signed_sin_T1Hd

@@ -99,18 +99,28 @@ def sample_tokens(
     logits_BV: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
 ) -> tuple[list[int], list[float]]:
     """Draw one token per row with its own params and generator; returns tokens and their behaviour
-    log-probs (under the untruncated tempered distribution, see the module docstring)."""
+    log-probs (under the untruncated tempered distribution, see the module docstring).
+
+    Greedy rows take the argmax and draw nothing from their generator; every sampled row draws exactly one
+    uniform per token. The whole batch is handled in a fixed number of tensor ops (no per-row indexing).
+    """
     temps = [p.temperature for p in params]
     tempered_BV = tempered_logprobs(logits_BV, torch.tensor([logprob_temperature(p) for p in params]))
-    logp_BV = _nucleus(tempered_BV, temps, [p.top_p for p in params])
-    u_B = torch.tensor([float(torch.rand((), generator=g)) for g in generators], dtype=torch.float32)
-    cdf_BV = logp_BV.exp().cumsum(-1)
-    drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
-    drawn_B = drawn_B.clamp(max=logits_BV.shape[1] - 1)
-    greedy_B = torch.tensor([t == 0 for t in temps])
-    tokens = torch.where(greedy_B, logits_BV.argmax(dim=-1), drawn_B).tolist()
-    for b, token in enumerate(tokens):
-        while logp_BV[b, token] == float("-inf"):  # rounding at the top end of the cdf landed past the nucleus
-            token -= 1
-        tokens[b] = token
-    return tokens, tempered_BV.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    sampled = [t > 0 for t in temps]
+    tokens_B = logits_BV.argmax(dim=-1)
+    if any(sampled):
+        logp_BV = _nucleus(tempered_BV, temps, [p.top_p for p in params])
+        draws = zip(generators, sampled, strict=True)
+        u_B = torch.tensor([float(torch.rand((), generator=g)) if s else 0.0 for g, s in draws], dtype=torch.float32)
+        cdf_BV = logp_BV.exp().cumsum(-1)
+        drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
+        drawn_B = drawn_B.clamp(max=logits_BV.shape[1] - 1)
+        tokens_B = torch.where(torch.tensor(sampled), drawn_B, tokens_B)
+        # rounding at the top end of the cdf can land past the nucleus: step down to the last kept token
+        outside_B = logp_BV.gather(1, tokens_B[:, None])[:, 0] == float("-inf")
+        for b in outside_B.nonzero()[:, 0].tolist():
+            token = int(tokens_B[b])
+            while logp_BV[b, token] == float("-inf"):
+                token -= 1
+            tokens_B[b] = token
+    return tokens_B.tolist(), tempered_BV.gather(1, tokens_B[:, None])[:, 0].tolist()

@@ -68,6 +68,19 @@ def test_kv_cache_generation_equals_full_recompute(temperature: float, top_p: fl
         assert gen.versions == (0,) * 25 and gen.finish_reason is FinishReason.LENGTH
 
 
+def test_equal_prompts_prefill_together_and_decode_unmasked_as_full_recompute() -> None:
+    """Equal-length prompts share one cache write and one attention call per layer, and their equal-length
+    decode steps attend without a mask: the numbers must still be each sequence's own full forward."""
+    model = seeded_model(CONFIG, seed=6)
+    prompts = random_prompts(5, CONFIG.vocab_size, 11, 11, seed=9)
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=i) for i in range(5)]
+    gens = asyncio.run(_generate_all(model, prompts, params))
+    for prompt, gen in zip(prompts, gens, strict=True):
+        ref, ref_topk = reference_logprobs(model, prompt, gen.token_ids, 0.8)
+        assert torch.allclose(torch.tensor(gen.logprobs, dtype=torch.float64), ref, atol=1e-5, rtol=0)
+        assert torch.equal(gen.topk_ids_TLK[:-1].long(), ref_topk)
+
+
 def test_greedy_tokens_are_argmax_of_full_forward() -> None:
     model = seeded_model(CONFIG, seed=2)
     prompt = random_prompts(1, CONFIG.vocab_size, 9, 9, seed=5)[0]

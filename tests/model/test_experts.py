@@ -50,3 +50,20 @@ def test_single_token_result_does_not_depend_on_batch() -> None:
     for i in (0, 7, 31):
         one = reference_experts_forward(x[i : i + 1], ids[i : i + 1], w[i : i + 1], *weights)
         assert torch.allclose(one[0], full[i], atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 11, 400])
+def test_no_grad_path_equals_autograd_path_bit_for_bit(t: int, dtype: torch.dtype) -> None:
+    """Generation runs the experts without autograd (grouped matmuls); its numbers must be the training path's."""
+    gen = torch.Generator().manual_seed(2)
+    d, f, e, k = 16, 8, 5, 2
+    x = torch.randn(t, d, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:k] for _ in range(t)])  # expert 4 never used
+    w = torch.rand(t, k, generator=gen).to(dtype)
+    weights = [torch.randn(s, generator=gen).to(dtype) for s in ((e, f, d), (e, f, d), (e, d, f))]
+    with torch.inference_mode():
+        fast = reference_experts_forward(x, ids, w, *weights)
+    params = [p.clone().requires_grad_() for p in weights]
+    slow = reference_experts_forward(x, ids, w, *params)
+    assert torch.equal(fast, slow.detach())
