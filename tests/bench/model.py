@@ -16,7 +16,11 @@ Measures, for the tiny default and the ~100M configuration, in fp32 on CPU:
 - generation tokens/s: B prompts, greedy, fixed number of new tokens (ours: the async `GenerationEngine`
   with continuous batching and KV cache; HF: `generate` with its KV cache).
 Runs alternate between the two implementations; medians are reported, with the 1-minute load average
-before and after (the machine may be shared). Prints ONE JSON line.
+before and after (the machine may be shared). Both run at the process's intra-op thread count
+(``threads``) except the engine's step thread, which takes ``EngineConfig.intra_op_threads`` (one by
+default: ``model.step_thread``). Under load the peer's two-thread OpenMP regions stall on preempted
+threads far more than the engine's single thread (transformers fell to 46 tok/s at load 7 where the
+engine kept 2.9k): read ratios only from runs with a low load average. Prints ONE JSON line.
 
     .venv/bin/python tests/bench/model.py [--quick]      (or: python -m tests.bench.model)
 """
@@ -205,6 +209,8 @@ def main() -> None:
                 "dtype": "float32",
                 "device": "cpu",
                 "threads": torch.get_num_threads(),
+                # the engine's step thread: one intra-op thread by default (model.step_thread says why)
+                "engine_intra_op_threads": EngineConfig().intra_op_threads,
                 "peer": f"transformers {transformers_version()} Qwen3MoeForCausalLM, " + "; ".join(sorted(peers)),
                 "load_avg_1m_start": round(load_start, 2),
                 "load_avg_1m_end": round(os.getloadavg()[0], 2),
