@@ -50,6 +50,7 @@ __all__ = [
     "load",
     "merge",
     "parse_override",
+    "plain",
     "read_files",
     "set_path",
     "to_dict",
@@ -321,7 +322,7 @@ def _say(error: msgspec.ValidationError, schema: type, section: Mapping[str, Any
 def _example(schema: type, path: str, key: str) -> str:
     """``; e.g. key=<default>`` for a key of ``schema`` itself whose default TOML can write."""
     f = next((f for f in dataclasses.fields(schema) if f.name == path), None)  # type: ignore[arg-type]
-    default = None if f is None else _plain(_field_default(f))
+    default = None if f is None else plain(_field_default(f))
     if not isinstance(default, str | int | float | bool | list):
         return ""
     return f"; e.g. {key}={tomli_w.dumps({'v': default}).removeprefix('v = ').strip()} (its default)"
@@ -358,7 +359,7 @@ def live_items(config: Any, prefix: str = "") -> list[tuple[str, Any]]:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             items += live_items(value, f"{prefix}{f.name}.")
         elif f.metadata.get("live", False):
-            items.append((prefix + f.name, _plain(value)))
+            items.append((prefix + f.name, plain(value)))
     return items
 
 
@@ -366,11 +367,12 @@ def to_dict(config: Any) -> dict[str, Any]:
     """The plain-value tree of a config (enums by value, paths as strings): TOML/msgpack friendly."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
-        out[f.name] = _plain(getattr(config, f.name))
+        out[f.name] = plain(getattr(config, f.name))
     return out
 
 
-def _plain(v: Any) -> Any:
+def plain(v: Any) -> Any:
+    """``v`` as TOML holds it (and ``--print-config`` prints it): enums by value, paths as strings."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return to_dict(v)
     if isinstance(v, enum.Enum):
@@ -378,7 +380,7 @@ def _plain(v: Any) -> Any:
     if isinstance(v, Path):
         return str(v)
     if isinstance(v, tuple | list):
-        return [_plain(x) for x in v]
+        return [plain(x) for x in v]
     if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
+        return {k: plain(x) for k, x in v.items()}
     return v

@@ -97,8 +97,9 @@ def _walk(cls: type, default: Any, prefix: str, holder_doc: str, *, application:
             tables.append((item, None, f"{prefix}{f.name}.{KIND}.", doc))
         else:
             required = value is dataclasses.MISSING
-            keys.append(Key(f"{prefix}{f.name}", type_name(hint), None if required else plain(value), required,
-                            f.metadata.get("range"), bool(f.metadata.get("live", False)), doc))
+            shown = None if required else config_mod.plain(value)
+            keys.append(Key(f"{prefix}{f.name}", type_name(hint), shown, required, f.metadata.get("range"),
+                            bool(f.metadata.get("live", False)), doc))
     if keys:
         # The class says what the section is; the comment on the field that holds it, what it is there for
         yield Section(prefix.rstrip("."), "\n\n".join(d for d in (docs.doc, holder_doc) if d), tuple(keys), application)
@@ -116,21 +117,6 @@ def _field_default(f: dataclasses.Field[Any]) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return dataclasses.MISSING
-
-
-def plain(value: Any) -> Any:
-    """``value`` as TOML holds it (and ``--print-config`` prints it): enums by value, paths as strings."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return config_mod.to_dict(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple | list):
-        return [plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    return value
 
 
 def type_name(hint: Any) -> str:
@@ -238,7 +224,7 @@ def _default(key: Key, run_values: dict[str, Any]) -> str:
 def _kinds(cfg: RunConfig) -> str:
     """The default run's actor kinds: each one's entry, and the keys of its table that the run file sets."""
     specs = cfg.runtime.actors
-    defaults = {f.name: plain(_field_default(f)) for f in dataclasses.fields(ActorSpec)}
+    defaults = {f.name: config_mod.plain(_field_default(f)) for f in dataclasses.fields(ActorSpec)}
     tables = {kind: config_mod.to_dict(spec) for kind, spec in specs.items()}
     columns = [name for name in defaults if any(t[name] != defaults[name] for t in tables.values())]
     rows = [[code(kind), *(code(toml_text(tables[kind][c])) for c in columns)] for kind in specs]
