@@ -18,6 +18,7 @@ import msgpack
 from runtime import health
 from runtime.errors import BusTimeout, NoResponders
 from runtime.run_config import HealthSection
+from tests.runtime.registry_entry import running_entry
 
 
 class ScriptedActor:
@@ -32,13 +33,7 @@ class ScriptedActor:
         self.pings: list[float] = []
 
     def kv_watch(self, bucket: str, key: str) -> AsyncIterator[Any]:
-        async def entries() -> AsyncIterator[Any]:
-            info = {"kind": "reconciler", "id": "reconciler-1-abcd", "state": "running", "pid": 1, "host": "h",
-                    "code_hash": "c", "num_inflight": 0, "num_handled": 0, "num_failed": 0, "num_dead_lettered": 0,
-                    "uptime_s": 1.0}
-            yield SimpleNamespace(deleted=False, value=msgpack.packb(info))
-            await asyncio.Event().wait()
-        return entries()
+        return running_entry("reconciler", "reconciler-1-abcd", 1)
 
     async def request(self, subject: str, data: bytes, timeout_s: float) -> bytes:
         verb = subject.rsplit(".", 1)[-1]

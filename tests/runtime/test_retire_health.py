@@ -21,6 +21,7 @@ from runtime.actor_launch import RunAddress
 from runtime.errors import NoResponders
 from runtime.run_config import ActorSpec, HealthSection, RuntimeConfig
 from runtime.supervisor import ActorProcess, Supervisor
+from tests.runtime.registry_entry import running_entry
 
 SILENT_S = 0.6  # from its drain request to its exit: its exit stack closing (engines, sandboxes)
 
@@ -64,13 +65,7 @@ class _Actor:
         self.draining = False
 
     def kv_watch(self, bucket: str, key: str) -> AsyncIterator[Any]:
-        async def entries() -> AsyncIterator[Any]:
-            info = {"kind": "worker", "id": "worker-1-ab", "state": "running", "pid": 4242, "host": "h",
-                    "code_hash": "c", "num_inflight": 0, "num_handled": 0, "num_failed": 0, "num_dead_lettered": 0,
-                    "uptime_s": 1.0}
-            yield SimpleNamespace(deleted=False, value=msgpack.packb(info))
-            await asyncio.Event().wait()
-        return entries()
+        return running_entry("worker", "worker-1-ab", 4242)
 
     async def request(self, subject: str, data: bytes, timeout_s: float) -> bytes:
         verb = subject.rsplit(".", 1)[-1]
