@@ -6,11 +6,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import multiprocessing
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from actors.config import TrainerSection
 from actors.records import GroupRecord
@@ -22,6 +25,14 @@ from tests.model.helpers import seeded_model, small_config
 
 LR = 1e-3
 REWARDS = ([1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0], [0.25, 0.25, 0.0, 1.0, 0.5], [1.0, 1.0, 1.0])
+
+
+def launch(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes, joined; a rank that raises fails the call. The ranks fork
+    from one server that has imported torch and this module once, where a spawned rank would import them
+    again (2.5 CPU-s a rank, most of a rank test's cost)."""
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def batch(model: MoETransformer) -> list[GroupRecord]:

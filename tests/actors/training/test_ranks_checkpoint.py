@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from actors.config import TrainerSection
 from actors.training.learner import Learner
@@ -22,9 +21,9 @@ from tests.actors.training import rank_worker
 def _ranks(tmp_path: Path, world_size: int, expert_parallel: int, mode: str, checkpoints: Path) -> dict:
     tag = f"{mode}-{world_size}-{expert_parallel}"
     out = tmp_path / f"{tag}.pt"
-    mp.start_processes(rank_worker.checkpoint_main,
-                       args=(world_size, expert_parallel, mode, str(checkpoints), str(tmp_path / f"rdzv-{tag}"),
-                             str(out)), nprocs=world_size, join=True, start_method="spawn")
+    rank_worker.launch(rank_worker.checkpoint_main,
+                       (world_size, expert_parallel, mode, str(checkpoints), str(tmp_path / f"rdzv-{tag}"), str(out)),
+                       world_size)
     return torch.load(out)
 
 

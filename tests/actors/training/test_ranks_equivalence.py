@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from actors.training.ranks import RankLayout
 from tests.actors.training import rank_worker
@@ -36,8 +35,8 @@ ADAM_EPS = 1e-8  # torch.optim.AdamW's default, the learner's
 def _run_ranks(tmp_path: Path, world_size: int, expert_parallel: int, replay: bool, kl_coef: float = 0.0) -> dict:
     out = tmp_path / f"w{world_size}-e{expert_parallel}-{replay}.pt"
     rendezvous = tmp_path / f"rdzv-{world_size}-{expert_parallel}-{replay}"
-    mp.start_processes(rank_worker.main, args=(world_size, expert_parallel, replay, kl_coef, str(rendezvous), str(out)),
-                       nprocs=world_size, join=True, start_method="spawn")
+    rank_worker.launch(rank_worker.main, (world_size, expert_parallel, replay, kl_coef, str(rendezvous), str(out)),
+                       world_size)
     return torch.load(out)
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from actors.training.ranks import RankLayout
 from tests.actors.training import rank_worker
@@ -22,8 +21,7 @@ WORLD = 3  # one rank more than the batch's samples with a signal
 def _run_ranks(tmp_path: Path, scenario: str) -> list[dict]:
     out = tmp_path / scenario
     out.mkdir()
-    mp.start_processes(rank_worker.edge_main, args=(WORLD, scenario, str(tmp_path / f"rdzv-{scenario}"), str(out)),
-                       nprocs=WORLD, join=True, start_method="spawn")
+    rank_worker.launch(rank_worker.edge_main, (WORLD, scenario, str(tmp_path / f"rdzv-{scenario}"), str(out)), WORLD)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from actors.training.ranks import RankLayout, weights_to_publish
 from model.checkpoint import checked_state
@@ -20,8 +19,7 @@ from tests.actors.training import rank_worker
 
 
 def test_the_plan_reaches_every_rank_and_each_group_is_read_once(tmp_path: Path) -> None:
-    mp.start_processes(rank_worker.plan_main, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2,
-                       join=True, start_method="spawn")
+    rank_worker.launch(rank_worker.plan_main, (2, str(tmp_path / "rdzv"), str(tmp_path)), 2)
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     keys = [f"groups/g{i}" for i in range(5)]
     for rank in out:
