@@ -1100,12 +1100,13 @@ class Bus:
         try:
             await asyncio.wait({connecting, signed_out}, timeout=connect_timeout_s,
                                return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled by the caller's own deadline: no client may go on connecting behind it
+            await _abandon(connecting, nc)
+            raise
         finally:
             signed_out.cancel()
         if refused.is_set():  # one error that says which credentials, not nats-py's reconnect loop of warnings
-            connecting.cancel()
-            with contextlib.suppress(BaseException):
-                await nc.close()
+            await _abandon(connecting, nc)
             who = (f"the credentials of role {credentials.user!r}" if credentials else
                    "a client without credentials (none were given)")
             raise BusAuthRefused(f"cannot connect to NATS at {','.join(servers)}: it refused {who}; pass the "
@@ -1114,9 +1115,7 @@ class Bus:
                                  "in <run dir>/credentials; it holds <role>.json for supervisor, operator and "
                                  "each actor kind)")
         if not connecting.done():
-            connecting.cancel()
-            with contextlib.suppress(BaseException):
-                await nc.close()
+            await _abandon(connecting, nc)
             last = f" (last attempt: {first_attempts[-1]})" if first_attempts else ""
             raise BusError(f"cannot connect to NATS at {','.join(servers)}: no answer within {connect_timeout_s}s"
                            f"{last}; is the run up?")
@@ -1644,8 +1643,18 @@ class Bus:
             await self.js.publish(f"dlq.{queue}", data[:64 * 1024], headers=headers)
 
 
+_ABANDON_CLOSE_S = 2.0  # closing a client that never finished its first connect: nothing to drain
 _END = object()  # a watcher that stopped
 _OUTAGE = object()  # the connection dropped while waiting for a watcher's next entry
+
+
+async def _abandon(connecting: asyncio.Future[None], nc: NatsClient) -> None:
+    """Stops a first connect that will not be used: its attempt, and the client with whatever tasks it started
+    (left running, nats-py retries for ever, and a process that ends its loop waits on them)."""
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        async with asyncio.timeout(_ABANDON_CLOSE_S):
+            await nc.close()
 
 
 def _netloc(url: Any) -> str:

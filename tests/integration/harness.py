@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from ops.tail import read_files
 from runtime.bus import Bus
 from runtime.bus_auth import SUPERVISOR
 from runtime.events import parse_event
@@ -78,6 +79,28 @@ class LiveRun:
         self.info = RunInfo.read(self.run_dir)
         self.bus = await Bus.connect(self.info.nats_url, name="test", **self.info.bus_options(SUPERVISOR))
         return self
+
+    async def wait_exit(self, timeout_s: float) -> int:
+        """runtime.up's exit status once it ends; past ``timeout_s``, a failure that says where the run stood
+        (its last events and its warnings and errors), not a bare timeout."""
+        assert self.proc is not None
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
+        except TimeoutError:
+            raise AssertionError(f"the run did not end within {timeout_s}s; where it stood:\n"
+                                 f"{self.where_it_stands()}") from None
+
+    def where_it_stands(self, last: int = 25) -> str:
+        """The run's last ``last`` events and its last ``last`` warnings and errors, one line each, in time
+        order, read from its event logs."""
+        events = [e for _, e in read_files(sorted((self.run_dir / "logs").glob("*.jsonl")))]
+        worrying = [e for e in events if e.get("level") in ("warning", "error", "critical")]
+
+        def line(e: dict[str, Any]) -> str:
+            return " ".join(f"{k}={v}" for k, v in e.items())[:300]
+
+        return "\n".join(["warnings and errors:", *map(line, worrying[-last:]), "last events:",
+                           *map(line, events[-last:])])
 
     def output(self) -> str:
         if self.proc is None or self.proc.stdout is None or self.proc.poll() is None:

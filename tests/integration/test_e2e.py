@@ -68,8 +68,7 @@ async def _rows(run_dir: Path, kind: str) -> list[dict]:
 
 
 async def _wait_finished(run: LiveRun, timeout_s: float) -> int:
-    assert run.proc is not None
-    return await asyncio.wait_for(asyncio.to_thread(run.proc.wait), timeout_s)
+    return await run.wait_exit(timeout_s)
 
 
 async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) -> None:

@@ -6,7 +6,6 @@ replaced by a new process; every message's effect happens exactly once."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -195,7 +194,7 @@ async def test_a_rollout_actor_whose_real_engine_wedges_is_replaced_and_the_run_
         fault = await until(injected, 300, "the engine wedged after the first rollout")
         replaced = await _unhealthy_and_replaced(run, "readiness", _when(fault), victim["id"], "",
                                                  bound_s=WEDGE_BOUND_S)
-        assert await asyncio.wait_for(asyncio.to_thread(run.proc.wait), 600) == 0, run.output()
+        assert await run.wait_exit(600) == 0, run.output()
     finally:
         await run.stop()
     await assert_every_prompt_accounted(run.run_dir, steps=3)

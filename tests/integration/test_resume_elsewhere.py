@@ -121,7 +121,7 @@ async def _kill_mid_run_and_resume_elsewhere(tmp_path: Path, configs: list[Path]
     await second.start(timeout_s=120)
     try:
         assert second.proc is not None and second.info is not None and second.info.run == run_id
-        assert await asyncio.wait_for(asyncio.to_thread(second.proc.wait), 600) == 0, second.output()
+        assert await second.wait_exit(600) == 0, second.output()
     finally:
         await second.stop()
 

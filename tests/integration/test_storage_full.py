@@ -84,7 +84,7 @@ async def test_a_full_store_is_waited_out_and_the_run_trains_again_once_space_re
             recovery_s = time.monotonic() - freed
             print(f"recovery: space returned -> version {held + 1} announced in {recovery_s:.1f}s "
                   f"(version {at_fill} when filled, {held} when freed)")
-            assert await asyncio.wait_for(asyncio.to_thread(run.proc.wait), 400) == 0, run.output()
+            assert await run.wait_exit(400) == 0, run.output()
         finally:
             await run.stop()
         rows = await read_run_metrics(run_dir, kind="train")  # from the store, while it is mounted

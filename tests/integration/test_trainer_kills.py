@@ -163,7 +163,7 @@ async def test_the_trainer_killed_at_each_point_of_its_sequence_and_the_run_stil
             # as the reconciler records it: the evaluator's finish is believed only from this table
             await run.bus.kv_put("slots", META_KEY, MetaRecord(trainer_version=version).encode())
         # The evaluator evaluates the last version and finishes the run: nothing else needs to happen.
-        assert await asyncio.wait_for(asyncio.to_thread(run.proc.wait), 300) == 0, run.output()
+        assert await run.wait_exit(300) == 0, run.output()
     finally:
         await run.stop()
 
