@@ -45,6 +45,9 @@ class RolloutShelf:
         self._reservoir: dict[int, list[str]] = {}  # version -> group ids sampled for it
         self._seen_per_version: collections.Counter[int] = collections.Counter()
         self._num_offered = 0
+        # what the page says in place of the count while the viewer cannot fill the shelf (what it waits for, or
+        # why it is off); "" once it can
+        self.note = ""
 
     def offer(self, views: list[SampleView]) -> None:
         """One group's sample views (one record): kept if the retention rule keeps it."""

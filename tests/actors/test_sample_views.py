@@ -89,9 +89,16 @@ def test_the_trainers_log_probs_of_a_sample_become_a_partial_view() -> None:
         sample_views(key, _record())
 
 
-def test_a_pretrained_policys_samples_are_decoded_with_its_own_tokenizer(tmp_path) -> None:
-    from actors.config import PolicySection, RLConfig
+async def _loaded(config: object, blob: object = None) -> object:
+    """The views the dashboard's loader gives for ``config`` (no bus: as a finished run's reader)."""
     from actors.sample_views import run_sample_views
+
+    return await run_sample_views(config)(blob=blob, bus=None, owner="test", waiting=lambda what: None)
+
+
+async def test_a_pretrained_policys_samples_are_decoded_with_its_own_tokenizer(tmp_path) -> None:
+    from actors.config import PolicySection, RLConfig
+    from runtime.blob import open_store
     from tests.actors.agent.test_dialect import PLAIN_TEMPLATE, _checkpoint
 
     directory = _checkpoint(tmp_path / "policy", PLAIN_TEMPLATE)
@@ -106,10 +113,11 @@ def test_a_pretrained_policys_samples_are_decoded_with_its_own_tokenizer(tmp_pat
                             end=EpisodeEnd.FINAL_ANSWER)
     sample = GroupSample("s1", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5, trajectory, ())
     stored = zstandard.ZstdCompressor().compress(encode_record(GroupRecord("g1", "p1", 0, 0, 0.0, (sample,))))
-    views = run_sample_views(RLConfig(policy=PolicySection(checkpoint=str(directory))))
+    views = await _loaded(RLConfig(policy=PolicySection(checkpoint=str(directory))))
     (view,) = views("groups/g1/a0", stored)
     assert [run[0] for run in view["tokens"]] == ["User: hi\nAssistant:", " done</s>"]
     assert view["tokens"][1][5].split(PIECE_SEPARATOR) == [tok.decode([t]) for t in answer] == [" ", "done", "</s>"]
-    assert run_sample_views(RLConfig())("groups/g1/a0", _record())[0]["tokens"][0][0] == "ab", "the tiny policy: bytes"
-    with pytest.raises(FileNotFoundError, match="not built under"):
-        run_sample_views(RLConfig(policy=PolicySection(pretrained="smollm2-135m-instruct", cache_dir=tmp_path)))
+    assert (await _loaded(RLConfig()))("groups/g1/a0", _record())[0]["tokens"][0][0] == "ab", "the tiny policy: bytes"
+    async with open_store((tmp_path / "blobs").as_uri()) as blob:  # a finished run that never stored its build
+        with pytest.raises(FileNotFoundError, match="is not stored in"):
+            await _loaded(RLConfig(policy=PolicySection(pretrained="smollm2-135m-instruct", cache_dir=tmp_path)), blob)
