@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import math
+from pathlib import Path
 
 import numpy
 import pytest
@@ -89,6 +90,22 @@ def test_the_trainers_log_probs_of_a_sample_become_a_partial_view() -> None:
         sample_views(key, _record())
 
 
+def tokenized_group_record(tokenizer_dir: Path, prompt: str, answer: str, group_id: str = "g1") -> bytes:
+    """A stored group record of one sample: ``prompt`` then ``answer`` (trained, version 0) in the tokens of the
+    tokenizer.json in ``tokenizer_dir``."""
+    from model.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(tokenizer_dir, end_token="</s>")
+    prompt_ids, answer_ids = tok.encode(prompt), tok.encode(answer)
+    ids, n, k = prompt_ids + answer_ids, len(prompt_ids) + len(answer_ids), len(answer_ids)
+    trajectory = Trajectory([Segment(token_ids=ids, loss_mask=[0] * (n - k) + [1] * k,
+                                     behaviour_logprobs=[0.0] * n, logprob_temperatures=[1.0] * n,
+                                     versions=[-1] * (n - k) + [0] * k, topk_ids_TLK=None, prompt_len=n - k)],
+                            end=EpisodeEnd.FINAL_ANSWER)
+    sample = GroupSample(f"{group_id}-s0", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5, trajectory, ())
+    return zstandard.ZstdCompressor().compress(encode_record(GroupRecord(group_id, "p1", 0, 0, 0.0, (sample,))))
+
+
 async def _loaded(config: object, blob: object = None) -> object:
     """The views the dashboard's loader gives for ``config`` (no bus: as a finished run's reader)."""
     from actors.sample_views import run_sample_views
@@ -105,14 +122,8 @@ async def test_a_pretrained_policys_samples_are_decoded_with_its_own_tokenizer(t
     from model.tokenizer import HFTokenizer
 
     tok = HFTokenizer(directory, end_token="</s>")
-    prompt, answer = tok.encode("User: hi\nAssistant:"), tok.encode(" done</s>")
-    ids, n, k = prompt + answer, len(prompt) + len(answer), len(answer)
-    trajectory = Trajectory([Segment(token_ids=ids, loss_mask=[0] * (n - k) + [1] * k,
-                                     behaviour_logprobs=[0.0] * n, logprob_temperatures=[1.0] * n,
-                                     versions=[-1] * (n - k) + [0] * k, topk_ids_TLK=None, prompt_len=n - k)],
-                            end=EpisodeEnd.FINAL_ANSWER)
-    sample = GroupSample("s1", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5, trajectory, ())
-    stored = zstandard.ZstdCompressor().compress(encode_record(GroupRecord("g1", "p1", 0, 0, 0.0, (sample,))))
+    answer = tok.encode(" done</s>")
+    stored = tokenized_group_record(directory, "User: hi\nAssistant:", " done</s>")
     views = await _loaded(RLConfig(policy=PolicySection(checkpoint=str(directory))))
     (view,) = views("groups/g1/a0", stored)
     assert [run[0] for run in view["tokens"]] == ["User: hi\nAssistant:", " done</s>"]

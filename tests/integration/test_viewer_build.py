@@ -20,18 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import zstandard
 
-from actors.agent.trajectory import EpisodeEnd, Segment, Trajectory
 from actors.pretrained_policy import CARD, PretrainedRecipe
-from actors.records import GroupRecord, GroupSample, RewardBreakdown, encode_record
 from model.checkpoint import save_checkpoint
 from model.config import tiny
-from model.tokenizer import HFTokenizer
 from model.transformer import MoETransformer
 from runtime.blob import open_store
 from runtime.build_once import BuildSettings, build_once
 from tests.actors.agent.test_dialect import PLAIN_TEMPLATE, _checkpoint
+from tests.actors.test_sample_views import tokenized_group_record
 from tests.integration.harness import LiveRun, run_events, write_config
 from tests.waiting import until
 
@@ -86,22 +83,10 @@ class SmallBuild:
         (out / CARD).write_text(json.dumps(dataclasses.asdict(RECIPE)))
 
 
-def _group_record(directory: Path) -> bytes:
-    tok = HFTokenizer(directory, end_token="</s>")
-    prompt, answer = tok.encode(PROMPT), tok.encode(ANSWER)
-    ids, n, k = prompt + answer, len(prompt) + len(answer), len(answer)
-    trajectory = Trajectory([Segment(token_ids=ids, loss_mask=[0] * (n - k) + [1] * k,
-                                     behaviour_logprobs=[0.0] * n, logprob_temperatures=[1.0] * n,
-                                     versions=[-1] * (n - k) + [0] * k, topk_ids_TLK=None, prompt_len=n - k)],
-                            end=EpisodeEnd.FINAL_ANSWER)
-    sample = GroupSample("e0-p0-s0", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5, trajectory, ())
-    return zstandard.ZstdCompressor().compress(encode_record(GroupRecord("e0-p0", "p0", 0, 0, 0.0, (sample,))))
-
-
 async def _store_group(run: LiveRun, store: Any, tokenizer_dir: Path) -> None:
     """A group record in the run's store, and the event that names it on the run's log (as grouping does)."""
     assert run.bus is not None
-    await store.put("groups/e0-p0/a0", _group_record(tokenizer_dir))
+    await store.put("groups/e0-p0/a0", tokenized_group_record(tokenizer_dir, PROMPT, ANSWER, "e0-p0"))
     event = {"event": "group_checkpointed", "key": "groups/e0-p0/a0", "group_id": "e0-p0", "level": "info",
              "actor": "grouping-1-test", "timestamp": datetime.now(UTC).isoformat()}
     await run.bus.publish("log.grouping.info", json.dumps(event).encode())
