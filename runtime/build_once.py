@@ -9,6 +9,11 @@ process wins; renewed every third of ``lease_s``).
 - The others watch the lease: a renewal says the builder lives, a release wakes them to fetch the
   tree; a lease nobody renewed for ``lease_s`` is a dead builder's, and one of them takes it over and
   builds.
+- A process that only reads the build (``build=None``: the dashboard, which needs a policy's tokenizer and
+  must not build a policy) never claims the lease: it looks for the tree once its watch of the lease is
+  open and again at each release, and fetches what it needs (``members``: only those files).
+- A build found finished on a machine before the run stored it is stored under the lease too
+  (`share_build`): a tree appears only while the lease is held, so its release is the one event to wait for.
 - A build that raises releases the lease and raises ``BuildFailed`` in its process: the next waiter
   takes the lease and tries in its turn (the supervisor's restart limit bounds a build that always fails).
 - Every wait is bounded by ``timeout_s``, the longest a build may take.
@@ -17,18 +22,21 @@ process wins; renewed every third of ``lease_s``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
+from runtime.actor import raise_if_cancelled
 from runtime.blob import BlobStore, get_tree, put_tree, tree_exists
 from runtime.bus import Bus
 from runtime.kv_lease import KVLease
@@ -36,7 +44,7 @@ from runtime.run_state import RUN_BUCKET
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["BUILDS_PREFIX", "BuildFailed", "BuildSettings", "build_locally", "build_once", "claim_key"]
+__all__ = ["BUILDS_PREFIX", "BuildFailed", "BuildSettings", "build_locally", "build_once", "claim_key", "share_build"]
 
 BUILDS_PREFIX = "builds"
 
@@ -60,35 +68,100 @@ def claim_key(name: str) -> str:
     return f"build.{name}"
 
 
-async def build_once(bus: Bus, store: BlobStore, name: str, build: Callable[[Path], object], cache_dir: Path,
-                     *, owner: str, settings: BuildSettings = BuildSettings()) -> Path:
+async def build_once(bus: Bus | None, store: BlobStore, name: str, build: Callable[[Path], object] | None,
+                     cache_dir: Path, *, owner: str, settings: BuildSettings = BuildSettings(),
+                     members: Collection[str] | None = None, on_wait: Callable[[], object] | None = None) -> Path:
     """``cache_dir/name``, holding the run's build ``name``: fetched from the store, or built here once.
 
     Args:
-        build: fills the folder it is given (called in a thread, in at most one live process at a time).
+        bus: the run's bus; None (a finished run's reader, only without ``build``): the build as stored.
+        build: fills the folder it is given (called in a thread, in at most one live process at a time);
+            None: this process never builds, it waits for the process that does.
         owner: who this process is, written in the lease for whoever reads it.
+        members: only these files of the build (those it has), into ``cache_dir/<name>.part-<hash>``: never
+            taken for the whole build by whoever looks for it in the cache. Only without ``build``.
+        on_wait: called once if this process, not building, starts waiting for the build (it is not stored yet).
 
     Raises:
         BuildFailed: this process's build raised.
         TimeoutError: no result within ``settings.timeout_s``.
+        FileNotFoundError: without a bus, the build is not stored.
     """
+    if build is not None and (members is not None or bus is None):
+        raise ValueError(f"build {name}: a builder needs the bus and fetches the whole tree (bus={bus}, "
+                         f"members={members})")
     prefix = f"{BUILDS_PREFIX}/{name}"
-    destination = cache_dir / name
+    destination = cache_dir / (name if members is None else f"{name}.part-{_members_tag(members)}")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    lease = KVLease(bus, RUN_BUCKET, claim_key(name),
-                    json.dumps({"owner": owner, "pid": os.getpid()}).encode(), settings.lease_s)
+    lease = KVLease(bus, RUN_BUCKET, claim_key(name), _holder(owner), settings.lease_s) if build else None
     started = time.monotonic()
     async with asyncio.timeout(settings.timeout_s):
         while True:
             if await tree_exists(store, prefix):
-                path = await get_tree(store, prefix, destination)
-                log.info("build_fetched", name=name, wait_s=round(time.monotonic() - started, 2))
+                path = await get_tree(store, prefix, destination, members)
+                log.info("build_fetched", name=name, wait_s=round(time.monotonic() - started, 2),
+                         members=sorted(members) if members is not None else None)
                 return path
-            if await lease.acquire():
+            if bus is None:
+                raise FileNotFoundError(f"the build {name} is not stored in {store.url} (under {prefix}/): the run "
+                                        "never finished it; resume the run to build it")
+            if build is None or lease is None:
+                log.info("build_waiting", name=name, owner=owner, timeout_s=settings.timeout_s)
+                if on_wait is not None:
+                    on_wait()
+                    on_wait = None
+                await _until_stored(bus, store, name)
+            elif await lease.acquire():
                 try:
                     return await _build(store, name, build, destination, owner, lease)
                 finally:
                     await lease.release()
+
+
+def _holder(owner: str) -> bytes:
+    return json.dumps({"owner": owner, "pid": os.getpid()}).encode()
+
+
+async def _until_stored(bus: Bus, store: BlobStore, name: str) -> None:
+    """Until the build ``name``'s tree is stored: looked for once the watch of its lease is open (so a tree
+    stored just before is not missed), then at each release of the lease (a tree is stored only under it)."""
+    async with contextlib.aclosing(bus.kv_watch(RUN_BUCKET, claim_key(name))) as changes:
+        async for entry in changes:  # None: the current record is in (or there is none)
+            # opening the watch asks the server through nats-py, which can swallow a cancellation (a drained
+            # dashboard's): this loop would wait on for a release, and its actor never stop
+            raise_if_cancelled()
+            if (entry is None or entry.deleted) and await tree_exists(store, f"{BUILDS_PREFIX}/{name}"):
+                return
+
+
+def _members_tag(members: Collection[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()[:12]
+
+
+async def share_build(bus: Bus, store: BlobStore, name: str, directory: Path, *, owner: str,
+                      settings: BuildSettings = BuildSettings()) -> bool:
+    """Stores ``directory``, the finished build ``name`` found on this machine, for the other machines, unless
+    it is stored already; under the build's lease, as a build is, so that its waiters wake at the release.
+    A lease held by another (building or sharing it now) is left to them. True when this process stored it."""
+    prefix = f"{BUILDS_PREFIX}/{name}"
+    if await tree_exists(store, prefix):
+        return False
+    lease = KVLease(bus, RUN_BUCKET, claim_key(name), _holder(owner), settings.lease_s)
+    if not await lease.try_acquire():
+        return False
+    try:
+        if await tree_exists(store, prefix):  # stored between the look and the claim
+            return False
+        async with asyncio.TaskGroup() as tg:
+            renewing = tg.create_task(lease.keep())
+            try:
+                num_bytes = await put_tree(store, directory, prefix)
+            finally:
+                renewing.cancel()
+    finally:
+        await lease.release()
+    log.info("build_shared", name=name, owner=owner, num_bytes=num_bytes)
+    return True
 
 
 async def _build(store: BlobStore, name: str, build: Callable[[Path], object], destination: Path, owner: str,

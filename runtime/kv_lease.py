@@ -42,15 +42,20 @@ class KVLease:
         """The key's current record: who holds the lease now, if anyone."""
         return await self.bus.kv_get(self.bucket, self.key)
 
+    async def try_acquire(self) -> bool:
+        """Takes the lease if nobody holds it, at once: no wait, no takeover of a lapsed one."""
+        try:
+            self.revision = await self.bus.kv_create(self.bucket, self.key, self.value)
+        except RevisionMismatch:
+            return False
+        return True
+
     async def acquire(self) -> bool:
         """Takes the lease if it is free, or lapsed (waiting up to one lease to tell). False: its holder
         renewed it (alive) or released it meanwhile; the caller looks again at what it waits for (what
         a released lease guarded may be done) before it tries again. Bounded by ``lease_s``."""
-        try:
-            self.revision = await self.bus.kv_create(self.bucket, self.key, self.value)
+        if await self.try_acquire():
             return True
-        except RevisionMismatch:
-            pass
         seen = await self.holder()
         if seen is None or await self._changes_within(seen.revision):
             return False

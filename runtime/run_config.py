@@ -218,7 +218,8 @@ class DashboardSection:
     port: int = fixed(8321, within=Range(0, 65_535))  # taken already: any free port, said at start; 0: any
     sample_s: float = fixed(2.0, within=Range(0.1, 3600.0))  # status samples (slot table, actors) this often
     # the rollout viewer: the application's module:function that, given the run's application configuration,
-    # returns its function from a stored record (blob key, bytes) to sample views
+    # returns how to get (an async function, which may wait for the run) its function from a stored record
+    # (blob key, bytes) to sample views
     sample_views: str = ""
     keep_last_groups: int = fixed(64, within=Range(0, 100_000))  # the newest groups, kept whole
     groups_per_version: int = fixed(2, within=Range(0, 1_000))  # and a reservoir of this many per version ...

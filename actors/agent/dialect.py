@@ -179,6 +179,10 @@ def _tool_role(template: JinjaChatTemplate) -> Role:
     return Role.TOOL if _SENTINEL in text else Role.USER
 
 
+# what `load_dialect` reads of a checkpoint: a process that needs only the dialect fetches only these
+DIALECT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
 def load_dialect(directory: str | Path) -> Dialect:
     """The dialect of the policy checkpoint in ``directory``: its own when it carries a tokenizer.json (a
     pretrained checkpoint), else the tiny policy's compact one."""

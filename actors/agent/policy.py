@@ -18,8 +18,7 @@ from model.checkpoint import load_checkpoint
 from model.device import resolve_device
 from model.transformer import MoETransformer
 from runtime.actor import ActorContext
-from runtime.blob import put_tree, tree_exists
-from runtime.build_once import BUILDS_PREFIX, build_once
+from runtime.build_once import build_once, share_build
 
 log = structlog.get_logger(__name__)
 
@@ -62,12 +61,13 @@ async def run_checkpoint_dir(ctx: ActorContext, section: PolicySection) -> Path:
 
 async def _built_for_the_run(ctx: ActorContext, found: Path | None, name: str, build: Callable[[Path], object],
                              cache: Path) -> Path:
-    """``found`` (a build on this machine; one in ``cache`` is also stored for the other machines to fetch),
-    else the run's build ``name``, fetched or built once (`runtime.build_once`)."""
+    """``found`` (a build on this machine; one in ``cache`` is also stored for the other machines to fetch,
+    under the build's lease: `runtime.build_once.share_build`), else the run's build ``name``, fetched or built
+    once (`runtime.build_once`)."""
     if found is None:
         return await build_once(ctx.bus, ctx.blob, name, build, cache, owner=ctx.identity.actor_id)
-    if found.parent == cache and not await tree_exists(ctx.blob, f"{BUILDS_PREFIX}/{name}"):
-        await put_tree(ctx.blob, found, f"{BUILDS_PREFIX}/{name}")  # built here before: other machines fetch it
+    if found.parent == cache:  # built here before: other machines, and readers waiting for it, fetch it
+        await share_build(ctx.bus, ctx.blob, name, found, owner=ctx.identity.actor_id)
     return found
 
 

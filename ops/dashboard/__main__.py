@@ -36,11 +36,11 @@ async def serve(run_dir: Path, host: str, port: int, sample_s: float) -> None:
     config = load_run_config([run_dir / CONFIG_FILE], import_actors=False)  # no actor code (torch) to import
     settings = config.runtime.dashboard
     async with open_store(info.storage_url, s3_endpoint=info.s3_endpoint or None) as blob:
-        samples = sample_fetcher(settings, blob, config.app)
-        shelf = samples.shelf if samples else None
         end = run_end(run_dir, info.started_at)
         bus, reason = (None, "") if end is not None else await connect_or_none(run_dir, "ops-dashboard",
                                                                               CONNECT_TIMEOUT_S)
+        samples = sample_fetcher(settings, blob, config.app, bus=bus, owner="ops-dashboard")
+        shelf = samples.shelf if samples else None
         if bus is None:
             view.live, view.ended = False, end.outcome if end is not None else None
             num_events = load_event_files(run_dir, view, samples)

@@ -37,7 +37,9 @@ class DashboardActor(Actor):
         config = load_run_config([run_dir / CONFIG_FILE], import_actors=False)  # no actor code (torch) to import
         self.settings_ = config.runtime.dashboard
         self.view = RunView(self.ctx.run.name if self.ctx.run else run_dir.name)
-        self.samples = sample_fetcher(self.settings_, self.ctx.blob, config.app)
+        # the viewer's views may wait for the run (its policy's build): in `background`, never in the start
+        self.samples = sample_fetcher(self.settings_, self.ctx.blob, config.app, bus=self.bus,
+                                      owner=self.ctx.identity.actor_id)
         app = build_app(self.view, lambda key, raw: set_live_key(self.bus, run_dir, key, raw),
                         lambda: scrape(self.bus, self.ctx.run_id, self.view.run_name),
                         self.samples.shelf if self.samples else None)
@@ -69,6 +71,7 @@ class DashboardActor(Actor):
         view = getattr(self, "view", None)
         samples = getattr(self, "samples", None)
         return {"url": server.url if server else "", "num_viewers": view.num_subscribers if view else 0,
+                "sample_viewer": samples.state if samples else "off",
                 "num_kept_groups": samples.shelf.num_groups if samples else 0,
                 "num_samples_skipped": samples.num_skipped if samples else 0,
                 "num_samples_unreadable": samples.num_unreadable if samples else 0}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -36,6 +36,10 @@ from runtime.rundir import SUPERVISOR_LOG
 log = structlog.get_logger()
 
 SampleViews = Callable[[str, bytes], list[SampleView]]
+# the application's ``dashboard.sample_views`` entry, given its configuration, returns this:
+# ``load(blob=, bus=, owner=, waiting=)`` gives its views, maybe after a wait for the run (its policy's build),
+# first saying what for through ``waiting(what)``
+ViewsLoader = Callable[..., Awaitable[SampleViews]]
 
 
 def load_event_files(run_dir: Path, view: RunView, samples: SampleFetcher | None = None) -> int:
@@ -72,14 +76,16 @@ def run_end(run_dir: Path, started_at: float) -> RunEnd | None:
     return end
 
 
-def sample_fetcher(settings: DashboardSection, blob: BlobStore | None, app_config: object) -> SampleFetcher | None:
+def sample_fetcher(settings: DashboardSection, blob: BlobStore | None, app_config: object, *, bus: Bus | None = None,
+                   owner: str = "dashboard") -> SampleFetcher | None:
     """The rollout viewer's feed, if the run names the application's ``dashboard.sample_views`` (called with the
-    run's application configuration ``app_config``: the views depend on the run, its policy's tokenizer)."""
+    run's application configuration ``app_config``; it gives how to get the views, which may wait for the run:
+    `ViewsLoader`). ``bus``: the live run's, for what the views wait for (None: a finished run's files)."""
     if not settings.sample_views or blob is None:
         return None
-    views: SampleViews = import_entry(settings.sample_views)(app_config)  # type: ignore[operator]
+    load: ViewsLoader = import_entry(settings.sample_views)(app_config)  # type: ignore[operator]
     limits = ShelfLimits(settings.keep_last_groups, settings.groups_per_version, settings.max_versions)
-    return SampleFetcher(blob, views, RolloutShelf(limits))
+    return SampleFetcher(blob, None, RolloutShelf(limits), load=load, bus=bus, owner=owner)
 
 
 async def follow_events(bus: Bus, view: RunView, samples: SampleFetcher | None = None) -> None:
@@ -104,19 +110,29 @@ class SampleFetcher:
     the records of the trainer's log-probs the log names (``trainer_logprobs_stored`` with ``keys``, sample
     id -> key) of the samples the shelf still keeps, whose partial views it merges into theirs. At most
     ``max_pending`` events wait: a burst beyond that is skipped and counted (the viewer samples; it never
-    holds the run up)."""
+    holds the run up).
+
+    Given ``load`` instead of ``views``, `run` first gets the views from it: meanwhile the page says what the
+    viewer waits for (``dashboard_viewer_waiting``, then ``dashboard_viewer_ready``) and the events noticed wait,
+    within the same bound; one that cannot be had (``dashboard_viewer_failed``) leaves the viewer off, said on the
+    page, and the rest of the dashboard up."""
 
     EVENT = "group_checkpointed"  # the event that names a stored group record (with its key)
     AMEND_EVENT = "trainer_logprobs_stored"  # names later records of samples ({sample id: key}) that add to views
     EVENTS = (EVENT, AMEND_EVENT)
 
-    def __init__(self, blob: BlobStore, views: SampleViews, shelf: RolloutShelf, max_pending: int = 256) -> None:
+    def __init__(self, blob: BlobStore, views: SampleViews | None, shelf: RolloutShelf, max_pending: int = 256, *,
+                 load: ViewsLoader | None = None, bus: Bus | None = None, owner: str = "dashboard") -> None:
+        if (views is None) == (load is None):
+            raise ValueError("SampleFetcher: pass views (ready) or load (to get them), one of the two")
         self.shelf = shelf
-        self._blob, self._views = blob, views
+        self._blob, self._views, self._load = blob, views, load
+        self._bus, self._owner = bus, owner
         # a group record's key, or a step's {sample id: key} of records that amend kept views
         self._pending: asyncio.Queue[str | dict[str, str]] = asyncio.Queue(max_pending)
         self.num_skipped = 0
         self.num_unreadable = 0
+        self.state = "ready" if views is not None else "loading"  # then waiting, ready, or failed
         self._idle = asyncio.Event()  # everything noticed so far is on the shelf (or skipped)
         self._idle.set()
 
@@ -139,25 +155,53 @@ class SampleFetcher:
             self.num_skipped += 1
 
     async def run(self) -> None:
+        views = self._views if self._views is not None else await self._load_views()
         while True:
             item = await self._pending.get()  # in the log's order: a group is offered before its samples train
-            if isinstance(item, str):
-                views = await self._read(item)
-                if views:
-                    self.shelf.offer(views)
+            if views is None:  # the viewer is off (said): what is noticed is skipped, and counted
+                self.num_skipped += 1
+            elif isinstance(item, str):
+                if found := await self._read(views, item):
+                    self.shelf.offer(found)
             else:
                 for sample_id, key in item.items():
                     if self.shelf.has(sample_id):  # only what the shelf keeps is read: its retention bounds this
-                        for partial in await self._read(key):
+                        for partial in await self._read(views, key):
                             self.shelf.amend(partial)
             if self._pending.empty():
                 self._idle.set()
 
-    async def _read(self, key: str) -> list[SampleView]:
+    async def _load_views(self) -> SampleViews | None:
+        """The views from ``load``; None when they cannot be had (said, on the page too)."""
+        assert self._load is not None
+        started = time.monotonic()
+        self.shelf.note = "the rollout viewer is getting ready"
+
+        def waiting(what: str) -> None:
+            self.state = "waiting"
+            self.shelf.note = (f"the rollout viewer is waiting for {what}: the groups stored meanwhile show once it "
+                               f"is ready (up to {self._pending.maxsize}; more are skipped and counted)")
+            log.info("dashboard_viewer_waiting", waiting_for=what)
+
+        try:
+            views = await self._load(blob=self._blob, bus=self._bus, owner=self._owner, waiting=waiting)
+        except Exception as e:  # the viewer's fault, not the dashboard's: the page stays up and says why
+            self.state = "failed"
+            self.shelf.note = f"the rollout viewer is off: {e}"
+            log.error("dashboard_viewer_failed", error=str(e), error_type=type(e).__name__,
+                      fix="see the error; restart the dashboard (ops.swap dashboard) once its cause is gone")
+            return None
+        if self.state == "waiting":
+            log.info("dashboard_viewer_ready", wait_s=round(time.monotonic() - started, 2),
+                     num_pending=self._pending.qsize(), num_skipped=self.num_skipped)
+        self.state, self.shelf.note = "ready", ""
+        return views
+
+    async def _read(self, views: SampleViews, key: str) -> list[SampleView]:
         """The views of the record at ``key``; none when it is gone or unreadable (said, and counted)."""
         try:
             stored = await self._blob.get(key)  # bounded by the store's timeouts and attempts
-            return await asyncio.to_thread(self._views, key, stored)
+            return await asyncio.to_thread(views, key, stored)
         except KeyError:
             return []  # collected since (a replayed log names groups long trained): nothing to show
         except (ValueError, OSError) as e:  # unreadable or the store failing: skip it, say so

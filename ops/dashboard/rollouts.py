@@ -1,10 +1,11 @@
 """The rollout viewer's shelf: which samples the dashboard keeps to show whole, and for how long.
 
 The application says how to turn one stored group record into views of its samples (the run file's
-``dashboard.sample_views``, ``module:function`` taking (blob key, stored bytes) and returning one JSON-ready
-dict per sample; the RL trainer's is ``actors.sample_views:group_sample_views``), so the dashboard reads no
-application record itself. A view has at least ``sample_id``, ``group_id``, ``prompt_id``, ``version``
-(the newest policy version among its tokens), ``reward`` and ``passed``; the page shows whatever else it
+``dashboard.sample_views``, ``module:function`` that, given the run's application configuration, gives how to
+get a function taking (blob key, stored bytes) and returning one JSON-ready dict per sample:
+`ops.dashboard.feeds.ViewsLoader`; the RL trainer's is ``actors.sample_views:run_sample_views``), so the
+dashboard reads no application record itself. A view has at least ``sample_id``, ``group_id``, ``prompt_id``,
+``version`` (the newest policy version among its tokens), ``reward`` and ``passed``; the page shows whatever else it
 carries (tokens with their versions and loss mask, reward components, tests, the group's advantages). A
 later record of a sample (the trainer's log-probs of its tokens, once it is trained) gives a partial view,
 ``sample_id`` and the fields it adds, which `RolloutShelf.amend` merges into the kept sample's view.
@@ -45,6 +46,9 @@ class RolloutShelf:
         self._reservoir: dict[int, list[str]] = {}  # version -> group ids sampled for it
         self._seen_per_version: collections.Counter[int] = collections.Counter()
         self._num_offered = 0
+        # what the page says in place of the count while the viewer cannot fill the shelf (what it waits for, or
+        # why it is off); "" once it can
+        self.note = ""
 
     def offer(self, views: list[SampleView]) -> None:
         """One group's sample views (one record): kept if the retention rule keeps it."""

@@ -136,7 +136,8 @@ async def _samples(request: web.Request) -> web.Response:
                              int(q.get("limit", "200")))
     except ValueError as e:
         return web.json_response({"error": str(e)}, status=400)
-    return web.Response(text=_encode({"samples": rows, "num_groups": shelf.num_groups}),
+    body = {"samples": rows, "num_groups": shelf.num_groups} | ({"note": shelf.note} if shelf.note else {})
+    return web.Response(text=_encode(body),
                         content_type="application/json")
 
 

@@ -4,7 +4,9 @@
   exists once its manifest does, so a writer killed mid-upload leaves no half tree;
 - delete: the manifest first, then the files;
 - get: into a destination folder through a temporary sibling renamed into place, each file checked
-  against the manifest; a destination that already matches is used as it is.
+  against the manifest; a destination that already matches is used as it is. Each file is its own blob,
+  so a reader that needs a few of them (a policy's tokenizer, not its weights) gets only those
+  (``members``), checked all the same.
 
 The trainer's checkpoints and the run's one-time builds (``runtime.build_once``) are such trees.
 """
@@ -16,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +78,19 @@ def _matches(directory: Path, files: dict[str, Any]) -> bool:
     return all(_digest(directory / rel) == (f["size"], f["sha256"]) for rel, f in files.items())
 
 
-async def get_tree(store: BlobStore, prefix: str, destination: Path) -> Path:
+async def get_tree(store: BlobStore, prefix: str, destination: Path, members: Collection[str] | None = None) -> Path:
     """``destination``, holding the stored tree ``prefix`` (checked against its manifest).
+
+    Args:
+        members: only these files of the tree (relative paths; those it does not list are not in it, and
+            not fetched): ``destination`` then holds them alone.
 
     Raises:
         CorruptTree: the manifest is missing or corrupt, or a file is missing or differs from it.
     """
     files = await _manifest(store, prefix)
+    if members is not None:
+        files = {rel: f for rel, f in files.items() if rel in members}
     if await asyncio.to_thread(_matches, destination, files):
         return destination
     tmp = destination.with_name(f".tmp-{destination.name}-{os.getpid()}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import math
+from pathlib import Path
 
 import numpy
 import pytest
@@ -89,27 +90,45 @@ def test_the_trainers_log_probs_of_a_sample_become_a_partial_view() -> None:
         sample_views(key, _record())
 
 
-def test_a_pretrained_policys_samples_are_decoded_with_its_own_tokenizer(tmp_path) -> None:
-    from actors.config import PolicySection, RLConfig
+def tokenized_group_record(tokenizer_dir: Path, prompt: str, answer: str, group_id: str = "g1") -> bytes:
+    """A stored group record of one sample: ``prompt`` then ``answer`` (trained, version 0) in the tokens of the
+    tokenizer.json in ``tokenizer_dir``."""
+    from model.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(tokenizer_dir, end_token="</s>")
+    prompt_ids, answer_ids = tok.encode(prompt), tok.encode(answer)
+    ids, n, k = prompt_ids + answer_ids, len(prompt_ids) + len(answer_ids), len(answer_ids)
+    trajectory = Trajectory([Segment(token_ids=ids, loss_mask=[0] * (n - k) + [1] * k,
+                                     behaviour_logprobs=[0.0] * n, logprob_temperatures=[1.0] * n,
+                                     versions=[-1] * (n - k) + [0] * k, topk_ids_TLK=None, prompt_len=n - k)],
+                            end=EpisodeEnd.FINAL_ANSWER)
+    sample = GroupSample(f"{group_id}-s0", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5, trajectory, ())
+    return zstandard.ZstdCompressor().compress(encode_record(GroupRecord(group_id, "p1", 0, 0, 0.0, (sample,))))
+
+
+async def _loaded(config: object, blob: object = None) -> object:
+    """The views the dashboard's loader gives for ``config`` (no bus: as a finished run's reader)."""
     from actors.sample_views import run_sample_views
+
+    return await run_sample_views(config)(blob=blob, bus=None, owner="test", waiting=lambda what: None)
+
+
+async def test_a_pretrained_policys_samples_are_decoded_with_its_own_tokenizer(tmp_path) -> None:
+    from actors.config import PolicySection, RLConfig
+    from runtime.blob import open_store
     from tests.actors.agent.test_dialect import PLAIN_TEMPLATE, _checkpoint
 
     directory = _checkpoint(tmp_path / "policy", PLAIN_TEMPLATE)
     from model.tokenizer import HFTokenizer
 
     tok = HFTokenizer(directory, end_token="</s>")
-    prompt, answer = tok.encode("User: hi\nAssistant:"), tok.encode(" done</s>")
-    ids, n, k = prompt + answer, len(prompt) + len(answer), len(answer)
-    trajectory = Trajectory([Segment(token_ids=ids, loss_mask=[0] * (n - k) + [1] * k,
-                                     behaviour_logprobs=[0.0] * n, logprob_temperatures=[1.0] * n,
-                                     versions=[-1] * (n - k) + [0] * k, topk_ids_TLK=None, prompt_len=n - k)],
-                            end=EpisodeEnd.FINAL_ANSWER)
-    sample = GroupSample("s1", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5, trajectory, ())
-    stored = zstandard.ZstdCompressor().compress(encode_record(GroupRecord("g1", "p1", 0, 0, 0.0, (sample,))))
-    views = run_sample_views(RLConfig(policy=PolicySection(checkpoint=str(directory))))
+    answer = tok.encode(" done</s>")
+    stored = tokenized_group_record(directory, "User: hi\nAssistant:", " done</s>")
+    views = await _loaded(RLConfig(policy=PolicySection(checkpoint=str(directory))))
     (view,) = views("groups/g1/a0", stored)
     assert [run[0] for run in view["tokens"]] == ["User: hi\nAssistant:", " done</s>"]
     assert view["tokens"][1][5].split(PIECE_SEPARATOR) == [tok.decode([t]) for t in answer] == [" ", "done", "</s>"]
-    assert run_sample_views(RLConfig())("groups/g1/a0", _record())[0]["tokens"][0][0] == "ab", "the tiny policy: bytes"
-    with pytest.raises(FileNotFoundError, match="not built under"):
-        run_sample_views(RLConfig(policy=PolicySection(pretrained="smollm2-135m-instruct", cache_dir=tmp_path)))
+    assert (await _loaded(RLConfig()))("groups/g1/a0", _record())[0]["tokens"][0][0] == "ab", "the tiny policy: bytes"
+    async with open_store((tmp_path / "blobs").as_uri()) as blob:  # a finished run that never stored its build
+        with pytest.raises(FileNotFoundError, match="is not stored in"):
+            await _loaded(RLConfig(policy=PolicySection(pretrained="smollm2-135m-instruct", cache_dir=tmp_path)), blob)

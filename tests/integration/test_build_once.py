@@ -1,5 +1,7 @@
 """A run's one-time build on a real bus and store: one builder whoever asks, the others wait for it; a dead
-builder is noticed within its lease, a failed one hands over, and nobody waits past the bound."""
+builder is noticed within its lease, a failed one hands over, and nobody waits past the bound. A reader that
+never builds (the dashboard: a policy's tokenizer) waits for whoever does, or shares, and takes only the files
+it needs."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from runtime.blob import open_store
-from runtime.build_once import BuildFailed, BuildSettings, build_once, claim_key
+from runtime.build_once import BuildFailed, BuildSettings, build_once, claim_key, share_build
 from runtime.bus import Bus
 from runtime.run_state import RUN_BUCKET
 from tests.integration.harness import nats_bus
@@ -98,3 +100,52 @@ async def test_a_build_that_never_ends_is_not_waited_for_past_the_bound(tmp_path
                                  settings=BuildSettings(lease_s=1.0, timeout_s=3.0))
             assert 3.0 <= time.monotonic() - started < 6.0
             renewing.cancel()
+
+
+def _policy(out: Path) -> None:
+    (out / "weights.bin").write_bytes(b"w" * 1000)
+    (out / "tokenizer.json").write_text("{}")
+
+
+async def test_a_reader_waits_for_the_build_without_building_and_takes_only_its_members(tmp_path: Path) -> None:
+    async with nats_bus(tmp_path) as bus, open_store((tmp_path / "blobs").as_uri()) as store:
+        waited: list[bool] = []
+        reader = asyncio.create_task(build_once(  # before anyone claimed the build
+            bus, store, "p", None, tmp_path / "reader", owner="r", members=["tokenizer.json", "absent.json"],
+            on_wait=lambda: waited.append(True)))
+        await until(lambda: waited, 10, "the reader waiting")
+        built = await build_once(bus, store, "p", _policy, tmp_path / "builder", owner="b",
+                                 settings=BuildSettings(lease_s=1.5, timeout_s=30.0))
+        path = await asyncio.wait_for(reader, 10)  # woken by the release of the lease
+        assert sorted(p.name for p in path.iterdir()) == ["tokenizer.json"], "its members, those the build has"
+        assert path.parent == tmp_path / "reader" and path.name.startswith("p.part-"), "never taken for the build"
+        assert (built / "weights.bin").exists() and waited == [True]
+        again = await build_once(None, store, "p", None, tmp_path / "offline", owner="o", members=["tokenizer.json"])
+        assert again.joinpath("tokenizer.json").read_text() == "{}", "a finished run's reader: the stored build"
+
+
+async def test_a_reader_wakes_when_a_machine_shares_a_build_it_had(tmp_path: Path) -> None:
+    async with nats_bus(tmp_path) as bus, open_store((tmp_path / "blobs").as_uri()) as store:
+        found = tmp_path / "machine-a" / "p"
+        found.mkdir(parents=True)
+        _policy(found)
+        waited: list[bool] = []
+        reader = asyncio.create_task(build_once(bus, store, "p", None, tmp_path / "reader", owner="r",
+                                                on_wait=lambda: waited.append(True)))
+        await until(lambda: waited, 10, "the reader waiting")
+        assert await share_build(bus, store, "p", found, owner="a")
+        path = await asyncio.wait_for(reader, 10)
+        assert path.joinpath("weights.bin").read_bytes() == b"w" * 1000
+        assert await bus.kv_get(RUN_BUCKET, claim_key("p")) is None, "shared under the lease, released"
+        assert not await share_build(bus, store, "p", found, owner="a"), "stored already"
+
+
+async def test_a_reader_is_bounded_and_a_finished_runs_reader_is_told_the_build_is_not_stored(tmp_path: Path) -> None:
+    async with nats_bus(tmp_path) as bus, open_store((tmp_path / "blobs").as_uri()) as store:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await build_once(bus, store, "p", None, tmp_path / "m", owner="r",
+                             settings=BuildSettings(lease_s=1.0, timeout_s=1.5))
+        assert 1.5 <= time.monotonic() - started < 5.0
+        with pytest.raises(FileNotFoundError, match="not stored"):
+            await build_once(None, store, "p", None, tmp_path / "m", owner="r")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import math
 from pathlib import Path
 
@@ -126,4 +127,60 @@ async def test_a_trained_samples_api_view_carries_the_trainers_log_probs(tmp_pat
             assert fetcher.num_unreadable == 0, "a sample the viewer does not keep (g7-s0) is not even read"
         finally:
             run.cancel()
+            await client.close()
+
+
+async def test_a_viewer_waiting_for_its_views_keeps_what_it_notices_within_its_bound_and_one_that_fails_stays_off(
+        tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    ready = asyncio.Event()
+
+    async def load(*, blob: object, bus: object, owner: str, waiting: object) -> object:
+        waiting("the run's policy build p")  # type: ignore[operator]
+        await ready.wait()
+        return sample_views
+
+    async def fail(**_: object) -> object:
+        raise TimeoutError("the build p was not stored within 3600 s")
+
+    segment = Segment(ByteTokenizer().encode("ab"), [0, 1], [0.0, -0.5], [1.0] * 2, [-1, 2], None, 1)
+    sample = GroupSample("g-s0", 1.0, RewardBreakdown(1.0, 1, 1, 0.0, 0.0, 0, 0.0, 1.0), 0.5,
+                         Trajectory([segment], EpisodeEnd.FINAL_ANSWER))
+    async with open_store(f"file://{tmp_path}") as blob:
+        for n in range(3):
+            record = GroupRecord(f"g{n}", "p", 2, 2, 0.0, (dataclasses.replace(sample, sample_id=f"g{n}-s0"),))
+            await blob.put(f"groups/g{n}/a0", zstandard.ZstdCompressor().compress(encode_record(record)))
+        fetcher = SampleFetcher(blob, None, RolloutShelf(), max_pending=2, load=load)
+        client = TestClient(TestServer(build_app(RunView("r"), shelf=fetcher.shelf)))
+        await client.start_server()
+        try:
+            with capture_logs() as logs:
+                async with asyncio.TaskGroup() as tg:
+                    run = tg.create_task(fetcher.run())
+                    for n in range(3):  # one more than the bound, while the views are not there yet
+                        fetcher.notice({"event": "group_checkpointed", "key": f"groups/g{n}/a0"})
+                    await asyncio.sleep(0)  # the fetcher starts, and says it waits
+                    body = await (await client.get("/api/samples")).json()
+                    assert body["samples"] == [] and "waiting for the run's policy build p" in body["note"]
+                    assert fetcher.state == "waiting" and fetcher.num_skipped == 1
+                    ready.set()
+                    await asyncio.wait_for(fetcher.wait_idle(), 10)
+                    run.cancel()
+            body = await (await client.get("/api/samples")).json()
+            assert sorted(s["sample_id"] for s in body["samples"]) == ["g0-s0", "g1-s0"] and "note" not in body
+            assert [e["event"] for e in logs if e["event"].startswith("dashboard_viewer")] == [
+                "dashboard_viewer_waiting", "dashboard_viewer_ready"]
+
+            off = SampleFetcher(blob, None, RolloutShelf(), load=fail)
+            with capture_logs() as logs:
+                async with asyncio.TaskGroup() as tg:
+                    run = tg.create_task(off.run())
+                    off.notice({"event": "group_checkpointed", "key": "groups/g0/a0"})
+                    await asyncio.wait_for(off.wait_idle(), 10)  # it goes on: skipping, not failing the dashboard
+                    run.cancel()
+            assert off.state == "failed" and off.num_skipped == 1 and "was not stored" in off.shelf.note
+            (failed,) = [e for e in logs if e["event"] == "dashboard_viewer_failed"]
+            assert failed["error_type"] == "TimeoutError" and failed["log_level"] == "error"
+        finally:
             await client.close()
