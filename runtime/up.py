@@ -75,6 +75,7 @@ from runtime.run_state import (
     publish_run_state,
 )
 from runtime.rundir import CONFIG_FILE, SUPERVISOR_LOG, RunInfo, new_run_dir
+from runtime.store_probe import probe_store
 from runtime.supervisor import Supervisor, open_backend
 from runtime.watchdog import Watchdog
 
@@ -186,6 +187,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         await provision_streams(bus, rt)
         lease = await _hold_run(bus, run_id, run_dir, rt.supervisor.lease_s)
         stack.push_async_callback(lease.release)
+        await check_store_access(storage_url, rt.storage.s3_endpoint)
         store = open_store(storage_url, s3_endpoint=rt.storage.s3_endpoint or None)
         stack.push_async_callback(store.close)
         record = RunRecord(run_id, rt.run.name, storage_url, rt.storage.s3_endpoint, time.time())
@@ -231,6 +233,17 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
 
 
 SUPERVISOR_LEASE_KEY = "supervisor"
+
+
+async def check_store_access(url: str, s3_endpoint: str) -> None:
+    """Refuses a start whose store this process cannot reach, naming the setting to fix (runtime.store_probe).
+
+    Raises:
+        ConfigError: the store's credentials, endpoint or bucket are missing or refused.
+    """
+    if problem := await asyncio.to_thread(probe_store, url, s3_endpoint):
+        raise ConfigError(f"storage.url={url} cannot be reached from runtime.up on {socket.gethostname()}: "
+                          f"{problem}; every actor process needs the same on its node")
 
 
 async def _hold_run(bus: Bus, run_id: str, run_dir: Path, lease_s: float) -> KVLease:
