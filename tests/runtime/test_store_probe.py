@@ -8,6 +8,7 @@ import socket
 import boto3
 import pytest
 
+from runtime.blob import BlobError, open_store
 from runtime.blob.testing import MotoServer
 from runtime.store_probe import probe_store
 
@@ -27,3 +28,15 @@ def test_each_obstacle_names_its_setting(moto: MotoServer, monkeypatch: pytest.M
         monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to find on a test machine
     assert probe_store("s3://probed/r1", moto.endpoint).startswith("no S3 credentials: set AWS_ACCESS_KEY_ID")
+
+
+@pytest.mark.usefixtures("aws_env")
+async def test_a_store_used_without_credentials_says_what_to_set(moto: MotoServer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an actor process on a node without credentials meets (one that joined after the start's probe)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    async with open_store("s3://probed/r1", s3_endpoint=moto.endpoint) as store:
+        with pytest.raises(BlobError, match="no S3 credentials where this process runs: set AWS_ACCESS_KEY_ID"):
+            await store.get("run/record.json")
