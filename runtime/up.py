@@ -205,7 +205,7 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
             info.write()
         except BaseException:  # nothing ran: a new run leaves its bus and store free for the same command again
             if not resumed:
-                await withdraw_run(bus, store, record)
+                await _quietly(lambda: withdraw_run(bus, store, record))  # a bus that is down keeps the claim
             raise
         supervisor = Supervisor(rt, run_dir, bus, info.address(), backend, credentials, blob=store, app=cfg.app)
         loop = asyncio.get_running_loop()
@@ -230,6 +230,9 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                     watchdog.cancel()
         # after the forwarder's last flush: a follower that sees the end has had every event before it sent
         await _record_end(bus, RunState(outcome, supervisor.failure or "", time.time()))
+        if outcome is Outcome.FAILED and supervisor.num_placed == 0 and not resumed:
+            # no actor process ever started: the same command, once the cause is fixed, finds bus and store free
+            await _quietly(lambda: withdraw_run(bus, store, record))
         if supervisor.failure:
             print(f"run failed: {supervisor.failure}", file=sys.stderr, flush=True)
         elif terminal is not None:

@@ -161,3 +161,48 @@ async def test_a_node_without_s3_credentials_fails_the_start_once_naming_the_nod
     assert await _bus_is_free(bus_url)
     async with open_store(storage, s3_endpoint=moto.endpoint) as store:
         assert await store.list() == []
+
+
+HOLD_SANDBOXES = """
+import sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+holder = ray.remote(num_cpus=0, resources={"sandbox": 4})(type("Holder", (), {"ready": lambda self: True})).remote()
+ray.get(holder.ready.remote())
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+async def test_a_run_that_fails_before_any_actor_process_started_leaves_bus_and_store_free(
+        tmp_path: Path, ray_head: tuple[str, str], bus_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cluster can hold the run (a node has `sandbox`), but another job holds every `sandbox` now: each
+    start times out, the restart limit fails the run, and nothing of it ever ran."""
+    address, token = ray_head
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    holder = subprocess.Popen(  # noqa: ASYNC220 - a plain Popen whose stdin the test closes
+        [sys.executable, "-c", HOLD_SANDBOXES, address], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    storage = (tmp_path / "storage").as_uri()
+    args = ("--config", str(write_config(tmp_path / "run.toml", RUN)), "--set", 'runtime.backend="ray"',
+            "--set", f'runtime.ray_address="{address}"', "--set", f"bus.url={bus_url}",
+            "--set", f"storage.url={storage}", "--set", "runtime.ray_place_timeout_s=2",
+            "--set", "supervisor.max_restarts=1", "--set", "supervisor.backoff_base_s=0.1")
+    try:
+        assert holder.stdout is not None
+        held = await asyncio.wait_for(asyncio.to_thread(holder.stdout.readline), 120)
+        assert held.strip() == "held", held
+        failed, _ = await _up(tmp_path / "a", *args)
+        assert failed.returncode == 1 and "not started within 2.0s" in failed.stderr, failed.stderr
+    finally:
+        holder.communicate(timeout=60)  # its stdin closed: it ends, and Ray frees the sandboxes
+    assert run_events(tmp_path / "a", "actor_spawned") and run_events(tmp_path / "a", "run_withdrawn")
+    assert await _bus_is_free(bus_url)
+    async with open_store(storage) as store:
+        assert not await store.exists(RECORD_BLOB)
+    run = await LiveRun(tmp_path / "b", [], *args).start(timeout_s=180)  # the same command, the sandboxes free
+    try:
+        await run.wait_actors("counter", 1, timeout_s=180)
+    finally:
+        assert await run.stop(timeout_s=120) == 0
+
