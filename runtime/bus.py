@@ -1217,6 +1217,17 @@ class Bus:
             await self.kv(bucket)
             await self._update_bucket(bucket, lease_max_s if bucket in LEASE_BUCKETS else 0.0)
 
+    async def delete_streams(self) -> list[str]:
+        """Deletes every stream (work queues, LOG, DLQ, KV buckets) this connection's account holds, and returns
+        their names: a bus carries one run (``runtime.run_state``), and a new one starts on an empty bus.
+        The supervisor's role may; an actor's or the operator's may not (``runtime.bus_auth``)."""
+        with _translated("delete the run's streams and buckets"):
+            names = sorted(info.config.name or "" for info in await self.js_reads.streams_info())
+            for name in names:
+                await self._through_election(f"delete {name}", lambda name=name: self.js.delete_stream(name))
+            self._kv.clear()
+            return names
+
     async def _ensure_stream(self, cfg: StreamConfig) -> None:
         try:
             await self._through_election(f"open {cfg.name}", lambda: self.js_reads.stream_info(cfg.name))  # type: ignore[arg-type]

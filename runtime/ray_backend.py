@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ import ray.cloudpickle
 import structlog
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from runtime import ray_host
+from runtime import ray_host, store_probe
 from runtime.placement import ActorLaunch, PlacementError
 from runtime.ready_samples import holder_namespace, kill_holder
 from runtime.run_config import ActorSpec, BackendSection, PlacementSpec, RuntimeConfig
@@ -53,6 +54,8 @@ __all__ = ["RayBackend", "RayProcess"]
 KILL_TIMEOUT_S = 10.0  # a host that does not answer a kill within this is killed through Ray
 UNAVAILABLE_RETRY_S = 1.0  # a host briefly unreachable (not dead): asked again after this ...
 MAX_UNAVAILABLE = 60  # ... this many times, then its process is taken as lost
+ADMISSION_CONNECT_TIMEOUT_S = 5.0  # the head's port answers within this, or ray.init judges the address
+AUTH_MODE_ENV = "RAY_AUTH_MODE"  # Ray's switch for token authentication ("token"), read by every ray process
 WORKING_DIR_EXCLUDES = [".git", "runs", "__pycache__", "*.pyc", ".venv"]
 
 
@@ -140,9 +143,12 @@ class RayBackend:
             PlacementError: the cluster cannot be reached.
         """
         ray.cloudpickle.register_pickle_by_value(ray_host)  # a node needs no copy of the project to host
+        ray.cloudpickle.register_pickle_by_value(store_probe)  # ... nor to probe the store
         namespace = holder_namespace(str(run_dir))
         common: dict[str, Any] = {"namespace": namespace, "log_to_driver": False, "include_dashboard": False,
                                   "logging_level": logging.WARNING, "configure_logging": False}
+        if section.ray_address:
+            _check_admission(section.ray_address)
         try:
             if section.ray_address:
                 ray.init(address=section.ray_address, **common)
@@ -153,7 +159,7 @@ class RayBackend:
                 # one `ray start` left on this machine (another run's, another user's), not start one
                 ray.init(address="local", num_cpus=section.ray_head_num_cpus or None, _system_config=checks,
                          **common)
-        except (ConnectionError, RuntimeError, ValueError) as e:
+        except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as e:
             raise PlacementError(f"cannot reach the Ray cluster at {section.ray_address or 'a new local head'}: "
                                  f"{e}; fix runtime.ray_address (e.g. 'auto' or 'HOST:6379')") from e
         backend = cls(section, not section.ray_address, namespace)
@@ -162,6 +168,11 @@ class RayBackend:
         return backend
 
     def check(self, config: RuntimeConfig) -> None:
+        """Refuses a run the cluster cannot hold: a kind no node can take, a node that cannot reach the store.
+
+        Raises:
+            PlacementError: naming the kind and the nodes, or the node and the missing setting.
+        """
         nodes = _alive_nodes()
         for kind, spec in config.actors.items():
             if spec.count + spec.standby == 0:
@@ -171,6 +182,33 @@ class RayBackend:
                     f"actors.{kind}.placement asks for {_demand(spec.placement)} on nodes labelled "
                     f"{spec.placement.node_labels or 'anything'}, but no node of the Ray cluster at {self.address} "
                     f"has it: {[_describe(n) for n in nodes]}; start a node with it or change the placement")
+        self._check_store_on(nodes, config.storage.url, config.storage.s3_endpoint)
+
+    def _check_store_on(self, nodes: list[dict[str, Any]], url: str, s3_endpoint: str) -> None:
+        """Probes the store from every node, with the node's own credentials (an actor process there has
+        those, not runtime.up's), so that a node without them fails the start once instead of crash-looping
+        every actor placed on it."""
+        if not url.startswith("s3://"):
+            return
+        probe = ray.remote(num_cpus=0, max_retries=0)(store_probe.probe_store)
+        pending = {_describe(n)["node"] + f" ({n.get('NodeManagerHostname', '?')})": probe.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(url, s3_endpoint)
+            for n in nodes}
+        problems: list[str] = []
+        timeout = self.section.ray_place_timeout_s
+        for node, ref in pending.items():
+            try:
+                problem = ray.get(ref, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                problem = f"its probe did not answer within runtime.ray_place_timeout_s={timeout}s"
+            except ray.exceptions.RayError as e:
+                problem = f"its probe failed: {_first_line(e)}"
+            if problem:
+                problems.append(f"node {node}: {problem}")
+        if problems:
+            raise PlacementError(f"storage.url={url} cannot be reached from every Ray node, and every actor process "
+                                 f"reads it with its own node's credentials: {'; '.join(problems)}; set it on those "
+                                 "nodes (in the environment `ray start` runs with) and start them again")
 
     async def start(self, launch: ActorLaunch, spec: ActorSpec) -> RayProcess:
         """Places one process; starts run together (the supervisor asks for many at once), except "pack"
@@ -246,6 +284,41 @@ def _ship(working_dir: str) -> dict[str, Any]:
         return upload_working_dir_if_needed(env, include_gitignore=True, logger=logging.getLogger("ray_ship"))
     except (OSError, ValueError, TypeError) as e:
         raise PlacementError(f"runtime.ray_working_dir={working_dir!r} cannot be shipped to the nodes: {e}") from e
+
+
+def _check_admission(address: str) -> None:
+    """Refuses, naming Ray's token authentication, a cluster whose head takes no connection without its token.
+
+    ``ray.init`` says only "Failed to connect" after retrying for 20 s; the cluster's GCS says at once that the
+    token is missing or wrong. Nothing is decided for an address nothing answers at (``ray.init`` says so).
+
+    Raises:
+        PlacementError: the head requires a token this process does not present.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=ADMISSION_CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError):  # "auto", a ray:// client address, or nothing listening: ray.init's to judge
+        return
+    from ray._raylet import GcsClient  # ray 2.60: the cluster's own client, which raises AuthenticationError
+
+    try:
+        GcsClient(address=address)
+    except ray.exceptions.AuthenticationError as e:
+        mode = os.environ.get(AUTH_MODE_ENV, "")
+        if mode.lower() != "token":
+            raise PlacementError(
+                f"the Ray cluster at {address} requires token authentication ({e.message}) and this runtime.up runs "
+                f"with {AUTH_MODE_ENV}={mode or '(unset)'}: set {AUTH_MODE_ENV}=token with the head's token "
+                "(its ~/.ray/auth_token copied here, or RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH) for runtime.up and "
+                "for `ray start` on every node (a head started by `ray start --head` turns token authentication "
+                "on by itself where ~/.ray/auth_token exists)") from None
+        raise PlacementError(
+            f"the Ray cluster at {address} refused this runtime.up's token ({e.message}; {AUTH_MODE_ENV}=token): "
+            "give runtime.up and every node the head's token (its ~/.ray/auth_token, or RAY_AUTH_TOKEN / "
+            "RAY_AUTH_TOKEN_PATH)") from None
+    except Exception:  # any other answer is ray.init's to report, in its own words
+        return
 
 
 def _kill_host(host: Any) -> None:

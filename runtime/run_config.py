@@ -153,7 +153,7 @@ class BusSection:
 
 @dataclass(frozen=True)
 class StorageSection:
-    url: str = ""  # empty: file://<run dir>/blobs; or s3://bucket/prefix
+    url: str = ""  # empty: file://<run dir>/blobs; or s3://bucket/prefix; "{run_id}" in it: the run's id
     s3_endpoint: str = ""  # for any S3-compatible endpoint (moto, MinIO); empty: AWS default
 
 

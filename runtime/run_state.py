@@ -52,7 +52,9 @@ __all__ = [
     "read_run_config",
     "read_run_record",
     "run_ended",
+    "storage_url_of",
     "verify_store",
+    "withdraw_run",
 ]
 
 log = structlog.get_logger(__name__)
@@ -63,6 +65,7 @@ STATE_KEY = "state"
 RECORD_BLOB = "run/record.json"
 CONFIG_BLOB = "run/config.toml"
 RECORD_SCHEMA = 1
+RUN_ID_FIELD = "{run_id}"  # in storage.url: the run's id (`storage_url_of`)
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # a subject token (weights.<run>) and a blob key segment
 
 
@@ -80,6 +83,12 @@ def check_run_id(run_id: str) -> str:
         raise ConfigError(f"run id {run_id!r} must be 1-128 letters, digits, '-' or '_' "
                           "(it names the subject weights.<run> and blob keys)")
     return run_id
+
+
+def storage_url_of(url: str, run_id: str) -> str:
+    """``url`` with `RUN_ID_FIELD` filled in: ``s3://bucket/runs/{run_id}`` gives every run a store of its own,
+    so one command starts run after run (a store holds one run)."""
+    return url.replace(RUN_ID_FIELD, run_id)
 
 
 def new_run_id(name: str) -> str:
@@ -194,24 +203,59 @@ async def publish_run(bus: Bus, store: BlobStore, record: RunRecord, config_toml
     Raises:
         RunConflict: the bus or the store holds another run.
     """
-    await verify_store(store, record.run_id, missing_ok=True)
+    had_store = await verify_store(store, record.run_id, missing_ok=True) is not None
+    _refuse_held(await read_run_record(bus), record.run_id)  # before the store is written: a refusal claims nothing
     await store.put(CONFIG_BLOB, config_toml.encode())
     await store.put(RECORD_BLOB, record.to_bytes())
+    try:
+        await _claim_bus(bus, record, resumed=resumed)
+    except BaseException:  # another run claimed the bus meanwhile, or the bus failed: the store is left as found
+        if not had_store:
+            await _withdraw_store(store, record.run_id)
+        raise
+
+
+async def _claim_bus(bus: Bus, record: RunRecord, *, resumed: bool) -> None:
     if not resumed:
         try:
             await bus.kv_create(RUN_BUCKET, RECORD_KEY, record.to_bytes())
             return
         except RevisionMismatch:
             pass
-    entry = await bus.kv_get(RUN_BUCKET, RECORD_KEY)
-    held = None if entry is None else RunRecord.from_bytes(entry.value, f"the bus bucket {RUN_BUCKET!r}")
-    if held is not None and held.run_id != record.run_id:
-        raise RunConflict(f"the bus already carries run {held.run_id!r} (one bus, one run): resume it with "
-                          f"--resume {held.run_id}, or give run {record.run_id!r} a bus of its own")
+    held = await read_run_record(bus)
+    _refuse_held(held, record.run_id)
     if held is None and not resumed:  # deleted between the create and the read: claim it again
         await bus.kv_create(RUN_BUCKET, RECORD_KEY, record.to_bytes())
         return
     await bus.kv_put(RUN_BUCKET, RECORD_KEY, record.to_bytes())
+
+
+def _refuse_held(held: RunRecord | None, run_id: str) -> None:
+    if held is not None and held.run_id != run_id:
+        raise RunConflict(f"the bus already carries run {held.run_id!r} (one bus, one run: its streams and buckets "
+                          f"are not named per run): resume it with --resume {held.run_id}, clear it with "
+                          f"python -m ops.clear {held.run_id} --set bus.url=... once it has ended, or give run "
+                          f"{run_id!r} a bus of its own")
+
+
+async def withdraw_run(bus: Bus, store: BlobStore, record: RunRecord) -> None:
+    """Undoes `publish_run` of a new run that then did not start: its record leaves the bus and its record and
+    configuration the store, each only where it is still this run's, so the bus and the store are free again."""
+    held = await read_run_record(bus)
+    if held is not None and held.run_id == record.run_id:
+        await bus.kv_delete(RUN_BUCKET, RECORD_KEY)
+    await _withdraw_store(store, record.run_id)
+    log.info("run_withdrawn", run_id=record.run_id, storage_url=record.storage_url)
+
+
+async def _withdraw_store(store: BlobStore, run_id: str) -> None:
+    try:
+        held = RunRecord.from_bytes(await store.get(RECORD_BLOB), f"{store.url}/{RECORD_BLOB}")
+    except BlobNotFound:
+        return
+    if held.run_id == run_id:
+        await store.delete(RECORD_BLOB)  # the record first: a store without one is free, whatever else it holds
+        await store.delete(CONFIG_BLOB)
 
 
 async def verify_store(store: BlobStore, run_id: str, *, missing_ok: bool = False) -> RunRecord | None:
@@ -231,7 +275,7 @@ async def verify_store(store: BlobStore, run_id: str, *, missing_ok: bool = Fals
     held = RunRecord.from_bytes(data, f"{store.url}/{RECORD_BLOB}")
     if held.run_id != run_id:
         raise RunConflict(f"{store.url} holds run {held.run_id!r}, not {run_id!r}: give each run a storage "
-                          "URL of its own (s3://bucket/<run>)")
+                          "URL of its own (storage.url=s3://bucket/runs/{run_id}: each run's id fills it in)")
     return held
 
 
@@ -276,6 +320,6 @@ async def find_run(run_id: str, bus_section: Any, storage_section: Any, role: st
     if record is None or record.run_id != run_id:
         held = "no run" if record is None else f"run {record.run_id!r}"
         raise RunNotFound(f"the bus {bus_section.url} carries {held}, not {run_id!r}")
-    storage_url = storage_section.url or record.storage_url
+    storage_url = storage_url_of(storage_section.url or record.storage_url, run_id)
     async with open_store(storage_url, s3_endpoint=(storage_section.s3_endpoint or record.s3_endpoint) or None) as st:
         return record, await read_run_config(st, run_id), storage_url

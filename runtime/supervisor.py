@@ -90,6 +90,7 @@ class Supervisor:
         self.outcome = Outcome.RUNNING
         self.failure: str | None = None
         self.unclean_exits: list[str] = []  # actors asked to stop that exited non-zero: "<id> exited <rc>"
+        self.num_placed = 0  # processes the backend started: none by a failed run's end means nothing of it ran
         self._restarts: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self._counter: collections.Counter[str] = collections.Counter()
         self._stop = asyncio.Event()
@@ -157,6 +158,7 @@ class Supervisor:
             launch = actor_launch(self.address, self.run_dir, kind, actor_id, spec, rank=rank, standby=standby,
                                   credentials=self.credentials)
             proc = await self.backend.start(launch, spec)
+            self.num_placed += 1
         except (PlacementError, ConfigError, OSError) as e:  # a failed start is a crash: restarted with
             # backoff, within the intensity, and its reason is the run's failure if it comes to that
             error = PlacementError(f"{type(e).__name__}: {e}" if str(e) else repr(e))

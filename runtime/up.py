@@ -73,8 +73,11 @@ from runtime.run_state import (
     new_run_id,
     publish_run,
     publish_run_state,
+    storage_url_of,
+    withdraw_run,
 )
 from runtime.rundir import CONFIG_FILE, SUPERVISOR_LOG, RunInfo, new_run_dir
+from runtime.store_probe import probe_store
 from runtime.supervisor import Supervisor, open_backend
 from runtime.watchdog import Watchdog
 
@@ -186,16 +189,24 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
         await provision_streams(bus, rt)
         lease = await _hold_run(bus, run_id, run_dir, rt.supervisor.lease_s)
         stack.push_async_callback(lease.release)
+        # Every check before the run claims its bus and store: a start refused here leaves both as they were,
+        # so the same command works once the cause is fixed.
+        await check_store_access(storage_url, rt.storage.s3_endpoint)
         store = open_store(storage_url, s3_endpoint=rt.storage.s3_endpoint or None)
         stack.push_async_callback(store.close)
-        record = RunRecord(run_id, rt.run.name, storage_url, rt.storage.s3_endpoint, time.time())
-        await publish_run(bus, store, record, dump_toml(cfg.to_toml_tree()), resumed=resumed)
-        await publish_run_state(bus, RunState(Outcome.RUNNING, at=time.time()))
-        await _publish_live_defaults(bus, cfg, resumed)
         backend = open_backend(rt, run_dir)  # a Ray head or cluster connection (blocking: nothing runs yet)
         stack.push_async_callback(backend.close)
         backend.check(rt)  # before the run is announced: a cluster that cannot hold it starts nothing
-        info.write()
+        record = RunRecord(run_id, rt.run.name, storage_url, rt.storage.s3_endpoint, time.time())
+        await publish_run(bus, store, record, dump_toml(cfg.to_toml_tree()), resumed=resumed)
+        try:
+            await publish_run_state(bus, RunState(Outcome.RUNNING, at=time.time()))
+            await _publish_live_defaults(bus, cfg, resumed)
+            info.write()
+        except BaseException:  # nothing ran: a new run leaves its bus and store free for the same command again
+            if not resumed:
+                await _quietly(lambda: withdraw_run(bus, store, record))  # a bus that is down keeps the claim
+            raise
         supervisor = Supervisor(rt, run_dir, bus, info.address(), backend, credentials, blob=store, app=cfg.app)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -219,6 +230,9 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                     watchdog.cancel()
         # after the forwarder's last flush: a follower that sees the end has had every event before it sent
         await _record_end(bus, RunState(outcome, supervisor.failure or "", time.time()))
+        if outcome is Outcome.FAILED and supervisor.num_placed == 0 and not resumed:
+            # no actor process ever started: the same command, once the cause is fixed, finds bus and store free
+            await _quietly(lambda: withdraw_run(bus, store, record))
         if supervisor.failure:
             print(f"run failed: {supervisor.failure}", file=sys.stderr, flush=True)
         elif terminal is not None:
@@ -231,6 +245,17 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
 
 
 SUPERVISOR_LEASE_KEY = "supervisor"
+
+
+async def check_store_access(url: str, s3_endpoint: str) -> None:
+    """Refuses a start whose store this process cannot reach, naming the setting to fix (runtime.store_probe).
+
+    Raises:
+        ConfigError: the store's credentials, endpoint or bucket are missing or refused.
+    """
+    if problem := await asyncio.to_thread(probe_store, url, s3_endpoint):
+        raise ConfigError(f"storage.url={url} cannot be reached from runtime.up on {socket.gethostname()}: "
+                          f"{problem}; every actor process needs the same on its node")
 
 
 async def _hold_run(bus: Bus, run_id: str, run_dir: Path, lease_s: float) -> KVLease:
@@ -395,7 +420,8 @@ def main(argv: list[str] | None = None, *, default_config: Sequence[Path] = (),
         return 2
     # The storage resolved into the saved configuration: a run resumed from elsewhere finds its store
     # there, not under its new directory.
-    storage = dataclasses.replace(cfg.runtime.storage, url=cfg.runtime.storage.url or (run_dir / "blobs").as_uri())
+    storage = dataclasses.replace(cfg.runtime.storage, url=storage_url_of(cfg.runtime.storage.url, run_id)
+                                  or (run_dir / "blobs").as_uri())
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, storage=storage))
     (run_dir / CONFIG_FILE).write_text(dump_toml(cfg.to_toml_tree()))  # this machine's copy
     event_log = EventLog(run_dir / SUPERVISOR_LOG, "supervisor", "supervisor", cfg.runtime.log)

@@ -139,6 +139,10 @@ class S3BlobStore(BlobStore):
         while True:
             try:
                 return await asyncio.to_thread(fn, **kwargs)
+            except botocore.exceptions.NoCredentialsError:  # boto3's own words are a 70-line traceback
+                raise BlobError(f"s3 {op} of {key!r} in {self.url}: no S3 credentials where this process runs: set "
+                                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in its environment (or AWS_PROFILE, or "
+                                "an instance role); on a Ray node, where `ray start` runs") from None
             except Exception as exc:
                 if not is_transient(exc):
                     raise

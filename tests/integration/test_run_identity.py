@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from runtime.blob import open_store
+from runtime.blob.testing import MotoServer
+from runtime.bus import Bus
 from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_state import CONFIG_BLOB, RECORD_BLOB, RUN_BUCKET, RunRecord, read_run_record
 from tests.integration.harness import REPO, LiveRun, run_events, write_config
@@ -86,6 +88,44 @@ async def test_the_run_is_on_its_bus_and_in_its_store_and_a_second_runtime_up_is
     other = await _up("--config", str(tmp_path / "run.toml"), "--run-dir", str(tmp_path / "d"), "--set",
                       f"bus.url={url}", "--set", f"storage.url={(tmp_path / 'other-storage').as_uri()}")
     assert other.returncode == 2 and f"already carries run '{run_id}'" in other.stderr, other.stderr
+    assert "python -m ops.clear" in other.stderr, other.stderr
+    async with open_store((tmp_path / "other-storage").as_uri()) as store:  # refused, so nothing claimed
+        assert await store.list() == []
+
+
+async def test_a_bus_that_carried_an_ended_run_is_cleared_for_a_new_one_and_its_store_kept(
+        tmp_path: Path, cluster: tuple[str, str]) -> None:
+    """The documented way to start run after run on one bus: ``ops.clear`` once the run has ended (refused
+    while it runs, and for a run the bus does not carry), and a storage URL that each run's id fills in."""
+    url, _ = cluster
+    storage = (tmp_path / "storage").as_uri() + "/{run_id}"
+    where = ("--set", f"bus.url={url}", "--set", f"storage.url={storage}")
+    config = write_config(tmp_path / "run.toml", RUN)
+    first = await LiveRun(tmp_path / "a", config, *where).start()
+    try:
+        assert first.info is not None
+        run_id = first.info.run
+        assert first.info.storage_url == (tmp_path / "storage" / run_id).as_uri()
+        await first.wait_actors("counter", 1)
+        live = await _run("ops.clear", run_id, "--set", f"bus.url={url}")
+        assert live.returncode == 2 and "stop it first" in live.stderr, live.stderr
+    finally:
+        assert await first.stop() == 0
+    stray = await _run("ops.clear", "someone-else", "--set", f"bus.url={url}")
+    assert stray.returncode == 2 and f"carries run '{run_id}', not 'someone-else'" in stray.stderr, stray.stderr
+
+    cleared = await _run("ops.clear", run_id, "--set", f"bus.url={url}")
+    assert cleared.returncode == 0 and "KV_run" in cleared.stdout, cleared.stderr
+    second = await LiveRun(tmp_path / "b", config, *where).start()  # the same command as the first run's
+    try:
+        assert second.info is not None and second.bus is not None and second.info.run != run_id
+        await second.wait_actors("counter", 1)
+        record = await read_run_record(second.bus)
+        assert record is not None and record.run_id == second.info.run
+    finally:
+        assert await second.stop() == 0
+    async with open_store((tmp_path / "storage" / run_id).as_uri()) as kept:  # the cleared run's store is kept
+        assert RunRecord.from_bytes(await kept.get(RECORD_BLOB), "store").run_id == run_id
 
 
 async def test_a_resume_by_id_and_an_actor_process_say_why_they_find_no_run(
@@ -136,3 +176,28 @@ async def test_a_resume_after_runtime_up_was_killed_takes_its_lapsed_lease_over(
         assert await second.stop() == 0
     (taken,) = run_events(second.run_dir, "lease_taken_over")
     assert str(first.run_dir) in taken["lapsed_holder"]
+
+
+async def test_a_start_without_s3_credentials_is_one_configuration_error_that_claims_nothing(
+        tmp_path: Path, cluster: tuple[str, str], moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _ = cluster
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to find on a test machine
+    storage = "s3://runs/no-credentials"
+    refused = await _up("--config", str(write_config(tmp_path / "run.toml", RUN)), "--run-dir", str(tmp_path / "a"),
+                        "--set", f"bus.url={url}", "--set", f"storage.url={storage}",
+                        "--set", f"storage.s3_endpoint={moto.endpoint}")
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith(f"configuration error: storage.url={storage} cannot be reached from runtime.up"), line
+    assert "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in line, line
+    assert "every actor process needs the same on its node" in line, line
+    assert run_events(tmp_path / "a", "actor_starting") == []
+    bus = await Bus.connect(url, name="test")
+    try:
+        assert await read_run_record(bus) is None
+    finally:
+        await bus.close()
+
