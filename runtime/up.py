@@ -178,6 +178,8 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                 else NatsServer(server_config)
             url = await server.start()
             stack.push_async_callback(server.stop)
+        if credentials is None:
+            _warn_unauthenticated(url, bool(rt.bus.url), terminal)
         storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
         info = RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time(),
                        credentials_dir, rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file, run_id)
@@ -349,6 +351,18 @@ async def _publish_live_defaults(bus: Bus, cfg: RunConfig, resumed: bool) -> Non
                 await bus.kv_create("config", key, msgpack.packb(value, use_bin_type=True))
         else:
             await bus.kv_put("config", key, msgpack.packb(value, use_bin_type=True))
+
+
+def _warn_unauthenticated(url: str, remote: bool, terminal: IO[str] | None) -> None:
+    """Says, as a warning event and on the terminal, that the run's bus signs in nobody: whoever reaches it may
+    read every message, rewrite the slot table, stop actors and publish weights."""
+    fix = ("generate a user per role and the servers' configuration with python -m runtime.bus_recipe, then pass "
+           "--set bus.credentials_dir=DIR" if remote else "leave bus.auth on (the default)")
+    log.warning("bus_unauthenticated", url=url, remote=remote,
+                consequence="anyone who reaches the bus can read and change the run: its slots, orders, weights "
+                            "announcements and control requests", fix=fix)
+    print(f"WARNING: the run's bus at {url} has no authentication: anyone who reaches it can read and change the "
+          f"run. To secure it: {fix}.", file=terminal or sys.stderr, flush=True)
 
 
 def _announce(out: IO[str] | None, run_dir: Path, run_id: str, url: str, storage: str, resumed: bool,
