@@ -16,7 +16,7 @@ import torch
 import zstandard
 from safetensors.torch import load_file
 
-from actors.__main__ import DEFAULT_RUN_FILE
+from actors.__main__ import DEFAULT_RUN_FILE, PRESETS_DIR
 from actors.records import RolloutRecord, decode_record
 from actors.rollout_checkpoint import RolloutCheckpoint
 from actors.training.starting_policy import ensure_starting_policy
@@ -26,7 +26,9 @@ from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
-# Layered on the default run (actors/run.toml: its actors), as `python -m actors --config A --config B` does.
+# The shipped short run (actors/runs/short.toml, `python -m actors --preset short`) with this test's seed, steps
+# and starting policy, and a larger held-out evaluation (8 tasks, 2 samples each: pass@1 is read from it).
+SHORT_PRESET = PRESETS_DIR / "short.toml"
 SHORT_RUN = """
 [run]
 name = "e2e"
@@ -37,19 +39,8 @@ steps = {steps}
 checkpoint = "{checkpoint}"
 [tasks]
 num_heldout = 8
-difficulties = [1, 2]
-[reconciler]
-num_slots = 24
-group_size = 4
-batch_size_groups = 2
-[reconciler.scheduling]
-eta = 2
 [eval]
-every_versions = 100
 samples_per_task = 2
-[rollout.agent]
-max_turns = 2
-max_new_tokens_per_turn = 128  # a whole write_file call of a difficulty-1 solution (~100 bytes)
 """
 
 
@@ -60,7 +51,7 @@ def starting_policy() -> Path:
 
 def _short_run(tmp_path: Path, seed: int, steps: int, checkpoint: Path) -> list[Path]:
     overlay = write_config(tmp_path / "run.toml", SHORT_RUN.format(seed=seed, steps=steps, checkpoint=checkpoint))
-    return [DEFAULT_RUN_FILE, overlay]
+    return [DEFAULT_RUN_FILE, SHORT_PRESET, overlay]
 
 
 async def _rows(run_dir: Path, kind: str) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -61,7 +62,8 @@ strategy = "{strategy}"
 """
 
 
-HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+# the head's node health checks the cluster guide ships (docs/cluster.md, "Node loss and health checks")
+HEALTH_CHECKS = json.loads((REPO / "runtime" / "ray_health_checks.json").read_text())
 # name -> ray.cluster_utils add_node options; the first is the head
 NODES: dict[str, dict[str, Any]] = {
     "head": {"num_cpus": 1, "resources": {"sandbox": 8}, "_system_config": HEALTH_CHECKS},

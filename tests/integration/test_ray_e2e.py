@@ -2,9 +2,8 @@
 trainer, evaluator and dashboard, sandboxed rewards, delta weight sync) on a Ray cluster of three nodes on
 this machine and a NATS JetStream cluster of three servers on loopback, started as a user starts it::
 
-    python -m runtime.up --config actors/run.toml --config SHORT_RUN.toml --config PLACEMENT.toml \\
-        --set runtime.backend="ray" --set runtime.ray_address="HEAD:PORT" --set bus.embedded_servers=3 \\
-        --set tasks.num_heldout=4 --set eval.samples_per_task=1
+    python -m actors --preset short --steps 3 --config PLACEMENT.toml --set runtime.backend="ray" \\
+        --set runtime.ray_address="HEAD:PORT" --set bus.embedded_servers=3
 
 The head carries `control` (the reconciler, grouping, evaluator, dashboard ask for it), one worker
 `sandbox` (rollout, reward), the other `trainer` (the trainer): each kind must run on the one node that has
