@@ -1,6 +1,8 @@
 """The cluster guide (docs/cluster.md, "A cluster, step by step") followed as written, one machine standing in for
 all of them: every block marked runnable on the page (`runnable_blocks`) is run as it stands, in order.
 
+The marks and their kinds: tests/docs/runnable.py.
+
 - The first block (``<!-- runnable: environment -->``) names the variables the others use; the test gives the same
   variables its own values (free loopback ports, directories under the test's, a bucket of moto's S3 server,
   a Ray token of its own), the one thing that differs on a test machine, and runs no other setting.
@@ -11,8 +13,8 @@ all of them: every block marked runnable on the page (`runnable_blocks`) is run 
   is stopped with Ctrl-C (SIGINT) after its first trained step, as its operator would, and must exit 0.
 
 The resume runs from another directory with ``RUN_ID`` (the id the first run printed) and nothing of the first
-run's directory; it trains the steps left and finishes by itself. Each step is trained and reported once, no group
-twice, and the run's checkpoints, metrics and weights are in the S3 bucket.
+run's directory; it trains the steps left and finishes by itself, exit 0. Each step is trained and reported once
+(the run's metrics, read from the S3 bucket), no group twice.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import asyncio
 import contextlib
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -41,68 +42,13 @@ from runtime.blob.testing import MotoServer
 from runtime.metrics_log import read_metrics
 from runtime.natsserver import _free_loopback_ports
 from runtime.run_config import load_run_config
+from tests.docs.runnable import Block, runnable_blocks
 from tests.integration.harness import REPO, alive
 from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 
 GUIDE = REPO / "docs" / "cluster.md"
-MARK = re.compile(r"^<!-- runnable(?:: (?P<kind>[a-z]+))? -->$")
-KINDS = ("environment", "run", "background")
-
-
-@dataclass(frozen=True)
-class Block:
-    """A runnable block of a page: its kind (`KINDS`), its commands (continued lines joined, comments kept, blank
-    and comment-only lines left out) and the line of the page its fence opens on."""
-
-    kind: str
-    commands: tuple[str, ...]
-    line: int
-
-    @property
-    def script(self) -> str:
-        return "\n".join(self.commands)
-
-    def exported(self) -> dict[str, str]:
-        """What an environment block's ``export NAME=VALUE ...`` lines set."""
-        names: dict[str, str] = {}
-        for command in self.commands:
-            words = shlex.split(command, comments=True)
-            assert words[0] == "export", f"line {self.line}: an environment block only exports: {command!r}"
-            names.update(word.split("=", 1) for word in words[1:])
-        return names
-
-
-def runnable_blocks(page: Path) -> list[Block]:
-    """Every block of ``page`` marked runnable: an HTML comment ``<!-- runnable -->`` (or ``<!-- runnable: KIND -->``)
-    on the line before a ```` ```bash ```` fence, which a rendered page does not show.
-
-    Raises:
-        AssertionError: a mark of an unknown kind, or not right before a bash fence.
-    """
-    lines = page.read_text().splitlines()
-    blocks = []
-    for at, line in enumerate(lines):
-        if (mark := MARK.match(line.strip())) is None:
-            continue
-        kind = mark["kind"] or "run"
-        assert kind in KINDS, f"{page.name}:{at + 1}: runnable block of unknown kind {kind!r}; one of {KINDS}"
-        assert lines[at + 1].strip() == "```bash", f"{page.name}:{at + 1}: the mark must come right before a bash fence"
-        body = lines[at + 2:lines.index("```", at + 2)]
-        commands, pending = [], ""
-        for text in body:
-            if not pending and (not text.strip() or text.lstrip().startswith("#")):
-                continue
-            if text.endswith("\\"):
-                pending += text[:-1] + " "
-                continue
-            commands.append(pending + text)
-            pending = ""
-        blocks.append(Block(kind, tuple(commands), at + 2))
-    return blocks
-
-
 def test_the_guides_runnable_blocks_are_the_steps_this_test_takes() -> None:
     """The shape of the page this test runs: a change to it that the test does not follow fails here, at once."""
     blocks = runnable_blocks(GUIDE)
