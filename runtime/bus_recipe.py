@@ -18,7 +18,8 @@ A server's configuration goes to that server (``nats-server -c <name>.conf``); t
 every machine that starts a run or its actors (``runtime.up``, the Ray nodes) and ``operator.json`` alone to
 where operators run ``ops`` commands. Passwords are fresh on every call: the recipe refuses an ``--out``
 that already holds one (servers and runs would disagree); a new recipe means new configurations on every
-server. Exit status: 0 written, 2 a bad argument or run file.
+server. No TLS: the passwords cross the network in clear text unless each configuration gets a ``tls`` block
+(nats-server's) and the run ``bus.tls_ca_file``. Exit status: 0 written, 2 a bad argument or run file.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = ["ServerAddress", "main", "parse_servers", "write_recipe"]
 CREDENTIALS = "bus"  # under --out: the credentials directory (bus.credentials_dir)
 SERVERS = "nats"  # under --out: one configuration per server
 ROUTE_USER = "route"  # the user a cluster member signs in to its peers as
+DEFAULT_ROUTE_PORT = 6222  # nats-server's own default for routes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +56,17 @@ class ServerAddress:
 
     @classmethod
     def parse(cls, text: str) -> ServerAddress:
-        """``n1:4222:6222``; ``n1:4222`` takes the route port 6222.
+        """``n1:4222:6222``; ``n1:4222`` takes the route port `DEFAULT_ROUTE_PORT`.
 
         Raises:
             ConfigError: not ``host:port[:route port]`` with ports in 1..65535.
         """
         host, *ports = text.strip().split(":")
+        if len(ports) == 1:
+            ports.append(str(DEFAULT_ROUTE_PORT))
         try:
-            client, route = (int(p) for p in (*ports, "6222")[:2]) if 1 <= len(ports) <= 2 else (0, 0)
-        except ValueError:
+            client, route = (int(p) for p in ports)
+        except ValueError:  # not a number, or not one or two ports
             client = route = 0
         if not host or not 0 < client < 65536 or not 0 < route < 65536:
             raise ConfigError(f"server {text!r} must be host:client_port[:route_port], e.g. n1:4222:6222")
