@@ -42,6 +42,7 @@ from runtime.blob.testing import MotoServer
 from runtime.metrics_log import read_metrics
 from runtime.natsserver import _free_loopback_ports
 from runtime.run_config import load_run_config
+from runtime.run_state import storage_url_of
 from tests.docs.runnable import Block, runnable_blocks
 from tests.integration.harness import REPO, alive
 from tests.waiting import until
@@ -146,7 +147,7 @@ def _guide_values(ports: list[int], tmp_path: Path, s3_endpoint: str) -> dict[st
         "NATS_STORE": str(tmp_path / "nats-store"), "ASYNCRL_ETC": str(tmp_path / "etc"),
         "RAY_PORT": str(ports[6]), "RAY_HEAD": f"127.0.0.1:{ports[6]}",
         "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(32).hex(),
-        "STORAGE_URL": "s3://guide/runs/r1", "S3_ENDPOINT": s3_endpoint,
+        "STORAGE_URL": "s3://guide/runs/{run_id}", "S3_ENDPOINT": s3_endpoint,
         "AWS_ACCESS_KEY_ID": "guide", "AWS_SECRET_ACCESS_KEY": "guide", "AWS_DEFAULT_REGION": "us-east-1",
     }
 
@@ -190,16 +191,17 @@ async def test_the_cluster_guide_as_written(tmp_path: Path, monkeypatch: pytest.
                 return found[1] if found else None
 
             env["RUN_ID"] = await until(run_id, 300, "the run's id printed at its start")
+            store_url = storage_url_of(guide["STORAGE_URL"], env["RUN_ID"])
 
             async def trained() -> list[dict]:
                 assert run.poll() is None, machine.output("first-run")[-3000:]
-                return await _trained_rows(guide["STORAGE_URL"], moto.endpoint)
+                return await _trained_rows(store_url, moto.endpoint)
 
             await until(trained, 900, "a first trained step", every_s=2.0)
             first_step_s = time.monotonic() - started
             run.send_signal(signal.SIGINT)  # Ctrl-C: every actor drains, the run stops
             assert await asyncio.to_thread(run.wait, 300) == 0, machine.output("first-run")[-3000:]
-            stopped_at = len(await _trained_rows(guide["STORAGE_URL"], moto.endpoint))
+            stopped_at = len(await _trained_rows(store_url, moto.endpoint))
             assert stopped_at < steps, f"the run was stopped after its last step ({stopped_at}): nothing to resume"
 
             resumed_at = time.monotonic()
@@ -208,7 +210,7 @@ async def test_the_cluster_guide_as_written(tmp_path: Path, monkeypatch: pytest.
                   f"{stopped_at}; the resume ran {time.monotonic() - resumed_at:.0f}s; "
                   f"{time.monotonic() - started:.0f}s in all")
             assert f"resumed run  {env['RUN_ID']}" in output
-            rows = await _trained_rows(guide["STORAGE_URL"], moto.endpoint)
+            rows = await _trained_rows(store_url, moto.endpoint)
         finally:
             machine.stop()
     assert [r["version"] for r in rows] == list(range(1, steps + 1)), "each step trained and reported once"
