@@ -18,7 +18,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))  # the hand-written pages
-RUN_BY = {REPO / "docs" / "cluster.md": "tests/integration/test_cluster_guide.py"}  # page -> the test that runs it
+RUN_BY = {  # page -> the test that runs it
+    REPO / "README.md": "tests/integration/test_readme_tour.py",
+    REPO / "docs" / "cluster.md": "tests/integration/test_cluster_guide.py",
+}
 MARK = re.compile(r"^<!-- runnable(?:: (?P<kind>[a-z]+))? -->$")
 KINDS = ("environment", "run", "background")
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +186,33 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@dataclass
+class Machine:
+    """The processes a documented step left running (servers, a run, followers), each in its own session, its
+    output in ``logs/NAME.log``: ended by its id."""
+
+    logs: Path
+    processes: list[subprocess.Popen[bytes]]
+
+    def start(self, command: str, env: dict[str, str], cwd: Path, name: str) -> subprocess.Popen[bytes]:
+        out = (self.logs / f"{name}.log").open("wb")
+        proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        self.processes.append(proc)
+        return proc
+
+    def output(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()

@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
@@ -44,7 +43,7 @@ from runtime.natsserver import _free_loopback_ports
 from runtime.run_config import load_run_config
 from runtime.run_state import storage_url_of
 from tests.docs.runnable import Block, runnable_blocks
-from tests.integration.harness import REPO, alive
+from tests.integration.harness import REPO, Machine, alive
 from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
@@ -61,35 +60,6 @@ def test_the_guides_runnable_blocks_are_the_steps_this_test_takes() -> None:
     assert [c.split()[:4] for c in first.commands] == [["python", "-m", "actors", "--preset"]]
     assert "--resume" in resume.commands[0].split()
     assert (PRESETS_DIR / f"{first.commands[0].split()[4]}.toml").is_file(), "the guide's preset is shipped"
-
-
-@dataclass
-class Machine:
-    """The processes a step left running (nats-servers, a run), each in its own session: ended by its id."""
-
-    logs: Path
-    processes: list[subprocess.Popen[bytes]]
-
-    def start(self, command: str, env: dict[str, str], cwd: Path, name: str) -> subprocess.Popen[bytes]:
-        out = (self.logs / f"{name}.log").open("wb")
-        proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        out.close()
-        self.processes.append(proc)
-        return proc
-
-    def output(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        for proc in reversed(self.processes):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
 
 
 def _processes_under(directory: str) -> list[int]:
