@@ -28,7 +28,6 @@ from runtime.blob._base import (
     validate_key,
 )
 from runtime.blob._file import FileBlobStore
-from runtime.blob._s3 import S3BlobStore
 from runtime.blob._space import StorageFull
 from runtime.blob._tree import MANIFEST, CorruptTree, delete_tree, get_tree, put_tree, tree_exists
 
@@ -54,9 +53,19 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    if name == "S3BlobStore":
+        from runtime.blob._s3 import S3BlobStore
+
+        return S3BlobStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def store_from_config(config: BlobStoreConfig) -> BlobStore:
     """The backend for ``config.url``'s scheme."""
     if config.url.startswith("s3://"):
+        from runtime.blob._s3 import S3BlobStore  # boto3 (0.5 s to import) only where a store is in S3
+
         return S3BlobStore(config)
     return FileBlobStore(config)
 
