@@ -148,7 +148,6 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, wo
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        _wait_for_run_dir(proc, run_dir, args.run_timeout_s)
         rows = e2e._wait_for_steps(proc, run_dir, args.steps, args.run_timeout_s, work_dir / f"{name}.out")
     finally:
         exit_code = e2e._stop(proc)
@@ -177,16 +176,6 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, wo
         "exit_code": exit_code,
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
-
-
-def _wait_for_run_dir(proc: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> None:
-    """Until runtime.up has written the run's address (its metrics are readable from then on)."""
-    deadline = time.monotonic() + timeout_s
-    while not (run_dir / "run.json").is_file():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"runtime.up wrote no {run_dir / 'run.json'} (exit status {proc.poll()}); "
-                               f"its output is beside it: {run_dir.parent}")
-        time.sleep(0.5)
 
 
 def run_events(run_dir: Path) -> dict[str, list]:
