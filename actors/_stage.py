@@ -43,6 +43,7 @@ from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 from runtime.errors import BusTimeout, NoResponders
 from runtime.registry import registration_key
+from sandbox.latency import LatencyModel
 
 log = structlog.get_logger(__name__)
 
@@ -219,6 +220,15 @@ class StageActor(Actor):
                 WorkHeartbeat(self.stage, o.key, o.attempt, self.identity.actor_id, o.token) for o in order.items)))
         return await self.heartbeat_codec.encode(
             WorkHeartbeat(self.stage, order.key, order.attempt, self.identity.actor_id, order.token))
+
+    async def environment_delay(self, model: LatencyModel, key: str) -> float:
+        """Waits the environment's delay for the wait named ``key`` (``tasks.latency``, a slow environment on
+        purpose) and returns it in seconds; a drain requested meanwhile ends the wait and gives the order back
+        (`OrderGoesBack`: nak'ed and redelivered; a rollout resumes from its last checkpoint)."""
+        delay = model.draw(key)
+        if delay > 0 and not await self._unless_drained(asyncio.sleep(delay)):
+            raise OrderGoesBack(f"draining during the environment's delay of {key} ({delay:.3f} s)")
+        return delay
 
     async def _report_alive(self, order: Any) -> None:
         beat = await self._work_heartbeat(order)

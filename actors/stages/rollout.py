@@ -108,11 +108,15 @@ class RolloutActor(StageActor):
             resume = await self._find_checkpoint(order)
         env, resume = await self._environment(task, resume, order)
         progress = _CheckpointProgress()
+        delays = _EnvironmentDelays()
         try:
             toolbox = ToolBox(env)
 
             async def call_tool(name: str, args: dict[str, Any]) -> tuple[bool, str]:
                 result = await toolbox.call(name, args)
+                # read at each call: tasks.latency is live; keyed by the call's place in the episode
+                key = f"tool/{order.sample_id}/a{order.attempt}/{delays.num_calls}"
+                delays.add(await self.environment_delay(self.config.tasks.latency.tool(), key))
                 return result.ok, result.text
 
             run_seed = self.ctx.run.seed if self.ctx.run else 0
@@ -149,7 +153,7 @@ class RolloutActor(StageActor):
                  num_generated_tokens=num_policy_tokens(traj) - num_resumed, num_resumed_tokens=num_resumed,
                  num_resumed_turns=num_resumed_turns, num_checkpoints=progress.num_written,
                  checkpoint_bytes=progress.num_bytes, checkpoint_s=round(progress.seconds, 4),
-                 checkpoint_blocking_s=round(progress.blocking_s, 4))
+                 checkpoint_blocking_s=round(progress.blocking_s, 4), env_delay_s=round(delays.seconds, 3))
         return RolloutDone(order.sample_id, order.attempt, key, traj.min_version, traj.max_version)
 
     async def _find_checkpoint(self, order: RolloutOrder) -> Resume:
@@ -218,6 +222,17 @@ class _CheckpointProgress:
             self.num_bytes += written.num_bytes
             self.seconds += written.seconds
             self.blocking_s += written.blocking_s
+
+
+class _EnvironmentDelays:
+    """The delays one attempt's tool calls waited (tasks.latency), reported with ``rollout_finished``."""
+
+    def __init__(self) -> None:
+        self.num_calls, self.seconds = 0, 0.0
+
+    def add(self, delay_s: float) -> None:
+        self.num_calls += 1
+        self.seconds += delay_s
 
 
 def _export_workspace(env: Environment) -> tuple[bytes | None, str]:

@@ -225,7 +225,8 @@ def _wait_for_steps(
     deadline = time.monotonic() + timeout_s
     shown = 0
     while True:
-        rows = train_rows(run_dir)
+        # runtime.up writes the run's address (run.json) once its bus is up; before it there are no rows to read
+        rows = train_rows(run_dir) if (run_dir / "run.json").is_file() else []
         if len(rows) > shown:
             shown = len(rows)
             print(
