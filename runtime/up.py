@@ -178,8 +178,6 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
                 else NatsServer(server_config)
             url = await server.start()
             stack.push_async_callback(server.stop)
-        if credentials is None:
-            _warn_unauthenticated(url, bool(rt.bus.url), terminal)
         storage_url = rt.storage.url or (run_dir / "blobs").as_uri()
         info = RunInfo(str(run_dir), url, storage_url, rt.storage.s3_endpoint, os.getpid(), time.time(),
                        credentials_dir, rt.bus.tls_ca_file, rt.bus.tls_cert_file, rt.bus.tls_key_file, run_id)
@@ -209,6 +207,8 @@ async def serve(cfg: RunConfig, run_dir: Path, run_id: str, resumed: bool, event
             if not resumed:
                 await _quietly(lambda: withdraw_run(bus, store, record))  # a bus that is down keeps the claim
             raise
+        if credentials is None:  # said once the run starts on it: a refused start's one line stays one line
+            _warn_unauthenticated(url, bool(rt.bus.url), terminal)
         supervisor = Supervisor(rt, run_dir, bus, info.address(), backend, credentials, blob=store, app=cfg.app)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
