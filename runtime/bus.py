@@ -184,6 +184,21 @@ class Subscription:
                 await self._sub.unsubscribe()
 
 
+async def _held(subscribing: Awaitable[Any]) -> Any:
+    """The subscription nats-py makes (``subscribing``); or, when the caller's cancellation comes instead (raised
+    again by `cancellation_kept`: nats-py may swallow it while subscribing), none: it is undone, as one that
+    nobody holds would go on receiving, and the connection's drain would wait for it."""
+    sub = None
+    try:
+        with cancellation_kept():
+            sub = await subscribing
+    except asyncio.CancelledError:
+        if sub is not None:
+            await Subscription(sub).unsubscribe()
+        raise
+    return sub
+
+
 class WorkMessage:
     """A message of a work queue, from `PullConsumer.fetch`; settled once with `ack` or `nak`, kept alive
     meanwhile with `in_progress` (each one core write: no round trip)."""
@@ -610,11 +625,12 @@ class ChainedKVWriter:
     @classmethod
     async def open(cls, bus: Bus, bucket: str, ack_timeout_s: float = 10.0) -> ChainedKVWriter:
         await bus.kv(bucket)
-        with _translated(f"open a writer of {bucket}"):
+        with _translated(f"open a writer of {bucket}"):  # before subscribing: a cancelled open makes no subscription
             info = await bus._through_election(f"open {bucket}", lambda: bus.js_reads.stream_info(f"KV_{bucket}"))
-            writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s,
-                         ack_every_write=(info.config.num_replicas or 1) > 1)
-            writer._sub = await bus.nc.subscribe(f"{writer._inbox}*", cb=writer._on_ack)
+        writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s,
+                     ack_every_write=(info.config.num_replicas or 1) > 1)
+        with _translated(f"open a writer of {bucket}"):
+            writer._sub = await _held(bus.nc.subscribe(f"{writer._inbox}*", cb=writer._on_ack))
         return writer
 
     async def close(self) -> None:
@@ -844,7 +860,7 @@ class ConfirmingPublisher:
 
     async def open(self) -> ConfirmingPublisher:
         with _translated("subscribe to the acknowledgements' inbox"):
-            self._sub = await self._nc.subscribe(f"{self._inbox}*", cb=self._on_acknowledgement)
+            self._sub = await _held(self._nc.subscribe(f"{self._inbox}*", cb=self._on_acknowledgement))
         return self
 
     async def close(self) -> None:
@@ -1203,7 +1219,8 @@ class Bus:
     async def pull_consumer(self, q: Queue) -> PullConsumer:
         """Binds to the queue's durable consumer (made by `ensure_queue`)."""
         with _translated(f"bind to {q.stream}/{q.durable}"):
-            return PullConsumer(await self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream), q.durable)
+            return PullConsumer(await _held(self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream)),
+                                q.durable)
 
     async def ensure_base(self, lease_max_s: float = 0.0) -> None:
         """Streams and buckets every run has: LOG, DLQ, and the KV buckets.
@@ -1432,9 +1449,10 @@ class Bus:
         record stored after the read's sequence arrives (and some before it, which `WatchCursor` tells
         apart). Nothing the subscription receives is dropped by the client (no pending limit): one that
         falls behind is a slow consumer for the server, which closes the connection, and that renews it."""
-        sub = await self.nc.subscribe(kv_watch_subject(kv.bucket), pending_msgs_limit=0, pending_bytes_limit=0)
+        sub = await _held(self.nc.subscribe(kv_watch_subject(kv.bucket), pending_msgs_limit=0, pending_bytes_limit=0))
         try:
-            cursor, current = await kv.current(keys)
+            with cancellation_kept():  # here, while the subscription is still this method's to undo
+                cursor, current = await kv.current(keys)
         except BaseException:
             await Subscription(sub).unsubscribe()
             raise
@@ -1528,16 +1546,18 @@ class Bus:
         Raises:
             BusError: the stream republishes nothing for a follow (the supervisor's `ensure_base` makes LOG so).
         """
-        info = await self.js_reads.stream_info(stream)
+        with cancellation_kept():  # before subscribing: a cancelled follow makes no subscription
+            info = await self.js_reads.stream_info(stream)
         republish = info.config.republish
         if republish is None or republish.dest != follow_subject(republish.src) or republish.headers_only \
                 or not info.config.allow_direct:
             raise BusError(f"stream {stream} cannot be followed: it does not republish its messages into "
                            f"{follow_subject('<subject>')} with direct gets allowed (made by an older version); "
                            "the supervisor's ensure_base (runtime.up) sets that")
-        sub = await self.nc.subscribe(follow_subject(republish.src), pending_msgs_limit=0, pending_bytes_limit=0)
+        sub = await _held(self.nc.subscribe(follow_subject(republish.src), pending_msgs_limit=0, pending_bytes_limit=0))
         try:
-            info = await self.js_reads.stream_info(stream)
+            with cancellation_kept():  # here, while the subscription is still this method's to undo
+                info = await self.js_reads.stream_info(stream)
         except BaseException:
             await Subscription(sub).unsubscribe()
             raise
@@ -1624,7 +1644,7 @@ class Bus:
             await handler(Inbound(msg.subject, msg.data, msg.reply or ""))
 
         with _translated(f"subscribe to {subject}"):
-            return Subscription(await self.nc.subscribe(subject, cb=deliver))
+            return Subscription(await _held(self.nc.subscribe(subject, cb=deliver)))
 
     async def respond(self, msg: Inbound, data: bytes, requester: str | None = None) -> bool:
         """Answers a request (nothing to answer without a reply subject) into the requester's inbox only:

@@ -51,6 +51,11 @@ def swallow_once(owner: Any, name: str) -> list[str]:
     return done
 
 
+def _num_subscriptions(bus: Bus) -> int:
+    """The subscriptions the bus's client holds (one left behind would go on receiving, and delay its close)."""
+    return len(bus.nc._subs)
+
+
 async def _ended_cancelled(task: asyncio.Task[Any]) -> bool:
     """Whether ``task`` ended cancelled within the bound (if not, it is cancelled again, to end the test)."""
     done, _ = await asyncio.wait({task}, timeout=_ENDS_WITHIN_S)
@@ -83,6 +88,7 @@ async def test_a_jetstream_publish_cancelled_as_it_is_acknowledged_is_cancelled(
 async def test_a_kv_watch_cancelled_as_it_opens_is_cancelled_and_yields_nothing(bus: Bus) -> None:
     await bus.kv_put("config", "rollout.temperature", b"\x01")
     await bus.kv("config")  # the bucket known: the next stream-info request is the watch's own read
+    num_subscriptions = _num_subscriptions(bus)
     swallowed = swallow_once(bus.js, "stream_info")
     seen: list[Any] = []
 
@@ -93,10 +99,12 @@ async def test_a_kv_watch_cancelled_as_it_opens_is_cancelled_and_yields_nothing(
     watching = asyncio.create_task(watch())
     assert await _ended_cancelled(watching), f"the watch went on after its cancellation (yielded {seen})"
     assert swallowed and seen == []
+    assert _num_subscriptions(bus) == num_subscriptions, "the watch's subscription was left behind"
 
 
 async def test_a_follow_cancelled_as_it_opens_is_cancelled_and_yields_nothing(bus: Bus) -> None:
     await bus.publish_durable("log.test.info", b"kept")
+    num_subscriptions = _num_subscriptions(bus)
     swallowed = swallow_once(bus.js, "stream_info")  # the follow's read of the stream's state, as it opens
     seen: list[Any] = []
 
@@ -107,6 +115,15 @@ async def test_a_follow_cancelled_as_it_opens_is_cancelled_and_yields_nothing(bu
     following = asyncio.create_task(follow())
     assert await _ended_cancelled(following), f"the follow went on after its cancellation (yielded {seen})"
     assert swallowed and seen == []
+    assert _num_subscriptions(bus) == num_subscriptions, "the follow's subscription was left behind"
+
+
+async def test_a_subscribe_cancelled_as_it_is_made_is_cancelled_and_undone(bus: Bus) -> None:
+    num_subscriptions = _num_subscriptions(bus)
+    swallowed = swallow_once(bus.nc, "subscribe")
+    subscribing = asyncio.create_task(bus.subscribe("svc.echo", lambda msg: _answer(bus, msg)))
+    assert await _ended_cancelled(subscribing), "the subscription was handed to a cancelled task"
+    assert swallowed and _num_subscriptions(bus) == num_subscriptions, "a subscription nobody holds was left"
 
 
 async def test_a_flush_cancelled_as_the_server_answers_is_cancelled(bus: Bus) -> None:
