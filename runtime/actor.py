@@ -608,7 +608,6 @@ class Actor:
                 await self._register()
             except OSError as e:  # BusError, TimeoutError: the bus is away, the lease lapses, as it should
                 self._log.warning("lease_renewal_failed", error=repr(e))
-            raise_if_cancelled()
 
     async def _register(self) -> None:
         # with the lease as its TTL: the server itself removes the entry of an actor that stops renewing it
@@ -620,7 +619,6 @@ class Actor:
         if self.Config is None or self.config is None:
             return
         async for entry in self.bus.kv_watch("config"):  # renewed across bus outages
-            raise_if_cancelled()
             if entry is None or entry.deleted or not entry.value:
                 continue
             await self._apply_config(entry.key, entry.value)
@@ -649,15 +647,6 @@ class Actor:
             self._log.error("config_change_rejected", key=full_key, error=str(e))
             return
         self._log.info("config_changed", key=full_key, old=old_value, new=_get_path(new, key))
-
-
-def raise_if_cancelled() -> None:
-    """Re-raise a cancellation that Python 3.11's ``asyncio.wait_for`` (used inside nats-py) swallowed
-    when its inner future finished at the same moment; call it in loops that await nats-py calls, or a
-    cancelled loop goes on and the actor never stops."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def _get_path(obj: Any, dotted: str) -> Any:

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import structlog
 
-from runtime.actor import raise_if_cancelled
 from runtime.blob import BlobStore, get_tree, put_tree, tree_exists
 from runtime.bus import Bus
 from runtime.kv_lease import KVLease
@@ -127,9 +126,6 @@ async def _until_stored(bus: Bus, store: BlobStore, name: str) -> None:
     stored just before is not missed), then at each release of the lease (a tree is stored only under it)."""
     async with contextlib.aclosing(bus.kv_watch(RUN_BUCKET, claim_key(name))) as changes:
         async for entry in changes:  # None: the current record is in (or there is none)
-            # opening the watch asks the server through nats-py, which can swallow a cancellation (a drained
-            # dashboard's): this loop would wait on for a release, and its actor never stop
-            raise_if_cancelled()
             if (entry is None or entry.deleted) and await tree_exists(store, f"{BUILDS_PREFIX}/{name}"):
                 return
 

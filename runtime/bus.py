@@ -57,6 +57,7 @@ from nats.js.kv import KeyValue
 
 from runtime.backoff import doubling
 from runtime.bus_auth import BusCredentials, follow_subject, inbox_prefix, kv_watch_subject
+from runtime.cancellation import cancellation_kept
 from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 from runtime.gather import gather_or_cancel
 from runtime.kv_watch import Admission, KVEntry, WatchCursor, entry_of, subject_matches
@@ -178,9 +179,24 @@ class Subscription:
         self._sub = sub
 
     async def unsubscribe(self) -> None:
-        with contextlib.suppress(nats.errors.Error, OSError):  # closed or reconnecting: nothing to undo
+        with contextlib.suppress(OSError), _translated("unsubscribe"):  # closed or reconnecting: nothing to undo
             async with asyncio.timeout(5.0):
                 await self._sub.unsubscribe()
+
+
+async def _held(subscribing: Awaitable[Any]) -> Any:
+    """The subscription nats-py makes (``subscribing``); or, when the caller's cancellation comes instead (raised
+    again by `cancellation_kept`: nats-py may swallow it while subscribing), none: it is undone, as one that
+    nobody holds would go on receiving, and the connection's drain would wait for it."""
+    sub = None
+    try:
+        with cancellation_kept():
+            sub = await subscribing
+    except asyncio.CancelledError:
+        if sub is not None:
+            await Subscription(sub).unsubscribe()
+        raise
+    return sub
 
 
 class WorkMessage:
@@ -274,7 +290,15 @@ FollowStart = Literal["all", "new"] | datetime  # where `Bus.follow` starts: eve
 
 @contextlib.contextmanager
 def _translated(what: str) -> Iterator[None]:
-    """nats-py's errors as the runtime's: callers never import nats (docs/ARCHITECTURE.md, "Layers")."""
+    """Where this module awaits nats-py: its errors as the runtime's (callers never import nats:
+    docs/ARCHITECTURE.md, "Layers"), and a cancellation it swallowed raised again (`cancellation_kept`), so
+    that no method returns, and no iterator yields or waits on, after its task was cancelled."""
+    with cancellation_kept(), _errors_translated(what):
+        yield
+
+
+@contextlib.contextmanager
+def _errors_translated(what: str) -> Iterator[None]:
     try:
         yield
     except KeyWrongLastSequenceError as e:
@@ -601,10 +625,12 @@ class ChainedKVWriter:
     @classmethod
     async def open(cls, bus: Bus, bucket: str, ack_timeout_s: float = 10.0) -> ChainedKVWriter:
         await bus.kv(bucket)
-        info = await bus._through_election(f"open {bucket}", lambda: bus.js_reads.stream_info(f"KV_{bucket}"))
+        with _translated(f"open a writer of {bucket}"):  # before subscribing: a cancelled open makes no subscription
+            info = await bus._through_election(f"open {bucket}", lambda: bus.js_reads.stream_info(f"KV_{bucket}"))
         writer = cls(bus.nc, bucket, info.state.last_seq, ack_timeout_s,
                      ack_every_write=(info.config.num_replicas or 1) > 1)
-        writer._sub = await bus.nc.subscribe(f"{writer._inbox}*", cb=writer._on_ack)
+        with _translated(f"open a writer of {bucket}"):
+            writer._sub = await _held(bus.nc.subscribe(f"{writer._inbox}*", cb=writer._on_ack))
         return writer
 
     async def close(self) -> None:
@@ -613,7 +639,7 @@ class ChainedKVWriter:
         await self._settle()
         self._fail(KVWriteFailed(f"the writer of bucket {self.bucket!r} was closed"))
         if self._sub is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), cancellation_kept():
                 await self._sub.unsubscribe()
 
     def write(self, key: str, value: bytes, expected_revision: int | None) -> int:
@@ -629,19 +655,21 @@ class ChainedKVWriter:
         return self._last > self._durable
 
     async def _send(self) -> None:
-        async with self._order:
-            buffer, self._buffer = self._buffer, []
-            if not buffer or self.broken is not None:
-                return  # broken: never sent (the caller's flush reports the failure)
-            try:
-                await self._send_buffer(buffer)
-            except Exception as e:  # the connection refused one (too large, its buffer full): the chain ends
-                self._refuse(self._sent + 1, KVWriteFailed(f"sending the write to {self.bucket!r} at sequence "
-                                                           f"{self._sent + 1} failed: {e!r}"))
-            except BaseException:  # cancelled partway: the revisions handed out after it will never be
-                self._refuse(self._sent + 1, KVWriteFailed(f"sending the writes to {self.bucket!r} was cancelled "
-                                                           f"at sequence {self._sent + 1}"))
-                raise
+        # nats-py's publish may swallow a cancellation: raised once the lock is left, the writes all sent
+        with cancellation_kept():
+            async with self._order:
+                buffer, self._buffer = self._buffer, []
+                if not buffer or self.broken is not None:
+                    return  # broken: never sent (the caller's flush reports the failure)
+                try:
+                    await self._send_buffer(buffer)
+                except Exception as e:  # the connection refused one (too large, its buffer full): the chain ends
+                    self._refuse(self._sent + 1, KVWriteFailed(f"sending the write to {self.bucket!r} at sequence "
+                                                               f"{self._sent + 1} failed: {e!r}"))
+                except BaseException:  # cancelled partway: the revisions handed out after it will never be
+                    self._refuse(self._sent + 1, KVWriteFailed(f"sending the writes to {self.bucket!r} was "
+                                                               f"cancelled at sequence {self._sent + 1}"))
+                    raise
 
     async def _send_buffer(self, buffer: list[tuple[str, bytes, int | None]]) -> None:
         last = len(buffer) - 1
@@ -694,8 +722,9 @@ class ChainedKVWriter:
         heapq.heappush(self._waiters, (target, id(waiter), waiter))
         if self.broken is not None:  # refused while this call was sending
             self._fail(self.broken)
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter), self._ack_timeout_s)
+        try:  # asyncio.timeout, not 3.11's wait_for: that one swallows a cancellation that meets the last ack
+            async with asyncio.timeout(self._ack_timeout_s):
+                await asyncio.shield(waiter)
         except TimeoutError:
             self._fail(KVWriteFailed(f"writes to {self.bucket!r} up to sequence {target} not acknowledged "
                                      f"within {self._ack_timeout_s}s"))
@@ -714,7 +743,8 @@ class ChainedKVWriter:
         while not self._settled and any(s < self._refused_at for s in self._writes):
             self._answered.clear()
             try:
-                await asyncio.wait_for(self._answered.wait(), max(0.0, deadline - loop.time()))
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await self._answered.wait()
             except TimeoutError:
                 break  # never answered: dropped with a lost leader, as the verdict below says
         if self._settled:
@@ -830,7 +860,7 @@ class ConfirmingPublisher:
 
     async def open(self) -> ConfirmingPublisher:
         with _translated("subscribe to the acknowledgements' inbox"):
-            self._sub = await self._nc.subscribe(f"{self._inbox}*", cb=self._on_acknowledgement)
+            self._sub = await _held(self._nc.subscribe(f"{self._inbox}*", cb=self._on_acknowledgement))
         return self
 
     async def close(self) -> None:
@@ -1128,6 +1158,10 @@ class Bus:
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Drains and closes the connection, each within ``timeout_s``; quiet on a bus that is already gone."""
+        with cancellation_kept():  # nats-py's drain and close may swallow the caller's cancellation
+            await self._close(timeout_s)
+
+    async def _close(self, timeout_s: float) -> None:
         if self.nc.is_closed:
             return
         self.health.closing = True
@@ -1185,7 +1219,8 @@ class Bus:
     async def pull_consumer(self, q: Queue) -> PullConsumer:
         """Binds to the queue's durable consumer (made by `ensure_queue`)."""
         with _translated(f"bind to {q.stream}/{q.durable}"):
-            return PullConsumer(await self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream), q.durable)
+            return PullConsumer(await _held(self.js.pull_subscribe_bind(durable=q.durable, stream=q.stream)),
+                                q.durable)
 
     async def ensure_base(self, lease_max_s: float = 0.0) -> None:
         """Streams and buckets every run has: LOG, DLQ, and the KV buckets.
@@ -1414,9 +1449,10 @@ class Bus:
         record stored after the read's sequence arrives (and some before it, which `WatchCursor` tells
         apart). Nothing the subscription receives is dropped by the client (no pending limit): one that
         falls behind is a slow consumer for the server, which closes the connection, and that renews it."""
-        sub = await self.nc.subscribe(kv_watch_subject(kv.bucket), pending_msgs_limit=0, pending_bytes_limit=0)
+        sub = await _held(self.nc.subscribe(kv_watch_subject(kv.bucket), pending_msgs_limit=0, pending_bytes_limit=0))
         try:
-            cursor, current = await kv.current(keys)
+            with cancellation_kept():  # here, while the subscription is still this method's to undo
+                cursor, current = await kv.current(keys)
         except BaseException:
             await Subscription(sub).unsubscribe()
             raise
@@ -1484,11 +1520,10 @@ class Bus:
                     request = {"seq": 1 if start == "all" else last_seq + 1}
                 caught_up = False
                 try:
-                    with _translated(f"follow {subject}"):
-                        async for msg in self._catch_up(stream, subject, request, replicated):
-                            next_seq = int(msg.headers["Nats-Sequence"]) + 1
-                            yield StreamMessage(msg.headers["Nats-Subject"], msg.data, next_seq - 1,
-                                                int(msg.headers.get("Nats-Num-Pending", 0)))
+                    async for msg in self._catch_up(stream, subject, request, replicated):
+                        next_seq = int(msg.headers["Nats-Sequence"]) + 1
+                        yield StreamMessage(msg.headers["Nats-Subject"], msg.data, next_seq - 1,
+                                            int(msg.headers.get("Nats-Num-Pending", 0)))
                     caught_up = True
                 except OSError:  # BusError included
                     if self.health.num_outages == generation and not self.health.down.is_set():
@@ -1511,16 +1546,18 @@ class Bus:
         Raises:
             BusError: the stream republishes nothing for a follow (the supervisor's `ensure_base` makes LOG so).
         """
-        info = await self.js_reads.stream_info(stream)
+        with cancellation_kept():  # before subscribing: a cancelled follow makes no subscription
+            info = await self.js_reads.stream_info(stream)
         republish = info.config.republish
         if republish is None or republish.dest != follow_subject(republish.src) or republish.headers_only \
                 or not info.config.allow_direct:
             raise BusError(f"stream {stream} cannot be followed: it does not republish its messages into "
                            f"{follow_subject('<subject>')} with direct gets allowed (made by an older version); "
                            "the supervisor's ensure_base (runtime.up) sets that")
-        sub = await self.nc.subscribe(follow_subject(republish.src), pending_msgs_limit=0, pending_bytes_limit=0)
+        sub = await _held(self.nc.subscribe(follow_subject(republish.src), pending_msgs_limit=0, pending_bytes_limit=0))
         try:
-            info = await self.js_reads.stream_info(stream)
+            with cancellation_kept():  # here, while the subscription is still this method's to undo
+                info = await self.js_reads.stream_info(stream)
         except BaseException:
             await Subscription(sub).unsubscribe()
             raise
@@ -1534,8 +1571,9 @@ class Bus:
         deadline = time.monotonic() + self.election_wait_s
         for attempt in itertools.count():
             batch = request | {"batch": _FOLLOW_BATCH, "next_by_subj": subject}
-            records, end = await self._through_election(f"follow {subject}", lambda batch=batch: direct_get(
-                self.nc, stream, batch, _READ_PROBE_S if self.election_wait_s else 5.0))
+            with _translated(f"follow {subject}"):  # each read: no message is yielded after a swallowed cancel
+                records, end = await self._through_election(f"follow {subject}", lambda batch=batch: direct_get(
+                    self.nc, stream, batch, _READ_PROBE_S if self.election_wait_s else 5.0))
             for msg in records:
                 yield msg
             if records:
@@ -1548,8 +1586,11 @@ class Bus:
                                f"{(end.headers or {}).get(Header.DESCRIPTION, '')!r}")
             # a replica that answered "none left" may be behind its leader: the leader's newest message of
             # ``subject`` must be one delivered (from a time with none delivered, nothing tells: taken as is)
-            if not replicated or "seq" not in request \
-                    or await leader_newest(self.js_reads, stream, subject) < request["seq"]:
+            if not replicated or "seq" not in request:
+                return
+            with _translated(f"follow {subject}"):
+                newest = await leader_newest(self.js_reads, stream, subject)
+            if newest < request["seq"]:
                 return
             if time.monotonic() > deadline:
                 raise BusError(f"following {subject} in {stream}: the replicas that answered stayed behind "
@@ -1603,7 +1644,7 @@ class Bus:
             await handler(Inbound(msg.subject, msg.data, msg.reply or ""))
 
         with _translated(f"subscribe to {subject}"):
-            return Subscription(await self.nc.subscribe(subject, cb=deliver))
+            return Subscription(await _held(self.nc.subscribe(subject, cb=deliver)))
 
     async def respond(self, msg: Inbound, data: bytes, requester: str | None = None) -> bool:
         """Answers a request (nothing to answer without a reply subject) into the requester's inbox only:

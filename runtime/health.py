@@ -39,7 +39,6 @@ from typing import Any
 import msgpack
 import structlog
 
-from runtime.actor import raise_if_cancelled
 from runtime.bus import Bus
 from runtime.bus_auth import control_subject
 from runtime.errors import BusTimeout, NoResponders
@@ -108,14 +107,12 @@ async def _liveness(bus: Bus, kind: str, actor_id: str, cfg: HealthSection, unan
     outcomes: collections.deque[tuple[int, int]] = collections.deque(maxlen=cfg.error_window + 1)
     failures, answered_at = 0, loop.time()  # it was running (registered) just now
     while True:
-        raise_if_cancelled()  # the verdict of the other check came while a ping's failure was being said
         asked_at = loop.time()
         if bus.health.down.is_set():  # the bus is away: nobody can answer, which says nothing of this actor
             answered_at = asked_at  # nor does the time it was away count against it
         else:
             try:
                 reply = await _ask(bus, kind, actor_id, "ping", timeout_s)
-                raise_if_cancelled()  # nats-py's request can swallow the cancellation of the other check's verdict
             except (OSError, RuntimeError, ValueError) as e:  # timeout, no responder, the bus; a refusal; not msgpack
                 failures += 1
                 silent_s = loop.time() - answered_at
@@ -143,13 +140,11 @@ async def _readiness(bus: Bus, kind: str, actor_id: str, cfg: HealthSection) -> 
     """The kind's probe every ``probe_every`` ping intervals, however long each takes (within its timeout)."""
     failures = 0
     while True:
-        raise_if_cancelled()
         await asyncio.sleep(cfg.interval_s * cfg.probe_every)
         if bus.health.down.is_set():
             continue
         try:
             await _ask(bus, kind, actor_id, "probe", cfg.probe_timeout_s)
-            raise_if_cancelled()
         except (OSError, RuntimeError, ValueError) as e:
             failures += 1
             log.warning("health_check_failed", actor_id=actor_id, check="readiness", error=str(e) or repr(e),

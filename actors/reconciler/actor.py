@@ -49,7 +49,7 @@ from actors.reconciler.work import RewardGroupDone, RolloutGroupDone, WorkOrder,
 from actors.task_catalog import TaskCatalog
 from actors.weights_announcements import weights_run_name, weights_subject, why_not_published
 from runtime import config as config_mod
-from runtime.actor import Actor, Delivery, raise_if_cancelled
+from runtime.actor import Actor, Delivery
 from runtime.bus_auth import BusAccess
 from runtime.codec import Codec
 from runtime.registry import (
@@ -363,11 +363,10 @@ class ReconcilerActor(Actor):
                 await self._call("tick")
             except StoreBroken as e:  # a write not stored (the bus away, a cluster electing a leader): the core
                 log.warning("reconciler_tick_not_recorded", error=str(e))  # was rebuilt from the store; next tick
-            raise_if_cancelled()
             for lost in self.registry.expire(time.monotonic()):  # the table held as of this tick (above)
                 await self._lose(lost)
                 # ops.status must not show it running; a frozen actor that comes back registers again
-                await (await self.bus.kv("actors")).delete(registration_key(lost.kind, lost.actor_id))
+                await self.bus.kv_delete("actors", registration_key(lost.kind, lost.actor_id))
             await self._count_rollouts_from_registry()
             if self.core.is_finished:
                 await self._say_data_exhausted()
@@ -410,7 +409,6 @@ class ReconcilerActor(Actor):
             if lost is not None:
                 await self._lose(lost)
             await self._count_rollouts_from_registry()
-            raise_if_cancelled()
 
     async def _count_rollouts_from_registry(self) -> None:
         count = self.registry.num_running("rollout")

@@ -110,8 +110,8 @@ class LiveRun:
 
     async def request(self, subject: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
         assert self.bus is not None
-        reply = await self.bus.nc.request(subject, msgpack.packb(body or {}), timeout=timeout)
-        return msgpack.unpackb(reply.data, raw=False)
+        reply = await self.bus.request(subject, msgpack.packb(body or {}), timeout_s=timeout)
+        return msgpack.unpackb(reply, raw=False)
 
     async def actors(self) -> list[dict[str, Any]]:
         return (await self.request("ctl.supervisor.status"))["actors"]

@@ -302,7 +302,7 @@ class SimRolloutActor(_SimStage):
         self.version = await self.ledger.version()  # a restart resumes at it
         self.weights_codec = Codec([WeightsPublished])
         subject = f"weights.{weights_run_name(self.ctx)}"
-        sub = await self.bus.nc.subscribe(subject, cb=self._on_weights)
+        sub = await self.bus.subscribe(subject, self._on_weights)
         self.exit_stack.push_async_callback(sub.unsubscribe)
 
     async def _on_weights(self, raw: Any) -> None:
@@ -466,7 +466,7 @@ class SimTrainActor(_SimStage):
         await self.ledger.commit(state, revision)  # the step's effect: once, or not at all
         self.version, self.num_trained_batches = version + 1, len(state["trained"])
         signal = WeightsPublished(self.run_name, version + 1, "", 0)
-        await self.bus.nc.publish(f"weights.{self.run_name}", await self.weights_codec.encode(signal))
+        await self.bus.publish(f"weights.{self.run_name}", await self.weights_codec.encode(signal))
         log.info("batch_trained", batch_id=order.batch_id, version=version + 1, num_samples=len(order.sample_ids))
         return TrainDone(order.batch_id, order.attempt, version + 1)
 

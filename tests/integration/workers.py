@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
-from nats.js.errors import KeyWrongLastSequenceError
 
 from runtime.actor import Actor, Delivery
 from runtime.bus import work_queue
 from runtime.bus_auth import BusAccess
 from runtime.codec import message
 from runtime.config import live
+from runtime.errors import RevisionMismatch
 
 
 @message("test.count")
@@ -44,20 +44,20 @@ class CounterActor(Actor):
     Config = CounterConfig
 
     async def setup(self) -> None:
-        self.effects = await self.bus.kv("effects")
+        await self.bus.kv("effects")  # made before any handler writes to it
 
     async def handle(self, msg: CountRequest, delivery: Delivery) -> None:  # type: ignore[override]
-        await self.bus.nc.publish("test.started", msgpack.packb(
+        await self.bus.publish("test.started", msgpack.packb(
             {"key": msg.key, "actor": self.identity.actor_id, "n": delivery.num_delivered}))
         delivery.task_group.create_task(asyncio.sleep(msg.sleep_s * self.config.counter.delay_scale))
         await asyncio.sleep(msg.sleep_s * self.config.counter.delay_scale)
         record = msgpack.packb({"actor": self.identity.actor_id, "code_hash": self.identity.code_hash})
         try:
-            await self.effects.create(msg.key, record)
+            await self.bus.kv_create("effects", msg.key, record)
             duplicate = False
-        except KeyWrongLastSequenceError:
+        except RevisionMismatch:
             duplicate = True  # a redelivery of work whose effect already happened
-        await self.bus.nc.publish("test.handled", msgpack.packb(
+        await self.bus.publish("test.handled", msgpack.packb(
             {"key": msg.key, "actor": self.identity.actor_id, "duplicate": duplicate,
              "code_hash": self.identity.code_hash}))
 
@@ -93,7 +93,7 @@ class FaultyActor(Actor):
             raise LookupError(f"no handler for {msg.key!r}")
         if msg.fault == "exit":
             os._exit(7)
-        await self.bus.nc.publish("test.handled", msgpack.packb({"key": msg.key, "n": delivery.num_delivered}))
+        await self.bus.publish("test.handled", msgpack.packb({"key": msg.key, "n": delivery.num_delivered}))
 
 
 class StubbornActor(Actor):
