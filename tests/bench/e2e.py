@@ -174,26 +174,44 @@ def train_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, work_dir: Path) -> dict[str, Any]:
     """Starts runtime.up with this eta, waits for the last train row, stops the run; returns its figures."""
-    mode = name.split("-")[0]
-    run_dir = work_dir / f"run-{name}"
-    config = work_dir / f"{name}.toml"
-    config.write_text(
-        RUN_FILE.format(
-            mode=mode,
-            seed=args.seed,
-            steps=args.steps,
-            checkpoint=checkpoint,
-            eta=eta,
-            num_slots=(max(eta, args.eta) + 1) * args.batch_groups * args.group_size,
-            group_size=args.group_size,
-            batch_groups=args.batch_groups,
-            inflight=args.inflight,
-            max_turns=args.max_turns,
-            max_new_tokens=args.max_new_tokens,
-        )
+    run_file = RUN_FILE.format(
+        mode=name.split("-")[0],
+        seed=args.seed,
+        steps=args.steps,
+        checkpoint=checkpoint,
+        eta=eta,
+        num_slots=(max(eta, args.eta) + 1) * args.batch_groups * args.group_size,
+        group_size=args.group_size,
+        batch_groups=args.batch_groups,
+        inflight=args.inflight,
+        max_turns=args.max_turns,
+        max_new_tokens=args.max_new_tokens,
     )
-    layered = [a for c in (DEFAULT_RUN_FILE, config) for a in ("--config", str(c))]
     load_before = os.getloadavg()[0]
+    run_dir, rows, exit_code = run_to_steps(name, [run_file], args.steps, args.run_timeout_s, work_dir)
+    started_at = json.loads((run_dir / "run.json").read_text())["started_at"]
+    figures = summarise(rows, started_at)
+    return {
+        "eta": eta,
+        **figures,
+        "lag_within_eta": figures["lag_max"] <= eta,
+        **rollout_figures(run_dir),
+        "exit_code": exit_code,
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+def run_to_steps(name: str, run_files: Sequence[str], steps: int, timeout_s: float,
+                 work_dir: Path) -> tuple[Path, list[dict[str, Any]], int]:
+    """Writes ``run_files`` (TOML texts layered in order over the default run), starts runtime.up on them, waits
+    for ``steps`` train rows and stops the run: its directory, its first ``steps`` rows and runtime.up's exit
+    code. Its output goes to ``work_dir/<name>.out``."""
+    run_dir = work_dir / f"run-{name}"
+    layered = ["--config", str(DEFAULT_RUN_FILE)]
+    for i, text in enumerate(run_files):
+        config = work_dir / f"{name}-{i}.toml"
+        config.write_text(text)
+        layered += ["--config", str(config)]
     with open(work_dir / f"{name}.out", "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.up", *layered, "--run-dir", str(run_dir), "--quiet"],
@@ -204,19 +222,10 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, wo
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
     try:
-        rows = _wait_for_steps(proc, run_dir, args.steps, args.run_timeout_s, work_dir / f"{name}.out")
+        rows = _wait_for_steps(proc, run_dir, steps, timeout_s, work_dir / f"{name}.out")
     finally:
         exit_code = _stop(proc)
-    started_at = json.loads((run_dir / "run.json").read_text())["started_at"]
-    figures = summarise(rows[: args.steps], started_at)
-    return {
-        "eta": eta,
-        **figures,
-        "lag_within_eta": figures["lag_max"] <= eta,
-        **rollout_figures(run_dir),
-        "exit_code": exit_code,
-        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-    }
+    return run_dir, rows[:steps], exit_code
 
 
 def _wait_for_steps(

@@ -41,7 +41,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,27 +51,17 @@ from typing import Any
 
 import structlog
 
-from actors.__main__ import DEFAULT_RUN_FILE
 from actors.config import LatencySection
 from tests.bench import e2e
 
 REPO = e2e.REPO
 
-RUN_FILE = """\
+# Layered over the e2e bench's run file (its policy, tasks, reconciler and agent settings at this mode's eta).
+LATENCY_FILE = """\
 [run]
 name = "bench-latency-tail-{mode}"
-seed = {seed}
-steps = {steps}
-
-[actors.evaluator]
-count = 0  # no held-out evaluation taking CPU from the measured stages
 [actors.reward]
 max_concurrency = {reward_concurrency}  # gradings wait on the environment, not on a stage cap
-
-[policy]
-checkpoint = "{checkpoint}"
-[tasks]
-seed = {seed}
 [tasks.latency]
 distribution = "lognormal"
 tool_median_s = {tool_median_s}
@@ -80,16 +69,6 @@ test_median_s = {test_median_s}
 sigma = {sigma}
 max_s = {max_s}
 seed = {latency_seed}
-[reconciler]
-num_slots = {num_slots}
-group_size = {group_size}
-batch_size_groups = {batch_groups}
-[reconciler.scheduling]
-eta = {eta}
-max_inflight_per_rollout_actor = {inflight}
-[rollout.agent]
-max_turns = {max_turns}
-max_new_tokens_per_turn = {max_new_tokens}
 """
 
 DEFAULT = LatencySection(distribution="lognormal")
@@ -129,29 +108,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --- one run ---------------------------------------------------------------------------------------
 def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, work_dir: Path) -> dict[str, Any]:
     """Starts runtime.up at this eta with the latency on, waits for the last train row, stops the run."""
-    run_dir = work_dir / f"run-{name}"
-    config = work_dir / f"{name}.toml"
     batch = args.group_size * args.batch_groups
     slots = (eta + 1) * batch
-    config.write_text(RUN_FILE.format(
-        mode=name.split("-")[0], seed=args.seed, steps=args.steps, checkpoint=checkpoint,
-        reward_concurrency=(max(args.etas) + 1) * batch, tool_median_s=args.tool_median_s,
-        test_median_s=args.test_median_s, sigma=args.sigma, max_s=args.max_s, latency_seed=args.latency_seed,
-        num_slots=slots, group_size=args.group_size, batch_groups=args.batch_groups, eta=eta,
-        inflight=args.inflight or slots, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens))
-    layered = [a for c in (DEFAULT_RUN_FILE, config) for a in ("--config", str(c))]
+    mode = name.split("-")[0]
+    run_file = e2e.RUN_FILE.format(
+        mode=mode, seed=args.seed, steps=args.steps, checkpoint=checkpoint, num_slots=slots,
+        group_size=args.group_size, batch_groups=args.batch_groups, eta=eta, inflight=args.inflight or slots,
+        max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+    latency = LATENCY_FILE.format(
+        mode=mode, reward_concurrency=(max(args.etas) + 1) * batch, tool_median_s=args.tool_median_s,
+        test_median_s=args.test_median_s, sigma=args.sigma, max_s=args.max_s, latency_seed=args.latency_seed)
     load_before = os.getloadavg()[0]
     print(f"{name}: eta={eta}", file=sys.stderr, flush=True)
-    with open(work_dir / f"{name}.out", "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.up", *layered, "--run-dir", str(run_dir), "--quiet"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        rows = e2e._wait_for_steps(proc, run_dir, args.steps, args.run_timeout_s, work_dir / f"{name}.out")
-    finally:
-        exit_code = e2e._stop(proc)
-    rows = rows[: args.steps]
+    run_dir, rows, exit_code = e2e.run_to_steps(name, [run_file, latency], args.steps, args.run_timeout_s, work_dir)
     started_at = json.loads((run_dir / "run.json").read_text())["started_at"]
     events = run_events(run_dir)
     first_rollout = min(t - d for t, d, _ in events["rollout"]) if events["rollout"] else started_at
