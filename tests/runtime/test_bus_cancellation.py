@@ -14,20 +14,15 @@ from typing import Any
 import pytest
 
 from runtime.bus import Bus, Inbound
-from runtime.natsserver import NatsServer, NatsServerConfig
+from tests.integration.harness import nats_bus
 
 _ENDS_WITHIN_S = 5.0  # a cancelled task that has not ended by then went on after its cancellation
 
 
 @pytest.fixture
 async def bus(tmp_path: Path) -> AsyncIterator[Bus]:
-    async with NatsServer(NatsServerConfig(store_dir=tmp_path / "nats")) as server:
-        bus = await Bus.connect(server.url, name="test")
-        try:
-            await bus.ensure_base()
-            yield bus
-        finally:
-            await bus.close()
+    async with nats_bus(tmp_path) as connected:
+        yield connected
 
 
 def swallow_once(owner: Any, name: str) -> list[str]:
