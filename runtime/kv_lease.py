@@ -80,15 +80,27 @@ class KVLease:
 
     async def keep(self) -> None:
         """Renews the lease every third of ``lease_s`` until cancelled; returns if it is lost (taken over
-        by another who saw it lapse). A renewal the bus refuses is tried again at the next one."""
+        by another who saw it lapse). A renewal the bus refuses is tried again at the next one; one refused
+        because the key moved on is checked: a renewal of this lease that timed out but landed keeps it."""
         while self.revision is not None:
             await asyncio.sleep(self.lease_s / 3)
             try:
                 self.revision = await self.bus.kv_cas(self.bucket, self.key, self.value, self.revision)
             except RevisionMismatch:
-                log.warning("lease_lost", key=f"{self.bucket}/{self.key}")
+                try:
+                    current = await self.holder()
+                except OSError as e:  # cannot tell who holds it now: asked again at the next renewal
+                    log.warning("lease_not_renewed", key=f"{self.bucket}/{self.key}", error=repr(e))
+                    continue
+                if current is not None and not current.deleted and current.value == self.value:
+                    # a renewal whose answer was lost (the bus answered too late) landed after all: still ours
+                    log.info("lease_renewal_confirmed", key=f"{self.bucket}/{self.key}", revision=current.revision)
+                    self.revision = current.revision
+                    continue
+                log.warning("lease_lost", key=f"{self.bucket}/{self.key}", holder=None if current is None
+                            else current.value.decode(errors="replace"))
                 self.revision = None
-            except OSError as e:  # the bus is down: the lease may lapse meanwhile
+            except OSError as e:  # the bus is down or slow: the lease may lapse meanwhile
                 log.warning("lease_not_renewed", key=f"{self.bucket}/{self.key}", error=repr(e))
 
     async def release(self) -> None:

@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overrides = [f"run.steps={args.steps}", f"eval.every_versions={args.steps}",
                  f"tasks.num_heldout={args.humaneval_tasks}", *args.set]
     cfg = load_run_config([REPO / "actors" / "run.toml", PRESET], overrides).app
+    if args.steps % cfg.trainer.checkpoint_every:
+        raise SystemExit(f"--steps {args.steps} is not a multiple of trainer.checkpoint_every = "
+                         f"{cfg.trainer.checkpoint_every}: the last step would have no checkpoint to evaluate")
     start_dir = checkpoint_dir(cfg.policy)  # converted and upcycled once, cached
 
     # the run first, while this process holds no model: its trainer alone takes ~11 GB (weights, gradients and
