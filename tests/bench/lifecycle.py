@@ -12,11 +12,15 @@ G samples; train per B groups, one batch at a time, under the same staleness bou
   tests/integration/sim_stages.py with zero work time and no blob records, one process per kind.
   Durability on: everything the reconciler decides is in JetStream before it is acted on.
 - Ray: the design verl and OpenRLHF use: a driver loop (this process) calling rollout, reward, group
-  and train Ray actors (local Ray, ``num_cpus=2``) with asyncio awaits, keeping S samples in flight
-  and admitting groups under the same bound; state in the driver's memory only.
+  and train Ray actors (local Ray, ``num_cpus=2``) with asyncio awaits, one call per group per stage
+  (a group's G samples in one rollout call and one reward call) and one train call per batch, as verl
+  sends its workers batches, admitting groups under the same bound; state in the driver's memory only.
 
-Lifecycles/s = trained samples / seconds from the first admission to the last trained batch (NATS:
-read from the trainer's ledger, whose entries carry their time, and the reconciler's own counters).
+Lifecycles/s = samples trained after the first batch / seconds from the first trained batch to the last
+(NATS: read from the trainer's ledger, whose entries carry their time). CPU per lifecycle, both sides the
+same way (`CpuSampler`): every process of the side read every 0.1 s (NATS: the reconciler, the stage
+actors, nats-server; Ray: the driver, GCS, raylet, workers, Ray's other processes), over the samples
+nearest outside the span from the first trained batch to the last.
 Latency = per stage, from issuing the work to accepting its completion (queue time included); the
 NATS side reports the reconciler's own p50/p99 (`actors.reconciler.metrics`). Prints ONE JSON line.
 """
