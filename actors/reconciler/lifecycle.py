@@ -57,7 +57,7 @@ from actors.reconciler.issuance import Issuance
 from actors.reconciler.metrics import LifecycleMetrics, LifecycleSnapshot
 from actors.reconciler.recovery import recover, reissue_unconfirmed
 from actors.reconciler.scheduling import SchedulingConfig
-from actors.reconciler.slot import SampleLifecycleError, Slot, SlotState, Stage
+from actors.reconciler.slot import SampleLifecycleError, Slot, SlotState, Stage, sample_id_for
 from actors.reconciler.store import META_KEY, SlotStore
 from actors.reconciler.table import SlotTable, load_slots
 from actors.reconciler.task_cursor import TaskCursor, TaskSource
@@ -301,6 +301,11 @@ class Lifecycle:
     @property
     def slots(self) -> tuple[Slot, ...]:
         return self._table.slots
+
+    def is_live_group(self, group_id: str) -> bool:
+        """Whether a sample of the group holds a slot (what reading every slot would say, in G lookups)."""
+        return any(self._table.by_sample(sample_id_for(group_id, j)) is not None
+                   for j in range(self._config.group_size))
 
     @property
     def is_finished(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -242,7 +243,7 @@ class Slot:
     def _evolve(self, changes: Mapping[str, Any]) -> Slot:
         """This slot with `changes` (validated as any new slot; cheaper than ``dataclasses.replace``, which
         the reconciler paid on every transition)."""
-        values = {name: getattr(self, name) for name in _FIELD_NAMES}
+        values = dict(zip(_FIELD_NAMES, _field_values(self), strict=True))
         values.update(changes)
         return Slot(**values)
 
@@ -250,8 +251,7 @@ class Slot:
         out: dict[str, Any] = {"v": SLOT_SCHEMA_VERSION, "index": self.index, "state": self.state}  # packs as its value
         if self.state is SlotState.EMPTY:
             return out
-        for name in _SCALAR_FIELDS:
-            out[name] = getattr(self, name)
+        out.update(zip(_SCALAR_FIELDS, _scalar_values(self), strict=True))
         out["entered_at"] = dict(self.entered_at)
         out["blob_keys"] = dict(self.blob_keys)
         return out
@@ -295,3 +295,6 @@ _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Slot))
 _SCALAR_FIELDS = tuple(
     f.name for f in dataclasses.fields(Slot) if f.name not in ("index", "state", "entered_at", "blob_keys")
 )
+# every field's value in one C call: the reconciler evolves and encodes a slot on each transition
+_field_values = operator.attrgetter(*_FIELD_NAMES)
+_scalar_values = operator.attrgetter(*_SCALAR_FIELDS)

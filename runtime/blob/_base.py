@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import errno
 import random
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import BinaryIO, Literal, Self
 
 from runtime.backoff import doubling
@@ -199,6 +199,16 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
+
+    async def delete_prefixes(self, prefixes: Sequence[str]) -> int:
+        """Remove every object whose key starts with one of ``prefixes``; returns how many were removed.
+        Each prefix is listed and its objects deleted in turn; a backend may do it all in one call."""
+        num_deleted = 0
+        for prefix in prefixes:
+            for key in await self.list(prefix):
+                await self.delete(key)
+                num_deleted += 1
+        return num_deleted
 
     @abc.abstractmethod
     async def put_stream(self, key: str, source: StreamSource) -> int:

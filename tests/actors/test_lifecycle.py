@@ -84,6 +84,25 @@ async def test_runs_every_prompt_once_within_the_bound() -> None:
     assert snap.admissions["admitted"] == 6 and "to_dict" in dir(snap)
 
 
+async def test_a_group_is_live_while_any_of_its_samples_holds_a_slot() -> None:
+    _, resumed, world = await start(max_retries=0)
+    core = resumed.lifecycle
+
+    def live_by_slots() -> set[str]:
+        return {s.group_id for s in core.slots if s.is_live}
+
+    groups = {f"e0-p{i}" for i in range(6)} | {"e1-p0", "e0-p1-s0"}
+    assert {g for g in groups if core.is_live_group(g)} == live_by_slots() == {f"e0-p{i}" for i in range(4)}
+    victim = next(o for o in world.pending if o.sample_id == "e0-p0-s0")  # failed: still holds its slot
+    world.pending.remove(victim)
+    failed = StageFailed(victim.STAGE, victim.key, victim.attempt, "x", victim.token)
+    world.add(await core.on_completion(failed, 1.0), 1)
+    while world.pending:
+        await deliver(core, world, world.pending[0])
+        assert {g for g in groups if core.is_live_group(g)} == live_by_slots()
+    assert not any(core.is_live_group(g) for g in groups)
+
+
 async def test_duplicates_and_stale_attempts_are_ignored() -> None:
     _, resumed, world = await start()
     core = resumed.lifecycle

@@ -12,11 +12,15 @@ G samples; train per B groups, one batch at a time, under the same staleness bou
   tests/integration/sim_stages.py with zero work time and no blob records, one process per kind.
   Durability on: everything the reconciler decides is in JetStream before it is acted on.
 - Ray: the design verl and OpenRLHF use: a driver loop (this process) calling rollout, reward, group
-  and train Ray actors (local Ray, ``num_cpus=2``) with asyncio awaits, keeping S samples in flight
-  and admitting groups under the same bound; state in the driver's memory only.
+  and train Ray actors (local Ray, ``num_cpus=2``) with asyncio awaits, one call per group per stage
+  (a group's G samples in one rollout call and one reward call) and one train call per batch, as verl
+  sends its workers batches, admitting groups under the same bound; state in the driver's memory only.
 
-Lifecycles/s = trained samples / seconds from the first admission to the last trained batch (NATS:
-read from the trainer's ledger, whose entries carry their time, and the reconciler's own counters).
+Lifecycles/s = samples trained after the first batch / seconds from the first trained batch to the last
+(NATS: read from the trainer's ledger, whose entries carry their time). CPU per lifecycle, both sides the
+same way (`CpuSampler`): every process of the side read every 0.1 s (NATS: the reconciler, the stage
+actors, nats-server; Ray: the driver, GCS, raylet, workers, Ray's other processes), over the samples
+nearest outside the span from the first trained batch to the last.
 Latency = per stage, from issuing the work to accepting its completion (queue time included); the
 NATS side reports the reconciler's own p50/p99 (`actors.reconciler.metrics`). Prints ONE JSON line.
 """
@@ -35,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -110,6 +115,46 @@ def cpu_ms_per_lifecycle(before: dict[str, float], after: dict[str, float], num:
     out = {role: 1e3 * (after.get(role, 0.0) - before.get(role, 0.0)) / num for role in after}
     out["total"] = sum(out.values())
     return out
+
+
+class CpuSampler:
+    """Both sides' CPU, counted the same way: every ``interval_s`` a thread reads the CPU seconds of every
+    process of the side (``read``: role -> seconds), and a trial's figure is the difference between the
+    samples nearest outside its steady span [first trained batch, last trained batch], over the samples
+    trained inside that window. The thread's own CPU is subtracted from ``own_role`` when the sampler runs
+    inside a measured process (the Ray driver), so the measuring costs neither side."""
+
+    def __init__(self, read: Any, interval_s: float = 0.1, own_role: str | None = None) -> None:
+        self._read, self._interval_s, self._own_role = read, interval_s, own_role
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            cpu = self._read()
+            if self._own_role is not None:
+                cpu[self._own_role] = cpu.get(self._own_role, 0.0) - time.thread_time()
+            self.samples.append((time.time(), cpu))
+            if self._stop.is_set():
+                return
+            self._stop.wait(self._interval_s)  # one more sample after the stop: the window's end
+
+    def per_lifecycle(self, batches: list[tuple[float, int]]) -> dict[str, float]:
+        """CPU-ms per trained sample over the window around [first batch, last batch] (``batches``: (time, samples))."""
+        first, last = batches[0][0], batches[-1][0]
+        before = max((c for c in self.samples if c[0] <= first), key=lambda c: c[0], default=self.samples[0])
+        after = min((c for c in self.samples if c[0] >= last), key=lambda c: c[0], default=self.samples[-1])
+        in_window = sum(n for t, n in batches if before[0] < t <= after[0])
+        return cpu_ms_per_lifecycle(before[1], after[1], in_window)
 
 
 # --- NATS: the real reconciler in a real run ----------------------------------------------------------
@@ -217,11 +262,27 @@ async def _request(bus: Bus, subject: str) -> dict[str, Any]:
 async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[str, Any]:
     """Waits until the reconciler reports the dataset done; reads its figures and the trainer's ledger."""
     ledger = TrainerLedger(await bus.kv(LEDGER_BUCKET))
-    cpu_samples: list[tuple[float, dict[str, float]]] = []
+    with CpuSampler(lambda: cpu_by_role(root_pid)) as cpu:
+        status = await _until_finished(args, bus)
+    state, _ = await ledger.load()
+    lc = status["lifecycle"]
+    batches = sorted((b["time"], len(b["sample_ids"])) for b in state["trained"].values())
+    return {
+        **steady_rate(batches),
+        "cpu_ms_per_lifecycle": cpu.per_lifecycle(batches),
+        "stage_p50_ms": {k: 1e3 * v["p50_s"] for k, v in lc["stage_latency"].items()},
+        "stage_p99_ms": {k: 1e3 * v["p99_s"] for k, v in lc["stage_latency"].items()},
+        "slot_writes_per_sample": lc["counters"]["slot_writes"] / max(1, lc["counters"]["trained_samples"]),
+        "retries": lc["counters"].get("retries", 0),
+        "ignored_completions": lc["counters"].get("ignored_completions", 0),
+    }
+
+
+async def _until_finished(args: argparse.Namespace, bus: Bus) -> dict[str, Any]:
+    """The reconciler's status once it reports the dataset done."""
     async with asyncio.timeout(args.timeout_s):
         while True:
             await asyncio.sleep(0.2)
-            cpu_samples.append((time.time(), await asyncio.to_thread(cpu_by_role, root_pid)))
             try:
                 actors = (await _request(bus, "ctl.supervisor.status"))["actors"]
             except NoRespondersError:  # run.json is written just before the supervisor listens
@@ -234,23 +295,7 @@ async def _watch_run(args: argparse.Namespace, bus: Bus, root_pid: int) -> dict[
             except Exception:  # not consuming yet
                 continue
             if status.get("finished"):
-                break
-    state, _ = await ledger.load()
-    lc = status["lifecycle"]
-    batches = sorted((b["time"], len(b["sample_ids"])) for b in state["trained"].values())
-    # CPU over the samples' window nearest the steady span [first batch, last batch]
-    before = max((c for c in cpu_samples if c[0] <= batches[0][0]), key=lambda c: c[0], default=cpu_samples[0])
-    after = min((c for c in cpu_samples if c[0] >= batches[-1][0]), key=lambda c: c[0], default=cpu_samples[-1])
-    in_window = sum(n for t, n in batches if before[0] < t <= after[0])
-    return {
-        **steady_rate(batches),
-        "cpu_ms_per_lifecycle": cpu_ms_per_lifecycle(before[1], after[1], in_window),
-        "stage_p50_ms": {k: 1e3 * v["p50_s"] for k, v in lc["stage_latency"].items()},
-        "stage_p99_ms": {k: 1e3 * v["p99_s"] for k, v in lc["stage_latency"].items()},
-        "slot_writes_per_sample": lc["counters"]["slot_writes"] / max(1, lc["counters"]["trained_samples"]),
-        "retries": lc["counters"].get("retries", 0),
-        "ignored_completions": lc["counters"].get("ignored_completions", 0),
-    }
+                return status
 
 
 def steady_rate(batches: list[tuple[float, int]]) -> dict[str, Any]:
@@ -260,15 +305,17 @@ def steady_rate(batches: list[tuple[float, int]]) -> dict[str, Any]:
     return {"lifecycles_per_s": num / elapsed, "trained_samples": sum(n for _, n in batches), "elapsed_s": elapsed}
 
 
-# --- Ray: a central controller calling stage actors ---------------------------------------------------
+# --- Ray: a central controller calling stage actors -----------------------------------------------------
+# One call per group per stage, as verl sends batches to its workers: a group's G rollouts in one call, its
+# G rewards in one call, its advantages in one call, a batch of B groups in one train call.
 class RayRollout:
-    async def rollout(self, sample_id: str, version: int) -> tuple[str, int]:
-        return sample_id, version
+    async def rollout(self, group_id: str, sample_ids: list[str], version: int) -> list[tuple[str, int]]:
+        return [(sample_id, version) for sample_id in sample_ids]
 
 
 class RayReward:
-    async def reward(self, sample_id: str) -> float:
-        return float(hash(sample_id) % 1000) / 1000.0
+    async def reward(self, sample_ids: list[str]) -> list[float]:
+        return [float(hash(sample_id) % 1000) / 1000.0 for sample_id in sample_ids]
 
 
 class RayGroup:
@@ -297,7 +344,6 @@ class Controller:
         self.ready: collections.deque[str] = collections.deque()
         self.latency: dict[str, list[float]] = collections.defaultdict(list)
         self.batches: list[tuple[float, int]] = []
-        self.cpu: list[dict[str, float]] = []
         self.wake = asyncio.Condition()
 
     async def _call(self, stage: str, method: Any, *call_args: Any) -> Any:
@@ -306,15 +352,12 @@ class Controller:
         self.latency[stage].append(time.perf_counter() - t0)
         return result
 
-    async def _sample(self, sample_id: str) -> float:
-        await self._call("rollout", self.actors["rollout"].rollout, sample_id, self.version)
-        return await self._call("reward", self.actors["reward"].reward, sample_id)
-
     async def _group(self, position: int) -> None:
         group_id = f"e0-p{position}"
-        g = self.args.group_size
-        rewards = await asyncio.gather(*(self._sample(f"{group_id}-s{j}") for j in range(g)))
-        await self._call("group", self.actors["group"].group, group_id, list(rewards))
+        sample_ids = [f"{group_id}-s{j}" for j in range(self.args.group_size)]
+        await self._call("rollout", self.actors["rollout"].rollout, group_id, sample_ids, self.version)
+        rewards = await self._call("reward", self.actors["reward"].reward, sample_ids)
+        await self._call("group", self.actors["group"].group, group_id, rewards)
         async with self.wake:
             self.ready.append(group_id)
             self.wake.notify_all()
@@ -329,8 +372,6 @@ class Controller:
             self.version = await self._call("train", self.actors["train"].train, batch)
             done += len(batch)
             self.batches.append((time.time(), len(batch) * self.args.group_size))
-            if len(self.batches) == 1 or done == num_groups:
-                self.cpu.append(ray_cpu())
             async with self.wake:
                 self.live_groups -= len(batch)
                 self.wake.notify_all()
@@ -347,23 +388,41 @@ class Controller:
                 tg.create_task(self._group(position))
 
 
-async def ray_trial(args: argparse.Namespace, actors: dict[str, Any]) -> dict[str, Any]:
+async def ray_trial(args: argparse.Namespace, actors: dict[str, Any],
+                    calls_out: dict[str, int] | None = None) -> dict[str, Any]:
+    """One trial of the Ray side; ``calls_out`` gets the number of calls made to each stage."""
     controller = Controller(args, actors)
-    await controller.run()
-    before, after = controller.cpu
+    with CpuSampler(ray_cpu, own_role="driver") as cpu:
+        await controller.run()
+    if calls_out is not None:
+        calls_out.update({stage: len(latencies) for stage, latencies in controller.latency.items()})
     return {
         **steady_rate(controller.batches),
-        "cpu_ms_per_lifecycle": cpu_ms_per_lifecycle(before, after, sum(n for _, n in controller.batches[1:])),
+        "cpu_ms_per_lifecycle": cpu.per_lifecycle(controller.batches),
         "stage_p50_ms": {k: 1e3 * statistics.median(v) for k, v in controller.latency.items()},
         "stage_p99_ms": {k: 1e3 * statistics.quantiles(v, n=100)[98] for k, v in controller.latency.items()},
     }
 
 
 def ray_cpu() -> dict[str, float]:
-    """CPU seconds of the driver (this process, its controller loop) and of every Ray process under it."""
+    """CPU seconds of the driver (this process, its controller loop) and of every Ray process under it: the
+    GCS, the raylet, the stage actors' workers and Ray's other processes (its agents, log monitor)."""
     me = os.getpid()
-    others = sum(cpu_s(pid) for pid in process_tree(me) if pid != me)
-    return {"driver": cpu_s(me), "ray_processes": others}
+    out = {"driver": cpu_s(me), "gcs": 0.0, "raylet": 0.0, "workers": 0.0, "ray_other": 0.0}
+    for pid, cmdline in process_tree(me).items():
+        if pid != me:
+            out[ray_role_of(cmdline)] += cpu_s(pid)
+    return out
+
+
+def ray_role_of(cmdline: str) -> str:
+    if "gcs_server" in cmdline:
+        return "gcs"
+    if "/raylet " in cmdline or cmdline.startswith("raylet"):
+        return "raylet"
+    if (cmdline.startswith("ray::") and "Agent" not in cmdline) or "default_worker.py" in cmdline:
+        return "workers"
+    return "ray_other"
 
 
 def start_ray() -> dict[str, Any]:

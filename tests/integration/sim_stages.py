@@ -89,6 +89,7 @@ __all__ = [
 SIM_CONFIG_FILE = "sim_stages.json"
 LEDGER_BUCKET = "sim_trainer"
 LEDGER_KEY = "ledger"
+LEDGER_VERSION_KEY = "version"  # the ledger's version alone, for readers that need nothing else
 
 
 SIM_RUN_TEMPLATE = """
@@ -428,6 +429,7 @@ class SimTrainActor(_SimStage):
         self.ledger = await TrainerLedger.open(self.bus)
         state, _ = await self.ledger.load()
         self.version, self.num_trained_batches = state["version"], len(state["trained"])
+        await self.ledger.mark_version(self.version)  # a predecessor may have died between its commit and mark
         self.weights_codec = Codec([WeightsPublished])
         self.run_name = weights_run_name(self.ctx)
 
@@ -502,17 +504,30 @@ class TrainerLedger:
         return msgpack.unpackb(entry.value, raw=False), entry.revision
 
     async def version(self) -> int:
-        return (await self.load())[0]["version"]
+        """The version of the trainer's last committed step: read from its own small record (`mark_version`),
+        not from the ledger, which grows with every trained batch and is read on every announcement."""
+        try:
+            entry = await self._kv.get(LEDGER_VERSION_KEY)
+        except KeyNotFoundError:
+            return (await self.load())[0]["version"]  # no step recorded yet (or a ledger from before the record)
+        return int(msgpack.unpackb(entry.value))
+
+    async def mark_version(self, version: int) -> None:
+        """Record ``version`` as the committed one (after `commit`: it never names a step the ledger lacks)."""
+        await self._kv.put(LEDGER_VERSION_KEY, msgpack.packb(version))
 
     async def commit(self, state: dict[str, Any], revision: int) -> int:
         """Compare-and-set; a conflict means another trainer decided meanwhile: nak and decide again."""
         data = msgpack.packb(state, use_bin_type=True)
         try:
             if revision == 0:
-                return await self._kv.create(LEDGER_KEY, data)
-            return await self._kv.update(LEDGER_KEY, data, last=revision)
+                revision = await self._kv.create(LEDGER_KEY, data)
+            else:
+                revision = await self._kv.update(LEDGER_KEY, data, last=revision)
         except KeyWrongLastSequenceError:
             raise SimError("the trainer ledger changed under this step; retrying the order") from None
+        await self.mark_version(state["version"])
+        return revision
 
 
 class SimEvaluatorActor(EvaluatorRole):

@@ -116,6 +116,17 @@ async def test_delete_is_idempotent(store: BlobStore) -> None:
         await store.get("d/one")
 
 
+async def test_delete_prefixes_removes_what_each_prefix_lists_and_nothing_else(store: BlobStore) -> None:
+    keys = ["g/e0-p1/a0", "g/e0-p1/a1", "g/e0-p10/a0", "s/e0-p1-s0/a0/t", "s/e0-p1-s1/a2/t", "s/e0-p1-s10/a0/t"]
+    for key in keys:
+        await store.put(key, key.encode())
+    num = await store.delete_prefixes(["g/e0-p1/", "s/e0-p1-s0/", "s/e0-p1-s1/", "s/absent/"])
+    assert num == 4
+    assert await store.list() == ["g/e0-p10/a0", "s/e0-p1-s10/a0/t"]
+    assert await store.delete_prefixes(["g/e0-p1/"]) == 0  # idempotent, as delete is
+    assert await store.delete_prefixes([]) == 0
+
+
 @pytest.mark.parametrize("key", ["", "/etc/passwd", "../escape", "a/../../b", "a//b", "a/./b", ".tmp/x", "a\\b"])
 async def test_unsafe_keys_are_rejected_naming_the_key(store: BlobStore, key: str) -> None:
     for call in (
