@@ -334,12 +334,19 @@ class BusLimits:
     # creating a stream or a consumer waits this long for a cluster to place it or to elect a leader
     # (measured on loopback under load: elections end 6 to 7 s after a server is lost)
     election_wait_s: float = 20.0
+    # a follow or KV watch whose reads time out while the connection stays up (a server starved of CPU or disk:
+    # a run beside other work) reads again from where it stopped for this long before it fails: as long as a run
+    # waits out an unreachable bus (bus.max_outage_s' default), so that a server that is only slow never ends a
+    # long-lived reader sooner than one that is gone would (the dashboard and the evaluator did, under load 20+)
+    max_slow_read_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.ack_wait_s < 1.0:
             raise ValueError(f"ack_wait_s={self.ack_wait_s} is too small for in_progress heartbeats; use >= 1")
         if not 1 <= self.replicas <= 5:
             raise ValueError(f"replicas={self.replicas}: JetStream keeps 1 to 5 copies of a stream")
+        if self.max_slow_read_s <= 0:
+            raise ValueError(f"max_slow_read_s={self.max_slow_read_s}: a follow needs some time to read again; use > 0")
 
 
 _MAX_MULTI_LAST = 1024  # the most keys whose last records one direct get reads (nats-server's limit)
@@ -1044,6 +1051,40 @@ class ConnectionHealth:
                                "(bus.max_outage_s): is its nats-server up and reachable?") from None
 
 
+class _SlowReads:
+    """How long the reads of one follow or KV watch have been timing out with the connection up (the server is
+    there but starved: nothing to reconnect to). Each timeout is a warning and the reader reads again from where
+    it stopped; one past ``bound_s`` since the first of a row without progress is a `BusTimeout`."""
+
+    def __init__(self, what: str, client: str, bound_s: float) -> None:
+        self.what, self.client, self.bound_s = what, client, bound_s
+        self.since: float | None = None  # when the first read of the current row timed out
+        self.num_timeouts = 0
+
+    def timed_out(self, event: str, error: BusTimeout) -> None:
+        """Noted (a warning ``event``), or (past the bound) raised.
+
+        Raises:
+            BusTimeout: reads have timed out for longer than ``bound_s`` with nothing delivered meanwhile.
+        """
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        self.num_timeouts += 1
+        slow_s = now - self.since
+        if slow_s > self.bound_s:
+            raise BusTimeout(f"{self.what}: the bus answered none of {self.num_timeouts} reads for {slow_s:.0f}s "
+                             f"while connected (BusLimits.max_slow_read_s={self.bound_s:g}): its nats-server is up "
+                             "but starved; check the load of its host (CPU, disk) and its log "
+                             "(RUN_DIR/nats/server.log for the embedded server)") from error
+        log.warning(event, what=self.what, client=self.client, slow_s=round(slow_s, 3),
+                    num_timeouts=self.num_timeouts, bound_s=self.bound_s, error=str(error),
+                    consequence="reads again from where it stopped")
+
+    def progressed(self) -> None:
+        """The bus answered: a row of timeouts (if any) ended."""
+        self.since, self.num_timeouts = None, 0
+
+
 class Bus:
     """One NATS connection with JetStream; the only object in the project that talks to NATS.
 
@@ -1417,20 +1458,27 @@ class Bus:
         No consumer (no actor role may make one on a bucket's stream: docs/ARCHITECTURE.md, "Buckets"): a
         read of the current records at one stream sequence, and the records the stream republishes after
         it (`runtime.kv_watch`). A restarted server, or a record lost on the way (the next one received is
-        not the next sequence: ``kv_watch_gap``), starts it again.
+        not the next sequence: ``kv_watch_gap``), starts it again. A read that times out while the connection
+        stays up (a starved server: ``kv_watch_slow``) reads the current records again, for at most
+        `BusLimits.max_slow_read_s`, after which it raises `BusTimeout`.
         """
-        kv = await self.kv(bucket)
+        slow = _SlowReads(f"watch {bucket}/{keys}", self.health.client, self.limits.max_slow_read_s)
         while True:
             await self.health.up.wait()
             generation = self.health.num_outages  # a drop at any point after this renews the watch
             try:
+                kv = await self.kv(bucket)
                 with _translated(f"watch {bucket}/{keys}"):
                     sub, cursor, current = await self._through_election(
-                        f"watch {bucket}", lambda: self._open_watch(kv, keys))
-            except OSError:  # BusError included
+                        f"watch {bucket}", lambda kv=kv: self._open_watch(kv, keys))
+            except OSError as e:  # BusError included
                 if self.health.num_outages != generation or self.health.down.is_set():
                     continue  # it failed because the connection dropped meanwhile: watch again once back
-                raise
+                if not isinstance(e, BusTimeout):
+                    raise
+                slow.timed_out("kv_watch_slow", e)  # connected but slow: read them again (raises past the bound)
+                continue
+            slow.progressed()
             try:
                 for entry in current:
                     yield entry
@@ -1492,25 +1540,34 @@ class Bus:
         all of them, ``subject``'s picked out here), told apart by sequence as a KV watch does
         (`runtime.kv_watch`). Once the connection drops, or a republished message is not the next sequence
         (one was lost on the way: ``stream_follow_gap``), it reads the stream again after the last message
-        it had.
+        it had; so does a read that times out while the connection stays up (a starved server:
+        ``stream_follow_slow``), for at most `BusLimits.max_slow_read_s`, after which it raises `BusTimeout`.
         """
         if not isinstance(start, datetime) and start not in ("all", "new"):
             raise ValueError(f"start={start!r}: expected 'all', 'new' or a datetime")
-        with _translated(f"find the stream of {subject}"):
-            stream = await self._through_election(f"follow {subject}",
-                                                  lambda: self.js_reads.find_stream_name_by_subject(subject))
+        slow = _SlowReads(f"follow {subject}", self.health.client, self.limits.max_slow_read_s)
+        stream: str | None = None
         next_seq: int | None = None  # the sequence after the last message delivered, once caught up or delivered
         while True:
             await self.health.up.wait()
             generation = self.health.num_outages
             try:
+                if stream is None:
+                    with _translated(f"find the stream of {subject}"):
+                        stream = await self._through_election(
+                            f"follow {subject}", lambda: self.js_reads.find_stream_name_by_subject(subject))
                 with _translated(f"follow {subject}"):
                     sub, last_seq, replicated = await self._through_election(
-                        f"follow {subject}", lambda: self._open_follow(stream))
-            except OSError:  # BusError included
+                        f"follow {subject}", lambda stream=stream: self._open_follow(stream))
+            except OSError as e:  # BusError included
                 if self.health.num_outages != generation or self.health.down.is_set():
                     continue
-                raise
+                if not isinstance(e, BusTimeout):
+                    raise
+                slow.timed_out("stream_follow_slow", e)  # connected but slow: open it again (raises past the bound)
+                continue
+            if next_seq is None and start == "new":  # "new" is new as of the first open, not of one made again
+                next_seq = last_seq + 1
             try:
                 if next_seq is not None:
                     request: dict[str, Any] = {"seq": next_seq}
@@ -1521,14 +1578,18 @@ class Bus:
                 caught_up = False
                 try:
                     async for msg in self._catch_up(stream, subject, request, replicated):
+                        slow.progressed()
                         next_seq = int(msg.headers["Nats-Sequence"]) + 1
                         yield StreamMessage(msg.headers["Nats-Subject"], msg.data, next_seq - 1,
                                             int(msg.headers.get("Nats-Num-Pending", 0)))
                     caught_up = True
-                except OSError:  # BusError included
+                except OSError as e:  # BusError included
                     if self.health.num_outages == generation and not self.health.down.is_set():
-                        raise
+                        if not isinstance(e, BusTimeout):
+                            raise
+                        slow.timed_out("stream_follow_slow", e)  # connected but slow: again from next_seq
                 if caught_up:  # nothing of ``subject`` up to the stream's last sequence then is left to read
+                    slow.progressed()
                     next_seq = max(next_seq or 0, last_seq + 1)
                     async for name, sequence, msg in self._republished(sub, stream, 0, WatchCursor(next_seq - 1),
                                                                        generation, "stream_follow_gap"):
