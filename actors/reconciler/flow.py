@@ -13,7 +13,14 @@ import structlog
 
 from actors.reconciler.issuance import Issuance
 from actors.reconciler.metrics import LifecycleMetrics
-from actors.reconciler.scheduling import BatchWait, FailedGroupPolicy, GroupView, admission, select_batch
+from actors.reconciler.scheduling import (
+    BatchDecision,
+    BatchWait,
+    FailedGroupPolicy,
+    GroupView,
+    admission,
+    select_batch,
+)
 from actors.reconciler.slot import Slot, SlotState, Stage
 from actors.reconciler.table import SlotTable, TableGroup, TrainBatch
 from actors.reconciler.task_cursor import TaskCursor
@@ -300,8 +307,11 @@ class LifecycleFlow:
         final = self.cursor.is_exhausted
         if table.batch is not None or (len(table.ready) < size and not final):
             return
-        views = [GroupView(self.deadline(g), gid, gid in table.ready) for gid, g in table.groups.items()]
-        decision = select_batch(views, trainer_version=table.version, batch_size_groups=size, final=final)
+        decision = self._select_batch(final)
+        if decision.due_running:  # cut the stragglers the trainer would wait on, then choose again
+            for group_id in decision.due_running:
+                await self.cut_stragglers(table.groups[group_id])
+            decision = self._select_batch(final)
         if not decision.group_ids:
             if decision.wait is not BatchWait.NOT_ENOUGH_READY:
                 self.metrics.record_batch_wait(decision.wait.value)
@@ -314,6 +324,35 @@ class LifecycleFlow:
         table.ready.difference_update(batch.group_ids)
         table.batch = batch
         self.issue_batch(batch)
+
+    def _select_batch(self, final: bool) -> BatchDecision:
+        table = self.table
+        views = [GroupView(self.deadline(g), gid, gid in table.ready) for gid, g in table.groups.items()]
+        return select_batch(views, trainer_version=table.version, batch_size_groups=self.config.batch_size_groups,
+                            final=final)
+
+    async def cut_stragglers(self, group: TableGroup) -> None:
+        """Fail the group's samples still rolling out or waiting for their reward: it is due at this version
+        and a batch's worth of other groups is READY (`actors.reconciler.scheduling`, the bound on the wait).
+        The group then trains what finished (the failed-group policy) or is dropped with its outcome."""
+        table = self.table
+        late = [s for s in table.members(group) if s.state in (SlotState.ROLLOUT, SlotState.REWARD)]
+        if not late:
+            return  # its group stage is in flight: a short wait, bounded by that stage's timeout
+        eta, deadline = self.scheduling.eta, self.deadline(group)
+        bound = (f"at trainer version {table.version}, the last its group may train at "
+                 f"(oldest token {deadline - eta} + eta {eta})")
+        for s in late:
+            self.issuance.withdraw(Stage(s.state.value), s.sample_id)
+        await table.write_all(
+            s.moved_to(SlotState.FAILED, table.now, failure_reason=f"straggler: still in {s.state} {bound}")
+            for s in late
+        )
+        self.metrics.counters["straggler_samples"] += len(late)
+        log.info("stragglers_cut", group_id=group.group_id, sample_ids=[s.sample_id for s in late],
+                 num_finished=sum(s.state is SlotState.GROUP for s in table.members(group)),
+                 policy_version=table.version, deadline_version=deadline)
+        await self.advance_group(group)
 
     async def _admit(self) -> None:
         table = self.table

@@ -12,13 +12,21 @@ Admission (AReaL): with B groups per batch, a new group may start only while
 ``trained + live + new ≤ (η + v + 1)·B``. Counting the groups in training as live and with one
 batch trained per version this is ``live + new ≤ (η + 1)·B``, which is what `admission` checks.
 
-Batch selection is earliest-deadline-first over READY groups, and the trainer *waits* rather than
-letting a group miss its deadline: a batch is handed out only if every group due now is in it and
-the groups left behind can still all be trained in time, one batch per version (`select_batch`).
-This is the anti-starvation rule: a long, hard prompt is never outrun by short ones until it is too
-stale to train; the bound holds back the trainer and admission instead of discarding finished work.
+Batch selection is earliest-deadline-first over READY groups, and a batch is handed out only if
+every group due now is in it and the groups left behind can still all be trained in time, one batch
+per version (`select_batch`). This is the anti-starvation rule: a long, hard prompt is never outrun
+by short ones until it is too stale to train, and finished work is not discarded for staleness.
 Only when nothing live is still running does it hand out the earliest-deadline batch regardless;
 a group that then misses its deadline is dropped explicitly (counted and logged), never trained.
+
+How long the trainer waits on a group due now is bounded: not by the environment's slowest
+episode. With a batch's worth of other groups READY, a due group whose samples still roll out or
+wait for their reward is named in the decision (`BatchDecision.due_running`); the lifecycle cuts
+those samples (FAILED, a straggler past its group's last trainable version) and the group trains
+its finished samples now, within the bound (``failed_group_policy``, ``min_group_survivors``), or
+is dropped with its outcome recorded. Waiting instead holds every READY group and, through the
+admission bound, every new admission behind one episode: under a heavy-tailed environment (a tool
+or test suite whose p99 is 20x its median) that wait is most of an asynchronous run's wall time.
 """
 
 from __future__ import annotations
@@ -169,8 +177,16 @@ class BatchWait(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchDecision:
+    """A batch to hand out (`group_ids`), or why not (`wait`).
+
+    Attributes:
+        due_running: with `wait` DUE_GROUP_RUNNING, the groups due now that are not READY, while a
+            batch's worth of other groups is: what the trainer would otherwise wait on.
+    """
+
     group_ids: tuple[str, ...]
     wait: BatchWait
+    due_running: tuple[str, ...] = ()
 
 
 def _feasible(deadlines: Sequence[int], trainer_version: int, batch_size_groups: int) -> bool:
@@ -201,8 +217,9 @@ def select_batch(
     batch = ready[:batch_size_groups]
     if not running:
         return BatchDecision(tuple(g.group_id for g in batch), BatchWait.NONE)
-    if any(g.deadline <= trainer_version for g in running):
-        return BatchDecision((), BatchWait.DUE_GROUP_RUNNING)
+    due = tuple(g.group_id for g in sorted(running) if g.deadline <= trainer_version)
+    if due:
+        return BatchDecision((), BatchWait.DUE_GROUP_RUNNING, due)
     rest = [g.deadline for g in ready[batch_size_groups:]] + [g.deadline for g in running]
     if not _feasible(rest, trainer_version + 1, batch_size_groups):
         return BatchDecision((), BatchWait.WOULD_MISS_DEADLINE)

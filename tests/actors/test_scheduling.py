@@ -54,7 +54,7 @@ def test_batch_is_earliest_deadline_first() -> None:
 def test_batch_waits_for_a_due_running_group() -> None:
     groups = [GroupView(4, "a", True), GroupView(4, "b", True), GroupView(2, "slow", False)]
     decision = select_batch(groups, trainer_version=2, batch_size_groups=2, final=False)
-    assert decision == type(decision)((), BatchWait.DUE_GROUP_RUNNING)
+    assert decision == type(decision)((), BatchWait.DUE_GROUP_RUNNING, ("slow",))
 
 
 def test_batch_waits_if_the_rest_could_not_make_their_deadlines() -> None:

@@ -24,6 +24,8 @@ Figures per mode (medians over ``--trials``, the trials alternating the order of
 - ``trainer_busy_share``: the steps' learner time (``step_s``) over that window; ``trainer_utilisation``:
   the trainer's own figure in its last row (its step, checkpoint and weight upload time over its uptime).
 - staleness: ``lag_max`` (trainer version - oldest token version, at training) and ``lag_within_eta``.
+- what the bound cost: ``num_stragglers_cut`` (samples of a due group failed rather than waited on, so a step
+  may train fewer than B * G samples: ``num_samples`` counts those trained) and ``num_groups_dropped``.
 - the learning curve: training reward and pass rate per step; ``learning.reward_last_half``: the mean
   training reward of the last half of the steps (the same steps in every mode), with its standard error.
 - ``env_delay``: the tool and grading delays the run's samples met (median and p99 of each wait).
@@ -139,6 +141,8 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, wo
         "learning_curve": {"reward_mean": [round(r["reward_mean"], 4) for r in rows],
                            "pass_rate": [round(r["pass_rate"], 4) for r in rows]},
         "reward_last_half": last_half(rows),
+        "num_stragglers_cut": len(set(events["stragglers_cut"])),
+        "num_groups_dropped": len(set(events["groups_dropped"])),
         "env_delay": {"tool_per_episode": quantiles([d for _, _, d in events["rollout"]]),
                       "test": quantiles(events["test"]),
                       "num_rollouts_finished": len(events["rollout"])},
@@ -148,8 +152,9 @@ def run_mode(args: argparse.Namespace, name: str, eta: int, checkpoint: Path, wo
 
 
 def run_events(run_dir: Path) -> dict[str, list]:
-    """From the run's event logs: each finished rollout's (end time, duration, tool delay), each grading's delay."""
-    rollouts, tests = [], []
+    """From the run's event logs: each finished rollout's (end time, duration, tool delay), each grading's delay,
+    the samples the reconciler cut as stragglers and the groups it dropped."""
+    rollouts, tests, cut, dropped = [], [], [], []
     for path in (run_dir / "logs").glob("*.jsonl"):
         for line in path.read_text().splitlines():
             if '"rollout_finished"' in line:
@@ -158,7 +163,11 @@ def run_events(run_dir: Path) -> dict[str, list]:
                 rollouts.append((end, e["duration_s"], e.get("env_delay_s", 0.0)))
             elif '"sample_rewarded"' in line:
                 tests.append(json.loads(line).get("env_delay_s", 0.0))
-    return {"rollout": rollouts, "test": tests}
+            elif '"stragglers_cut"' in line:
+                cut += json.loads(line)["sample_ids"]
+            elif '"group_dropped"' in line:
+                dropped.append(json.loads(line)["group_id"])
+    return {"rollout": rollouts, "test": tests, "stragglers_cut": cut, "groups_dropped": dropped}
 
 
 def quantiles(values: list[float]) -> dict[str, float | None]:
@@ -197,6 +206,8 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "lag_max": max(r["lag_max"] for r in runs),
         "lag_mean": med(lambda r: r["lag_mean"]),
         "lag_within_eta": all(r["lag_within_eta"] for r in runs),
+        "num_stragglers_cut": [r["num_stragglers_cut"] for r in runs],
+        "num_groups_dropped": [r["num_groups_dropped"] for r in runs],
         "learning_curve": {key: [round(statistics.median(r["learning_curve"][key][i] for r in runs), 4)
                                  for i in range(steps)] for key in ("reward_mean", "pass_rate")},
         "reward_last_half": {"mean": med(lambda r: r["reward_last_half"]["mean"]),
