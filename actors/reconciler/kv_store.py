@@ -49,6 +49,12 @@ class KVSlotStore:
     async def keys(self) -> list[str]:
         return await self._bus.kv_keys(self._bucket)
 
+    async def items(self, prefix: str) -> dict[str, Entry]:
+        # the bus reads by NATS subject wildcards: every key, filtered here (prefixes end in ".")
+        pattern = f"{prefix}>" if prefix.endswith(".") else ">"
+        return {e.key: Entry(e.value, e.revision) for e in await self._bus.kv_items(self._bucket, pattern)
+                if e.key.startswith(prefix)}
+
     async def sync(self) -> None:
         """Every write made so far is durable (here: already, each write waited for its ack)."""
 
@@ -112,3 +118,7 @@ class PipelinedKVSlotStore(KVSlotStore):
     async def keys(self) -> list[str]:
         await self.sync()
         return await super().keys()
+
+    async def items(self, prefix: str) -> dict[str, Entry]:
+        await self.sync()
+        return await super().items(prefix)

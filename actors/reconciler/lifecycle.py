@@ -275,7 +275,7 @@ class Lifecycle:
         flow = self._flow
 
         async def body() -> None:
-            await flow.drop_stale()
+            await flow.drop_stale(if_changed=True)
             await reissue_unconfirmed(flow, now)
             for stage, key, idle in list(self._issuance.timed_out(now, flow.timeout_s)):
                 if self._issuance.is_pending(stage, key):
@@ -286,6 +286,12 @@ class Lifecycle:
         return await self._run(now, body)
 
     # ------------------------------------------------------------------ inspection
+    def take_left_groups(self) -> list[str]:
+        """The groups that left the table (trained or dropped) since the last call: what the caller retires,
+        read without walking the table."""
+        left, self._flow.left = self._flow.left, []
+        return left
+
     @property
     def trainer_version(self) -> int:
         return self._table.version

@@ -67,8 +67,9 @@ async def _finish_interrupted(flow: LifecycleFlow) -> int:
     """Complete drops, frees and moves a crash cut short; discard groups now too stale to train."""
     table = flow.table
     num_dropped = 0
+    outcomes = await table.outcomes()
     for group in list(table.groups.values()):
-        outcome = await table.outcome(group.group_id)
+        outcome = outcomes.get(group.group_id)
         if outcome is not None and outcome.dropped:
             await flow.drop_group(group, outcome.reason + " (completed on resume)")
             continue

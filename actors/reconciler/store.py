@@ -84,6 +84,11 @@ class SlotStore(Protocol):
         """All keys present."""
         ...
 
+    async def items(self, prefix: str) -> dict[str, Entry]:
+        """Every key starting with `prefix` and its entry, in one bulk read (a resume loads the table with
+        it: one request per key would make a resume of 10^5 slots take minutes)."""
+        ...
+
 
 def slot_key(index: int) -> str:
     return f"{SLOT_PREFIX}{index}"
