@@ -100,7 +100,7 @@ class ReconcilerActor(Actor):
         self.num_rollout_actors = await self._count_rollout_actors()
         r = self.config.reconciler
         self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,
-                                   is_live=lambda group_id: group_id in self._live_group_ids())
+                                   is_live=lambda group_id: self.core.is_live_group(group_id))
         self.orders_out = await self.bus.confirming_publisher()
         self.exit_stack.push_async_callback(self.orders_out.close)
         self.num_fenced = 0

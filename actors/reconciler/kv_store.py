@@ -70,7 +70,12 @@ class PipelinedKVSlotStore(KVSlotStore):
 
     After any failed write (another writer, a lost connection, a timeout) the store is broken:
     every call raises `StoreBroken` and the owner must open a new store and resume from it.
+
+    Each write is also conditional on the bucket's last sequence being this store's previous write: a write
+    of any other writer (a newer core's, the fence's) refuses all of this store's later ones.
     """
+
+    fenced_by_any_write = True
 
     def __init__(self, bus: Bus, bucket: str, writer: ChainedKVWriter) -> None:
         super().__init__(bus, bucket)

@@ -286,6 +286,10 @@ class Lifecycle:
         return await self._run(now, body)
 
     # ------------------------------------------------------------------ inspection
+    def is_live_group(self, group_id: str) -> bool:
+        """Whether the group is in the table (admitted, neither trained nor dropped): a lookup, no walk."""
+        return group_id in self._table.groups
+
     def take_left_groups(self) -> list[str]:
         """The groups that left the table (trained or dropped) since the last call: what the caller retires,
         read without walking the table."""

@@ -16,7 +16,15 @@ import structlog
 
 from actors.reconciler.metrics import LifecycleMetrics
 from actors.reconciler.slot import Slot, SlotState
-from actors.reconciler.store import META_KEY, OUTCOME_PREFIX, SLOT_PREFIX, SlotStore, outcome_key, slot_key
+from actors.reconciler.store import (
+    META_KEY,
+    OUTCOME_PREFIX,
+    SLOT_PREFIX,
+    SlotStore,
+    fenced_by_any_write,
+    outcome_key,
+    slot_key,
+)
 from actors.reconciler.work import GroupOutcome, MetaRecord
 
 __all__ = ["SlotTable", "TableGroup", "TrainBatch", "load_slots"]
@@ -81,6 +89,11 @@ class SlotTable:
     @property
     def slots(self) -> tuple[Slot, ...]:
         return tuple(self._slots)
+
+    @property
+    def fenced_by_any_write(self) -> bool:
+        """One write of this table fences off any other core writing it (`actors.reconciler.store.SlotStore`)."""
+        return fenced_by_any_write(self._store)
 
     @property
     def meta(self) -> MetaRecord:

@@ -177,3 +177,5 @@ async def test_the_groups_that_left_the_table_are_said_by_the_core() -> None:
         pending += await core.on_completion(completion_for(order, version), 1.0)
     assert sorted(core.take_left_groups()) == sorted(trained) and len(trained) == 8
     assert core.take_left_groups() == []
+    live = {s.group_id for s in core.slots if s.is_live}
+    assert live and all(core.is_live_group(g) for g in live) and not any(core.is_live_group(g) for g in trained)
