@@ -101,7 +101,7 @@ async def slots_trial(bus: Bus, servers: list[int], num_slots: int, args: argpar
     )
     target = args.tables * num_slots  # trained samples measured: this many tables' worth
     source = ListTaskSource.numbered(math.ceil((target + 2 * num_slots) / g))
-    store = await PipelinedKVSlotStore.open(bus, bucket)
+    store = await PipelinedKVSlotStore.open(bus, bucket, args.ack_timeout_s)
     resumed = await Lifecycle.resume(store, source, config, time.time(), num_rollout_actors=1)
     await store.sync()
     core = resumed.lifecycle
@@ -134,7 +134,7 @@ async def slots_trial(bus: Bus, servers: list[int], num_slots: int, args: argpar
     # resume from the store, the table as it is now (in flight), until the resumed core's writes are durable
     gc.collect()
     t0, own0, nats0 = time.perf_counter(), self_cpu_s(), sum(cpu_s(p) for p in servers)
-    store2 = await PipelinedKVSlotStore.open(bus, bucket)
+    store2 = await PipelinedKVSlotStore.open(bus, bucket, args.ack_timeout_s)
     resumed2 = await Lifecycle.resume(store2, source, config, time.time(), num_rollout_actors=1)
     await store2.sync()
     resume_s = time.perf_counter() - t0
@@ -146,7 +146,7 @@ async def slots_trial(bus: Bus, servers: list[int], num_slots: int, args: argpar
     # the table's memory: what a resumed core holds (traced, so timed apart from the resume above)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    store3 = await PipelinedKVSlotStore.open(bus, bucket)
+    store3 = await PipelinedKVSlotStore.open(bus, bucket, args.ack_timeout_s)
     resumed3 = await Lifecycle.resume(store3, source, config, time.time(), num_rollout_actors=1)
     await store3.sync()
     held = tracemalloc.get_traced_memory()[0] - base
@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tables", type=float, default=2.0, help="samples measured per size, in tables' worth")
     p.add_argument("--sync-every", type=int, default=256, help="events per group commit (the reconciler's "
                    "events run through the core while the previous sync is in flight)")
+    p.add_argument("--ack-timeout-s", type=float, default=60.0, help="the store's wait for its writes' "
+                   "acknowledgements (the reconciler's is 10 s; a bench beside other work may wait longer)")
     p.add_argument("--lease-s", type=float, default=10.0)
     p.add_argument("--window-s", type=float, default=20.0, help="seconds the registry is followed per count")
     p.add_argument("--simulate-actors", type=int, default=0, help=argparse.SUPPRESS)
