@@ -343,10 +343,6 @@ class BusLimits:
 
 
 _MAX_MULTI_LAST = 1024  # the most keys whose last records one direct get reads (nats-server's limit)
-# direct gets of a large bucket's keys at once (a bucket of 10^5 keys takes ~100): two, so that the client
-# reads one answer while the server sends the next; more only queue at the server, where a request waiting
-# longer than the read timeout without a record fails the whole read
-_MULTI_LAST_IN_FLIGHT = 2
 _FOLLOW_BATCH = 256  # records per direct get while a follow catches up
 
 
@@ -486,15 +482,10 @@ class Bucket(KeyValue):
             records, up_to = await self._last_records([matching])
         except _TooManyKeys:  # the server reads at most 1024 keys' last records per request: list them, then read
             listed, up_to = await self._stored_keys(keys)
-            in_flight = asyncio.Semaphore(_MULTI_LAST_IN_FLIGHT)
-
-            async def chunk(first: int) -> list[Msg]:
-                async with in_flight:
-                    return (await self._last_records(
-                        [self._prefix + k for k in listed[first : first + _MAX_MULTI_LAST]], up_to))[0]
-
-            chunks = await gather_or_cancel(*(chunk(first) for first in range(0, len(listed), _MAX_MULTI_LAST)))
-            records = [m for got in chunks for m in got]
+            records = []
+            for first in range(0, len(listed), _MAX_MULTI_LAST):
+                records += (await self._last_records(
+                    [self._prefix + k for k in listed[first : first + _MAX_MULTI_LAST]], up_to))[0]
             records.sort(key=lambda m: int(m.headers["Nats-Sequence"]))
         if (info.config.num_replicas or 1) > 1:
             await self._check_caught_up(matching, up_to)
