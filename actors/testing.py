@@ -24,6 +24,7 @@ class InMemorySlotStore:
         self._sequence = 0
         self.num_writes = 0
         self.num_reads = 0
+        self.num_bulk_reads = 0
         self._writes_until_failure: int | None = None
 
     def fail_after(self, num_writes: int | None) -> None:
@@ -67,6 +68,10 @@ class InMemorySlotStore:
 
     async def keys(self) -> list[str]:
         return list(self._data)
+
+    async def items(self, prefix: str) -> dict[str, Entry]:
+        self.num_bulk_reads += 1
+        return {k: e for k, e in self._data.items() if k.startswith(prefix)}
 
     def snapshot(self) -> dict[str, bytes]:
         """A copy of every value, for assertions."""

@@ -101,8 +101,6 @@ class ReconcilerActor(Actor):
         r = self.config.reconciler
         self.blobs = BlobCollector(self.ctx.blob, group_size=r.group_size, retention_versions=r.blob_retention_versions,
                                    is_live=lambda group_id: self.core.is_live_group(group_id))
-        self.live_groups: set[str] = set()
-        self._groups_left: tuple[int, ...] | None = None  # the core's trained/dropped counts at the last retire
         self.orders_out = await self.bus.confirming_publisher()
         self.exit_stack.push_async_callback(self.orders_out.close)
         self.num_fenced = 0
@@ -203,8 +201,6 @@ class ReconcilerActor(Actor):
         )
         await self.store.sync()  # the rebuilt table is durable before a re-issued order goes out
         self.core = resumed.lifecycle
-        self.live_groups = self._live_group_ids()
-        self._groups_left = None  # a new core counts from zero
         log.info(
             "reconciler_resumed",
             trainer_version=self.core.trainer_version,
@@ -245,21 +241,14 @@ class ReconcilerActor(Actor):
         self._retire_finished_groups()
         return True
 
-    def _live_group_ids(self) -> set[str]:
-        return {s.group_id for s in self.core.slots if s.is_live}
-
     def _retire_finished_groups(self) -> None:
-        """Groups that left the table (trained or dropped, durably: the call synced) go to the blob collector.
-        A group leaves only when trained or dropped, so the table is read again only after one of those."""
-        counters = self.core.metrics.counters
-        left = (counters["trained_groups"], counters["dropped_groups"], counters["stale_dropped_groups"])
-        if left == self._groups_left:
+        """Groups that left the table (trained or dropped, durably: the call synced) go to the blob collector:
+        the core says which (no walk over the table's slots per group that leaves)."""
+        left = self.core.take_left_groups()
+        if not left:
             return
-        self._groups_left = left
-        live = self._live_group_ids()
-        self.blobs.retire(self.live_groups - live, self.core.trainer_version)
+        self.blobs.retire(left, self.core.trainer_version)
         self.blobs.advance(self.core.trainer_version)
-        self.live_groups = live
 
     async def _discard(self, core: Lifecycle, error: Exception) -> None:
         async with self.core_lock:
@@ -385,11 +374,10 @@ class ReconcilerActor(Actor):
     async def _count_rollout_actors(self) -> int:
         """Running rollout actors in the registry now, read into `registry` (the count the watch keeps after)."""
         now = time.monotonic()
-        for key in await self.bus.kv_keys("actors"):
-            entry = await self.bus.kv_get("actors", key)
-            registered = parse_registration_key(key)
-            if entry is None or registered is None or self._registration(key, entry.value) is None:
-                continue  # deregistered since the listing, a handover record, a forgery
+        for entry in await self.bus.kv_items("actors"):  # one bulk read, not a request per actor
+            registered = parse_registration_key(entry.key)
+            if registered is None or self._registration(entry.key, entry.value) is None:
+                continue  # a handover record, a forgery
             self.registry.observe(registered[1], entry.value, now)
         return self.registry.num_running("rollout")
 

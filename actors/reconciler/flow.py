@@ -48,6 +48,11 @@ class LifecycleFlow:
         self.issuance = issuance
         self.cursor = cursor
         self.metrics = metrics
+        self.left: list[str] = []  # groups that left the table (trained or dropped) since `Lifecycle.take_left_groups`
+        # (trainer version, eta) at the last `drop_stale`: only a change of either makes a group stale (a rollout
+        # whose tokens would be is retried, a retry takes the current version), so a tick with neither changed
+        # need not read every group of the table
+        self._stale_checked: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ small helpers
     def timeout_s(self, stage: Stage) -> float:
@@ -180,6 +185,7 @@ class LifecycleFlow:
         table.release(members)  # the admissions this call makes next take these slots: one write each, not two
         for group in groups:
             del table.groups[group.group_id]
+            self.left.append(group.group_id)
         for s in members:
             self.metrics.record_lag(batch.trainer_version - s.version_floor)
         self.metrics.record_trained(table.now, len(members), len(groups))
@@ -282,12 +288,18 @@ class LifecycleFlow:
         self.issuance.withdraw(Stage.GROUP, group.group_id)
         await table.write_all(s.moved_to(SlotState.EMPTY, table.now) for s in members)
         del table.groups[group.group_id]
+        self.left.append(group.group_id)
         table.ready.discard(group.group_id)
         self.metrics.counters["dropped_groups"] += 1
         log.warning("group_dropped", group_id=group.group_id, prompt_id=group.prompt_id, reason=reason)
 
-    async def drop_stale(self) -> int:
+    async def drop_stale(self, *, if_changed: bool = False) -> int:
+        """Drop the groups past their deadline; ``if_changed``: only if the trainer version or eta changed
+        since the last time (a tick's, see ``_stale_checked``)."""
         table, eta = self.table, self.scheduling.eta
+        if if_changed and self._stale_checked == (table.version, eta):
+            return 0
+        self._stale_checked = (table.version, eta)
         training = set(table.batch.group_ids) if table.batch is not None else set()
         stale = [g for gid, g in table.groups.items() if gid not in training and self.deadline(g) < table.version]
         for group in stale:

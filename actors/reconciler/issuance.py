@@ -38,24 +38,32 @@ class Issuance:
 
     def __init__(self, metrics: LifecycleMetrics) -> None:
         self._metrics = metrics
+        # in the order each was last heard of (issued, or a heartbeat: moved to the end), so that `timed_out`
+        # reads the oldest only, not every unit of a table of 10^5 slots on every tick
         self._work: dict[tuple[Stage, str], IssuedWork] = {}
+        self._adopted: set[tuple[Stage, str]] = set()  # the adopted units not heard of since (`unconfirmed`)
         self._out: list[WorkOrder] = []
 
     # ------------------------------------------------------------------ issuing
     def issue(self, order: WorkOrder, now: float) -> None:
-        self._work[(order.STAGE, order.key)] = IssuedWork(order.attempt, now, token=order.token)
+        unit = (order.STAGE, order.key)
+        self._work.pop(unit, None)
+        self._adopted.discard(unit)
+        self._work[unit] = IssuedWork(order.attempt, now, token=order.token)
         self._out.append(order)
 
     def adopt(self, slot: Slot, now: float) -> None:
         """Wait again for the attempt a slot in ROLLOUT or REWARD holds, issued before this core existed:
         its actor may still be working on it (nothing is published; its completion counts as any other).
         Until the actor is heard of (a heartbeat with the token), it is `unconfirmed`."""
-        self._work[(Stage(slot.state.value), slot.sample_id)] = IssuedWork(slot.attempt, now, token=slot.token,
-                                                                          adopted=True)
+        unit = (Stage(slot.state.value), slot.sample_id)
+        self._work.pop(unit, None)
+        self._work[unit] = IssuedWork(slot.attempt, now, token=slot.token, adopted=True)
+        self._adopted.add(unit)
 
     def unconfirmed(self, now: float, grace_s: float) -> list[tuple[Stage, str]]:
         """Adopted work not heard of within ``grace_s`` of its adoption: no live actor holds it."""
-        return [unit for unit, w in self._work.items() if w.adopted and now - w.last_seen > grace_s]
+        return [unit for unit in self._adopted if now - self._work[unit].last_seen > grace_s]
 
     def take_orders(self) -> list[WorkOrder]:
         orders, self._out = self._out, []
@@ -133,10 +141,13 @@ class Issuance:
 
     def heartbeat(self, stage: Stage, key: str, attempt: int, actor_id: str, token: str, now: float) -> None:
         if self.is_issued(stage, key, attempt, token, "heartbeat"):
-            issued = self._work[(stage, key)]
+            unit = (stage, key)
+            issued = self._work.pop(unit)
+            self._work[unit] = issued  # heard of now: the newest
             issued.last_seen = max(issued.last_seen, now)
             issued.actor_id = actor_id
             issued.adopted = False
+            self._adopted.discard(unit)
 
     def is_current(self, stage: Stage, key: str, attempt: int) -> bool:
         issued = self._work.get((stage, key))
@@ -148,13 +159,21 @@ class Issuance:
     def withdraw(self, stage: Stage, key: str) -> None:
         """Nothing is waited for on (stage, key) any more (done, retried or dropped)."""
         self._work.pop((stage, key), None)
+        self._adopted.discard((stage, key))
 
     def held_by(self, actor_id: str) -> list[tuple[Stage, str]]:
         return [unit for unit, issued in self._work.items() if issued.actor_id == actor_id]
 
     def timed_out(self, now: float, timeout_s: Callable[[Stage], float]) -> Iterator[tuple[Stage, str, float]]:
-        """(stage, key, idle seconds) of the work not heard of for longer than its stage's timeout."""
-        late = [(unit, now - w.last_seen) for unit, w in self._work.items()
-                if not w.adopted and now - w.last_seen > timeout_s(unit[0])]
+        """(stage, key, idle seconds) of the work not heard of for longer than its stage's timeout: read from
+        the oldest, up to the first unit heard of within the shortest timeout (the rest are newer)."""
+        shortest = min(timeout_s(stage) for stage in Stage)
+        late = []
+        for unit, w in self._work.items():
+            idle = now - w.last_seen
+            if idle <= shortest:
+                break
+            if not w.adopted and idle > timeout_s(unit[0]):
+                late.append((unit, idle))
         for (stage, key), idle in late:
             yield stage, key, idle

@@ -49,6 +49,12 @@ class KVSlotStore:
     async def keys(self) -> list[str]:
         return await self._bus.kv_keys(self._bucket)
 
+    async def items(self, prefix: str) -> dict[str, Entry]:
+        # the bus reads by NATS subject wildcards: every key, filtered here (prefixes end in ".")
+        pattern = f"{prefix}>" if prefix.endswith(".") else ">"
+        return {e.key: Entry(e.value, e.revision) for e in await self._bus.kv_items(self._bucket, pattern)
+                if e.key.startswith(prefix)}
+
     async def sync(self) -> None:
         """Every write made so far is durable (here: already, each write waited for its ack)."""
 
@@ -64,7 +70,12 @@ class PipelinedKVSlotStore(KVSlotStore):
 
     After any failed write (another writer, a lost connection, a timeout) the store is broken:
     every call raises `StoreBroken` and the owner must open a new store and resume from it.
+
+    Each write is also conditional on the bucket's last sequence being this store's previous write: a write
+    of any other writer (a newer core's, the fence's) refuses all of this store's later ones.
     """
+
+    fenced_by_any_write = True
 
     def __init__(self, bus: Bus, bucket: str, writer: ChainedKVWriter) -> None:
         super().__init__(bus, bucket)
@@ -112,3 +123,7 @@ class PipelinedKVSlotStore(KVSlotStore):
     async def keys(self) -> list[str]:
         await self.sync()
         return await super().keys()
+
+    async def items(self, prefix: str) -> dict[str, Entry]:
+        await self.sync()
+        return await super().items(prefix)

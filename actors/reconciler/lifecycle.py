@@ -57,7 +57,7 @@ from actors.reconciler.issuance import Issuance
 from actors.reconciler.metrics import LifecycleMetrics, LifecycleSnapshot
 from actors.reconciler.recovery import recover, reissue_unconfirmed
 from actors.reconciler.scheduling import SchedulingConfig
-from actors.reconciler.slot import SampleLifecycleError, Slot, SlotState, Stage, sample_id_for
+from actors.reconciler.slot import SampleLifecycleError, Slot, SlotState, Stage
 from actors.reconciler.store import META_KEY, SlotStore
 from actors.reconciler.table import SlotTable, load_slots
 from actors.reconciler.task_cursor import TaskCursor, TaskSource
@@ -275,7 +275,7 @@ class Lifecycle:
         flow = self._flow
 
         async def body() -> None:
-            await flow.drop_stale()
+            await flow.drop_stale(if_changed=True)
             await reissue_unconfirmed(flow, now)
             for stage, key, idle in list(self._issuance.timed_out(now, flow.timeout_s)):
                 if self._issuance.is_pending(stage, key):
@@ -286,6 +286,16 @@ class Lifecycle:
         return await self._run(now, body)
 
     # ------------------------------------------------------------------ inspection
+    def is_live_group(self, group_id: str) -> bool:
+        """Whether the group is in the table (admitted, neither trained nor dropped): a lookup, no walk."""
+        return group_id in self._table.groups
+
+    def take_left_groups(self) -> list[str]:
+        """The groups that left the table (trained or dropped) since the last call: what the caller retires,
+        read without walking the table."""
+        left, self._flow.left = self._flow.left, []
+        return left
+
     @property
     def trainer_version(self) -> int:
         return self._table.version
@@ -301,11 +311,6 @@ class Lifecycle:
     @property
     def slots(self) -> tuple[Slot, ...]:
         return self._table.slots
-
-    def is_live_group(self, group_id: str) -> bool:
-        """Whether a sample of the group holds a slot (what reading every slot would say, in G lookups)."""
-        return any(self._table.by_sample(sample_id_for(group_id, j)) is not None
-                   for j in range(self._config.group_size))
 
     @property
     def is_finished(self) -> bool:

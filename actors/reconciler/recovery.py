@@ -45,6 +45,8 @@ async def recover(flow: LifecycleFlow) -> dict[str, int]:
         flow.issue_batch(table.batch)
         num_reissued += 1
     await flow.pump()
+    if table.fenced_by_any_write:  # one write of this core refuses every later one of an older core
+        await table.save_meta(table.version, table.batch)
     return {
         "num_rolled_back_slots": len(half_admitted),
         "num_discarded_groups": num_dropped,
@@ -67,8 +69,9 @@ async def _finish_interrupted(flow: LifecycleFlow) -> int:
     """Complete drops, frees and moves a crash cut short; discard groups now too stale to train."""
     table = flow.table
     num_dropped = 0
+    outcomes = await table.outcomes()
     for group in list(table.groups.values()):
-        outcome = await table.outcome(group.group_id)
+        outcome = outcomes.get(group.group_id)
         if outcome is not None and outcome.dropped:
             await flow.drop_group(group, outcome.reason + " (completed on resume)")
             continue
@@ -127,7 +130,10 @@ async def _reissue(flow: LifecycleFlow, group: TableGroup) -> tuple[int, int]:
     for slot in members:
         if slot.state in (SlotState.ROLLOUT, SlotState.REWARD):
             if _adoptable(flow, slot):
-                await table.write(slot)  # unchanged, but a new revision: a core still running elsewhere is fenced off
+                # unchanged, but a new revision: a core still running elsewhere is fenced off (a store fenced by
+                # any write needs none of these: `recover` writes the meta record once)
+                if not table.fenced_by_any_write:
+                    await table.write(slot)
                 flow.issuance.adopt(slot, table.now)
                 num_adopted += 1
                 continue

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Any
 
 import msgpack
@@ -51,6 +52,10 @@ class _Member:
     lost: bool = False
     expired_by_bus: bool = False  # its entry is gone, removed by the bus's TTL across a gap of the witness
 
+    @property
+    def running(self) -> bool:
+        return self.state == "running" and not self.lost
+
 
 class RegistryView:
     """Registry entries -> live actors per kind and `LostActor` events (see the module docstring)."""
@@ -61,6 +66,9 @@ class RegistryView:
         the bound, so an entry written by hand to last (``Nats-TTL: never``, which the bus's max age spares)
         is still judged lost once it goes unrenewed that long."""
         self._members: dict[str, _Member] = {}
+        # running members per kind, kept with every change: every lease renewal asks for it, and a count
+        # over the members there would cost O(actors) per renewal, O(actors^2) per lease period
+        self._running: Counter[str] = Counter()
         self._witness = witness  # the reader's own entry (see the module docstring)
         self._lease_bound_s = lease_bound_s
         self._witness_gap_ended_at = -math.inf  # when its renewals were last seen again after missed ones
@@ -71,13 +79,13 @@ class RegistryView:
         member = self._members.get(key)
         if value is None:
             if member is None or member.state == STOPPED or member.lost:
-                self._members.pop(key, None)
+                self._remove(key)
                 return None
             if expired and member.lease_s is not None and (self._stale(now)
                                                            or now - member.lease_s < self._witness_gap_ended_at):
                 member.expired_by_bus = True  # its TTL ran across the witness's gap: `expire` judges it
                 return None
-            self._members.pop(key)
+            self._remove(key)
             if expired:
                 return LostActor(key, member.kind, f"no lease renewal for {now - member.renewed_at:.1f}s: "
                                                    "the bus expired its registry entry")
@@ -91,8 +99,15 @@ class RegistryView:
             lease_s = self._lease_bound_s if lease_s is None else min(lease_s, self._lease_bound_s)
         if key == self._witness and member is not None and lease_s is not None:
             self._credit_missed_renewals(member, now, lease_s)
-        self._members[key] = _Member(str(info["kind"]), str(info["state"]), lease_s, now)
+        self._remove(key)
+        self._members[key] = new = _Member(str(info["kind"]), str(info["state"]), lease_s, now)
+        self._running[new.kind] += new.running
         return None
+
+    def _remove(self, key: str) -> None:
+        member = self._members.pop(key, None)
+        if member is not None:
+            self._running[member.kind] -= member.running
 
     def _credit_missed_renewals(self, witness: _Member, now: float, lease_s: float) -> None:
         """The witness renews every third of its lease: a longer gap is time the registry could not be
@@ -124,6 +139,7 @@ class RegistryView:
             if (m.lost or m.state == STOPPED or m.lease_s is None or seen_live_at - m.renewed_at <= m.lease_s
                     or actor_id == self._witness):
                 continue
+            self._running[m.kind] -= m.running
             m.lost = True
             gone = ", its entry expired by the bus meanwhile" if m.expired_by_bus else ""
             lost.append(LostActor(actor_id, m.kind, f"no lease renewal for {now - m.renewed_at:.1f}s "
@@ -132,7 +148,7 @@ class RegistryView:
 
     def num_running(self, kind: str) -> int:
         """Actors of ``kind`` running with a live lease."""
-        return sum(m.kind == kind and m.state == "running" and not m.lost for m in self._members.values())
+        return self._running[kind]
 
 
 def _overdue_after(lease_s: float) -> float:

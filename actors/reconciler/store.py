@@ -28,6 +28,7 @@ __all__ = [
     "CasConflict",
     "Entry",
     "SlotStore",
+    "fenced_by_any_write",
     "outcome_key",
     "slot_key",
 ]
@@ -63,7 +64,13 @@ class Entry:
 
 @runtime_checkable
 class SlotStore(Protocol):
-    """Compare-and-set key-value store (JetStream KV semantics)."""
+    """Compare-and-set key-value store (JetStream KV semantics).
+
+    A store may also say (a class attribute ``fenced_by_any_write = True``) that each of its writers' writes is
+    conditional on the whole store being as that writer last left it (`runtime.bus.ChainedKVWriter`): one
+    write by a newer core then refuses every later write of an older one, so a resume need not rewrite each
+    slot whose work it adopts (`fenced_by_any_write`).
+    """
 
     async def get(self, key: str) -> Entry | None:
         """The current entry of `key`, or None if it does not exist."""
@@ -83,6 +90,16 @@ class SlotStore(Protocol):
     async def keys(self) -> list[str]:
         """All keys present."""
         ...
+
+    async def items(self, prefix: str) -> dict[str, Entry]:
+        """Every key starting with `prefix` and its entry, in one bulk read (a resume loads the table with
+        it: one request per key would make a resume of 10^5 slots take minutes)."""
+        ...
+
+
+def fenced_by_any_write(store: SlotStore) -> bool:
+    """Whether one write through `store` fences off every other writer of its table (see `SlotStore`)."""
+    return bool(getattr(store, "fenced_by_any_write", False))
 
 
 def slot_key(index: int) -> str:

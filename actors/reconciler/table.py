@@ -16,7 +16,15 @@ import structlog
 
 from actors.reconciler.metrics import LifecycleMetrics
 from actors.reconciler.slot import Slot, SlotState
-from actors.reconciler.store import META_KEY, SLOT_PREFIX, SlotStore, outcome_key, slot_key
+from actors.reconciler.store import (
+    META_KEY,
+    OUTCOME_PREFIX,
+    SLOT_PREFIX,
+    SlotStore,
+    fenced_by_any_write,
+    outcome_key,
+    slot_key,
+)
 from actors.reconciler.work import GroupOutcome, MetaRecord
 
 __all__ = ["SlotTable", "TableGroup", "TrainBatch", "load_slots"]
@@ -81,6 +89,11 @@ class SlotTable:
     @property
     def slots(self) -> tuple[Slot, ...]:
         return tuple(self._slots)
+
+    @property
+    def fenced_by_any_write(self) -> bool:
+        """One write of this table fences off any other core writing it (`actors.reconciler.store.SlotStore`)."""
+        return fenced_by_any_write(self._store)
 
     @property
     def meta(self) -> MetaRecord:
@@ -158,9 +171,10 @@ class SlotTable:
         for slot in slots:
             await self.write(slot)
 
-    async def outcome(self, group_id: str) -> GroupOutcome | None:
-        entry = await self._store.get(outcome_key(group_id))
-        return GroupOutcome.decode(entry.value) if entry is not None else None
+    async def outcomes(self) -> dict[str, GroupOutcome]:
+        """Every outcome record by group id, in one bulk read (a resume asks for those of all live groups)."""
+        entries = await self._store.items(OUTCOME_PREFIX)
+        return {key[len(OUTCOME_PREFIX):]: GroupOutcome.decode(entry.value) for key, entry in entries.items()}
 
     async def put_outcome(self, outcome: GroupOutcome) -> None:
         """Record (or merge into the earlier record) why a group did not train whole."""
@@ -216,30 +230,31 @@ class _TransitionLog:
 
 
 async def load_slots(store: SlotStore, num_slots: int) -> tuple[list[Slot], list[int]]:
-    """The table's slots and their revisions from `store` (EMPTY ones created where missing).
+    """The table's slots and their revisions from `store` (EMPTY ones created where missing), read in one
+    bulk read of the slot keys: a resume's cost grows with the table's bytes, not with round trips.
 
     Raises:
         ValueError: the store holds live slots beyond `num_slots`.
     """
+    stored = await store.items(SLOT_PREFIX)
     slots: list[Slot] = []
     revisions: list[int] = []
     for i in range(num_slots):
-        entry = await store.get(slot_key(i))
+        key = slot_key(i)
+        entry = stored.pop(key, None)
         if entry is None:
             slot = Slot(index=i)
-            revisions.append(await store.create(slot_key(i), slot.encode()))
+            revisions.append(await store.create(key, slot.encode()))
         else:
             slot = Slot.decode(entry.value)
             if slot.index != i:
-                raise ValueError(f"store key {slot_key(i)!r} holds slot index {slot.index}")
+                raise ValueError(f"store key {key!r} holds slot index {slot.index}")
             revisions.append(entry.revision)
         slots.append(slot)
-    for key in await store.keys():
-        if key.startswith(SLOT_PREFIX) and int(key[len(SLOT_PREFIX) :]) >= num_slots:
-            entry = await store.get(key)
-            if entry is not None and Slot.decode(entry.value).is_live:
-                raise ValueError(
-                    f"store holds live slot {key!r} beyond num_slots={num_slots}; resume with the run's "
-                    "original num_slots (the table cannot shrink while slots are live)"
-                )
+    for key, entry in stored.items():  # the keys left: beyond num_slots
+        if Slot.decode(entry.value).is_live:
+            raise ValueError(
+                f"store holds live slot {key!r} beyond num_slots={num_slots}; resume with the run's "
+                "original num_slots (the table cannot shrink while slots are live)"
+            )
     return slots, revisions

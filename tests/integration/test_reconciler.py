@@ -100,6 +100,36 @@ async def test_pipelined_store_applies_a_prefix_of_its_writes(tmp_path: Path) ->
             await again.sync()
 
 
+async def test_a_resume_on_the_chained_store_adopts_a_full_table_in_one_write_and_fences_the_first(
+        tmp_path: Path) -> None:
+    """The reconciler's own store: a newer core adopts every slot in flight without rewriting each (one write of
+    its chain refuses the older core's next one), and its writes are read back by a third resume."""
+    config = LifecycleConfig(num_slots=96, group_size=4, batch_size_groups=8,
+                             scheduling=SchedulingConfig(eta=2, max_inflight_per_rollout_actor=96))
+    source = ListTaskSource.numbered(50)
+    async with nats_bus(tmp_path) as bus:
+        store = await PipelinedKVSlotStore.open(bus, "slots")
+        first = await Lifecycle.resume(store, source, config, 0.0, num_rollout_actors=1)
+        await store.sync()
+        rollout = next(o for o in first.orders if isinstance(o, RolloutOrder))
+        before = (await bus.js_reads.stream_info("KV_slots")).state.last_seq
+        newer = await PipelinedKVSlotStore.open(bus, "slots")
+        second = await Lifecycle.resume(newer, source, config, 1.0, num_rollout_actors=1)
+        await newer.sync()
+        assert second.num_adopted == 96 and not second.orders, "the newer core adopts the whole table in flight"
+        assert (await bus.js_reads.stream_info("KV_slots")).state.last_seq - before <= 2, "not a write per slot"
+        done = RolloutDone(rollout.sample_id, rollout.attempt, "k", 0, 0, rollout.token)
+        await first.lifecycle.on_completion(done, 2.0)  # written into the older store's chain ...
+        with pytest.raises(CasConflict):  # ... which the newer core's write broke: refused
+            await store.sync()
+        orders = await second.lifecycle.on_completion(done, 2.0)
+        await newer.sync()
+        assert [o.sample_id for o in orders] == [rollout.sample_id]
+        third = await Lifecycle.resume(await PipelinedKVSlotStore.open(bus, "slots"), source, config, 3.0,
+                                       num_rollout_actors=1)
+        assert third.lifecycle.slots == second.lifecycle.slots
+
+
 async def test_a_second_reconciler_fences_the_first(tmp_path: Path) -> None:
     """Two cores on one table: once the newer one has resumed, the older one's next write fails."""
     config = LifecycleConfig(num_slots=8, group_size=2, batch_size_groups=2, scheduling=SchedulingConfig(eta=1))

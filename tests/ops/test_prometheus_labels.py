@@ -24,11 +24,8 @@ ENTRY = {"kind": "trainer", "id": "trainer-1-ab", "state": "running", "pid": 7, 
 class _Bus:
     """The registry holds one running trainer, which answers its metrics request."""
 
-    async def kv_keys(self, bucket: str) -> list[str]:
-        return [KEY]
-
-    async def kv_get(self, bucket: str, key: str) -> Any:
-        return SimpleNamespace(value=msgpack.packb(ENTRY))
+    async def kv_items(self, bucket: str) -> list[Any]:
+        return [SimpleNamespace(key=KEY, value=msgpack.packb(ENTRY))]
 
     async def request(self, subject: str, data: bytes, timeout_s: float) -> bytes:
         assert subject == "ctl.trainer.trainer-1-ab.metrics", subject
