@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -43,6 +44,7 @@ from model.transformer import ModelOutput, MoETransformer
 __all__ = [
     "PolicyLossConfig",
     "PolicyLossMetrics",
+    "combine_metrics",
     "packed_logprobs",
     "policy_loss",
     "sft_forward_backward",
@@ -90,6 +92,27 @@ class PolicyLossMetrics:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+def combine_metrics(parts: Sequence[tuple[PolicyLossMetrics, torch.Tensor]]) -> PolicyLossMetrics:
+    """The metrics of a batch from those of its disjoint parts (micro-batches, ranks' shares), each with the
+    importance ratios of its trained tokens: the loss is a sum over a constant, so pg_loss adds up; the
+    per-token means are weighted by each part's tokens; the ratio's statistics are over every part's ratios.
+    A part without trained tokens (a masked forward) changes nothing."""
+    n = sum(m.num_tokens for m, _ in parts)
+    every = torch.cat([r.detach().cpu() for _, r in parts])
+
+    def mean(field: str) -> float:
+        return sum(getattr(m, field) * m.num_tokens for m, _ in parts if m.num_tokens) / max(n, 1)
+
+    return PolicyLossMetrics(
+        num_tokens=n, pg_loss=sum(m.pg_loss for m, _ in parts), kl=mean("kl"),
+        clip_fraction=mean("clip_fraction"),
+        ratio_mean=float(every.mean()) if every.numel() else 1.0,
+        ratio_min=float(every.min()) if every.numel() else 1.0,
+        ratio_max=float(every.max()) if every.numel() else 1.0,
+        ratio_median=float(every.median()) if every.numel() else 1.0,
+        entropy=mean("entropy") if n else float("nan"))
 
 
 def _temperatures(
