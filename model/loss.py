@@ -53,6 +53,9 @@ __all__ = [
 ]
 
 
+_ENTROPY_ROWS = 256  # 256 x a 49k vocabulary: 50 MB of fp32 per intermediate
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """Args:
@@ -149,9 +152,17 @@ def token_entropy(
     logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None = None, scored_T: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Entropy of each token's (tempered) next-token distribution, in fp32 (fp64 stays fp64); rows outside
-    ``scored_T`` are taken at T = 1, as in `token_logprobs`."""
-    logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T, scored_T))
-    return -(logp.exp() * logp).sum(dim=-1)
+    ``scored_T`` are taken at T = 1, as in `token_logprobs`.
+
+    Computed over chunks of ``_ENTROPY_ROWS`` rows (each row's value does not depend on the others): its
+    log-softmax, exp and product are three T x V fp32 tensors at once otherwise, as large as everything
+    the loss's own forward holds of the vocabulary."""
+    temperatures = _temperatures(logits_TV, temperatures_T, scored_T)
+    parts = []
+    for start in range(0, logits_TV.shape[0], _ENTROPY_ROWS):
+        logp = tempered_logprobs(logits_TV[start:start + _ENTROPY_ROWS], temperatures[start:start + _ENTROPY_ROWS])
+        parts.append(-(logp.exp() * logp).sum(dim=-1))
+    return torch.cat(parts) if parts else logits_TV.new_zeros(0, dtype=torch.float32)
 
 
 def packed_logprobs(
