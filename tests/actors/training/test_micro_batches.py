@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import numpy
 import pytest
@@ -15,9 +16,12 @@ import torch
 from actors.config import TrainerSection
 from actors.records import GroupRecord
 from actors.training.learner import Learner, StepMetrics, _micro_batches
+from actors.training.ranks import RankLayout
 from model.transformer import MoETransformer
+from tests.actors.training import rank_worker
 from tests.actors.training.test_chain_training import _sample, _segments
 from tests.actors.training.test_learner import _group
+from tests.actors.training.test_ranks_equivalence import assert_same_step
 from tests.model.helpers import seeded_model, small_config
 
 
@@ -97,3 +101,17 @@ def test_a_non_finite_loss_in_a_later_micro_batch_names_its_sample_and_applies_n
     assert all(torch.equal(p, q) or bool(torch.isnan(p).any())
                for p, q in zip(learner.model.parameters(), before.parameters(), strict=True))
     assert all(p.grad is None for p in learner.model.parameters()), "the first micro-batch's gradient is dropped"
+
+
+@pytest.mark.parametrize(("world_size", "expert_parallel"), [(2, 1), (2, 2)], ids=["2dp", "2ep"])
+def test_ranks_with_different_numbers_of_micro_batches_take_the_step_one_rank_takes(
+        tmp_path: Path, world_size: int, expert_parallel: int) -> None:
+    # ~20-token samples, a 40-token budget: each rank's share splits into its own number of micro-batches;
+    # the ranks agree on the largest and the others run masked forwards (expert parallelism's all-to-alls
+    # pair up in each forward and backward)
+    one_state, one_metrics = rank_worker.step_once(RankLayout(), replay=True)
+    out, rendezvous = tmp_path / "many.pt", tmp_path / "rdzv"
+    rank_worker.launch(rank_worker.main, (world_size, expert_parallel, True, 0.0, str(rendezvous), str(out), 40),
+                       world_size)
+    many = torch.load(out)
+    assert_same_step(one_state, one_metrics, many["state"], many["metrics"])
