@@ -17,6 +17,7 @@ from actors.config import TrainerSection
 from actors.records import GroupRecord
 from actors.training.learner import Learner, StepMetrics, _micro_batches
 from actors.training.ranks import RankLayout
+from model.packing import SequenceCost, assign_to_ranks
 from model.transformer import MoETransformer
 from tests.actors.training import rank_worker
 from tests.actors.training.test_chain_training import _sample, _segments
@@ -106,12 +107,16 @@ def test_a_non_finite_loss_in_a_later_micro_batch_names_its_sample_and_applies_n
 @pytest.mark.parametrize(("world_size", "expert_parallel"), [(2, 1), (2, 2)], ids=["2dp", "2ep"])
 def test_ranks_with_different_numbers_of_micro_batches_take_the_step_one_rank_takes(
         tmp_path: Path, world_size: int, expert_parallel: int) -> None:
-    # ~20-token samples, a 40-token budget: each rank's share splits into its own number of micro-batches;
-    # the ranks agree on the largest and the others run masked forwards (expert parallelism's all-to-alls
-    # pair up in each forward and backward)
+    # ~16-token samples, a 29-token budget: the two shares split into 6 and 5 micro-batches; the ranks agree on
+    # 6 and the other runs a masked forward (expert parallelism's all-to-alls pair up in each forward and backward)
+    model = rank_worker.starting_model()
+    computed = [s for g in rank_worker.batch(model) for s in g.samples if s.advantage != 0.0]
+    lengths = [s.trajectory.num_tokens for s in computed]
+    shares = assign_to_ranks(lengths, world_size, SequenceCost.for_model(model.config))
+    assert len({len(_micro_batches([lengths[i] for i in sorted(r)], 29)) for r in shares}) > 1
     one_state, one_metrics = rank_worker.step_once(RankLayout(), replay=True)
     out, rendezvous = tmp_path / "many.pt", tmp_path / "rdzv"
-    rank_worker.launch(rank_worker.main, (world_size, expert_parallel, True, 0.0, str(rendezvous), str(out), 40),
+    rank_worker.launch(rank_worker.main, (world_size, expert_parallel, True, 0.0, str(rendezvous), str(out), 29),
                        world_size)
     many = torch.load(out)
     assert_same_step(one_state, one_metrics, many["state"], many["metrics"])
