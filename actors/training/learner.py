@@ -27,6 +27,14 @@ gradient or update holds a NaN or inf is not applied (actors.training.step_guard
 as for a batch without signal, the weights stay those of the last good step, and the step's metrics and
 a ``step_skipped_non_finite`` event name the offending samples.
 
+With ``trainer.micro_batch_tokens`` the computed samples (a rank's share) go through forward and backward in
+consecutive micro-batches of at most that many tokens, a sample (every segment of its chain) never split, and
+the gradients accumulate into one optimizer step: the loss is a token sum over a constant, so the micro-batches'
+losses add up to the batch's, and their metrics combine as the ranks' do (model.loss.combine_metrics). Only one
+micro-batch's activations (its T x V logits above all) are held at a time. Every rank runs the same number of
+micro-batches, the largest any rank needs (a rank with fewer runs masked ones, contributing exactly 0), and
+the loss of each is checked on every rank before its backward.
+
 For people, each step keeps what its forward scored every trained token of its samples at
 (`Learner.trained_logprobs`: the detached log-probs the loss took, copied off the device once per step, float32
 as computed; no extra forward): the trainer stage stores them for the rollout viewer, beside the behaviour
