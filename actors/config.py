@@ -254,6 +254,12 @@ class TrainerSection:
     replay_plausibility_factor: float = fixed(0.1, within=Range(0.0, 1.0))
     # a constant: the loss is a token sum divided by this
     loss_normalizer: float = fixed(4096.0, within=Range(0.0, 1e12, lo_open=True))
+    # gradient accumulation: the step's computed samples (a rank's share) go through forward and backward in
+    # consecutive micro-batches of at most this many tokens (a sample, all its chain's segments, is never split;
+    # one longer than this is a micro-batch of its own), then one optimizer step: the same update to float
+    # tolerance, the loss being a token sum over a constant. Bounds the activations (the T x V logits and their
+    # log-softmax) to one micro-batch's. 0: the whole share in one forward
+    micro_batch_tokens: int = fixed(0, within=Range(0, 10_000_000))
     # steps between checkpoints; a crash loses the steps since the last one
     checkpoint_every: int = fixed(1, within=Range(1, 1_000_000))
     keep_checkpoints: int = fixed(2, within=Range(1, 1000))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -43,12 +44,16 @@ from model.transformer import ModelOutput, MoETransformer
 __all__ = [
     "PolicyLossConfig",
     "PolicyLossMetrics",
+    "combine_metrics",
     "packed_logprobs",
     "policy_loss",
     "sft_forward_backward",
     "token_entropy",
     "token_logprobs",
 ]
+
+
+_ENTROPY_ROWS = 256  # 256 x a 49k vocabulary: 50 MB of fp32 per intermediate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +97,27 @@ class PolicyLossMetrics:
         return dataclasses.asdict(self)
 
 
+def combine_metrics(parts: Sequence[tuple[PolicyLossMetrics, torch.Tensor]]) -> PolicyLossMetrics:
+    """The metrics of a batch from those of its disjoint parts (micro-batches, ranks' shares), each with the
+    importance ratios of its trained tokens: the loss is a sum over a constant, so pg_loss adds up; the
+    per-token means are weighted by each part's tokens; the ratio's statistics are over every part's ratios.
+    A part without trained tokens (a masked forward) changes nothing."""
+    n = sum(m.num_tokens for m, _ in parts)
+    every = torch.cat([r.detach().cpu() for _, r in parts])
+
+    def mean(field: str) -> float:
+        return sum(getattr(m, field) * m.num_tokens for m, _ in parts if m.num_tokens) / max(n, 1)
+
+    return PolicyLossMetrics(
+        num_tokens=n, pg_loss=sum(m.pg_loss for m, _ in parts), kl=mean("kl"),
+        clip_fraction=mean("clip_fraction"),
+        ratio_mean=float(every.mean()) if every.numel() else 1.0,
+        ratio_min=float(every.min()) if every.numel() else 1.0,
+        ratio_max=float(every.max()) if every.numel() else 1.0,
+        ratio_median=float(every.median()) if every.numel() else 1.0,
+        entropy=mean("entropy") if n else float("nan"))
+
+
 def _temperatures(
     logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None, scored_T: torch.Tensor | None
 ) -> torch.Tensor:
@@ -126,9 +152,17 @@ def token_entropy(
     logits_TV: torch.Tensor, temperatures_T: torch.Tensor | None = None, scored_T: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Entropy of each token's (tempered) next-token distribution, in fp32 (fp64 stays fp64); rows outside
-    ``scored_T`` are taken at T = 1, as in `token_logprobs`."""
-    logp = tempered_logprobs(logits_TV, _temperatures(logits_TV, temperatures_T, scored_T))
-    return -(logp.exp() * logp).sum(dim=-1)
+    ``scored_T`` are taken at T = 1, as in `token_logprobs`.
+
+    Computed over chunks of ``_ENTROPY_ROWS`` rows (each row's value does not depend on the others): its
+    log-softmax, exp and product are three T x V fp32 tensors at once otherwise, as large as everything
+    the loss's own forward holds of the vocabulary."""
+    temperatures = _temperatures(logits_TV, temperatures_T, scored_T)
+    parts = []
+    for start in range(0, logits_TV.shape[0], _ENTROPY_ROWS):
+        logp = tempered_logprobs(logits_TV[start:start + _ENTROPY_ROWS], temperatures[start:start + _ENTROPY_ROWS])
+        parts.append(-(logp.exp() * logp).sum(dim=-1))
+    return torch.cat(parts) if parts else logits_TV.new_zeros(0, dtype=torch.float32)
 
 
 def packed_logprobs(

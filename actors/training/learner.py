@@ -27,6 +27,14 @@ gradient or update holds a NaN or inf is not applied (actors.training.step_guard
 as for a batch without signal, the weights stay those of the last good step, and the step's metrics and
 a ``step_skipped_non_finite`` event name the offending samples.
 
+With ``trainer.micro_batch_tokens`` the computed samples (a rank's share) go through forward and backward in
+consecutive micro-batches of at most that many tokens, a sample (every segment of its chain) never split, and
+the gradients accumulate into one optimizer step: the loss is a token sum over a constant, so the micro-batches'
+losses add up to the batch's, and their metrics combine as the ranks' do (model.loss.combine_metrics). Only one
+micro-batch's activations (its T x V logits above all) are held at a time. Every rank runs the same number of
+micro-batches, the largest any rank needs (a rank with fewer runs masked ones, contributing exactly 0), and
+the loss of each is checked on every rank before its backward.
+
 For people, each step keeps what its forward scored every trained token of its samples at
 (`Learner.trained_logprobs`: the detached log-probs the loss took, copied off the device once per step, float32
 as computed; no extra forward): the trainer stage stores them for the rollout viewer, beside the behaviour
@@ -68,7 +76,14 @@ from actors.training.step_guard import (
     samples_at_positions,
 )
 from model.checkpoint import load_checkpoint, load_state_into, save_checkpoint
-from model.loss import PolicyLossConfig, PolicyLossMetrics, packed_logprobs, policy_loss, token_entropy
+from model.loss import (
+    PolicyLossConfig,
+    PolicyLossMetrics,
+    combine_metrics,
+    packed_logprobs,
+    policy_loss,
+    token_entropy,
+)
 from model.packing import PackedBatch, SequenceCost, pack_sequences
 from model.router import RouterReplayConfig, RoutingStats
 from model.transformer import MoETransformer
@@ -268,24 +283,44 @@ class Learner:
         # a chain goes whole to one rank, balanced by its tokens over every segment (its cost as one sequence
         # of that length: an over-estimate for a chain of several, whose attention is per segment)
         share = [samples[i] for i in ranks.my_share([s.trajectory.num_tokens for s in samples], self.cost)]
-        loss, m, scored, batch, stats, ratios, policy_logp = self._forward_loss(share or samples[:1], masked=not share)
-        if share:
-            self.trained_logprobs = _trainer_logprobs(share, policy_logp, self.version)
-        share_tokens = batch.num_tokens if share else 0
+        parts = _micro_batches([s.trajectory.num_tokens for s in share], self.config.micro_batch_tokens)
+        # every rank runs as many forwards and backwards (expert parallelism's all-to-alls pair up across ranks
+        # in each): one with fewer micro-batches, or none, runs masked ones, each contributing exactly 0
+        count = 1
+        if self.config.micro_batch_tokens:  # the same key on every rank: all of them meet this gather
+            count = max(1, *(int(n) for n in ranks.gather(len(parts))))  # type: ignore[call-overload]
+        metrics: list[tuple[PolicyLossMetrics, torch.Tensor]] = []
+        stats, losses, share_tokens, failed = RoutingStats(), [], 0, False
+        for i in range(count):
+            mine = [share[j] for j in parts[i]] if i < len(parts) else []
+            loss, m, scored, batch, part_stats, ratios, policy_logp = self._forward_loss(mine or samples[:1],
+                                                                                        masked=not mine)
+            if mine:
+                self.trained_logprobs.extend(_trainer_logprobs(mine, policy_logp, self.version))
+                share_tokens += batch.num_tokens
+            metrics.append((m, ratios))
+            stats = stats + part_stats
+            losses.append(float(loss.detach()))
+            # every rank decides together, on each micro-batch, before any backward of it
+            if ranks.any(not bool(torch.isfinite(loss))):
+                failed = True
+                break
+            loss.backward()
         num_tokens = int(ranks.sum(share_tokens))
-        m = ranks.combine_loss_metrics(m, ratios)
+        m = ranks.combine_loss_metrics(metrics[0][0] if len(metrics) == 1 else combine_metrics(metrics),
+                                       torch.cat([r for _, r in metrics]))
         replaced = ranks.combine_routing(stats).replaced_fraction
-        total_loss = torch.tensor(ranks.sum(float(loss.detach())))
+        total_loss = torch.tensor(ranks.sum(losses[0] if len(losses) == 1 else math.fsum(losses)))
         # From here every branch is taken by every rank together: each is decided by an all-reduce (or on a
         # value all-reduced), and each rank then meets the same collectives, whatever its share.
-        if ranks.any(not bool(torch.isfinite(loss))):
-            # a rank without a share computed a masked copy of another rank's sample: it names nothing
+        if failed:
+            # the micro-batch that failed names its samples; a rank whose micro-batch was masked names nothing
             culprits = samples_at_positions(~torch.isfinite(scored) & batch.target_mask_T, batch.seq_lens,
-                                            [s for s in share for _ in s.trajectory.segments]) if share else ()
+                                            [s for s in mine for _ in s.trajectory.segments]) if mine else ()
             named = tuple(n for part in ranks.gather(culprits) for n in part)  # type: ignore[attr-defined]
+            self.optimizer.zero_grad(set_to_none=True)  # earlier micro-batches' gradients: never applied
             refused = NonFiniteStep(NonFiniteStage.LOSS, named or sample_ids(samples), f"loss={float(total_loss)}")
             return total_loss, m, float("nan"), replaced, num_tokens, refused
-        loss.backward()
         ranks.reduce_gradients(self.model)
         grad_norm = ranks.clip_gradients(self.model, self.config.grad_clip)  # the group's norm, on every rank
         if not math.isfinite(grad_norm):
@@ -403,6 +438,23 @@ class Learner:
         log.info("learner_resumed", path=str(path), version=learner.version,
                  num_trained_batches=len(learner.trained_batches))
         return learner
+
+
+def _micro_batches(lengths: Sequence[int], budget: int) -> list[range]:
+    """Consecutive runs of the samples of ``lengths`` (tokens, every segment of a chain counted), each of at
+    most ``budget`` tokens, save a sample longer than it, alone (0: every sample in one run; none: no runs)."""
+    if not lengths:
+        return []
+    if budget <= 0:
+        return [range(len(lengths))]
+    parts, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and tokens + n > budget:
+            parts.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    parts.append(range(start, len(lengths)))
+    return parts
 
 
 def _aligned(samples: Sequence[GroupSample], num_tokens: int

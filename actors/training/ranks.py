@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from model.expert_parallel import ExpertShard, shard_experts
-from model.loss import PolicyLossMetrics
+from model.loss import PolicyLossMetrics, combine_metrics
 from model.packing import SequenceCost, assign_to_ranks
 from model.router import RoutingStats
 from model.transformer import MoETransformer
@@ -240,21 +240,7 @@ class RankGroup:
         """The batch's metrics from every rank's (``ratios``: this rank's importance ratios, trained tokens)."""
         if not self.distributed:
             return local
-        parts = self.gather((local, ratios.detach().cpu()))
-        n = sum(m.num_tokens for m, _ in parts)
-        every = torch.cat([r for _, r in parts])
-
-        def mean(field: str) -> float:
-            return sum(getattr(m, field) * m.num_tokens for m, _ in parts) / max(n, 1)
-
-        return PolicyLossMetrics(
-            num_tokens=n, pg_loss=sum(m.pg_loss for m, _ in parts), kl=mean("kl"),
-            clip_fraction=mean("clip_fraction"),
-            ratio_mean=float(every.mean()) if every.numel() else 1.0,
-            ratio_min=float(every.min()) if every.numel() else 1.0,
-            ratio_max=float(every.max()) if every.numel() else 1.0,
-            ratio_median=float(every.median()) if every.numel() else 1.0,
-            entropy=mean("entropy") if n else float("nan"))
+        return combine_metrics(self.gather((local, ratios.detach().cpu())))  # type: ignore[arg-type]
 
     def combine_routing(self, stats: RoutingStats) -> RoutingStats:
         parts = self.gather(stats)
