@@ -85,6 +85,7 @@ LISTED = {  # (file, callee as written) -> its bound, where the callee's name al
     ("actors/reconciler/lifecycle.py", "store.create"): SLOT_STORE,
     ("actors/reconciler/task_cursor.py", "store.create"): SLOT_STORE,
     ("actors/reconciler/kv_store.py", "self.get"): SLOT_STORE,
+    ("runtime/blob/_base.py", "self.delete"): BLOB,  # BlobStore.delete_prefixes: the store's own delete
     ("actors/reconciler/kv_store.py", "super().get"): SLOT_STORE,
     ("actors/reconciler/kv_store.py", "self.sync"): PIPELINE_SYNC,
     ("actors/reconciler/kv_store.py", "self._writer.flush"): PIPELINE_SYNC,
