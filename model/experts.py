@@ -207,15 +207,17 @@ def _grouped_experts(
     order_S = torch.argsort(flat_S, stable=True)
     # grouped_mm's group ends: row offsets where each expert's rows stop (empty experts repeat an offset)
     ends_E = torch.bincount(flat_S, minlength=num_experts).cumsum(0, dtype=torch.int32)
-    x_SD = x_TD.index_select(0, order_S // top_k)
     weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, *weights)):
-        y_SD = _GroupedSwiGLU.apply(x_SD, ends_E, *weights)
-        # combine: back to (token, slot) order (a permutation: its backward is the inverse gather)
+        # dispatch and combine as permutations of the T*K rows, whose backward is the inverse gather (no
+        # scatter-add); the same rows as the no-grad path's index_select
         inverse_S = torch.empty_like(order_S)
         inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
+        x_TKD = x_TD.unsqueeze(1).expand(num_tokens, top_k, x_TD.shape[1]).reshape(num_tokens * top_k, -1)
+        y_SD = _GroupedSwiGLU.apply(_PermuteRows.apply(x_TKD, order_S, inverse_S), ends_E, *weights)
         y_TKD = _PermuteRows.apply(y_SD, inverse_S, order_S).view(num_tokens, top_k, -1)
     else:
+        x_SD = x_TD.index_select(0, order_S // top_k)
         y_SD = _swiglu_sorted(x_SD, ends_E, *weights)[3]
         y_TKD = torch.empty_like(y_SD).index_copy_(0, order_S, y_SD).view(num_tokens, top_k, -1)
     # weight by the gates, sum the K slots of each token
