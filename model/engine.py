@@ -3,9 +3,9 @@
 Many coroutines call `await engine.generate(prompt_ids, params)`; one background loop owned by the engine
 batches them. Each iteration hands the loop's inbox (new requests, cancellations, weight updates) to
 `EngineCore.step` running in the engine's own worker thread (`model.step_thread`, with
-`EngineConfig.intra_op_threads` intra-op threads), one step at a time, so the event loop stays responsive
-while the model runs. Weight updates are applied between two steps: the pause is the
-parameter copy. Each running sequence then follows the update's `KVPolicy` (recorded in its
+`EngineConfig.intra_op_threads` intra-op threads, by default chosen by the model's size), one step at a
+time, so the event loop stays responsive while the model runs. Weight updates are applied between two
+steps: the pause is the parameter copy. Each running sequence then follows the update's `KVPolicy` (recorded in its
 `Generation.swaps`), and the core refuses to attend over KV of another version unless KEEP was chosen.
 
 Lifecycle: CREATED --start()--> RUNNING --stop()--> STOPPED (idempotent; wrong-state calls raise
@@ -29,7 +29,7 @@ from model.checkpoint import checked_state
 from model.errors import EngineError, EngineStateError
 from model.generation import EngineConfig, FinishReason, Generation, KVPolicy, WeightSwap
 from model.sampling import SamplingParams
-from model.step_thread import step_executor
+from model.step_thread import auto_threads, step_executor
 from model.transformer import MoETransformer
 
 __all__ = [
@@ -132,7 +132,8 @@ class GenerationEngine:
         self._require(EngineStatus.CREATED, "start")
         self._wake = asyncio.Event()
         self._stepped = asyncio.Event()
-        self._executor = step_executor(self._core.config.intra_op_threads)
+        threads = self._core.config.intra_op_threads
+        self._executor = step_executor(auto_threads(self._core.model) if threads == "auto" else threads)
         self._task = asyncio.create_task(self._loop(), name="generation-engine")
         self._status = EngineStatus.RUNNING
         log.info("engine_started", version=self.version, max_batch_size=self._core.config.max_batch_size)

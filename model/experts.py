@@ -10,9 +10,13 @@ Every MoE block calls its experts through an `ExpertsFn`:
 
 `reference_experts_forward` is the plain torch definition (the numerics every low-precision variant in
 `low_precision/` is measured against). It groups tokens by expert with a stable sort, so one token's result does
-not depend on which other tokens share the batch. Without autograd (generation, scoring) it runs each
-projection of all experts as one `grouped_mm` call, which on CPU does the same per-expert matmuls as the
-loop, bit for bit, minus ~3 Python-level calls per expert per layer (the bulk of a decode step's overhead).
+not depend on which other tokens share the batch. On CPU it runs each projection of all experts as one
+`grouped_mm` call, which does the same per-expert matmuls as a loop over experts, bit for bit, minus ~3
+Python-level calls per expert per layer (the bulk of a decode step's overhead); with autograd through
+`_GroupedSwiGLU`, whose backward is grouped matmuls too (torch's CPU `grouped_mm` has no backward of its
+own for these layouts), instead of a per-expert graph with its weight concatenations, unbinds and stacks.
+Elsewhere (CUDA, whose grouped kernels round differently from per-expert matmuls) and in float64 (no CPU
+`grouped_mm` kernel) the per-expert loop runs.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def reference_experts_forward(
     num_experts = w_gate_EFD.shape[0]
     num_tokens, top_k = topk_ids_TK.shape
     if _grouped_mm_applies(x_TD, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
-        return _grouped_experts_no_grad(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
+        return _grouped_experts(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
     order_S, _, counts = sort_by_expert(topk_ids_TK, num_experts)
     inverse_S = torch.empty_like(order_S)
     inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
@@ -124,14 +128,68 @@ def _fuse_gate_up(num_rows: int, num_experts: int) -> bool:
 
 
 def _grouped_mm_applies(*tensors: torch.Tensor) -> bool:
-    """No gradient wanted, and a CPU `grouped_mm` (its CPU kernel has no backward for our transposed weights;
-    on other devices the kernels round differently from the per-expert loop)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return hasattr(F, "grouped_mm") and all(t.device.type == "cpu" for t in tensors)
+    """A CPU `grouped_mm` kernel for these tensors (on other devices the kernels round differently from the
+    per-expert loop; float64 has none)."""
+    return (
+        hasattr(F, "grouped_mm")
+        and all(t.device.type == "cpu" for t in tensors)
+        and tensors[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
-def _grouped_experts_no_grad(
+def _swiglu_sorted(
+    x_SD: torch.Tensor, ends_E: torch.Tensor, w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor, w_down_EDF: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, up, h = silu(gate) * up and y = down(h) of rows grouped by expert (`ends_E`: each group's end)."""
+    f = w_gate_EFD.shape[1]
+    if _fuse_gate_up(x_SD.shape[0], w_gate_EFD.shape[0]):
+        gu_S2F = F.grouped_mm(x_SD, torch.cat([w_gate_EFD, w_up_EFD], dim=1).transpose(1, 2), offs=ends_E)
+        gate_SF, up_SF = gu_S2F[:, :f], gu_S2F[:, f:]
+    else:
+        gate_SF = F.grouped_mm(x_SD, w_gate_EFD.transpose(1, 2), offs=ends_E)
+        up_SF = F.grouped_mm(x_SD, w_up_EFD.transpose(1, 2), offs=ends_E)
+    h_SF = F.silu(gate_SF) * up_SF
+    return gate_SF, up_SF, h_SF, F.grouped_mm(h_SF, w_down_EDF.transpose(1, 2), offs=ends_E)
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """`_swiglu_sorted`'s y with a backward of grouped matmuls: one call per projection for all experts."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x_SD: torch.Tensor,
+        ends_E: torch.Tensor,
+        w_gate_EFD: torch.Tensor,
+        w_up_EFD: torch.Tensor,
+        w_down_EDF: torch.Tensor,
+    ) -> torch.Tensor:
+        gate_SF, up_SF, h_SF, y_SD = _swiglu_sorted(x_SD, ends_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+        ctx.save_for_backward(x_SD, ends_E, w_gate_EFD, w_up_EFD, w_down_EDF, gate_SF, up_SF, h_SF)
+        return y_SD
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_y_SD: torch.Tensor):  # type: ignore[override]
+        x_SD, ends_E, w_gate_EFD, w_up_EFD, w_down_EDF, gate_SF, up_SF, h_SF = ctx.saved_tensors  # type: ignore[attr-defined]
+        need_x, _, need_gate, need_up, need_down = ctx.needs_input_grad  # type: ignore[attr-defined]
+        grad_y_SD = grad_y_SD.contiguous()
+        grad_h_SF = F.grouped_mm(grad_y_SD, w_down_EDF, offs=ends_E)
+        sig_SF = torch.sigmoid(gate_SF)
+        grad_up_SF = grad_h_SF * (gate_SF * sig_SF)
+        # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g))), as torch's silu_backward
+        grad_gate_SF = grad_h_SF * up_SF * (sig_SF * (1 + gate_SF * (1 - sig_SF)))
+        grad_x = None
+        if need_x:
+            grad_x = F.grouped_mm(grad_gate_SF, w_gate_EFD, offs=ends_E)
+            grad_x += F.grouped_mm(grad_up_SF, w_up_EFD, offs=ends_E)
+        # weight gradients: per expert, its rows' (out-grad)^T @ input, as one grouped call over the row groups
+        grad_gate = F.grouped_mm(grad_gate_SF.t(), x_SD, offs=ends_E) if need_gate else None
+        grad_up = F.grouped_mm(grad_up_SF.t(), x_SD, offs=ends_E) if need_up else None
+        grad_down = F.grouped_mm(grad_y_SD.t(), h_SF, offs=ends_E) if need_down else None
+        return grad_x, None, grad_gate, grad_up, grad_down
+
+
+def _grouped_experts(
     x_TD: torch.Tensor,
     topk_ids_TK: torch.Tensor,
     topk_weights_TK: torch.Tensor,
@@ -139,8 +197,9 @@ def _grouped_experts_no_grad(
     w_up_EFD: torch.Tensor,
     w_down_EDF: torch.Tensor,
 ) -> torch.Tensor:
-    """`reference_experts_forward` without autograd, bit for bit: same sort, same per-expert matmuls (grouped)."""
-    num_experts, f = w_gate_EFD.shape[0], w_gate_EFD.shape[1]
+    """`reference_experts_forward` on CPU: same sort, same per-expert matmuls (grouped), with or without autograd
+    (the same numbers either way)."""
+    num_experts = w_gate_EFD.shape[0]
     num_tokens, top_k = topk_ids_TK.shape
     if num_tokens * top_k == 0:
         return torch.zeros_like(x_TD)
@@ -148,14 +207,18 @@ def _grouped_experts_no_grad(
     order_S = torch.argsort(flat_S, stable=True)
     # grouped_mm's group ends: row offsets where each expert's rows stop (empty experts repeat an offset)
     ends_E = torch.bincount(flat_S, minlength=num_experts).cumsum(0, dtype=torch.int32)
-    x_SD = x_TD.index_select(0, order_S // top_k)
-    if _fuse_gate_up(order_S.numel(), num_experts):
-        gu_S2F = F.grouped_mm(x_SD, torch.cat([w_gate_EFD, w_up_EFD], dim=1).transpose(1, 2), offs=ends_E)
-        h_SF = F.silu(gu_S2F[:, :f]) * gu_S2F[:, f:]
+    weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, *weights)):
+        # dispatch and combine as permutations of the T*K rows, whose backward is the inverse gather (no
+        # scatter-add); the same rows as the no-grad path's index_select
+        inverse_S = torch.empty_like(order_S)
+        inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
+        x_TKD = x_TD.unsqueeze(1).expand(num_tokens, top_k, x_TD.shape[1]).reshape(num_tokens * top_k, -1)
+        y_SD = _GroupedSwiGLU.apply(_PermuteRows.apply(x_TKD, order_S, inverse_S), ends_E, *weights)
+        y_TKD = _PermuteRows.apply(y_SD, inverse_S, order_S).view(num_tokens, top_k, -1)
     else:
-        gate_SF = F.grouped_mm(x_SD, w_gate_EFD.transpose(1, 2), offs=ends_E)
-        h_SF = F.silu(gate_SF) * F.grouped_mm(x_SD, w_up_EFD.transpose(1, 2), offs=ends_E)
-    y_SD = F.grouped_mm(h_SF, w_down_EDF.transpose(1, 2), offs=ends_E)
-    # combine: back to (token, slot) order, weight by the gates, sum the K slots of each token
-    y_TKD = torch.empty_like(y_SD).index_copy_(0, order_S, y_SD).view(num_tokens, top_k, -1)
+        x_SD = x_TD.index_select(0, order_S // top_k)
+        y_SD = _swiglu_sorted(x_SD, ends_E, *weights)[3]
+        y_TKD = torch.empty_like(y_SD).index_copy_(0, order_S, y_SD).view(num_tokens, top_k, -1)
+    # weight by the gates, sum the K slots of each token
     return (y_TKD * topk_weights_TK.to(x_TD.dtype).unsqueeze(-1)).sum(dim=1)

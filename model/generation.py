@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Literal
 
 import torch
 
@@ -44,9 +45,11 @@ class EngineConfig:
         kv_initial_capacity: positions allocated per slot up front (grows by doubling).
         seed: seeds the generator that picks seeds for requests without one.
         intra_op_threads: intra-op (OpenMP/MKL) threads of the thread that runs the steps; None keeps the
-            process's count. One by default: a second OpenMP team beside the event loop thread's makes
-            libgomp throttle both, and every small matmul of a decode step then pays a cross-core wake
-            (model.step_thread has the measurements).
+            process's count; "auto" (the default) picks by the model's size (`model.step_thread.auto_threads`):
+            one for a small policy, whose decode step is many small matmuls, each of which a second OpenMP
+            team beside the event loop thread's would make pay a cross-core wake; the process's count for a
+            large one, whose decode step streams its weights from memory and goes twice as fast on two
+            cores (model.step_thread has the measurements).
     """
 
     max_batch_size: int = 32
@@ -54,14 +57,15 @@ class EngineConfig:
     max_seq_len: int | None = None
     kv_initial_capacity: int = 256
     seed: int = 0
-    intra_op_threads: int | None = 1
+    intra_op_threads: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_prefill_tokens", "kv_initial_capacity"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.intra_op_threads is not None and self.intra_op_threads <= 0:
-            raise ConfigError(f"EngineConfig.intra_op_threads must be > 0 or None, got {self.intra_op_threads}")
+        threads = self.intra_op_threads
+        if threads != "auto" and threads is not None and (not isinstance(threads, int) or threads <= 0):
+            raise ConfigError(f"EngineConfig.intra_op_threads must be > 0, None or 'auto', got {threads!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ConfigError(f"EngineConfig.max_seq_len must be >= 2, got {self.max_seq_len}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.config import Llama3RopeScaling
@@ -24,9 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's fused kernel: the numbers of x * rsqrt(mean(x^2) + eps) in one op instead of five
         x32 = x if x.dtype == torch.float64 else x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * F.rms_norm(x32, (x32.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def llama3_inv_freq(inv_freq_R: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:

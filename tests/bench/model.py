@@ -17,8 +17,10 @@ Measures, for the tiny default and the ~100M configuration, in fp32 on CPU:
   with continuous batching and KV cache; HF: `generate` with its KV cache).
 Runs alternate between the two implementations; medians are reported, with the 1-minute load average
 before and after (the machine may be shared). Both run at the process's intra-op thread count
-(``threads``) except the engine's step thread, which takes ``EngineConfig.intra_op_threads`` (one by
-default: ``model.step_thread``). Under load the peer's two-thread OpenMP regions stall on preempted
+(``threads``) except the engine's step thread, which takes ``EngineConfig.intra_op_threads`` (by default
+chosen by the model's size, ``model.step_thread.auto_threads``: one for tiny, the process's for 100M;
+``--engine-threads`` overrides it; ``<config>_engine_threads`` records what ran).
+Under load the peer's two-thread OpenMP regions stall on preempted
 threads far more than the engine's single thread (transformers fell to 46 tok/s at load 7 where the
 engine kept 2.9k): read ratios only from runs with a low load average. Prints ONE JSON line.
 
@@ -37,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 if not __package__:  # run as a script: this file's folder would shadow the `model` package
     sys.path[0] = str(Path(__file__).resolve().parents[2])
@@ -48,7 +51,10 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import ModelConfig, medium_100m, tiny
 from model.engine import EngineConfig, GenerationEngine, SamplingParams
 from model.packing import pack_sequences
+from model.step_thread import auto_threads
 from model.transformer import MoETransformer
+
+EngineThreads = int | Literal["auto"] | None
 
 PARITY_TOLERANCE = 1e-3  # fp32, same weights and inputs: max |logit difference| and |loss difference|
 
@@ -106,12 +112,12 @@ def parity(ours: MoETransformer, hf: torch.nn.Module, ids_BL: torch.Tensor) -> d
     return result
 
 
-def _gen_fns(ours: MoETransformer, hf: torch.nn.Module, prompts_BP: torch.Tensor, new: int):
+def _gen_fns(ours: MoETransformer, hf: torch.nn.Module, prompts_BP: torch.Tensor, new: int, threads: EngineThreads):
     b = prompts_BP.shape[0]
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
 
     async def ours_async() -> float:
-        engine = GenerationEngine(ours, EngineConfig(max_batch_size=b))
+        engine = GenerationEngine(ours, EngineConfig(max_batch_size=b, intra_op_threads=threads))
         await engine.start()
         try:
             start = time.perf_counter()
@@ -145,7 +151,9 @@ def peer_implementations(hf: torch.nn.Module) -> dict[str, str]:
     return {"attn": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
 
 
-def bench_config(name: str, reps: int, attn: str | None, experts: str | None) -> dict[str, float | str]:
+def bench_config(
+    name: str, reps: int, attn: str | None, experts: str | None, threads: EngineThreads = "auto"
+) -> dict[str, float | str]:
     make, tb, tl, gb, pl, new = SHAPES[name]
     config: ModelConfig = make()
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,7 +168,8 @@ def bench_config(name: str, reps: int, attn: str | None, experts: str | None) ->
     train_ours, train_hf = _median_pair(*_train_fns(ours, hf, ids), reps)
     ours.eval(), hf.eval()
     prompts = torch.randint(0, 256, (gb, pl), generator=gen)
-    gen_ours, gen_hf = _median_pair(*_gen_fns(ours, hf, prompts, new), reps)
+    gen_ours, gen_hf = _median_pair(*_gen_fns(ours, hf, prompts, new, threads), reps)
+    resolved = auto_threads(ours) if threads == "auto" else threads
     implementations = peer_implementations(hf)
     return {
         "params": config.num_parameters(),
@@ -171,6 +180,7 @@ def bench_config(name: str, reps: int, attn: str | None, experts: str | None) ->
         "train_tok_s": round(train_ours, 1),
         "hf_train_tok_s": round(train_hf, 1),
         "train_ratio": round(train_ours / train_hf, 3),
+        "engine_threads": torch.get_num_threads() if resolved is None else resolved,
         "gen_batch": gb,
         "gen_new_tokens": new,
         "gen_tok_s": round(gen_ours, 1),
@@ -193,14 +203,18 @@ def main() -> None:
     parser.add_argument(
         "--peer-experts", help="transformers experts_implementation (default: transformers' own, grouped_mm)"
     )
+    parser.add_argument(
+        "--engine-threads", default="auto", help="the engine step thread's intra-op threads: auto (default) or N"
+    )
     args = parser.parse_args()
+    threads: EngineThreads = "auto" if args.engine_threads == "auto" else int(args.engine_threads)
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     names = ["tiny"] if args.quick else list(SHAPES)
     reps = 2 if args.quick else args.reps
     load_start = os.getloadavg()[0]
-    results = {name: bench_config(name, reps, args.peer_attn, args.peer_experts) for name in names}
+    results = {name: bench_config(name, reps, args.peer_attn, args.peer_experts, threads) for name in names}
     peers = {f"{r['peer_attn']} attention, {r['peer_experts']} experts" for r in results.values()}
     print(
         json.dumps(
@@ -209,8 +223,8 @@ def main() -> None:
                 "dtype": "float32",
                 "device": "cpu",
                 "threads": torch.get_num_threads(),
-                # the engine's step thread: one intra-op thread by default (model.step_thread says why)
-                "engine_intra_op_threads": EngineConfig().intra_op_threads,
+                # the engine's step thread (model.step_thread says why); <config>_engine_threads: what ran
+                "engine_intra_op_threads": threads,
                 "peer": f"transformers {transformers_version()} Qwen3MoeForCausalLM, " + "; ".join(sorted(peers)),
                 "load_avg_1m_start": round(load_start, 2),
                 "load_avg_1m_end": round(os.getloadavg()[0], 2),

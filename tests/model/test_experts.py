@@ -67,3 +67,42 @@ def test_no_grad_path_equals_autograd_path_bit_for_bit(t: int, dtype: torch.dtyp
     params = [p.clone().requires_grad_() for p in weights]
     slow = reference_experts_forward(x, ids, w, *params)
     assert torch.equal(fast, slow.detach())
+
+
+def _graph_size(y: torch.Tensor) -> int:
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return len(seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_graph_does_not_grow_with_experts_and_matches_the_loop(dtype: torch.dtype) -> None:
+    """On CPU the trained experts run as grouped matmuls both ways (a fixed graph, however many experts),
+    with the per-token loop's values and gradients."""
+    sizes = []
+    for e in (4, 16):
+        gen = torch.Generator().manual_seed(e)
+        t, d, f, k = 64, 16, 8, 2
+        x = torch.randn(t, d, generator=gen).to(dtype).requires_grad_()
+        ids = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(t)])  # last expert unused
+        w = torch.rand(t, k, generator=gen).to(dtype).requires_grad_()
+        weights = [
+            (torch.randn(s, generator=gen) * 0.3).to(dtype).requires_grad_() for s in ((e, f, d), (e, f, d), (e, d, f))
+        ]
+        got = reference_experts_forward(x, ids, w, *weights)
+        sizes.append(_graph_size(got))
+        f64 = [p.detach().double().requires_grad_() for p in (x, w, *weights)]
+        ref = _naive(f64[0], ids, *f64[1:])
+        tol = 1e-5 if dtype == torch.float32 else 5e-2
+        assert torch.allclose(got.double(), ref, atol=tol, rtol=tol)
+        g_got = torch.autograd.grad(got.float().square().sum(), [x, w, *weights])
+        g_ref = torch.autograd.grad(ref.square().sum(), f64)
+        for a, b in zip(g_got, g_ref, strict=True):
+            assert torch.allclose(a.double(), b, atol=tol * 10, rtol=tol * 10)
+        assert torch.count_nonzero(g_got[2][e - 1]) == 0  # unused expert: no gradient
+    assert sizes[0] == sizes[1]
