@@ -24,6 +24,7 @@ exited; the backend then closes it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -137,6 +138,9 @@ def _become(request: _Request, zygote_pid: int) -> None:
     if not (_overwrite(env_start, env_end, [f"{k}={v}" for k, v in request.env.items()])
             and _overwrite(arg_start, arg_end, argv)):
         os.execve(sys.executable, argv, request.env)  # too big for the room: this one process starts plainly
+    # the zygote's objects, frozen out of its collections, are collected at this process's exit as in a spawned
+    # one's (extensions that count their objects at exit would otherwise report them leaked)
+    atexit.register(gc.unfreeze)
     threads = request.env.get("OMP_NUM_THREADS", "")
     if "torch" in sys.modules and threads.isdigit() and int(threads) > 0:
         sys.modules["torch"].set_num_threads(int(threads))  # torch read its variables in the zygote
