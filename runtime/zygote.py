@@ -380,7 +380,7 @@ class Zygote:
         finally:
             self._replies.pop(request_id, None)
         if "pid" in answer:
-            return self._children.setdefault(answer["pid"], ZygoteChild(answer["pid"]))
+            return answer["child"]
         if answer.get("retired") or not self.alive:
             self._retired = True
             self.stale = bool(answer.get("stale"))
@@ -397,7 +397,10 @@ class Zygote:
                     if child := self._children.pop(message["exited"], None):
                         child._exited(message["returncode"])
                     self._close_when_childless()
-                elif (reply := self._replies.get(message.get("id", -1))) is not None and not reply.done():
+                    continue
+                if "pid" in message:  # tracked before the next line is read: it may say the child has exited
+                    message["child"] = self._children[message["pid"]] = ZygoteChild(message["pid"])
+                if (reply := self._replies.get(message.get("id", -1))) is not None and not reply.done():
                     reply.set_result(message)
         finally:
             for reply in self._replies.values():
