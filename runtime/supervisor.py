@@ -489,7 +489,7 @@ def open_backend(config: RuntimeConfig, run_dir: Path) -> PlacementBackend:
         from runtime.ray_backend import RayBackend
 
         return RayBackend.connect(config.runtime, run_dir)
-    return LocalBackend()
+    return LocalBackend.for_run(config, run_dir)
 
 
 def exit_reason(rc: int, proc: PlacedProcess) -> str:
