@@ -320,7 +320,7 @@ class LifecycleFlow:
         if table.batch is not None or (len(table.ready) < size and not final):
             return
         decision = self._select_batch(final)
-        if decision.due_running:  # cut the stragglers the trainer would wait on, then choose again
+        if decision.due_running and self.scheduling.cut_stragglers:  # cut what the trainer would wait on, choose again
             for group_id in decision.due_running:
                 await self.cut_stragglers(table.groups[group_id])
             decision = self._select_batch(final)

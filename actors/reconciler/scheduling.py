@@ -19,8 +19,8 @@ by short ones until it is too stale to train, and finished work is not discarded
 Only when nothing live is still running does it hand out the earliest-deadline batch regardless;
 a group that then misses its deadline is dropped explicitly (counted and logged), never trained.
 
-How long the trainer waits on a group due now is bounded: not by the environment's slowest
-episode. With a batch's worth of other groups READY, a due group whose samples still roll out or
+With ``cut_stragglers`` on, how long the trainer waits on a group due now is bounded, not by the
+environment's slowest episode. With a batch's worth of other groups READY, a due group whose samples still roll out or
 wait for their reward is named in the decision (`BatchDecision.due_running`); the lifecycle cuts
 those samples (FAILED, a straggler past its group's last trainable version) and the group trains
 its finished samples now, within the bound (``failed_group_policy``, ``min_group_survivors``), or
@@ -78,6 +78,11 @@ class SchedulingConfig:
             (their actors may be alive: their completions count) instead of re-issuing them all.
         adopt_grace_s: adopted work whose actor is not heard of (a heartbeat) within this many seconds
             is re-issued with a new attempt, not counted as a retry (actors beat every 5 s).
+        cut_stragglers: with a batch's worth of other groups READY, fail the samples of a group due now that
+            still roll out or wait for their reward, instead of holding the trainer for them (the bound on the
+            wait below). Off by default: a cut group trains what finished or is dropped, its prompt not issued
+            again, and an episode slowed by a fault (a frozen actor, a full store) would be cut as well as one
+            slowed by its environment. Turn it on where a heavy-tailed environment, not faults, sets the pace.
     """
 
     eta: int = live(2, within=Range(0, 1000))
@@ -94,6 +99,7 @@ class SchedulingConfig:
     train_partial_final_batch: bool = live(True)
     adopt_on_resume: bool = live(True)
     adopt_grace_s: float = live(12.0, within=Range(0.0, None, lo_open=True))
+    cut_stragglers: bool = live(False)
 
     def __post_init__(self) -> None:
         check_ranges(self, "scheduling")

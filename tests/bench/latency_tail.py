@@ -10,8 +10,9 @@ same policy, on the same prompts in the same order, for the same number of train
 of trained samples), with the run's own environment latency switched on (``tasks.latency``: a lognormal
 delay before each tool call's result and each grading's outcome, drawn from the seed and the sample, so
 every mode meets the same delay at the same call of the same sample). The modes differ only in
-``reconciler.scheduling.eta``. Default heavy tail: median 1 s for a tool call and for a grading, sigma 1.5
-(p99 = 33x the median), each delay capped at 120 s.
+``reconciler.scheduling.eta`` (every mode with ``cut_stragglers`` on: the trainer is not held for a due
+group's slowest episode once a batch of others is ready; a synchronous run never has one). Default heavy tail:
+median 1 s for a tool call and for a grading, sigma 1.5 (p99 = 33x the median), each delay capped at 120 s.
 
 Rollouts in flight are bounded by each mode's admission alone (``--inflight 0``: slots = (eta + 1) * B * G),
 since waiting environments take no engine, trainer or CPU: a synchronous run cannot use more than one batch
@@ -64,6 +65,8 @@ LATENCY_FILE = """\
 name = "bench-latency-tail-{mode}"
 [actors.reward]
 max_concurrency = {reward_concurrency}  # gradings wait on the environment, not on a stage cap
+[reconciler.scheduling]
+cut_stragglers = true  # the environment, not faults, sets the pace here (a synchronous run never cuts)
 [tasks.latency]
 distribution = "lognormal"
 tool_median_s = {tool_median_s}

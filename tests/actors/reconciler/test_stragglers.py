@@ -37,9 +37,10 @@ def _quiet_logs():
     structlog.reset_defaults()
 
 
-async def start(*, eta: int = 1, min_group_survivors: int = 1):
+async def start(*, eta: int = 1, min_group_survivors: int = 1, cut_stragglers: bool = True):
     """Four groups of two samples, batches of two groups, at eta (slots for (eta + 1) batches)."""
-    scheduling = SchedulingConfig(eta=eta, min_group_survivors=min_group_survivors, max_inflight_per_rollout_actor=8)
+    scheduling = SchedulingConfig(eta=eta, min_group_survivors=min_group_survivors, max_inflight_per_rollout_actor=8,
+                                  cut_stragglers=cut_stragglers)
     config = LifecycleConfig(num_slots=4 * (eta + 1), group_size=2, batch_size_groups=2, scheduling=scheduling,
                              transition_events_per_s=0)
     store = InMemorySlotStore()
@@ -101,3 +102,14 @@ async def test_a_due_group_with_too_few_finished_samples_is_dropped_and_its_slot
     assert not any(s.group_id == "e0-p2" for s in core.slots if s.state is not SlotState.EMPTY)
     new = {o.group_id for o in world.pending if isinstance(o, RolloutOrder)}
     assert "e0-p6" in new, new  # the dropped group's slots went to the next prompt
+
+
+async def test_by_default_the_trainer_waits_for_a_due_group_and_cuts_nothing() -> None:
+    _, core, world = await start(eta=1, cut_stragglers=False)
+    await finish(core, world, group_ids=("e0-p0", "e0-p1"))
+    await finish(core, world, sample_ids=("e0-p2-s0",), group_ids=("e0-p3", "e0-p4"))  # a batch's worth READY
+    assert not any(isinstance(o, TrainOrder) for o in world.pending), "the due group e0-p2 is waited for"
+    assert core.snapshot(1.0).counters.get("straggler_samples", 0) == 0
+    await finish(core, world, group_ids=("e0-p2",))  # its slow episode ends: the due groups train, nothing lost
+    assert {"e0-p2", "e0-p3"} <= world.trainer.trained_groups
+    assert "e0-p2-s1" in world.trainer.trained_samples
