@@ -130,11 +130,12 @@ def test_checkpointed_gradients_are_those_without() -> None:
         assert model(ids_T, seq_lens=seq_lens).logits.grad_fn is None
 
 
-def test_ranks_recompute_their_expert_exchanges_in_step(tmp_path: Path) -> None:
-    # 2 expert-parallel ranks in micro-batches (one of them masked): the recompute of each layer runs its
-    # all-to-alls again in the backward, on both ranks in the same order
+@pytest.mark.parametrize("expert_parallel", [1, 2], ids=["2dp", "2ep"])
+def test_checkpointed_ranks_take_the_step_one_rank_takes(tmp_path: Path, expert_parallel: int) -> None:
+    # 2 ranks in micro-batches (one of them masked); expert-parallel ones recompute each layer's all-to-alls in the
+    # backward, both in the same order
     one_state, one_metrics = rank_worker.step_once(RankLayout(), replay=True)
     out, rendezvous = tmp_path / "many.pt", tmp_path / "rdzv"
-    rank_worker.launch(rank_worker.main, (2, 2, True, 0.0, str(rendezvous), str(out), 29, True), 2)
+    rank_worker.launch(rank_worker.main, (2, expert_parallel, True, 0.0, str(rendezvous), str(out), 29, True), 2)
     many = torch.load(out)
     assert_same_step(one_state, one_metrics, many["state"], many["metrics"])
