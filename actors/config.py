@@ -260,6 +260,11 @@ class TrainerSection:
     # tolerance, the loss being a token sum over a constant. Bounds the activations (the T x V logits and their
     # log-softmax) to one micro-batch's. 0: the whole share in one forward
     micro_batch_tokens: int = fixed(0, within=Range(0, 10_000_000))
+    # recompute each layer's activations in its backward instead of keeping them from the forward
+    # (model.activation_checkpoint): a micro-batch then holds one T x D input per layer, not everything the layer
+    # saves, for about one more forward of compute; the same routing, counters and update to float tolerance.
+    # Composes with router replay, micro-batches, expert parallelism and the low-precision experts
+    activation_checkpointing: bool = False
     # steps between checkpoints; a crash loses the steps since the last one
     checkpoint_every: int = fixed(1, within=Range(1, 1_000_000))
     keep_checkpoints: int = fixed(2, within=Range(1, 1000))

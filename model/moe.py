@@ -13,7 +13,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.experts import ExpertsFn, reference_experts_forward
-from model.router import RouterReplayConfig, Routing, route
+from model.router import RouterReplayConfig, Routing, gates_at, route
 
 __all__ = ["MoEBlock"]
 
@@ -37,9 +37,24 @@ class MoEBlock(nn.Module):
         x_TD: torch.Tensor,
         replay_topk_ids_TK: torch.Tensor | None = None,
         replay: RouterReplayConfig | None = None,
+        pinned: list[Routing] | None = None,
     ) -> tuple[torch.Tensor, Routing]:
-        """Route each token (live or replayed, see `model.router`) and mix its experts' outputs."""
-        routing = route(self.gate(x_TD), self.top_k, self.norm_topk_prob, replay_topk_ids_TK, replay)
+        """Route each token (live or replayed, see `model.router`) and mix its experts' outputs.
+
+        ``pinned`` (activation checkpointing, model.activation_checkpoint): the choice is made once, by the
+        first call, out of the graph, and kept in the list; a later call (the backward's recompute) routes with it
+        and decides and counts nothing again. The gates are the same values either way (`gates_at`).
+        """
+        if pinned is None:
+            routing = route(self.gate(x_TD), self.top_k, self.norm_topk_prob, replay_topk_ids_TK, replay)
+        else:
+            logits_TE = self.gate(x_TD)
+            if not pinned:
+                with torch.no_grad():
+                    pinned.append(route(logits_TE.detach(), self.top_k, self.norm_topk_prob, replay_topk_ids_TK,
+                                        replay))
+            ids_TK = pinned[0].topk_ids_TK
+            routing = Routing(ids_TK, gates_at(logits_TE, ids_TK, self.norm_topk_prob), pinned[0].stats)
         y_TD = self.experts_fn(
             x_TD, routing.topk_ids_TK, routing.topk_weights_TK, self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF
         )

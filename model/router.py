@@ -33,7 +33,7 @@ import torch
 
 from model.errors import ConfigError
 
-__all__ = ["RouterReplayConfig", "Routing", "RoutingStats", "route"]
+__all__ = ["RouterReplayConfig", "Routing", "RoutingStats", "gates_at", "route"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,3 +167,12 @@ def route(
     if norm_topk_prob:
         gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True)
     return Routing(ids_TK, gates_TK.to(router_logits_TE.dtype), stats)
+
+
+def gates_at(router_logits_TE: torch.Tensor, ids_TK: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+    """The gates of experts ``ids_TK`` chosen beforehand: the values `route` gives them (its dense fp32
+    probabilities at the ids, renormalised when `norm_topk_prob`), in the logits' dtype."""
+    gates_TK = torch.softmax(router_logits_TE, dim=-1, dtype=torch.float32).gather(1, ids_TK)
+    if norm_topk_prob:
+        gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True)
+    return gates_TK.to(router_logits_TE.dtype)

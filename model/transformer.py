@@ -22,13 +22,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from model.activation_checkpoint import checkpointed_layer
 from model.attention import Attention, AttentionBatch
 from model.config import ModelConfig
 from model.experts import ExpertsFn, reference_experts_forward
 from model.layers import RMSNorm, RotaryEmbedding
 from model.mlp import DenseMLP
 from model.moe import MoEBlock
-from model.router import RouterReplayConfig, RoutingStats
+from model.router import RouterReplayConfig, Routing, RoutingStats
 
 __all__ = ["DecoderLayer", "MoETransformer", "ModelOutput"]
 
@@ -52,6 +53,24 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: MoEBlock | DenseMLP = MoEBlock(config, experts_fn) if config.is_moe else DenseMLP(config)
+
+    def forward(
+        self,
+        h_TD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        replay_topk_ids_TK: torch.Tensor | None = None,
+        replay: RouterReplayConfig | None = None,
+        pinned: list[Routing] | None = None,
+    ) -> tuple[torch.Tensor, Routing | None]:
+        """The layer's output and its routing (None when dense); ``pinned``: see `MoEBlock.forward`."""
+        h_TD = h_TD + self.self_attn(self.input_layernorm(h_TD), cos, sin, batch)
+        x_TD = self.post_attention_layernorm(h_TD)
+        if isinstance(self.mlp, MoEBlock):
+            y_TD, routing = self.mlp(x_TD, replay_topk_ids_TK, replay, pinned)
+            return h_TD + y_TD, routing
+        return h_TD + self.mlp(x_TD), None
 
 
 class _Backbone(nn.Module):
@@ -79,6 +98,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = config
         self._experts_fn = experts_fn
+        self.activation_checkpointing = False  # set_activation_checkpointing
         self.model = _Backbone(config, experts_fn)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -97,6 +117,11 @@ class MoETransformer(nn.Module):
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.experts_fn = fn
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each layer's activations in the backward instead of keeping them (model.activation_checkpoint):
+        applies to forwards that record a graph; one without grad keeps nothing either way."""
+        self.activation_checkpointing = enabled
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> MoETransformer:
@@ -146,19 +171,15 @@ class MoETransformer(nn.Module):
         cos, sin = self.model.rotary(batch.position_ids_T, h_TD.dtype)
         ids_per_layer, stats = [], []
         no_experts_TK = torch.empty(input_ids_T.shape[0], 0, dtype=torch.long, device=input_ids_T.device)
+        checkpointed = self.activation_checkpointing and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
-            h_TD = h_TD + layer.self_attn(layer.input_layernorm(h_TD), cos, sin, batch)
-            x_TD = layer.post_attention_layernorm(h_TD)
-            if isinstance(layer.mlp, MoEBlock):
-                replay_TK = None if replay_topk_ids_TLK is None else replay_topk_ids_TLK[:, i]
-                y_TD, routing = layer.mlp(x_TD, replay_TK, replay)
-                ids_per_layer.append(routing.topk_ids_TK)
-                stats.append(routing.stats)
+            replay_TK = None if replay_topk_ids_TLK is None else replay_topk_ids_TLK[:, i]
+            if checkpointed:
+                h_TD, routing = checkpointed_layer(layer, h_TD, cos, sin, batch, replay_TK, replay)
             else:
-                y_TD = layer.mlp(x_TD)
-                ids_per_layer.append(no_experts_TK)
-                stats.append(RoutingStats())
-            h_TD = h_TD + y_TD
+                h_TD, routing = layer(h_TD, cos, sin, batch, replay_TK, replay)
+            ids_per_layer.append(no_experts_TK if routing is None else routing.topk_ids_TK)
+            stats.append(RoutingStats() if routing is None else routing.stats)
         if logits_rows is not None:
             h_TD = h_TD.index_select(0, logits_rows)
         logits = self.lm_head(self.model.norm(h_TD))

@@ -33,7 +33,9 @@ the gradients accumulate into one optimizer step: the loss is a token sum over a
 losses add up to the batch's, and their metrics combine as the ranks' do (model.loss.combine_metrics). Only one
 micro-batch's activations (its T x V logits above all) are held at a time. Every rank runs the same number of
 micro-batches, the largest any rank needs (a rank with fewer runs masked ones, contributing exactly 0), and
-the loss of each is checked on every rank before its backward.
+the loss of each is checked on every rank before its backward. With ``trainer.activation_checkpointing`` each
+layer keeps only its input until the backward, which recomputes the rest (model.activation_checkpoint: the
+forward's routing and counters, one more forward of compute).
 
 For people, each step keeps what its forward scored every trained token of its samples at
 (`Learner.trained_logprobs`: the detached log-probs the loss took, copied off the device once per step, float32
@@ -174,6 +176,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.schedule.lr_at(version),
                                            betas=tuple(config.betas), weight_decay=config.weight_decay)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
+        model.set_activation_checkpointing(config.activation_checkpointing)  # the reference runs without grad
 
     def set_lr(self, lr: float) -> None:
         """A new peak learning rate (a live ``trainer.lr``): the schedule keeps its shape, scaled to it."""

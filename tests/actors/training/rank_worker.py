@@ -62,24 +62,27 @@ def full_state(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 def step_once(layout: RankLayout, replay: bool, kl_coef: float = 0.0, device: torch.device | str = "cpu",
-              micro_batch_tokens: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+              micro_batch_tokens: int = 0, activation_checkpointing: bool = False
+              ) -> tuple[dict[str, torch.Tensor], dict]:
     """One step of the rank ``layout`` on ``device``; the full state comes back on the CPU."""
     torch.manual_seed(0)
     model = starting_model()
     groups = batch(model)
-    config = TrainerSection(lr=LR, router_replay=replay, kl_coef=kl_coef, micro_batch_tokens=micro_batch_tokens)
+    config = TrainerSection(lr=LR, router_replay=replay, kl_coef=kl_coef, micro_batch_tokens=micro_batch_tokens,
+                            activation_checkpointing=activation_checkpointing)
     learner = Learner(copy.deepcopy(model).to(device), config, ranks=RankGroup(layout))
     metrics = learner.step(groups, "b0")
     return {k: t.cpu() for k, t in full_state(learner).items()}, dataclasses.asdict(metrics)
 
 
 def main(rank: int, world_size: int, expert_parallel: int, replay: bool, kl_coef: float, rendezvous: str,
-         out: str, micro_batch_tokens: int = 0) -> None:
+         out: str, micro_batch_tokens: int = 0, activation_checkpointing: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         state, metrics = step_once(RankLayout(rank, world_size, expert_parallel), replay, kl_coef,
-                                   micro_batch_tokens=micro_batch_tokens)
+                                   micro_batch_tokens=micro_batch_tokens,
+                                   activation_checkpointing=activation_checkpointing)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, Path(out))
     finally:
