@@ -9,9 +9,11 @@ module is imported, once for the whole session.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -38,3 +40,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if INTEGRATION in item.path.parents:
             item.add_marker(pytest.mark.system)
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("system") is None))
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_found() -> Iterator[None]:
+    """Each test leaves structlog configured as it found it. A bench's ``main`` called in-process configures a
+    level filter, and ``structlog.testing.capture_logs`` swaps the processors only: a later test on the same
+    worker would capture none of its info events."""
+    saved = dict(structlog.get_config())
+    saved["processors"] = list(saved["processors"])
+    yield
+    structlog.configure(**saved)
