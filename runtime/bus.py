@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import re
+import secrets
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -602,6 +603,13 @@ class ChainedKVWriter:
     before it is sent (the stream's last sequence + 1, this writer being the bucket's only writer),
     so the caller runs on without a round trip per write.
 
+    The sequence alone does not say whose write the previous one was: a writer overtaken by one
+    other write (a successor's fence) would find its second pending write expecting exactly that
+    write's sequence, and land. So each write also carries a message id of this writer's own and
+    expects the stream's last message to be this writer's previous write (the first write of a
+    writer expects only the sequence it read when it opened): once any other writer wrote, no
+    write of this one lands, whatever the sequences.
+
     Because of that chain, only the last write of each `flush` asks for an acknowledgement: the
     server stores it only if every write before it was stored, so its acknowledgement confirms them
     all, and its refusal (its own conflict, or the broken chain of an earlier one) reports theirs.
@@ -624,6 +632,8 @@ class ChainedKVWriter:
         # refusal ("no stream answered") is the error the writer reports.
         self._ack_every_write = ack_every_write
         self._subject_prefix = f"$KV.{bucket}."
+        self._opened_at = last_sequence  # the stream's last sequence when opened: the first write's condition
+        self._id_prefix = f"{secrets.token_hex(8)}."  # this writer's message ids: <prefix><sequence>
         self._last = last_sequence  # sequence of the newest write made (buffered or sent)
         self._sent = last_sequence  # sequence of the newest write sent
         self._durable = last_sequence  # every write up to this one is acknowledged
@@ -695,7 +705,9 @@ class ChainedKVWriter:
         last = len(buffer) - 1
         for i, (key, value, expected) in enumerate(buffer):
             sequence = self._sent + 1
-            headers = {Header.EXPECTED_LAST_SEQUENCE: str(self._sent)}
+            headers = {Header.EXPECTED_LAST_SEQUENCE: str(self._sent), Header.MSG_ID: f"{self._id_prefix}{sequence}"}
+            if self._sent > self._opened_at:  # the stream's last message must be this writer's previous write
+                headers[Header.EXPECTED_LAST_MSG_ID] = f"{self._id_prefix}{self._sent}"
             previous = self._sent_unacknowledged(key)
             # A replicated stream refuses a write whose subject has another write in flight
             # ("wrong last sequence": its leader checks against what it has applied, not
@@ -790,7 +802,7 @@ class ChainedKVWriter:
             self._refuse(sequence, KVWriteFailed(f"unreadable acknowledgement of the write of {key!r}: {e}"))
             return
         error = reply.get("error")
-        if error and error.get("err_code") in (10071, 10164):  # wrong last (subject) sequence
+        if error and error.get("err_code") in (10070, 10071, 10164):  # wrong last message id, (subject) sequence
             found = re.search(r"wrong last sequence: (\d+)", error.get("description") or "")
             if self._refuse(sequence, ChainedWriteConflict(self.bucket, key, expected)) and self._ack_every_write \
                     and found and int(found.group(1)) < sequence - 1:

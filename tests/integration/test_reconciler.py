@@ -36,7 +36,7 @@ from actors.reconciler.task_cursor import CursorRecord, ListTaskSource
 from actors.reconciler.work import GroupOutcome, RolloutDone, RolloutOrder
 from actors.task_catalog import TaskCatalog
 from runtime.actor import ActorContext, ActorIdentity, ActorSettings, ActorState
-from runtime.bus import Bus, Inbound
+from runtime.bus import Bus, ChainedKVWriter, ChainedWriteConflict, Inbound
 from runtime.codec import Codec
 from runtime.errors import ActorFailed, BusTimeout
 from runtime.events import parse_event
@@ -98,6 +98,30 @@ async def test_pipelined_store_applies_a_prefix_of_its_writes(tmp_path: Path) ->
         await again.update("slot.0", b"w", r3 + 1)
         with pytest.raises(CasConflict):
             await again.sync()
+
+
+async def test_an_overtaken_writer_lands_no_later_write_even_when_the_sequences_line_up(tmp_path: Path) -> None:
+    """A reconciler frozen with writes made but not sent, its table taken over with one write (the successor's
+    fence) before it wakes: its first write expects its own previous sequence and is refused; its second expects
+    the sequence the fence took, which the stream's last sequence now is. The chain must refuse that one too (it
+    is not this writer's write that the sequence names): else a fenced reconciler's write lands after the
+    takeover and breaks the successor's chain (seen: a replacement's first write refused)."""
+    async with nats_bus(tmp_path) as bus:
+        kv = await bus.kv("slots")
+        old = await ChainedKVWriter.open(bus, "slots")
+        first = old.write("slot.0", b"a", None)
+        await old.flush()
+        old.write("slot.1", b"b", None)  # expects the stream's last sequence to be `first`
+        old.write("slot.2", b"c", None)  # expects it to be first + 1: the fence's, below
+        await kv.put(FENCE_KEY, b"the successor")
+        with pytest.raises(ChainedWriteConflict):
+            await old.flush()
+        assert await bus.kv_get("slots", "slot.1") is None and await bus.kv_get("slots", "slot.2") is None
+        assert (await bus.js_reads.stream_info("KV_slots")).state.last_seq == first + 1, "only the fence landed"
+        successor = await ChainedKVWriter.open(bus, "slots")  # the successor's chain is unbroken
+        successor.write("slot.1", b"x", None)
+        successor.write("slot.2", b"y", None)
+        await successor.flush()
 
 
 async def test_a_resume_on_the_chained_store_adopts_a_full_table_in_one_write_and_fences_the_first(
