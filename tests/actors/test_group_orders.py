@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import pytest
-import structlog
 
 from actors import RewardOrder, RolloutOrder, SlotState, Stage, StageFailed
 from actors.messages import COMPLETION_TYPES, all_order_types
@@ -26,12 +26,10 @@ from actors.reconciler.work import (
 from runtime.codec import Codec
 from tests.actors.test_lifecycle import run_all, start
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")
+QUIET_LOGS_LEVEL = logging.WARNING
 
-@pytest.fixture(autouse=True)
-def _quiet_logs():
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    yield
-    structlog.reset_defaults()
+
 
 
 def _rollout(sample: str, group: str, token: str, attempt: int = 0) -> RolloutOrder:

@@ -8,22 +8,20 @@ counts it and says why, and that the run then goes on exactly as without the for
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from actors import GroupOrder, RewardOrder, RolloutOrder, SlotState, Stage, StageFailed, TrainDone, TrainOrder
 from tests.actors.test_lifecycle import deliver, run_all, start
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")
+QUIET_LOGS_LEVEL = logging.WARNING
+
 FORGED = "forged-token-000"
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs():
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    yield
-    structlog.reset_defaults()
 
 
 async def _until(core, world, kind: type):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import structlog
 
 from actors import (
     CasConflict,
@@ -31,12 +30,9 @@ from actors.reconciler.work import MetaRecord
 from actors.testing import InMemorySlotStore
 from tests.actors.lifecycle_world import World
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")
 
-@pytest.fixture(autouse=True)
-def _quiet_logs():
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    yield
-    structlog.reset_defaults()
+
 
 
 def config(**scheduling) -> LifecycleConfig:

@@ -38,6 +38,8 @@ from actors.reconciler.task_cursor import CursorRecord
 from actors.testing import InjectedStoreFailure, InMemorySlotStore
 from tests.actors.lifecycle_world import World
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")
+
 NUM_PROMPTS = 7
 TIMEOUT_S = 10.0
 
@@ -255,10 +257,3 @@ TestLifecycleProperties.settings = settings(
 )
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs():
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    yield
-    structlog.reset_defaults()

@@ -10,7 +10,6 @@ trains what finished (the failed-group policy) within the bound, or is dropped w
 from __future__ import annotations
 
 import pytest
-import structlog
 
 from actors import (
     GroupOrder,
@@ -29,12 +28,9 @@ from actors.reconciler.store import outcome_key
 from actors.testing import InMemorySlotStore
 from tests.actors.lifecycle_world import World
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")
 
-@pytest.fixture(autouse=True)
-def _quiet_logs():
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    yield
-    structlog.reset_defaults()
+
 
 
 async def start(*, eta: int = 1, min_group_survivors: int = 1, cut_stragglers: bool = True):
