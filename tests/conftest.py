@@ -9,7 +9,8 @@ module is imported, once for the whole session.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import resource
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,48 @@ def _structlog_as_found() -> Iterator[None]:
     saved["processors"] = list(saved["processors"])
     yield
     structlog.configure(**saved)
+
+
+# --- the CPU each test costs: where a suite on two cores spends its time --------------------------------------
+CPU_KEY = pytest.StashKey[float]()
+SHOWN_CPU = 20
+
+
+def _cpu_s() -> float:
+    """CPU-seconds of this process and of its children that have exited (the processes a test started)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    item.stash[CPU_KEY] = _cpu_s()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    if call.when == "teardown" and CPU_KEY in item.stash:  # carried to the controller with the report (xdist)
+        item.user_properties.append(("cpu_s", _cpu_s() - item.stash[CPU_KEY]))
+    yield
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == "cpu_s":
+                _CPU_BY_TEST[report.nodeid] = float(value)
+
+
+_CPU_BY_TEST: dict[str, float] = {}  # the controller's record of this session's tests (filled by the hook above)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The costliest tests by CPU (the test's process and its exited children; Ray's daemons are not counted):
+    on a 2-core machine the suite's wall time is about its CPU over two."""
+    if not _CPU_BY_TEST:
+        return
+    total = sum(_CPU_BY_TEST.values())
+    terminalreporter.write_sep("=", f"costliest {SHOWN_CPU} by CPU (of {total:.0f} CPU-s in all)")
+    for nodeid, cpu in sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:SHOWN_CPU]:
+        terminalreporter.write_line(f"{cpu:8.1f} CPU-s  {nodeid}")
