@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite: bootstrap if needed, lint, then every test; the 20 slowest are listed at the end.
+# The test suite: bootstrap if needed, lint, then every test; the 20 slowest and the 20 costliest in CPU are listed at the end.
 #   scripts/test.sh           everything (CI and the README's command)
 #   scripts/test.sh --fast    unit and property tests only: no test that runs the whole system (marker `system`)
 #                             and none of half a minute or more (marker `slow`)
