@@ -56,6 +56,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from runtime._nats_client import BusClient
 from runtime.backoff import doubling
 from runtime.bus_auth import BusCredentials, follow_subject, inbox_prefix, kv_watch_subject
 from runtime.cancellation import cancellation_kept
@@ -1174,7 +1175,7 @@ class Bus:
         # peer within ping_interval * max_outstanding_pings; but bound the first connect: nats-py would
         # otherwise retry it forever and a command on a stopped run would hang.
         health = ConnectionHealth(name)
-        nc = NatsClient()
+        nc = BusClient()
 
         async def on_reconnected() -> None:
             await health.on_reconnected(server=_netloc(nc.connected_url))
