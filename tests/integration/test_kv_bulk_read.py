@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 import runtime.bus
-from runtime._nats_client import BusClient
-from runtime.bus import Bus, ChainedKVWriter
+from runtime.bus import Bus, BusClient, ChainedKVWriter
 from runtime.errors import BusError
 from tests.integration.harness import nats_bus
 

@@ -1,4 +1,4 @@
-"""The bus's client parses each message's header block as nats-py does, only cheaper (runtime._nats_client)."""
+"""The bus's client parses each message's header block as nats-py does, only cheaper (runtime.nats_headers)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NatsPyClient
 
-from runtime._nats_client import _MAX_NAMES, BusClient, parse_header_lines
+from runtime.bus import BusClient
+from runtime.nats_headers import MAX_NAMES, parse_header_lines
 
 # names and values from what a direct get of a KV record carries, and the malformed ones nats-py drops or mends
 NAMES = st.sampled_from([b"Nats-Sequence", b"Nats-Subject", b"KV-Operation", b" Nats-Stream ", b"bad name",
@@ -24,7 +25,7 @@ def test_a_header_block_parses_as_nats_py_parses_it(lines: list[bytes], end: byt
     names: dict[bytes, str] = {}
     assert parse_header_lines(raw, names) == want
     assert parse_header_lines(raw, names) == want  # the names remembered from the first parse
-    assert len(names) <= _MAX_NAMES
+    assert len(names) <= MAX_NAMES
 
 
 def test_a_direct_gets_headers_parse_to_the_same_dict_twice() -> None:
@@ -43,7 +44,7 @@ def test_the_bus_client_parses_headers_with_it_and_remembers_a_bounded_number_of
     """nats-py calls the parse through the instance, for plain blocks and those after an inline status; a peer
     sending ever new names grows no client's memory past the bound, and each still parses right."""
     client = BusClient()
-    raw = b"".join(b"Name-%d: v\r\n" % i for i in range(_MAX_NAMES + 50))
+    raw = b"".join(b"Name-%d: v\r\n" % i for i in range(MAX_NAMES + 50))
     assert client._parse_header_lines(raw) == NatsPyClient._parse_header_lines(raw)
-    assert len(client._header_names) == _MAX_NAMES
+    assert len(client._header_names) == MAX_NAMES
     assert client._parse_header_lines(b"Nats-Sequence: 3\r\n\r\n") == {"Nats-Sequence": "3"}

@@ -1,21 +1,21 @@
-"""The nats-py client the bus connects with: nats-py's, with a cheaper parse of each message's headers.
+"""A NATS message's header block parsed as nats-py parses it, only cheaper: what the bus's client
+(`runtime.bus.BusClient`) parses each message's headers with.
 
 nats-py parses every message's header block line by line and checks each header name for whitespace
 character by character, in a generator: at 10 headers a record, a bulk read of 10^5 KV records (a
 reconciler's resume, `runtime.bus.Bucket.current`) spent about 1.3 of its 4.6 CPU-seconds there. Header
-names are few and repeat on every message (``Nats-Sequence``, ``Nats-Subject``, ...), so this client checks
-each distinct name once (remembered per client, a bounded number) and gives the same result as nats-py for
-every block: the same names kept and dropped, the same values, the last of a repeated name winning.
+names are few and repeat on every message (``Nats-Sequence``, ``Nats-Subject``, ...), so this parse checks
+each distinct name once (remembered by the caller, a bounded number of them) and gives the same result as
+nats-py for every block: the same names kept and dropped, the same values, the last of a repeated name winning.
+Pure bytes to strings: only `runtime.bus` imports nats-py.
 """
 
 from __future__ import annotations
 
-from nats.aio.client import Client as NatsClient
-
-__all__ = ["BusClient", "header_name", "parse_header_lines"]
+__all__ = ["MAX_NAMES", "header_name", "parse_header_lines"]
 
 _CRLF = b"\r\n"
-_MAX_NAMES = 1024  # distinct names a client remembers: a peer sending ever new ones costs a check each, no memory
+MAX_NAMES = 1024  # distinct names a client remembers: a peer sending ever new ones costs a check each, no memory
 
 
 def header_name(raw: bytes) -> str | None:
@@ -32,7 +32,7 @@ def parse_header_lines(raw: bytes, names: dict[bytes, str]) -> dict[str, str]:
     """A NATS header block (``Name: Value`` per CRLF-ended line, after the ``NATS/1.0`` line) as nats-py's
     ``Client._parse_header_lines`` reads it: lines without a colon and malformed names are skipped,
     values stripped and decoded as UTF-8 (malformed bytes replaced). `names` remembers the names already
-    checked (`header_name`), up to ``_MAX_NAMES`` of them."""
+    checked (`header_name`), up to ``MAX_NAMES`` of them."""
     out: dict[str, str] = {}
     for line in raw.split(_CRLF):
         name, sep, value = line.partition(b":")
@@ -42,20 +42,7 @@ def parse_header_lines(raw: bytes, names: dict[bytes, str]) -> dict[str, str]:
         if key is None:
             if (key := header_name(name)) is None:
                 continue
-            if len(names) < _MAX_NAMES:
+            if len(names) < MAX_NAMES:
                 names[name] = key
         out[key] = value.strip().decode("utf-8", "replace")
     return out
-
-
-class BusClient(NatsClient):
-    """nats-py's client with `parse_header_lines` for each message's headers (nats-py calls it through
-    the instance, for plain header blocks and for those after an inline status), each client remembering
-    the names it has checked."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._header_names: dict[bytes, str] = {}
-
-    def _parse_header_lines(self, raw: bytes) -> dict[str, str]:  # type: ignore[override]  # nats-py's is static
-        return parse_header_lines(raw, self._header_names)
