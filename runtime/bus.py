@@ -523,7 +523,9 @@ class Bucket(KeyValue):
         """The last record at or before stream sequence ``up_to`` of each of the keys `listed`, in stream order:
         ``_MAX_MULTI_LAST`` keys a direct get, ``_READS_IN_FLIGHT`` of them at once (the server reads one batch
         while this process takes in another's records). All read at ``up_to``, so a write landing meanwhile is
-        in none of them. The first to fail fails the read; the others are cancelled (each unsubscribes).
+        in none of them (nor is the key it rewrote: a bucket keeping one record a key has dropped the record at
+        ``up_to``; a watch gets the new one after its cursor). The first to fail fails the read; the others are
+        cancelled (each unsubscribes).
 
         Raises:
             BusError: the server refused a batch.
