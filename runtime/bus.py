@@ -62,6 +62,7 @@ from runtime.cancellation import cancellation_kept
 from runtime.errors import BusError, BusTimeout, NoResponders, RevisionMismatch
 from runtime.gather import gather_or_cancel
 from runtime.kv_watch import Admission, KVEntry, WatchCursor, entry_of, subject_matches
+from runtime.nats_headers import parse_header_lines
 
 log = structlog.get_logger(__name__)
 
@@ -119,6 +120,20 @@ def server_urls(url: str | Sequence[str]) -> list[str]:
         if parsed.scheme not in ("nats", "tls") or not parsed.hostname:
             raise ValueError(f"bus URL {u!r} (in {url!r}): expected nats://HOST:PORT or tls://HOST:PORT")
     return urls
+
+
+class BusClient(NatsClient):
+    """nats-py's client with `runtime.nats_headers.parse_header_lines` for each message's headers: the same
+    result as nats-py's own parse, at about a third of its cost (a resume of 10^5 slots reads 10^5 records of
+    ten headers each). nats-py calls it through the instance, for plain header blocks and for those after an
+    inline status; each client remembers the header names it has checked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._header_names: dict[bytes, str] = {}
+
+    def _parse_header_lines(self, raw: bytes) -> dict[str, str]:  # type: ignore[override]  # nats-py's is static
+        return parse_header_lines(raw, self._header_names)
 
 
 @dataclass(frozen=True)
@@ -352,6 +367,10 @@ class BusLimits:
 
 _MAX_MULTI_LAST = 1024  # the most keys whose last records one direct get reads (nats-server's limit)
 _FOLLOW_BATCH = 256  # records per direct get while a follow catches up
+# a bulk read's direct gets in flight at once: enough to keep the server reading while this process takes in
+# records (one at a time left either idle half the time), few enough that a read holds a bounded share of
+# the server and of this process's memory beyond the records themselves
+_READS_IN_FLIGHT = 4
 
 
 async def direct_get(nc: NatsClient, stream: str, request: dict[str, Any], timeout_s: float) -> tuple[list[Msg], Msg]:
@@ -370,7 +389,8 @@ async def direct_get(nc: NatsClient, stream: str, request: dict[str, Any], timeo
         elif not end.done():
             end.set_result(msg)
 
-    sub = await nc.subscribe(nc.new_inbox(), cb=received, pending_msgs_limit=0, pending_bytes_limit=0)
+    # held even when the caller is cancelled while subscribing: a bulk read cancels its other batches on an error
+    sub = await _held(nc.subscribe(nc.new_inbox(), cb=received, pending_msgs_limit=0, pending_bytes_limit=0))
     try:
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=sub.subject)
         while True:
@@ -490,11 +510,7 @@ class Bucket(KeyValue):
             records, up_to = await self._last_records([matching])
         except _TooManyKeys:  # the server reads at most 1024 keys' last records per request: list them, then read
             listed, up_to = await self._stored_keys(keys)
-            records = []
-            for first in range(0, len(listed), _MAX_MULTI_LAST):
-                records += (await self._last_records(
-                    [self._prefix + k for k in listed[first : first + _MAX_MULTI_LAST]], up_to))[0]
-            records.sort(key=lambda m: int(m.headers["Nats-Sequence"]))
+            records = await self._read_batches(listed, up_to)
         if (info.config.num_replicas or 1) > 1:
             await self._check_caught_up(matching, up_to)
         entries = [entry_of(m.headers["Nats-Subject"][len(self._prefix) :], m.data, int(m.headers["Nats-Sequence"]),
@@ -502,6 +518,32 @@ class Bucket(KeyValue):
         # the cut: where the read was made, or (none matched then) the stream's last sequence before it, after
         # which every record was republished to the subscription made before
         return WatchCursor(max(up_to, info.state.last_seq)), [e for e in entries if e is not None]
+
+    async def _read_batches(self, listed: list[str], up_to: int) -> list[Msg]:
+        """The last record at or before stream sequence ``up_to`` of each of the keys `listed`, in stream order:
+        ``_MAX_MULTI_LAST`` keys a direct get, ``_READS_IN_FLIGHT`` of them at once (the server reads one batch
+        while this process takes in another's records). All read at ``up_to``, so a write landing meanwhile is
+        in none of them (nor is the key it rewrote: a bucket keeping one record a key has dropped the record at
+        ``up_to``; a watch gets the new one after its cursor). The first to fail fails the read; the others are
+        cancelled (each unsubscribes).
+
+        Raises:
+            BusError: the server refused a batch.
+            nats.errors.TimeoutError: a batch's server went silent for the read's timeout.
+        """
+        subjects = [self._prefix + k for k in listed]
+        batches = iter(range(0, len(subjects), _MAX_MULTI_LAST))
+        read: list[list[Msg]] = []
+
+        async def reader() -> None:  # takes the next batch until none is left (one shared iterator)
+            for first in batches:
+                read.append((await self._last_records(subjects[first : first + _MAX_MULTI_LAST], up_to))[0])
+
+        num_batches = -(-len(subjects) // _MAX_MULTI_LAST)
+        await gather_or_cancel(*(reader() for _ in range(min(_READS_IN_FLIGHT, num_batches))))
+        records = [m for got in read for m in got]
+        records.sort(key=lambda m: int(m.headers["Nats-Sequence"]))
+        return records
 
     async def _last_records(self, subjects: list[str], up_to: int = 0) -> tuple[list[Msg], int]:
         """The last record at or before stream sequence ``up_to`` (0: the stream's last when the server reads)
@@ -1174,7 +1216,7 @@ class Bus:
         # peer within ping_interval * max_outstanding_pings; but bound the first connect: nats-py would
         # otherwise retry it forever and a command on a stopped run would hang.
         health = ConnectionHealth(name)
-        nc = NatsClient()
+        nc = BusClient()
 
         async def on_reconnected() -> None:
             await health.on_reconnected(server=_netloc(nc.connected_url))

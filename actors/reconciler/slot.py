@@ -269,8 +269,7 @@ class Slot:
                 f"slot record schema version {version!r} is not {SLOT_SCHEMA_VERSION}; "
                 "migrate the slots bucket or start a fresh run"
             )
-        known = {f.name for f in dataclasses.fields(cls)}
-        fields = {k: v for k, v in data.items() if k in known}
+        fields = {k: v for k, v in data.items() if k in _FIELD_SET}  # a resume decodes every slot: no fields() each
         try:
             fields["state"] = SlotState(fields["state"])
             return cls(**fields)
@@ -292,6 +291,7 @@ class Slot:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Slot))
+_FIELD_SET = frozenset(_FIELD_NAMES)
 _SCALAR_FIELDS = tuple(
     f.name for f in dataclasses.fields(Slot) if f.name not in ("index", "state", "entered_at", "blob_keys")
 )
