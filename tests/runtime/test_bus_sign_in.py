@@ -49,7 +49,7 @@ def client(monkeypatch: pytest.MonkeyPatch) -> list[Client]:
         made.append(Client())
         return made[-1]
 
-    monkeypatch.setattr(bus_mod, "NatsClient", make)
+    monkeypatch.setattr(bus_mod, "BusClient", make)
     return made
 
 
