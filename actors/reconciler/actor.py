@@ -191,11 +191,17 @@ class ReconcilerActor(Actor):
         return True
 
     async def _resume(self) -> None:
-        await self._hold_table()  # a refused write is most likely a successor's takeover: never rebuild over it
         old = getattr(self, "store", None)
         if isinstance(old, PipelinedKVSlotStore):
             await old.close()
-        self.store = await self._open_store()  # a fresh one: a pipelined store that failed stays broken
+        # A fresh store (a pipelined one that failed stays broken). Its first write is conditioned on the bucket's
+        # last sequence as read when it opens, so the claim is confirmed only after that read: a takeover before
+        # it is seen here (fenced), one after it refuses that first write. Checked the other way round, a
+        # reconciler frozen between the check and the opening, woken after a takeover, opened on the successor's
+        # sequence and its first write landed. A refused write is most likely a successor's takeover: never
+        # rebuild over it.
+        self.store = await self._open_store()
+        await self._hold_table()
         resumed = await Lifecycle.resume(
             self.store, self.source, self._lifecycle_config(), time.time(), num_rollout_actors=self.num_rollout_actors
         )

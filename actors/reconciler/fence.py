@@ -6,7 +6,9 @@ reconciler takes the table over when it starts: the ``fence`` entry of the ``slo
 one epoch more than its predecessor's, written with compare-and-set. That write moves the bucket's last
 sequence, and every write of the old reconciler is chained on the sequence of its own previous write
 (`runtime.bus.ChainedKVWriter`): its first write after the takeover is refused by the server, and so is every
-one after. Where the old one would then rebuild its view (a refused write), and before each side effect
+one after. A store's first write expects the sequence the store read when it opened, so a reconciler opens its
+store before it confirms its claim: a takeover before that reading is seen by the check, one after it refuses the
+write. Where the old one would then rebuild its view (a refused write), and before each side effect
 not covered by a write of its own (removing lost actors' leases), it reads the fence: another holder means
 it is fenced: it writes nothing more and exits (`Fenced`).
 """

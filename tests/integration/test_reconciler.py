@@ -327,6 +327,44 @@ async def test_a_reconciler_whose_takeover_fails_once_another_took_the_table_is_
                 await reconciler.exit_stack.aclose()
 
 
+@pytest.mark.parametrize("taken_over", ["before its store opens", "once its store opened"])
+async def test_a_reconciler_taken_over_while_it_opens_its_store_is_fenced_and_lands_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken_over: str) -> None:
+    """Found by tests/integration/test_actor_leases.py (CI): a reconciler that had taken the table was frozen after
+    reading its claim held and before opening its store; another took the table over and wrote; woken, the first
+    opened its store on the bucket's sequence of then, whose first write expected exactly that sequence: it landed,
+    and the holder's next write was refused. The claim is confirmed after the store reads that sequence: a takeover
+    before the reading is seen (fenced); one after it refuses the first write, which then reads the fence."""
+    async with nats_bus(tmp_path) as bus:
+        await _provision(bus)
+        first, second = _reconciler(bus, "reconciler-1-aaaa"), _reconciler(bus, "reconciler-2-bbbb")
+        open_store, taken = first._open_store, []
+
+        async def frozen_meanwhile() -> KVSlotStore:
+            if taken_over == "before its store opens":
+                await second.on_running()
+                taken.append(await _last_write(bus))
+                return await open_store()
+            store = await open_store()
+            await second.on_running()
+            taken.append(await _last_write(bus))
+            return store
+
+        monkeypatch.setattr(first, "_open_store", frozen_meanwhile)
+        try:
+            for reconciler in (first, second):
+                await reconciler.start()
+            with pytest.raises(Fenced, match="reconciler-2-bbbb"):
+                await first.on_running()
+            assert first.num_fenced == 1 and first.failure is not None and second.status()["table_epoch"] == 2
+            assert await _last_write(bus) == taken[0], "no write of the first landed after the takeover"
+            await second.store.create("probe", b"the holder's chain is unbroken")
+            await second.store.sync()
+        finally:
+            for reconciler in (second, first):
+                await reconciler.exit_stack.aclose()
+
+
 async def test_a_takeover_whose_write_goes_unanswered_reads_its_outcome_from_the_fence(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by tests/integration/test_actor_leases.py: a reconciler frozen with its fence write in flight, woken once
