@@ -94,6 +94,7 @@ class Supervisor:
         self._restarts: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self._counter: collections.Counter[str] = collections.Counter()
         self._stop = asyncio.Event()
+        self._draining = False  # `_shutdown` took its list of the processes to drain
         self._tg: asyncio.TaskGroup | None = None
         self._swap_lock = asyncio.Lock()
         classes = {kind: import_entry(spec.entry) for kind, spec in config.actors.items()}
@@ -132,6 +133,7 @@ class Supervisor:
 
     async def _shutdown(self) -> None:
         procs = list(self.procs.values())
+        self._draining = True  # a process placed from now on is retired as soon as it is (`_spawn`)
         log.info("supervisor_draining", num_actors=len(procs))
         async with asyncio.TaskGroup() as tg:
             for p in procs:
@@ -168,7 +170,11 @@ class Supervisor:
         self.procs[actor_id] = ap
         log.info("actor_spawned", actor_kind=kind, actor_id=actor_id, pid=proc.pid, node=proc.node, standby=standby)
         self._tg.create_task(self._watch(ap))
-        if self.config.health.interval_s > 0:
+        if self._draining:  # a restart or replacement whose placement outlasted the stop's start: the drain's
+            # list was taken without it, and nothing else would ever stop it (the run would wait on it forever)
+            log.info("actor_retired_on_start", actor_kind=kind, actor_id=actor_id, reason="the run is stopping")
+            self._tg.create_task(self._retire(ap))
+        elif self.config.health.interval_s > 0:
             ap.health = self._tg.create_task(self._check_health(ap))
         return ap
 
