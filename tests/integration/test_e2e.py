@@ -63,18 +63,25 @@ async def _wait_finished(run: LiveRun, timeout_s: float) -> int:
 
 
 async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) -> None:
-    cfg = _short_run(tmp_path, seed=0, steps=4, checkpoint=starting_policy)
-    run = await LiveRun(tmp_path / "run", cfg).start()
+    """The short run on 8 prompts for one epoch, 2 groups a batch: its data runs out at version 4 though run.steps
+    asks for 50, and the run ends by itself after its final evaluation."""
+    cfg = _short_run(tmp_path, seed=0, steps=50, checkpoint=starting_policy)
+    run = await LiveRun(
+        tmp_path / "run", cfg, "--set", "tasks.num_train=8", "--set", "reconciler.num_epochs=1"
+    ).start()
     try:
         assert await _wait_finished(run, 300) == 0, run.output()
     finally:
         await run.stop()
     train = await _rows(run.run_dir, "train")
     evals = await _rows(run.run_dir, "eval")
-    assert [r["version"] for r in train] == [1, 2, 3, 4], "versions advanced one per step"
-    # the end of a healthy run needs nobody: orders past the step budget are dropped (work_dropped, info)
+    assert [r["version"] for r in train] == [1, 2, 3, 4], "versions advanced one per step, up to the data's end"
+    supervisor = [json.loads(line) for line in (run.run_dir / "logs" / "supervisor.jsonl").read_text().splitlines()]
+    (finish,) = [e for e in supervisor if e["event"] == "run_finish_requested"]
+    assert finish["reason"] == "data exhausted"
+    # the end of a healthy run needs nobody: orders past the data's end are dropped (work_dropped, info)
     assert [e["detail"] for e in run_events(run.run_dir, "message_dead_lettered")] == []
-    assert {e["version"] for e in evals} >= {0, 4}, "held-out evaluation at the start and at the end"
+    assert {e["version"] for e in evals} == {0, 4}, "held-out evaluation at the start and at the last version"
     assert any(r["num_versions_in_batch"] >= 2 for r in train), "samples of 2+ policy versions trained together"
     assert max(r["lag_max"] for r in train) <= 2, "lag within eta"
     # A batch whose groups all have equal rewards carries no gradient (and is not computed).
@@ -110,26 +117,6 @@ async def test_short_run_trains_for_real(tmp_path: Path, starting_policy: Path) 
         record = decode_record(zstandard.ZstdDecompressor().decompress(blob.read_bytes()), RolloutRecord, str(blob))
         mixed += len({v for seg in record.trajectory.segments for v in seg.versions if v >= 0}) >= 2
     assert mixed >= 1, "some trajectories carry tokens of two versions: weights swapped mid-rollout"
-
-
-async def test_a_run_whose_data_runs_out_first_ends_after_its_final_evaluation(
-    tmp_path: Path, starting_policy: Path
-) -> None:
-    """4 prompts, one epoch, 2 groups a batch: version 2 is the last though run.steps asks for 50."""
-    cfg = _short_run(tmp_path, seed=0, steps=50, checkpoint=starting_policy)
-    run = await LiveRun(
-        tmp_path / "run", cfg, "--set", "tasks.num_train=4", "--set", "reconciler.num_epochs=1"
-    ).start()
-    try:
-        assert await _wait_finished(run, 300) == 0, run.output()
-    finally:
-        await run.stop()
-    assert [r["version"] for r in await _rows(run.run_dir, "train")] == [1, 2]
-    evaluated = {e["version"] for e in await _rows(run.run_dir, "eval")}
-    assert evaluated == {0, 2}, "evaluated at the start and the last version"
-    supervisor = [json.loads(line) for line in (run.run_dir / "logs" / "supervisor.jsonl").read_text().splitlines()]
-    (finish,) = [e for e in supervisor if e["event"] == "run_finish_requested"]
-    assert finish["reason"] == "data exhausted"
 
 
 async def test_stage_actors_killed_mid_run_lose_no_sample_and_a_rollout_resumes_from_its_checkpoints(
