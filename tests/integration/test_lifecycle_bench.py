@@ -10,7 +10,8 @@ import pytest
 
 from tests.bench.lifecycle import CpuSampler, ray_trial, start_ray
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.xdist_group("lifecycle_bench_ray")]  # one worker: one Ray instance
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from tests.waiting import until
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("ray_backend_cluster")]  # one worker: one cluster
 
 PLACED_RUN = """
 [supervisor]

@@ -31,7 +31,7 @@ from runtime.natsserver import NatsServer, NatsServerConfig
 from runtime.run_state import RECORD_BLOB, read_run_record
 from tests.integration.harness import REPO, LiveRun, run_events, write_config
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("ray_start_head")]  # one worker: one head
 
 RUN = """
 [actors.counter]

@@ -54,6 +54,10 @@ EXTRA_TEXTS = [
 ]
 
 
+# the tests that read the converted SmolLM2 run on one worker (pytest-xdist): one conversion, not one per worker
+ON_THE_CONVERTING_WORKER = pytest.mark.xdist_group("smollm2_conversion")
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     gguf = fetch(SMOLLM2_135M_INSTRUCT_Q4_1)
@@ -67,6 +71,7 @@ def gguf_tokenizer(smollm2: tuple[Path, Path]):
 
 
 @pytest.mark.slow  # the real SmolLM2 fetched, converted and read again by transformers
+@ON_THE_CONVERTING_WORKER
 def test_smollm2_logits_match_transformers_loading_the_same_gguf(smollm2, gguf_tokenizer) -> None:
     gguf, out = smollm2
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -87,6 +92,7 @@ def test_smollm2_logits_match_transformers_loading_the_same_gguf(smollm2, gguf_t
 
 
 @pytest.mark.slow  # the real SmolLM2 fetched, converted and read again by transformers
+@ON_THE_CONVERTING_WORKER
 def test_smollm2_tokenizer_ids_equal_transformers_from_the_gguf(smollm2, gguf_tokenizer) -> None:
     _, out = smollm2
     ours = HFTokenizer(out)  # the policy's tokenizer over our tokenizer.json
@@ -102,6 +108,7 @@ def test_smollm2_tokenizer_ids_equal_transformers_from_the_gguf(smollm2, gguf_to
 
 
 @pytest.mark.slow  # the real SmolLM2 fetched, converted and read again by transformers
+@ON_THE_CONVERTING_WORKER
 def test_smollm2_chat_template_renders_as_transformers_renders_it(smollm2, gguf_tokenizer) -> None:
     gguf, out = smollm2
     template = GGUFReader(gguf).fields["tokenizer.chat_template"].contents()
