@@ -141,13 +141,12 @@ def _swiglu_sorted(
     x_SD: torch.Tensor, ends_E: torch.Tensor, w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor, w_down_EDF: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """gate, up, h = silu(gate) * up and y = down(h) of rows grouped by expert (`ends_E`: each group's end)."""
-    f = w_gate_EFD.shape[1]
-    if _fuse_gate_up(x_SD.shape[0], w_gate_EFD.shape[0]):
-        gu_S2F = F.grouped_mm(x_SD, torch.cat([w_gate_EFD, w_up_EFD], dim=1).transpose(1, 2), offs=ends_E)
-        gate_SF, up_SF = gu_S2F[:, :f], gu_S2F[:, f:]
-    else:
-        gate_SF = F.grouped_mm(x_SD, w_gate_EFD.transpose(1, 2), offs=ends_E)
-        up_SF = F.grouped_mm(x_SD, w_up_EFD.transpose(1, 2), offs=ends_E)
+    # Never fused into one (2F, D) call: the concatenated copy of the weights (the 100M policy's: 31 MB a
+    # layer) costs more than the second call saves, and the outputs are the same bits either way (measured
+    # on 2 Zen1 cores, 16 experts of (320, 768), one thread: 512 rows 28-32 ms fused against 21 ms,
+    # 2,048 rows 81-88 ms against 69-77 ms).
+    gate_SF = F.grouped_mm(x_SD, w_gate_EFD.transpose(1, 2), offs=ends_E)
+    up_SF = F.grouped_mm(x_SD, w_up_EFD.transpose(1, 2), offs=ends_E)
     h_SF = F.silu(gate_SF) * up_SF
     return gate_SF, up_SF, h_SF, F.grouped_mm(h_SF, w_down_EDF.transpose(1, 2), offs=ends_E)
 

@@ -24,7 +24,7 @@ Under load the peer's two-thread OpenMP regions stall on preempted
 threads far more than the engine's single thread (transformers fell to 46 tok/s at load 7 where the
 engine kept 2.9k): read ratios only from runs with a low load average. Prints ONE JSON line.
 
-    .venv/bin/python tests/bench/model.py [--quick]      (or: python -m tests.bench.model)
+    .venv/bin/python tests/bench/model.py [--quick | --config medium_100m]      (or: python -m tests.bench.model)
 """
 
 from __future__ import annotations
@@ -199,6 +199,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny config only, 2 repetitions")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--config", action="append", choices=list(SHAPES), help="configurations to run (repeatable; default all)"
+    )
     parser.add_argument("--peer-attn", help="transformers attn_implementation (default: transformers' own, sdpa)")
     parser.add_argument(
         "--peer-experts", help="transformers experts_implementation (default: transformers' own, grouped_mm)"
@@ -211,7 +214,7 @@ def main() -> None:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    names = ["tiny"] if args.quick else list(SHAPES)
+    names = ["tiny"] if args.quick else args.config or list(SHAPES)
     reps = 2 if args.quick else args.reps
     load_start = os.getloadavg()[0]
     results = {name: bench_config(name, reps, args.peer_attn, args.peer_experts, threads) for name in names}
