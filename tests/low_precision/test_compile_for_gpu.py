@@ -14,11 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)
 def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
+    # 18 compilations through ptxas: 50 to 110 s of CPU on 2 cores, past 280 s on a host running at half speed
+    # beside the rest of the suite; the bound is against a hang, not a speed claim
     done = subprocess.run([sys.executable, "-m", "tests.low_precision.compile_for_gpu", "--arch", "90"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert {r["kernel"] for r in rows} == {
