@@ -532,15 +532,15 @@ class Bucket(KeyValue):
             nats.errors.TimeoutError: a batch's server went silent for the read's timeout.
         """
         subjects = [self._prefix + k for k in listed]
-        batches = iter(range(0, len(subjects), _MAX_MULTI_LAST))
+        starts = range(0, len(subjects), _MAX_MULTI_LAST)
+        batches = iter(starts)
         read: list[list[Msg]] = []
 
         async def reader() -> None:  # takes the next batch until none is left (one shared iterator)
             for first in batches:
                 read.append((await self._last_records(subjects[first : first + _MAX_MULTI_LAST], up_to))[0])
 
-        num_batches = -(-len(subjects) // _MAX_MULTI_LAST)
-        await gather_or_cancel(*(reader() for _ in range(min(_READS_IN_FLIGHT, num_batches))))
+        await gather_or_cancel(*(reader() for _ in range(min(_READS_IN_FLIGHT, len(starts)))))
         records = [m for got in read for m in got]
         records.sort(key=lambda m: int(m.headers["Nats-Sequence"]))
         return records

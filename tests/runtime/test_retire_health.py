@@ -21,43 +21,17 @@ from runtime.actor_launch import RunAddress
 from runtime.errors import NoResponders
 from runtime.run_config import ActorSpec, HealthSection, RuntimeConfig
 from runtime.supervisor import ActorProcess, Supervisor
+from tests.runtime.placed_process import PlacedProcessDouble
 from tests.runtime.registry_entry import running_entry
 
 SILENT_S = 0.6  # from its drain request to its exit: its exit stack closing (engines, sandboxes)
-
-
-class _Process:
-    """A placed process that exits when told to."""
-
-    pid, node, lost = 4242, "local", None
-
-    def __init__(self) -> None:
-        self.exited = asyncio.Event()
-        self.returncode: int | None = None
-
-    async def wait(self) -> int:
-        await self.exited.wait()
-        return 0
-
-    def exit(self) -> None:
-        self.returncode = 0
-        self.exited.set()
-
-    def send_signal(self, sig: Any) -> None:
-        pass
-
-    async def kill(self) -> None:
-        self.exit()
-
-    def output_tail(self) -> str:
-        return "logs/worker-1-ab.out"
 
 
 class _Actor:
     """The bus as one running actor answers it: pings answered until it is asked to drain, then nothing listens
     (it unsubscribed), and its process exits ``SILENT_S`` later."""
 
-    def __init__(self, proc: _Process) -> None:
+    def __init__(self, proc: PlacedProcessDouble) -> None:
         self.health = SimpleNamespace(down=asyncio.Event())
         self.proc = proc
         self.num_pings = 0
@@ -85,7 +59,7 @@ async def test_an_actor_drained_on_purpose_fails_no_health_check_on_its_way_out(
     cfg = RuntimeConfig(health=HealthSection(interval_s=0.05, ping_timeout_s=0.5, probe_every=0, max_failures=3,
                                              start_grace_s=5.0),
                         actors={"worker": ActorSpec("runtime.actor:Actor", drain_timeout_s=10.0)})
-    proc = _Process()
+    proc = PlacedProcessDouble()
     bus = _Actor(proc)
     supervisor = Supervisor(cfg, tmp_path, bus, RunAddress("nats://127.0.0.1:1", "r1"))  # type: ignore[arg-type]
     ap = ActorProcess("worker", "worker-1-ab", proc)  # type: ignore[arg-type]

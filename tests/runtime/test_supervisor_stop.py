@@ -21,34 +21,7 @@ from structlog.testing import capture_logs
 from runtime.actor_launch import RunAddress
 from runtime.run_config import ActorSpec, HealthSection, RuntimeConfig
 from runtime.supervisor import Supervisor
-
-
-class _Process:
-    """A placed process that exits once drained."""
-
-    node, lost = "local", None
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.exited = asyncio.Event()
-        self.returncode: int | None = None
-
-    async def wait(self) -> int:
-        await self.exited.wait()
-        return 0
-
-    def exit(self) -> None:
-        self.returncode = 0
-        self.exited.set()
-
-    def send_signal(self, sig: Any) -> None:
-        self.exit()
-
-    async def kill(self) -> None:
-        self.exit()
-
-    def output_tail(self) -> str:
-        return "logs/worker.out"
+from tests.runtime.placed_process import PlacedProcessDouble
 
 
 class _HeldBackend:
@@ -57,12 +30,12 @@ class _HeldBackend:
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.placing = asyncio.Event()
-        self.placed: list[_Process] = []
+        self.placed: list[PlacedProcessDouble] = []
 
-    async def start(self, launch: Any, spec: Any) -> _Process:
+    async def start(self, launch: Any, spec: Any) -> PlacedProcessDouble:
         self.placing.set()
         await self.release.wait()
-        proc = _Process(4000 + len(self.placed))
+        proc = PlacedProcessDouble(4000 + len(self.placed))
         self.placed.append(proc)
         return proc
 

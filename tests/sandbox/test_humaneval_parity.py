@@ -149,7 +149,7 @@ async def _ours(store: LayerStore, by_id: dict[str, Task], cases: list[tuple[str
     gate = asyncio.Semaphore(SANDBOX_CONCURRENCY)
 
     async def grade(task_id: str, kind: str, text: str) -> str:
-        task = by_id[task_id] if kind != "timeout" else _with_timeout(by_id[task_id], SPINNING_TIMEOUT_S)
+        task = _with_timeout(by_id[task_id], _timeout_s(kind))
         async with gate:
             with Environment.create(store, with_completion(task, text), task.limits) as env:
                 outcome = await score(env, task)
